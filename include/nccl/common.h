@@ -1,0 +1,113 @@
+/* Types and constants shared by every version of the NCCL plugin ABI.
+ * Declared by this project from the published ABI (NCCL 2.20 to 2.30). */
+#ifndef RG_NCCL_COMMON_H
+#define RG_NCCL_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum {
+  ncclSuccess = 0,
+  ncclUnhandledCudaError = 1,
+  ncclSystemError = 2,
+  ncclInternalError = 3,
+  ncclInvalidArgument = 4,
+  ncclInvalidUsage = 5,
+  ncclRemoteError = 6,
+  ncclInProgress = 7,
+} ncclResult_t;
+
+typedef enum {
+  NCCL_LOG_NONE = 0,
+  NCCL_LOG_VERSION = 1,
+  NCCL_LOG_WARN = 2,
+  NCCL_LOG_INFO = 3,
+  NCCL_LOG_ABORT = 4,
+  NCCL_LOG_TRACE = 5,
+} ncclDebugLogLevel;
+
+/* Subsystem flags passed with each log line. */
+#define NCCL_INIT 0x1UL
+#define NCCL_COLL 0x2UL
+#define NCCL_P2P 0x4UL
+#define NCCL_SHM 0x8UL
+#define NCCL_NET 0x10UL
+#define NCCL_GRAPH 0x20UL
+#define NCCL_TUNING 0x40UL
+#define NCCL_ENV 0x80UL
+#define NCCL_ALLOC 0x100UL
+#define NCCL_CALL 0x200UL
+#define NCCL_PROXY 0x400UL
+
+typedef void (*ncclDebugLogger_t)(ncclDebugLogLevel level, unsigned long flags, const char* file, int line,
+                                  const char* fmt, ...);
+
+/* Profiler callback handed to net init from v10 on; this plugin does not call it. */
+typedef ncclResult_t (*ncclProfilerCallback_t)(void** eHandle, int type, void* pHandle, int64_t pluginId,
+                                               void* extData);
+
+typedef enum {
+  ncclFuncBroadcast = 0,
+  ncclFuncReduce = 1,
+  ncclFuncAllGather = 2,
+  ncclFuncReduceScatter = 3,
+  ncclFuncAllReduce = 4,
+  ncclFuncSendRecv = 5,
+  ncclFuncSend = 6,
+  ncclFuncRecv = 7,
+} ncclFunc_t;
+
+typedef enum {
+  ncclInt8 = 0,
+  ncclUint8 = 1,
+  ncclInt32 = 2,
+  ncclUint32 = 3,
+  ncclInt64 = 4,
+  ncclUint64 = 5,
+  ncclFloat16 = 6,
+  ncclFloat32 = 7,
+  ncclFloat64 = 8,
+  ncclBfloat16 = 9,
+} ncclDataType_t;
+
+typedef enum {
+  ncclSum = 0,
+  ncclProd = 1,
+  ncclMax = 2,
+  ncclMin = 3,
+  ncclAvg = 4,
+} ncclRedOp_t;
+
+/* Memory kinds a net device can reach (ptrSupport) and regMr's type. */
+#define NCCL_PTR_HOST 0x1
+#define NCCL_PTR_CUDA 0x2
+#define NCCL_PTR_DMABUF 0x4
+
+#define NCCL_NET_HANDLE_MAXSIZE 128
+#define NCCL_NET_MAX_REQUESTS 32
+/* NCCL stores this in *request before an irecv whose completion it does not need. */
+#define NCCL_NET_OPTIONAL_RECV_COMPLETION 0x1
+/* Largest maxP2pBytes / maxCollBytes NCCL accepts: 1 TiB. */
+#define NCCL_MAX_NET_SIZE_BYTES (1ULL << 40)
+
+typedef enum {
+  NCCL_NET_DEVICE_HOST = 0,
+  NCCL_NET_DEVICE_UNPACK = 1,
+} ncclNetDeviceType;
+
+#define NCCL_NET_DEVICE_INVALID_VERSION 0x0
+
+/* Device offload handle; identical layout from v7 to v12. */
+typedef struct {
+  ncclNetDeviceType netDeviceType;
+  int netDeviceVersion;
+  void* handle;
+  size_t size;
+  int needsProxyProgress;
+} ncclNetDeviceHandle_v8_t;
+typedef ncclNetDeviceHandle_v8_t ncclNetDeviceHandle_v9_t;
+typedef ncclNetDeviceHandle_v8_t ncclNetDeviceHandle_v10_t;
+typedef ncclNetDeviceHandle_v8_t ncclNetDeviceHandle_v11_t;
+typedef ncclNetDeviceHandle_v8_t ncclNetDeviceHandle_v12_t;
+
+#endif
