@@ -1,0 +1,50 @@
+/* The tcp fabric: one-sided writes carried over TCP by this library.
+ *
+ * Each lane is one TCP connection with a receive thread, which places incoming writes
+ * into registered memory after checking key and bounds, and a send thread, which finishes
+ * writes the posting thread could not push without blocking and sends heartbeats.
+ * CUDA memory is reached through pinned staging buffers and the CUDA driver. */
+#ifndef RG_TCP_H
+#define RG_TCP_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include "../fabric/fabric.h"
+
+typedef struct rg_tcp_region rg_tcp_region;
+
+typedef struct rg_tcp_dev {
+  pthread_mutex_t mu;
+  rg_tcp_region** slots; /* indexed by key & RG_TCP_KEY_SLOT_MASK */
+  uint32_t nslots;
+  uint32_t generation;
+  uint64_t timeout_ns;
+} rg_tcp_dev;
+
+#define RG_TCP_KEY_SLOT_BITS 16
+#define RG_TCP_KEY_SLOT_MASK ((1u << RG_TCP_KEY_SLOT_BITS) - 1)
+
+rg_tcp_dev* rg_tcp_dev_new(uint64_t timeout_ns);
+void rg_tcp_dev_free(rg_tcp_dev* dev);
+/* Returns the key, or 0 with err filled. */
+uint32_t rg_tcp_register(rg_tcp_dev* dev, uint64_t addr, uint64_t len, int mem, rg_mr* mr, char* err, int errlen);
+int rg_tcp_deregister(rg_tcp_dev* dev, uint32_t key, char* err, int errlen);
+
+typedef struct rg_tcp_lane rg_tcp_lane;
+
+/* Takes ownership of fd (a connected, authenticated socket) and starts the lane's threads. */
+rg_tcp_lane* rg_tcp_lane_start(rg_tcp_dev* dev, int fd, const char* peer, char* err, int errlen);
+/* Says goodbye to the peer, stops both threads and frees the lane. */
+void rg_tcp_lane_close(rg_tcp_lane* lane);
+extern const rg_lane_ops rg_tcp_lane_ops;
+
+/* Counters for tests and plugincheck bench. */
+typedef struct rg_tcp_lane_stats {
+  uint64_t frames_sent, frames_received, bytes_sent, bytes_received, inline_posts, queued_posts, heartbeats_sent;
+} rg_tcp_lane_stats;
+void rg_tcp_lane_get_stats(rg_tcp_lane* lane, rg_tcp_lane_stats* out);
+void rg_tcp_link_stats(void* link, rg_tcp_lane_stats* out);
+/* The backend state of the region under key, for rg_mr.impl. */
+void* rg_tcp_region_of(rg_tcp_dev* dev, uint32_t key);
+
+#endif
