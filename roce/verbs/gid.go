@@ -1,0 +1,128 @@
+package verbs
+
+import (
+	"fmt"
+	"net"
+	"strings"
+)
+
+// GIDType is the kind of a GID table entry.
+type GIDType int
+
+const (
+	GIDTypeUnknown GIDType = iota
+	GIDTypeIB
+	GIDTypeRoCEv1
+	GIDTypeRoCEv2
+)
+
+func (t GIDType) String() string {
+	switch t {
+	case GIDTypeIB:
+		return "IB"
+	case GIDTypeRoCEv1:
+		return "RoCE v1"
+	case GIDTypeRoCEv2:
+		return "RoCE v2"
+	}
+	return "unknown"
+}
+
+func (t GIDType) MarshalText() ([]byte, error) { return []byte(t.String()), nil }
+
+// gidTypeFromSysfs reads gid_attrs/types/<index>: "RoCE v2", or "IB/RoCE v1", which
+// means IB on an InfiniBand port and RoCE v1 on an Ethernet one.
+func gidTypeFromSysfs(text string, ethernet bool) GIDType {
+	switch strings.TrimSpace(text) {
+	case "RoCE v2":
+		return GIDTypeRoCEv2
+	case "IB/RoCE v1":
+		if ethernet {
+			return GIDTypeRoCEv1
+		}
+		return GIDTypeIB
+	}
+	return GIDTypeUnknown
+}
+
+// GID is one entry of a port's GID table.
+type GID struct {
+	Index int      `json:"index"`
+	Type  GIDType  `json:"type"`
+	Raw   [16]byte `json:"-"`
+}
+
+// Addr is the GID as an IPv6 address; an IPv4-mapped GID prints as IPv4.
+func (g GID) Addr() string { return net.IP(g.Raw[:]).String() }
+
+func (g GID) String() string { return fmt.Sprintf("GID %d (%s %s)", g.Index, g.Type, g.Addr()) }
+
+func (g GID) zero() bool { return g.Raw == [16]byte{} }
+
+// ipv4 says whether the GID is an IPv4 address in IPv4-mapped IPv6 form (::ffff:a.b.c.d).
+func (g GID) ipv4() bool {
+	for _, b := range g.Raw[:10] {
+		if b != 0 {
+			return false
+		}
+	}
+	return g.Raw[10] == 0xff && g.Raw[11] == 0xff
+}
+
+// chooseGID picks the GID a RoCE port routes with. override >= 0 is the user's index
+// (ROCE_GATHER_GID_INDEX), taken as given if it holds an address; otherwise the first
+// IPv4-mapped RoCE v2 GID, else the first RoCE v2 GID. A zero GID is never chosen.
+func chooseGID(gids []GID, override int) (GID, error) {
+	if override >= 0 {
+		for _, g := range gids {
+			if g.Index == override && !g.zero() {
+				return g, nil
+			}
+		}
+		return GID{}, fmt.Errorf("ROCE_GATHER_GID_INDEX=%d names a GID table entry that is empty or absent (entries in use: %s)", override, listGIDs(gids))
+	}
+	var v4, v2 *GID // lowest index of each kind, whatever the table's order
+	for i := range gids {
+		g := &gids[i]
+		if g.Type != GIDTypeRoCEv2 || g.zero() {
+			continue
+		}
+		if g.ipv4() && (v4 == nil || g.Index < v4.Index) {
+			v4 = g
+		}
+		if v2 == nil || g.Index < v2.Index {
+			v2 = g
+		}
+	}
+	if v4 != nil {
+		return *v4, nil
+	}
+	if v2 == nil {
+		return GID{}, fmt.Errorf("no RoCE v2 GID (entries in use: %s); give the port an IP address or set ROCE_GATHER_GID_INDEX", listGIDs(gids))
+	}
+	return *v2, nil
+}
+
+// chooseIBGID is the GID an InfiniBand port sends in a global header, when it needs one:
+// index 0, which holds the port GUID.
+func chooseIBGID(gids []GID) GID {
+	for _, g := range gids {
+		if g.Index == 0 {
+			return g
+		}
+	}
+	return GID{Index: 0, Type: GIDTypeIB}
+}
+
+func listGIDs(gids []GID) string {
+	var s []string
+	for _, g := range gids {
+		if !g.zero() {
+			s = append(s, fmt.Sprintf("%d %s %s", g.Index, g.Type, g.Addr()))
+		}
+	}
+	if len(s) == 0 {
+		return "none"
+	}
+	return strings.Join(s, ", ")
+}

@@ -1,0 +1,79 @@
+package verbs
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func gid(index int, typ GIDType, raw [16]byte) GID { return GID{Index: index, Type: typ, Raw: raw} }
+
+var linkLocal = [16]byte{0: 0xfe, 1: 0x80, 8: 0x02, 15: 0x01}
+var globalV6 = [16]byte{0: 0x20, 1: 0x01, 2: 0x0d, 3: 0xb8, 15: 0x07}
+
+func TestGIDChoicePrefersIPv4RoCEv2(t *testing.T) {
+	// The table of a stock ConnectX port with an IPv4 address: v1 and v2 of the link-local
+	// address, then v1 and v2 of the IPv4 address.
+	table := []GID{
+		gid(0, GIDTypeRoCEv1, linkLocal),
+		gid(1, GIDTypeRoCEv2, linkLocal),
+		gid(2, GIDTypeRoCEv1, roceGID(1)),
+		gid(3, GIDTypeRoCEv2, roceGID(1)),
+	}
+	g, err := chooseGID(table, -1)
+	require.NoError(t, err)
+	require.Equal(t, 3, g.Index)
+	require.Equal(t, "10.0.0.1", g.Addr())
+	require.Equal(t, "GID 3 (RoCE v2 10.0.0.1)", g.String())
+
+	// Order of the table does not matter; the lowest IPv4 v2 index wins.
+	g, err = chooseGID([]GID{gid(7, GIDTypeRoCEv2, roceGID(2)), gid(5, GIDTypeRoCEv2, roceGID(3)), table[1]}, -1)
+	require.NoError(t, err)
+	require.Equal(t, 5, g.Index)
+}
+
+func TestGIDChoiceFallsBackToAnyRoCEv2(t *testing.T) {
+	g, err := chooseGID([]GID{
+		gid(0, GIDTypeRoCEv1, linkLocal),
+		gid(1, GIDTypeRoCEv2, [16]byte{}), // a zero entry is never chosen
+		gid(4, GIDTypeRoCEv2, globalV6),
+		gid(2, GIDTypeRoCEv2, linkLocal),
+	}, -1)
+	require.NoError(t, err)
+	require.Equal(t, 2, g.Index)
+}
+
+func TestGIDChoiceRefusesTablesWithoutRoCEv2(t *testing.T) {
+	_, err := chooseGID([]GID{gid(0, GIDTypeRoCEv1, linkLocal), gid(1, GIDTypeRoCEv1, roceGID(1))}, -1)
+	require.ErrorContains(t, err, "no RoCE v2 GID (entries in use: 0 RoCE v1 fe80::200:0:0:1, 1 RoCE v1 10.0.0.1)")
+	require.ErrorContains(t, err, "ROCE_GATHER_GID_INDEX")
+	_, err = chooseGID(nil, -1)
+	require.ErrorContains(t, err, "entries in use: none")
+}
+
+func TestGIDIndexOverride(t *testing.T) {
+	table := []GID{gid(0, GIDTypeRoCEv1, linkLocal), gid(1, GIDTypeRoCEv2, linkLocal), gid(3, GIDTypeRoCEv2, roceGID(1))}
+	g, err := chooseGID(table, 0) // taken as given, even RoCE v1
+	require.NoError(t, err)
+	require.Equal(t, 0, g.Index)
+	require.Equal(t, GIDTypeRoCEv1, g.Type)
+
+	_, err = chooseGID(table, 2)
+	require.ErrorContains(t, err, "ROCE_GATHER_GID_INDEX=2 names a GID table entry that is empty or absent")
+	_, err = chooseGID(table, 200)
+	require.ErrorContains(t, err, "ROCE_GATHER_GID_INDEX=200")
+	_, err = chooseGID(append(table, gid(5, GIDTypeRoCEv2, [16]byte{})), 5)
+	require.ErrorContains(t, err, "ROCE_GATHER_GID_INDEX=5")
+}
+
+func TestGIDTypeFromSysfs(t *testing.T) {
+	require.Equal(t, GIDTypeRoCEv2, gidTypeFromSysfs("RoCE v2\n", true))
+	require.Equal(t, GIDTypeRoCEv1, gidTypeFromSysfs("IB/RoCE v1\n", true))
+	require.Equal(t, GIDTypeIB, gidTypeFromSysfs("IB/RoCE v1\n", false))
+	require.Equal(t, GIDTypeUnknown, gidTypeFromSysfs("", true))
+}
+
+func TestInfiniBandUsesGIDZero(t *testing.T) {
+	require.Equal(t, 0, chooseIBGID([]GID{gid(1, GIDTypeIB, globalV6), gid(0, GIDTypeIB, linkLocal)}).Index)
+	require.Equal(t, GID{Index: 0, Type: GIDTypeIB}, chooseIBGID(nil))
+}

@@ -1,0 +1,124 @@
+package verbs
+
+/*
+#include <stdlib.h>
+#include <string.h>
+#include "ibv.h"
+// The address comes from Go as a number: C memory the test allocated.
+static void rg_wr_set_local(rg_wr* w, uint64_t addr) { w->local = (const void*)(uintptr_t)addr; }
+*/
+import "C"
+
+import (
+	"time"
+	"unsafe"
+
+	"github.com/roce-gather/roce_gather/roce/fabric"
+)
+
+// Lane operation codes and results from fabric.h.
+const (
+	opWrite      = C.RG_OP_WRITE
+	opWriteImm   = C.RG_OP_WRITE_IMM
+	opRead       = C.RG_OP_READ
+	wrSignaled   = C.RG_WR_SIGNALED
+	wrInline     = C.RG_WR_INLINE
+	inlineMax    = C.RG_INLINE_MAX
+	maxPost      = C.RG_VLANE_MAX_POST
+	rgOK         = C.RG_OK
+	rgErrDead    = C.RG_ERR_DEAD
+	rgErrFull    = C.RG_ERR_FULL
+	rgErrInvalid = C.RG_ERR_INVALID
+)
+
+// laneWR is a work request as Go code writes it. Data, when set, is copied to C memory
+// and posted from there; otherwise Local is the address.
+type laneWR struct {
+	WRID   uint64
+	Data   []byte
+	Local  uintptr
+	MR     *fabric.MR
+	Len    uint64
+	Remote uint64
+	RKey   uint32
+	Imm    uint32
+	Op     uint8
+	Flags  uint8
+}
+
+type laneCQE struct {
+	WRID, Len uint64
+	Imm       uint32
+	Status    int32
+}
+
+// goLane drives a C lane from Go, for tests; the hot path calls rg_vlane_ops from C.
+type goLane struct{ c *C.rg_vlane }
+
+// wrapLane builds a lane around a queue pair and completion queues it does not own.
+func wrapLane(qp, scq, rcq unsafe.Pointer, hca int, sq, rq uint32, timeout time.Duration) goLane {
+	name := C.CString("fake0:1")
+	defer C.free(unsafe.Pointer(name))
+	return goLane{C.rg_vlane_wrap((*C.struct_ibv_qp)(qp), (*C.struct_ibv_cq)(scq), (*C.struct_ibv_cq)(rcq),
+		C.int(hca), name, C.uint32_t(sq), C.uint32_t(rq), C.uint64_t(timeout.Nanoseconds()))}
+}
+
+func (l goLane) destroy()             { C.rg_vlane_destroy(l.c) }
+func (l goLane) fillRecv() int        { return int(C.rg_vlane_fill_recv(l.c)) }
+func (l goLane) why() string          { return C.GoString(C.rg_vlane_why(l.c)) }
+func (l goLane) check(now uint64) int { return int(C.rg_vlane_check(l.c, C.uint64_t(now))) }
+
+func (l goLane) start(peer string, probeAddr uint64, probeRKey uint32, now uint64) {
+	p := C.CString(peer)
+	defer C.free(unsafe.Pointer(p))
+	C.rg_vlane_start(l.c, p, C.uint64_t(probeAddr), C.uint32_t(probeRKey), C.uint64_t(now))
+}
+
+func (l goLane) post(wrs ...laneWR) int {
+	c := (*C.rg_wr)(C.calloc(C.size_t(max(len(wrs), 1)), C.sizeof_rg_wr))
+	defer C.free(unsafe.Pointer(c))
+	cw := unsafe.Slice(c, max(len(wrs), 1))
+	var bufs []unsafe.Pointer
+	defer func() {
+		for _, b := range bufs {
+			C.free(b)
+		}
+	}()
+	for i, w := range wrs {
+		cw[i] = C.rg_wr{wr_id: C.uint64_t(w.WRID), len: C.uint64_t(w.Len),
+			remote: C.uint64_t(w.Remote), rkey: C.uint32_t(w.RKey), imm: C.uint32_t(w.Imm), op: C.uint8_t(w.Op), flags: C.uint8_t(w.Flags)}
+		if w.Data != nil {
+			b := C.CBytes(w.Data)
+			bufs = append(bufs, b)
+			cw[i].local = b
+		} else {
+			C.rg_wr_set_local(&cw[i], C.uint64_t(w.Local))
+		}
+		if w.MR != nil {
+			cw[i].mr = (*C.rg_mr)(w.MR.C())
+		}
+	}
+	return int(C.rg_vlane_post(l.c, c, C.int(len(wrs))))
+}
+
+func (l goLane) pollSend(n int) ([]laneCQE, int) { return l.poll(n, true) }
+func (l goLane) pollRecv(n int) ([]laneCQE, int) { return l.poll(n, false) }
+
+func (l goLane) poll(n int, send bool) ([]laneCQE, int) {
+	c := (*C.rg_cqe)(C.calloc(C.size_t(n), C.sizeof_rg_cqe))
+	defer C.free(unsafe.Pointer(c))
+	var rc C.int
+	if send {
+		rc = C.rg_vlane_poll_send(l.c, c, C.int(n))
+	} else {
+		rc = C.rg_vlane_poll_recv(l.c, c, C.int(n))
+	}
+	if rc < 0 {
+		return nil, int(rc)
+	}
+	out := make([]laneCQE, int(rc))
+	for i, e := range unsafe.Slice(c, int(rc)) {
+		out[i] = laneCQE{WRID: uint64(e.wr_id), Len: uint64(e.len), Imm: uint32(e.imm), Status: int32(e.status)}
+	}
+	return out, int(rc)
+}

@@ -1,0 +1,412 @@
+// Package verbs is the RoCE v2 / InfiniBand fabric, through libibverbs opened at run time.
+//
+// Discovery lists the active ports, picks each one's GID and groups the ports of one
+// adapter into one fabric device, whose links stripe over its HCAs: one RC queue pair,
+// with its own send and receive completion queues, per lane. Set-up and registration
+// are Go; the lane operations are C (lane.c), so posting and polling never enter Go.
+package verbs
+
+/*
+#include <stdlib.h>
+#include <string.h>
+#include "ibv.h"
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/roce-gather/roce_gather/internal/cudadrv"
+	"github.com/roce-gather/roce_gather/internal/nlog"
+	"github.com/roce-gather/roce_gather/roce/fabric"
+)
+
+// Config selects HCAs and the GID and sets the liveness timeout.
+type Config struct {
+	HCAs     string // ROCE_GATHER_HCAS: comma list of name or name:port; "" for all active ports
+	GIDIndex int    // -1 chooses a RoCE v2 GID automatically
+	Timeout  time.Duration
+}
+
+// Queue depths. Receives are consumed one per write with immediate and topped up as they
+// are polled; the flush lane only ever carries a few reads and probes.
+const (
+	laneDepth  = 512
+	flushDepth = 64
+	// scratch is one registered host page per device: peers' probes land at offset 0,
+	// flush reads at offset flushOff.
+	scratchSize = 4096
+	flushOff    = 64
+)
+
+// Device is one fabric device: one or more HCAs (ports) of one adapter.
+type Device struct {
+	cfg      Config
+	hcas     []*hca
+	info     fabric.DeviceInfo
+	dmabuf   bool   // ibv_reg_dmabuf_mr works on every HCA
+	peermem  string // how nvidia-peermem showed itself, "" if not loaded
+	scratch  unsafe.Pointer
+	scratchM *fabric.MR
+
+	mu     sync.Mutex
+	closed bool
+	links  map[*fabric.Link]struct{}
+	eps    map[*endpoint]struct{}
+}
+
+// hca is one selected port with its open context and protection domain.
+type hca struct {
+	port  chosenPort
+	label string // "mlx5_0:1"
+	ctx   *C.struct_ibv_context
+	pd    *C.struct_ibv_pd
+	depth uint32 // queue depth within the device's limits
+}
+
+// Open returns the first fabric device: the first usable port in device-name order,
+// grouped with the other usable ports of its adapter. Devices lists them all. The error
+// wraps fabric.ErrUnavailable when libibverbs is missing or no port is usable.
+func Open(cfg Config) (fabric.Device, error) {
+	groups, err := discover(cfg)
+	if err != nil {
+		return nil, err
+	}
+	d, err := openGroup(cfg, groups[0])
+	if err != nil {
+		return nil, err
+	}
+	if len(groups) > 1 {
+		var others []string
+		for _, g := range groups[1:] {
+			others = append(others, groupName(g))
+		}
+		nlog.Infof(nlog.Init|nlog.Net, "verbs: using %s; also usable, through ROCE_GATHER_HCAS: %s", d.info.Name, strings.Join(others, ", "))
+	}
+	return d, nil
+}
+
+// Devices opens every fabric device the configuration selects, for plugincheck. The
+// caller closes them.
+func Devices(cfg Config) ([]fabric.Device, error) {
+	groups, err := discover(cfg)
+	if err != nil {
+		return nil, err
+	}
+	var out []fabric.Device
+	for _, g := range groups {
+		d, err := openGroup(cfg, g)
+		if err != nil {
+			for _, o := range out {
+				o.Close()
+			}
+			return nil, err
+		}
+		out = append(out, d)
+	}
+	return out, nil
+}
+
+// discover selects and groups the ports the configuration asks for.
+func discover(cfg Config) ([][]chosenPort, error) {
+	sels, err := parseHCAList(cfg.HCAs)
+	if err != nil {
+		return nil, err
+	}
+	ports, err := scan()
+	if err != nil {
+		return nil, err
+	}
+	chosen, err := selectPorts(ports, sels, cfg.GIDIndex)
+	if err != nil {
+		return nil, err
+	}
+	return groupPorts(chosen), nil
+}
+
+func openGroup(cfg Config, g []chosenPort) (_ *Device, err error) {
+	if cfg.Timeout <= 0 {
+		return nil, fmt.Errorf("verbs fabric: timeout must be positive, got %v", cfg.Timeout)
+	}
+	d := &Device{cfg: cfg, links: map[*fabric.Link]struct{}{}, eps: map[*endpoint]struct{}{}}
+	for _, p := range g {
+		d.hcas = append(d.hcas, &hca{port: p, label: p.label()})
+	}
+	defer func() {
+		if err != nil {
+			d.Close()
+		}
+	}()
+	var openErrs []error
+	err = withDevices(func(dev *C.struct_ibv_device, name string) {
+		for _, h := range d.hcas {
+			if h.port.Device != name || h.ctx != nil {
+				continue
+			}
+			ctx, cerr := C.rg_ibv_open(dev)
+			if ctx == nil {
+				openErrs = append(openErrs, fmt.Errorf("ibv_open_device(%s) failed: %v", name, cerr))
+				return
+			}
+			h.ctx = ctx
+		}
+	})
+	if err = errors.Join(append(openErrs, err)...); err != nil {
+		return nil, err
+	}
+	d.dmabuf = C.rg_ibv_have_dmabuf() != 0
+	for _, h := range d.hcas {
+		if h.ctx == nil {
+			return nil, fmt.Errorf("%s disappeared between discovery and open", h.label)
+		}
+		var da C.struct_ibv_device_attr
+		if rc := C.rg_ibv_query_device(h.ctx, &da); rc != 0 {
+			return nil, fmt.Errorf("ibv_query_device(%s) failed: %v", h.label, errnoErr(int(rc)))
+		}
+		h.depth = uint32(min(laneDepth, int(da.max_qp_wr), int(da.max_cqe)))
+		if h.depth < flushDepth {
+			return nil, fmt.Errorf("%s allows queues of %d entries, at least %d are needed", h.label, h.depth, flushDepth)
+		}
+		pd, perr := C.rg_ibv_alloc_pd(h.ctx)
+		if pd == nil {
+			return nil, fmt.Errorf("ibv_alloc_pd(%s) failed: %v", h.label, perr)
+		}
+		h.pd = pd
+		d.dmabuf = d.dmabuf && C.rg_ibv_dmabuf_works(pd) != 0
+	}
+	var scratch unsafe.Pointer
+	if C.posix_memalign(&scratch, scratchSize, scratchSize) != 0 {
+		return nil, fmt.Errorf("allocating %d bytes for the probe and flush words", scratchSize)
+	}
+	C.memset(scratch, 0, scratchSize)
+	d.scratch = scratch
+	if d.scratchM, err = d.Register(uintptr(d.scratch), scratchSize, fabric.Host, nil); err != nil {
+		return nil, err
+	}
+	d.peermem = peerMem()
+	d.info = d.describeDevice(g)
+	nlog.Infof(nlog.Init|nlog.Net, "verbs device %s: %s", d.info.Name, d.info.Detail)
+	return d, nil
+}
+
+// describeDevice fills what NCCL and plugincheck see.
+func (d *Device) describeDevice(g []chosenPort) fabric.DeviceInfo {
+	ptr := fabric.PtrHost
+	var gpu []string
+	if d.peermem != "" {
+		ptr |= fabric.PtrCUDA
+		gpu = append(gpu, "nvidia-peermem")
+	}
+	if d.dmabuf && cudaDmaBuf() {
+		ptr |= fabric.PtrDmaBuf
+		gpu = append(gpu, "dma-buf")
+	}
+	gpuNote := "GPU memory through host staging"
+	if len(gpu) > 0 {
+		gpuNote = "GPUDirect RDMA through " + strings.Join(gpu, " and ")
+	}
+	speed, speedNote := groupSpeed(g)
+	return fabric.DeviceInfo{
+		Name:       groupName(g),
+		PCIPath:    g[0].PCIPath,
+		GUID:       g[0].NodeGUID,
+		Port:       g[0].Port,
+		SpeedMbps:  speed,
+		PtrSupport: ptr,
+		Lanes:      len(g),
+		Detail:     groupDetail(g) + ", " + speedNote + ", " + gpuNote,
+	}
+}
+
+// cudaDmaBuf says whether a GPU's driver can export its memory as dma-buf.
+func cudaDmaBuf() bool {
+	gpus, err := cudadrv.GPUs()
+	if err != nil {
+		return false
+	}
+	for _, g := range gpus {
+		if g.DmaBuf {
+			return true
+		}
+	}
+	return false
+}
+
+func (d *Device) Info() fabric.DeviceInfo { return d.info }
+
+// Register makes [addr, addr+length) reachable on every HCA of the device, each HCA with
+// its own registration. CUDA memory goes through dma-buf where the kernel allows it (the
+// descriptor NCCL passed, else one exported here), then through nvidia-peermem.
+func (d *Device) Register(addr uintptr, length uint64, mem fabric.Mem, dmabuf *fabric.DmaBuf) (*fabric.MR, error) {
+	if length == 0 {
+		return nil, errors.New("cannot register an empty region")
+	}
+	mr := fabric.NewMR(addr, length, mem, len(d.hcas))
+	mrs := make([]*C.struct_ibv_mr, 0, len(d.hcas))
+	var exp dmabufExport
+	defer exp.close()
+	for i, h := range d.hcas {
+		m, err := d.registerOn(h, addr, length, mem, dmabuf, &exp)
+		if err != nil {
+			for _, m := range mrs {
+				C.rg_ibv_dereg_mr(m)
+			}
+			mr.Free()
+			return nil, fmt.Errorf("HCA %d (%s): %w", i, h.label, err)
+		}
+		mrs = append(mrs, m)
+		mr.SetKeys(i, uint32(m.lkey), uint32(m.rkey))
+	}
+	mr.Impl = mrs
+	return mr, nil
+}
+
+func (d *Device) registerOn(h *hca, addr uintptr, length uint64, mem fabric.Mem, dmabuf *fabric.DmaBuf, exp *dmabufExport) (*C.struct_ibv_mr, error) {
+	if mem == fabric.Host {
+		return regMR(h, addr, length)
+	}
+	var tried []string
+	if d.dmabuf {
+		buf, err := dmabuf, error(nil)
+		if buf == nil {
+			buf, err = exp.get(addr, length)
+		}
+		if err != nil {
+			tried = append(tried, err.Error())
+		} else {
+			m, err := C.rg_ibv_reg_dmabuf_mr(h.pd, C.uint64_t(buf.Offset), C.uint64_t(length), C.uint64_t(addr), C.int(buf.FD), mrAccess)
+			if m != nil {
+				return m, nil
+			}
+			tried = append(tried, fmt.Sprintf("ibv_reg_dmabuf_mr(fd %d, offset %d, 0x%x, %d bytes) failed: %s", buf.FD, buf.Offset, addr, length, errnoText(err)))
+		}
+	}
+	m, err := regMR(h, addr, length)
+	if err == nil {
+		return m, nil
+	}
+	tried = append(tried, err.Error())
+	if d.peermem == "" {
+		tried = append(tried, "nvidia-peermem is not loaded")
+	}
+	return nil, errors.New(strings.Join(tried, "; "))
+}
+
+func regMR(h *hca, addr uintptr, length uint64) (*C.struct_ibv_mr, error) {
+	m, err := C.rg_ibv_reg_mr(h.pd, C.uint64_t(addr), C.uint64_t(length), mrAccess)
+	if m == nil {
+		return nil, fmt.Errorf("ibv_reg_mr(0x%x, %d bytes) failed: %s", addr, length, errnoText(err))
+	}
+	return m, nil
+}
+
+func errnoText(err error) string {
+	var e syscall.Errno
+	if errors.As(err, &e) {
+		return fmt.Sprintf("%v (errno %d)", e, int(e))
+	}
+	return fmt.Sprint(err)
+}
+
+// dmabufExport is a dma-buf this registration exported itself, made on first need for
+// all HCAs and closed when the registration returns (the descriptor NCCL passes is NCCL's).
+type dmabufExport struct {
+	made bool
+	buf  fabric.DmaBuf
+	err  error
+}
+
+func (e *dmabufExport) get(addr uintptr, length uint64) (*fabric.DmaBuf, error) {
+	if !e.made {
+		e.made = true
+		var off C.uint64_t
+		var errBuf [256]C.char
+		fd := C.rg_cuda_export_dmabuf(C.uint64_t(addr), C.uint64_t(length), &off, &errBuf[0], C.int(len(errBuf)))
+		if fd < 0 {
+			e.err = errors.New(C.GoString(&errBuf[0]))
+		} else {
+			e.buf = fabric.DmaBuf{FD: int(fd), Offset: uint64(off)}
+		}
+	}
+	if e.err != nil {
+		return nil, e.err
+	}
+	return &e.buf, nil
+}
+
+func (e *dmabufExport) close() {
+	if e.made && e.err == nil {
+		unix.Close(e.buf.FD)
+	}
+}
+
+// Deregister releases a registration on every HCA.
+func (d *Device) Deregister(mr *fabric.MR) error {
+	mrs, ok := mr.Impl.([]*C.struct_ibv_mr)
+	if !ok {
+		return fmt.Errorf("0x%x (%d bytes) is not a verbs registration", mr.Addr(), mr.Len())
+	}
+	var errs []error
+	for i, m := range mrs {
+		if rc := C.rg_ibv_dereg_mr(m); rc != 0 {
+			errs = append(errs, fmt.Errorf("ibv_dereg_mr of 0x%x (%d bytes) on %s failed: %s", mr.Addr(), mr.Len(), d.hcas[i].label, errnoText(errnoErr(int(rc)))))
+		}
+	}
+	mr.Impl = nil
+	mr.Free()
+	return errors.Join(errs...)
+}
+
+// Close stops the device's links and endpoints and releases its HCAs.
+func (d *Device) Close() error {
+	d.mu.Lock()
+	d.closed = true
+	links := make([]*fabric.Link, 0, len(d.links))
+	for l := range d.links {
+		links = append(links, l)
+	}
+	eps := make([]*endpoint, 0, len(d.eps))
+	for e := range d.eps {
+		eps = append(eps, e)
+	}
+	d.mu.Unlock()
+	for _, l := range links {
+		l.Close()
+	}
+	for _, e := range eps {
+		e.Close()
+	}
+	var errs []error
+	if d.scratchM != nil {
+		errs = append(errs, d.Deregister(d.scratchM))
+		d.scratchM = nil
+	}
+	if d.scratch != nil {
+		C.free(d.scratch)
+		d.scratch = nil
+	}
+	for _, h := range d.hcas {
+		if h.pd != nil {
+			if rc := C.rg_ibv_dealloc_pd(h.pd); rc != 0 {
+				errs = append(errs, fmt.Errorf("ibv_dealloc_pd(%s) failed: %v", h.label, errnoErr(int(rc))))
+			}
+			h.pd = nil
+		}
+		if h.ctx != nil {
+			C.rg_ibv_close(h.ctx)
+			h.ctx = nil
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (d *Device) probeAddr() uint64         { return uint64(uintptr(d.scratch)) }
+func (d *Device) flushByte() unsafe.Pointer { return unsafe.Add(d.scratch, flushOff) }
