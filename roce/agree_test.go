@@ -1,0 +1,163 @@
+package roce
+
+import (
+	"net"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func offer(maxBytes uint64) GatherOffer {
+	return GatherOffer{
+		Version: ProtocolVersion, On: true, Fabric: 1, Mode: GatherAuto, Lanes: 1,
+		MaxBytes: maxBytes, SlotBytes: SlotBytesFor(maxBytes),
+		Addr: endpointAddr{IP: net.IPv4(10, 0, 0, 1).To4(), Port: 4000}, Token: Token{1, 2, 3},
+	}
+}
+
+func handle(o GatherOffer) []byte {
+	h := make([]byte, HandleSize)
+	o.Encode(h)
+	return h
+}
+
+func both(a, b GatherOffer) (Outcome, Outcome) {
+	hs := [][]byte{handle(a), handle(b)}
+	return Agree(hs, 0), Agree(hs, 1)
+}
+
+// The seed PR's regression: 511 KiB and 512 KiB caps share a 512 KiB slot, yet the cap
+// both ranks use must be exactly the smaller one.
+func TestCapAgreement511And512KiB(t *testing.T) {
+	a, b := offer(511*1024), offer(512*1024)
+	require.Equal(t, SlotBytesFor(a.MaxBytes), SlotBytesFor(b.MaxBytes), "same rounded slot")
+	o0, o1 := both(a, b)
+	require.True(t, o0.On)
+	require.True(t, o1.On)
+	require.Equal(t, uint64(511*1024), o0.Cap)
+	require.Equal(t, o0.Cap, o1.Cap)
+	require.Equal(t, uint64(511*1024), o0.LocalCap)
+	require.Equal(t, uint64(512*1024), o0.PeerCap)
+	require.Equal(t, uint64(512*1024), o1.LocalCap)
+	require.Equal(t, uint64(511*1024), o1.PeerCap)
+}
+
+func TestOneRankDisabledTurnsTheGroupOffOnBoth(t *testing.T) {
+	a, b := offer(524288), offer(524288)
+	b.On, b.Reason = false, ReasonDisabled
+	o0, o1 := both(a, b)
+	require.False(t, o0.On)
+	require.False(t, o1.On)
+	require.Equal(t, "rank 1 is off: ROCE_GATHER_ENABLE=0", o0.Why)
+	require.Equal(t, o0.Why, o1.Why)
+	require.True(t, o0.Config, "off by configuration, not by a failure")
+}
+
+func TestAPeerOnAnotherProtocolVersionTurnsTheGroupOff(t *testing.T) {
+	a, b := offer(524288), offer(524288)
+	b.Version = ProtocolVersion + 1
+	o0, o1 := both(a, b)
+	require.False(t, o0.On)
+	require.False(t, o1.On)
+	require.Equal(t, o0.Why, o1.Why)
+	require.Contains(t, o0.Why, "rank 1's handle is not usable")
+	require.Contains(t, o0.Why, "version 2")
+}
+
+func TestMalformedPeerHandles(t *testing.T) {
+	good := handle(offer(524288))
+	corrupt := func(f func(h []byte)) []byte {
+		h := append([]byte(nil), good...)
+		f(h)
+		return h
+	}
+	cases := map[string][]byte{
+		"foreign magic":       corrupt(func(h []byte) { h[0] ^= 0xff }),
+		"p2p handle":          corrupt(func(h []byte) { h[hOffPurpose] = purposeP2P }),
+		"verdict byte 7":      corrupt(func(h []byte) { h[gOffVerdict] = 7 }),
+		"reserved byte set":   corrupt(func(h []byte) { h[100] = 1 }),
+		"zero cap":            corrupt(func(h []byte) { h[gOffMax] = 0; h[gOffMax+1] = 0; h[gOffMax+2] = 0 }),
+		"slot disagrees":      corrupt(func(h []byte) { h[gOffSlot+1] ^= 0x10 }),
+		"unknown fabric":      corrupt(func(h []byte) { h[gOffFabric] = 9 }),
+		"zero lanes":          corrupt(func(h []byte) { h[gOffLanes] = 0 }),
+		"bad address family":  corrupt(func(h []byte) { h[gOffAddr] = 5 }),
+		"truncated":           good[:64],
+		"off, unknown reason": corrupt(func(h []byte) { h[gOffVerdict] = 0; h[gOffReason] = 200 }),
+	}
+	for name, bad := range cases {
+		t.Run(name, func(t *testing.T) {
+			_, err := DecodeGatherOffer(bad)
+			require.Error(t, err)
+			hs := [][]byte{good, bad}
+			o0, o1 := Agree(hs, 0), Agree(hs, 1)
+			require.False(t, o0.On)
+			require.False(t, o1.On)
+			require.Equal(t, o0.Why, o1.Why, "both ranks give the same reason")
+			require.Contains(t, o0.Why, "rank 1's handle is not usable")
+		})
+	}
+}
+
+func TestFabricsAndModesMustAgree(t *testing.T) {
+	a, b := offer(524288), offer(524288)
+	b.Fabric = 2
+	o0, _ := both(a, b)
+	require.False(t, o0.On)
+	require.Equal(t, "rank 0 uses the tcp fabric and rank 1 the verbs fabric", o0.Why)
+
+	a, b = offer(524288), offer(524288)
+	a.Mode, b.Mode = GatherEager, GatherRendezvous
+	o0, _ = both(a, b)
+	require.False(t, o0.On)
+	require.Equal(t, "ROCE_GATHER_MODE differs: rank 0 eager, rank 1 rendezvous", o0.Why)
+
+	a, b = offer(524288), offer(524288)
+	a.Mode = GatherEager
+	o0, o1 := both(a, b)
+	require.True(t, o0.On)
+	require.Equal(t, GatherEager, o0.Mode, "auto follows the other rank's explicit mode")
+	require.Equal(t, GatherEager, o1.Mode)
+}
+
+func TestLanesAreTheSmallerCount(t *testing.T) {
+	a, b := offer(4096), offer(4096)
+	a.Lanes = 2
+	o0, o1 := both(a, b)
+	require.Equal(t, 1, o0.Lanes)
+	require.Equal(t, 1, o1.Lanes)
+}
+
+func TestGroupsOfOtherSizesAreOff(t *testing.T) {
+	h := handle(offer(4096))
+	o := Agree([][]byte{h, h, h}, 0)
+	require.False(t, o.On)
+	require.Equal(t, "the one-shot gather serves two ranks; this group has 3", o.Why)
+}
+
+func TestOfferRoundTrips(t *testing.T) {
+	o := offer(3 * 1000)
+	o.Mode, o.Lanes, o.Fabric = GatherRendezvous, 2, 2
+	got, err := DecodeGatherOffer(handle(o))
+	require.NoError(t, err)
+	require.Equal(t, o, got)
+}
+
+// Handles are all the group agrees on: no input may make decoding panic, and both ranks
+// must always reach one verdict and one cap.
+func FuzzAgree(f *testing.F) {
+	f.Add(handle(offer(524288)), handle(offer(523264)))
+	off := offer(4096)
+	off.On, off.Reason = false, ReasonDisabled
+	f.Add(handle(offer(4096)), handle(off))
+	f.Add(make([]byte, HandleSize), handle(offer(1)))
+	f.Fuzz(func(t *testing.T, a, b []byte) {
+		hs := [][]byte{a, b}
+		o0, o1 := Agree(hs, 0), Agree(hs, 1)
+		if o0.On != o1.On || o0.Cap != o1.Cap || o0.Why != o1.Why || o0.Mode != o1.Mode || o0.Lanes != o1.Lanes {
+			t.Fatalf("ranks disagree: %+v vs %+v", o0, o1)
+		}
+		if o0.On && (o0.Cap == 0 || o0.Cap != min(o0.LocalCap, o0.PeerCap)) {
+			t.Fatalf("on with cap %d from %d and %d", o0.Cap, o0.LocalCap, o0.PeerCap)
+		}
+	})
+}

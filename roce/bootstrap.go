@@ -1,0 +1,410 @@
+package roce
+
+import (
+	"bytes"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/roce-gather/roce_gather/internal/nlog"
+	"github.com/roce-gather/roce_gather/roce/fabric"
+)
+
+// ProtocolVersion is the version of every handle and bootstrap message this library
+// writes. A peer on another version is refused with a message naming both.
+const ProtocolVersion = 1
+
+// HandleSize is NCCL's handle size (NCCL_NET_HANDLE_MAXSIZE).
+const HandleSize = 128
+
+// Token is the random secret a handle carries; a connection that does not present it
+// is refused before any link exists.
+type Token [16]byte
+
+func newToken() (Token, error) {
+	var t Token
+	if _, err := rand.Read(t[:]); err != nil {
+		return t, fmt.Errorf("drawing a random token: %w", err)
+	}
+	return t, nil
+}
+
+// Purposes a link is made for; a listener accepts only its own.
+const (
+	purposeP2P    = 1
+	purposeGather = 2
+)
+
+const (
+	magicHello   = 0x4c485752 // "RWHL"
+	magicWelcome = 0x4c575752 // "RWWL"
+	magicReady   = 0x44525752 // "RWRD"
+	maxBlob      = 4096
+)
+
+// endpointAddr is where a listener can be reached.
+type endpointAddr struct {
+	IP   net.IP
+	Port int
+}
+
+func (a endpointAddr) String() string { return net.JoinHostPort(a.IP.String(), fmt.Sprint(a.Port)) }
+
+// putAddr writes family, IP and port into 20 bytes.
+func putAddr(b []byte, a endpointAddr) {
+	ip := a.IP.To16()
+	if a.IP.To4() != nil {
+		b[0] = 4
+	} else {
+		b[0] = 6
+	}
+	copy(b[2:18], ip)
+	binary.LittleEndian.PutUint16(b[18:20], uint16(a.Port))
+}
+
+func getAddr(b []byte) (endpointAddr, error) {
+	if b[0] != 4 && b[0] != 6 {
+		return endpointAddr{}, fmt.Errorf("address family %d is neither IPv4 nor IPv6", b[0])
+	}
+	ip := make(net.IP, 16)
+	copy(ip, b[2:18])
+	if b[0] == 4 {
+		ip = ip.To4()
+		if ip == nil {
+			return endpointAddr{}, errors.New("IPv4 address is not in IPv4-mapped form")
+		}
+	}
+	port := int(binary.LittleEndian.Uint16(b[18:20]))
+	if port == 0 {
+		return endpointAddr{}, errors.New("port is 0")
+	}
+	return endpointAddr{IP: ip, Port: port}, nil
+}
+
+// side is the protocol state one end of a link brings: its description for the peer,
+// and what it does with the peer's.
+type side interface {
+	blob() []byte
+	peerBlob(b []byte) error
+}
+
+// hello is what the dialing side sends first.
+type hello struct {
+	version uint16
+	purpose uint8
+	lanes   uint8
+	token   Token
+	proto   []byte
+	fab     []byte
+}
+
+func writeHello(w io.Writer, h hello) error {
+	var b bytes.Buffer
+	binary.Write(&b, binary.LittleEndian, uint32(magicHello))
+	binary.Write(&b, binary.LittleEndian, h.version)
+	b.WriteByte(h.purpose)
+	b.WriteByte(h.lanes)
+	b.Write(h.token[:])
+	writeBlobs(&b, h.proto, h.fab)
+	_, err := w.Write(b.Bytes())
+	return err
+}
+
+func readHello(r io.Reader) (hello, error) {
+	var fixed [4 + 2 + 1 + 1 + 16]byte
+	if _, err := io.ReadFull(r, fixed[:]); err != nil {
+		return hello{}, fmt.Errorf("reading hello: %w", err)
+	}
+	if m := binary.LittleEndian.Uint32(fixed[0:4]); m != magicHello {
+		return hello{}, fmt.Errorf("not a roce_gather hello (magic 0x%08x)", m)
+	}
+	h := hello{version: binary.LittleEndian.Uint16(fixed[4:6]), purpose: fixed[6], lanes: fixed[7]}
+	copy(h.token[:], fixed[8:24])
+	if h.version != ProtocolVersion {
+		return h, nil // the caller answers with a version error before reading more
+	}
+	var err error
+	if h.proto, h.fab, err = readBlobs(r); err != nil {
+		return hello{}, fmt.Errorf("reading hello: %w", err)
+	}
+	return h, nil
+}
+
+func writeBlobs(b *bytes.Buffer, proto, fab []byte) {
+	binary.Write(b, binary.LittleEndian, uint16(len(proto)))
+	binary.Write(b, binary.LittleEndian, uint16(len(fab)))
+	b.Write(proto)
+	b.Write(fab)
+}
+
+func readBlobs(r io.Reader) ([]byte, []byte, error) {
+	var lens [4]byte
+	if _, err := io.ReadFull(r, lens[:]); err != nil {
+		return nil, nil, err
+	}
+	pl, fl := int(binary.LittleEndian.Uint16(lens[0:2])), int(binary.LittleEndian.Uint16(lens[2:4]))
+	if pl > maxBlob || fl > maxBlob {
+		return nil, nil, fmt.Errorf("descriptions of %d and %d bytes exceed %d", pl, fl, maxBlob)
+	}
+	proto, fab := make([]byte, pl), make([]byte, fl)
+	if _, err := io.ReadFull(r, proto); err != nil {
+		return nil, nil, err
+	}
+	if _, err := io.ReadFull(r, fab); err != nil {
+		return nil, nil, err
+	}
+	return proto, fab, nil
+}
+
+// writeStatus writes a welcome or ready message: a status, a reason, and for a
+// successful welcome the acceptor's descriptions.
+func writeStatus(w io.Writer, magic uint32, reason string, proto, fab []byte) error {
+	var b bytes.Buffer
+	binary.Write(&b, binary.LittleEndian, magic)
+	status := uint8(0)
+	if reason != "" {
+		status = 1
+	}
+	b.WriteByte(status)
+	if len(reason) > 1024 {
+		reason = reason[:1024]
+	}
+	binary.Write(&b, binary.LittleEndian, uint16(len(reason)))
+	b.WriteString(reason)
+	writeBlobs(&b, proto, fab)
+	_, err := w.Write(b.Bytes())
+	return err
+}
+
+// readStatus returns the peer's descriptions, or an error carrying the peer's reason.
+func readStatus(r io.Reader, magic uint32, what string) ([]byte, []byte, error) {
+	var fixed [7]byte
+	if _, err := io.ReadFull(r, fixed[:]); err != nil {
+		return nil, nil, fmt.Errorf("reading %s: %w", what, err)
+	}
+	if m := binary.LittleEndian.Uint32(fixed[0:4]); m != magic {
+		return nil, nil, fmt.Errorf("reading %s: unexpected magic 0x%08x", what, m)
+	}
+	reason := make([]byte, binary.LittleEndian.Uint16(fixed[5:7]))
+	if _, err := io.ReadFull(r, reason); err != nil {
+		return nil, nil, fmt.Errorf("reading %s: %w", what, err)
+	}
+	proto, fab, err := readBlobs(r)
+	if err != nil {
+		return nil, nil, fmt.Errorf("reading %s: %w", what, err)
+	}
+	if fixed[4] != 0 {
+		return nil, nil, fmt.Errorf("peer refused: %s", reason)
+	}
+	return proto, fab, nil
+}
+
+// finish runs the steps both ends share once descriptions are known: prepare the
+// endpoint, tell the peer, wait for the peer, start the link.
+func finish(conn *net.TCPConn, ep fabric.Endpoint, s side, peerProto, peerFab []byte, deadline time.Time) (*fabric.Link, error) {
+	conn.SetDeadline(deadline)
+	reason := ""
+	if err := s.peerBlob(peerProto); err != nil {
+		reason = err.Error()
+	} else if err := ep.Prepare(peerFab); err != nil {
+		reason = err.Error()
+	}
+	if err := writeStatus(conn, magicReady, reason, nil, nil); err != nil {
+		return nil, fmt.Errorf("sending ready: %w", err)
+	}
+	if reason != "" {
+		return nil, errors.New(reason)
+	}
+	if _, _, err := readStatus(conn, magicReady, "ready"); err != nil {
+		return nil, err
+	}
+	conn.SetDeadline(time.Time{})
+	return ep.Start(conn)
+}
+
+// dialLink connects to a listener, authenticates with its token and returns the link.
+func dialLink(dev fabric.Device, local net.IP, to endpointAddr, token Token, purpose uint8, lanes int, s side, timeout time.Duration) (*fabric.Link, error) {
+	deadline := time.Now().Add(timeout)
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: local}, Deadline: deadline}
+	c, err := d.Dial("tcp", to.String())
+	if err != nil {
+		return nil, fmt.Errorf("connecting to %s: %w", to, err)
+	}
+	conn := c.(*net.TCPConn)
+	ep, err := dev.NewEndpoint(lanes)
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	link, err := func() (*fabric.Link, error) {
+		conn.SetDeadline(deadline)
+		if err := writeHello(conn, hello{version: ProtocolVersion, purpose: purpose, lanes: uint8(lanes), token: token, proto: s.blob(), fab: ep.Describe()}); err != nil {
+			return nil, fmt.Errorf("sending hello to %s: %w", to, err)
+		}
+		proto, fab, err := readStatus(conn, magicWelcome, "welcome")
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", to, err)
+		}
+		return finish(conn, ep, s, proto, fab, deadline)
+	}()
+	if err != nil {
+		ep.Close()
+		conn.Close()
+		return nil, err
+	}
+	return link, nil
+}
+
+// listener accepts links for one purpose from peers that present its token.
+type listener struct {
+	dev     fabric.Device
+	ln      *net.TCPListener
+	addr    endpointAddr
+	token   Token
+	purpose uint8
+	timeout time.Duration
+	// newSide builds the accepting side's protocol state for one incoming link.
+	newSide func() (side, error)
+
+	mu      sync.Mutex
+	closed  bool
+	ready   []accepted
+	pending sync.WaitGroup
+}
+
+type accepted struct {
+	link *fabric.Link
+	side side
+}
+
+func listen(dev fabric.Device, local net.IP, purpose uint8, timeout time.Duration, newSide func() (side, error)) (*listener, error) {
+	token, err := newToken()
+	if err != nil {
+		return nil, err
+	}
+	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: local})
+	if err != nil {
+		return nil, fmt.Errorf("listening on %s: %w", local, err)
+	}
+	l := &listener{dev: dev, ln: ln, token: token, purpose: purpose, timeout: timeout, newSide: newSide,
+		addr: endpointAddr{IP: local, Port: ln.Addr().(*net.TCPAddr).Port}}
+	l.pending.Add(1)
+	go l.serve()
+	return l, nil
+}
+
+func (l *listener) serve() {
+	defer l.pending.Done()
+	for {
+		c, err := l.ln.AcceptTCP()
+		if err != nil {
+			return // closed
+		}
+		l.pending.Add(1)
+		go func() {
+			defer l.pending.Done()
+			l.handle(c)
+		}()
+	}
+}
+
+// handle authenticates one incoming connection and, if it belongs here, makes the link.
+func (l *listener) handle(conn *net.TCPConn) {
+	from := conn.RemoteAddr().String()
+	deadline := time.Now().Add(l.timeout)
+	conn.SetDeadline(deadline)
+	h, err := readHello(conn)
+	if err != nil {
+		nlog.Warnf("refused a connection from %s on %s: %v", from, l.addr, err)
+		conn.Close()
+		return
+	}
+	if h.token != l.token {
+		nlog.Warnf("refused a connection from %s on %s: it did not present this group's token", from, l.addr)
+		conn.Close()
+		return
+	}
+	if h.version != ProtocolVersion {
+		msg := fmt.Sprintf("%s speaks roce_gather protocol version %d, this library speaks version %d", from, h.version, ProtocolVersion)
+		nlog.Warnf("refused a connection on %s: %s", l.addr, msg)
+		writeStatus(conn, magicWelcome, msg, nil, nil)
+		conn.Close()
+		return
+	}
+	if h.purpose != l.purpose {
+		msg := fmt.Sprintf("link purpose %d does not match this listener's %d", h.purpose, l.purpose)
+		writeStatus(conn, magicWelcome, msg, nil, nil)
+		conn.Close()
+		return
+	}
+	var link *fabric.Link
+	var s side
+	ep, err := l.dev.NewEndpoint(int(h.lanes))
+	if err == nil {
+		s, err = l.newSide()
+		if err != nil {
+			ep.Close()
+		}
+	}
+	if err != nil {
+		writeStatus(conn, magicWelcome, err.Error(), nil, nil)
+		conn.Close()
+		return
+	}
+	if err = writeStatus(conn, magicWelcome, "", s.blob(), ep.Describe()); err == nil {
+		link, err = finish(conn, ep, s, h.proto, h.fab, deadline)
+	}
+	if err != nil {
+		nlog.Warnf("accepting a link from %s failed: %v", from, err)
+		ep.Close()
+		conn.Close()
+		if c, ok := s.(interface{ Close() error }); ok {
+			c.Close()
+		}
+		return
+	}
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		link.Close()
+		if c, ok := s.(interface{ Close() error }); ok {
+			c.Close()
+		}
+		return
+	}
+	l.ready = append(l.ready, accepted{link: link, side: s})
+	l.mu.Unlock()
+}
+
+// next returns a link that is ready, without waiting.
+func (l *listener) next() (accepted, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.ready) == 0 {
+		return accepted{}, false
+	}
+	a := l.ready[0]
+	l.ready = l.ready[1:]
+	return a, true
+}
+
+// close stops accepting and releases links nobody claimed.
+func (l *listener) close() {
+	l.ln.Close()
+	l.mu.Lock()
+	l.closed = true
+	unclaimed := l.ready
+	l.ready = nil
+	l.mu.Unlock()
+	for _, a := range unclaimed {
+		a.link.Close()
+		if c, ok := a.side.(interface{ Close() error }); ok {
+			c.Close()
+		}
+	}
+}

@@ -1,0 +1,511 @@
+package roce
+
+/*
+#include <stdlib.h>
+#include "gather.h"
+#include "../internal/cudadrv/cudadrv.h"
+
+// Landing memory is pinned through CUDA where a driver exists, so copies out of it
+// run asynchronously and the gather kernel can read it; plain pages otherwise.
+static void* rg_landing_alloc(size_t n, int* pinned) {
+  const rg_cuda_api* cu = rg_cuda();
+  void* p = NULL;
+  *pinned = 0;
+  if (cu != NULL && cu->cuMemHostAlloc(&p, n, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP) == CUDA_SUCCESS) {
+    *pinned = 1;
+    return p;
+  }
+  if (posix_memalign(&p, 4096, n) != 0) return NULL;
+  return p;
+}
+static void rg_landing_free(void* p, int pinned) {
+  if (pinned) rg_cuda()->cuMemFreeHost(p);
+  else free(p);
+}
+*/
+import "C"
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/roce-gather/roce_gather/roce/fabric"
+)
+
+// GatherMode is a rank's ROCE_GATHER_MODE as it travels in the handle.
+type GatherMode uint8
+
+const (
+	GatherAuto       GatherMode = 0
+	GatherRendezvous GatherMode = C.RG_MODE_RENDEZVOUS
+	GatherEager      GatherMode = C.RG_MODE_EAGER
+)
+
+func (m GatherMode) String() string {
+	switch m {
+	case GatherRendezvous:
+		return "rendezvous"
+	case GatherEager:
+		return "eager"
+	case GatherAuto:
+		return "auto"
+	}
+	return fmt.Sprintf("mode(%d)", uint8(m))
+}
+
+// EagerMaxAuto is the largest window auto mode sends eager (docs/benchmarks.md).
+const EagerMaxAuto = 1 << 20
+
+// Reasons a rank brings its verdict "off".
+const (
+	ReasonNone = iota
+	ReasonDisabled
+	ReasonNoMemory
+	ReasonLocalError
+)
+
+var reasonText = map[uint8]string{
+	ReasonDisabled:   "ROCE_GATHER_ENABLE=0",
+	ReasonNoMemory:   "its landing slots could not be allocated",
+	ReasonLocalError: "a local set-up error (see its log)",
+}
+
+// GatherOffer is what a rank brings to a group: the fields of its collNet handle.
+type GatherOffer struct {
+	Version   uint16
+	On        bool
+	Reason    uint8
+	Fabric    uint8 // 1 tcp, 2 verbs
+	Mode      GatherMode
+	Lanes     uint8
+	MaxBytes  uint64
+	SlotBytes uint64
+	Addr      endpointAddr
+	Token     Token
+}
+
+const (
+	gatherMagic = 0x3143_4752 // "RGC1"
+	gOffVerdict = 7
+	gOffAddr    = 8 // 20 bytes
+	gOffReason  = 28
+	gOffFabric  = 29
+	gOffMode    = 30
+	gOffLanes   = 31
+	gOffToken   = 32
+	gOffMax     = 48
+	gOffSlot    = 56
+	gEnd        = 64 // bytes after this are zero
+)
+
+func fabricCode(kind string) uint8 {
+	if kind == "verbs" {
+		return 2
+	}
+	return 1
+}
+
+func fabricName(code uint8) string {
+	switch code {
+	case 1:
+		return "tcp"
+	case 2:
+		return "verbs"
+	}
+	return fmt.Sprintf("fabric(%d)", code)
+}
+
+// SlotBytesFor rounds a shard cap up to whole pages, the landing slot size.
+func SlotBytesFor(capBytes uint64) uint64 { return (capBytes + 4095) &^ 4095 }
+
+// Encode writes the offer into a 128-byte handle.
+func (o GatherOffer) Encode(h []byte) {
+	for i := range h[:HandleSize] {
+		h[i] = 0
+	}
+	binary.LittleEndian.PutUint32(h[hOffMagic:], gatherMagic)
+	binary.LittleEndian.PutUint16(h[hOffVersion:], o.Version)
+	h[hOffPurpose] = purposeGather
+	if o.On {
+		h[gOffVerdict] = 1
+	}
+	if o.Addr.IP != nil {
+		putAddr(h[gOffAddr:gOffAddr+20], o.Addr)
+	}
+	h[gOffReason] = o.Reason
+	h[gOffFabric] = o.Fabric
+	h[gOffMode] = uint8(o.Mode)
+	h[gOffLanes] = o.Lanes
+	copy(h[gOffToken:gOffToken+16], o.Token[:])
+	binary.LittleEndian.PutUint64(h[gOffMax:], o.MaxBytes)
+	binary.LittleEndian.PutUint64(h[gOffSlot:], o.SlotBytes)
+}
+
+// DecodeGatherOffer reads a handle, refusing anything malformed, foreign or from
+// another protocol version with an error that says which.
+func DecodeGatherOffer(h []byte) (GatherOffer, error) {
+	var o GatherOffer
+	if len(h) < HandleSize {
+		return o, fmt.Errorf("handle is %d bytes, expected %d", len(h), HandleSize)
+	}
+	if m := binary.LittleEndian.Uint32(h[hOffMagic:]); m != gatherMagic {
+		return o, fmt.Errorf("not a roce_gather collNet handle (magic 0x%08x)", m)
+	}
+	o.Version = binary.LittleEndian.Uint16(h[hOffVersion:])
+	if o.Version != ProtocolVersion {
+		return o, fmt.Errorf("speaks roce_gather protocol version %d, this library speaks version %d", o.Version, ProtocolVersion)
+	}
+	if h[hOffPurpose] != purposeGather {
+		return o, fmt.Errorf("handle purpose %d is not a gather group", h[hOffPurpose])
+	}
+	for i := gEnd; i < HandleSize; i++ {
+		if h[i] != 0 {
+			return o, fmt.Errorf("reserved handle byte %d is 0x%02x, not zero", i, h[i])
+		}
+	}
+	switch h[gOffVerdict] {
+	case 0, 1:
+		o.On = h[gOffVerdict] == 1
+	default:
+		return o, fmt.Errorf("verdict byte is %d, neither 0 nor 1", h[gOffVerdict])
+	}
+	o.Reason, o.Fabric, o.Mode, o.Lanes = h[gOffReason], h[gOffFabric], GatherMode(h[gOffMode]), h[gOffLanes]
+	copy(o.Token[:], h[gOffToken:gOffToken+16])
+	o.MaxBytes = binary.LittleEndian.Uint64(h[gOffMax:])
+	o.SlotBytes = binary.LittleEndian.Uint64(h[gOffSlot:])
+	if !o.On {
+		if _, ok := reasonText[o.Reason]; !ok {
+			return o, fmt.Errorf("verdict is off with unknown reason code %d", o.Reason)
+		}
+		return o, nil
+	}
+	if o.Fabric != 1 && o.Fabric != 2 {
+		return o, fmt.Errorf("fabric code %d is neither tcp (1) nor verbs (2)", o.Fabric)
+	}
+	if o.Mode > GatherEager {
+		return o, fmt.Errorf("mode code %d is not auto, rendezvous or eager", o.Mode)
+	}
+	if o.Lanes < 1 || int(o.Lanes) > fabric.MaxLanes {
+		return o, fmt.Errorf("lane count %d is outside 1..%d", o.Lanes, fabric.MaxLanes)
+	}
+	if o.MaxBytes == 0 || o.SlotBytes != SlotBytesFor(o.MaxBytes) {
+		return o, fmt.Errorf("max_bytes %d and slot size %d do not agree", o.MaxBytes, o.SlotBytes)
+	}
+	a, err := getAddr(h[gOffAddr : gOffAddr+20])
+	if err != nil {
+		return o, fmt.Errorf("address: %w", err)
+	}
+	o.Addr = a
+	return o, nil
+}
+
+// Outcome is what both ranks of a group conclude from the same handles.
+type Outcome struct {
+	On        bool
+	Cap       uint64 // the agreed per-rank cap: the smaller usable max_bytes
+	LocalCap  uint64
+	PeerCap   uint64
+	Mode      GatherMode
+	Lanes     int
+	Why       string // why the path is off
+	Config    bool   // off by configuration (ROCE_GATHER_ENABLE=0), not by a failure
+	peer      GatherOffer
+	peerRank  int
+	localRank int
+}
+
+// Agree computes a group's outcome from all handles. Every input is the same bytes on
+// both ranks, so both reach the same verdict and the same cap.
+func Agree(handles [][]byte, rank int) Outcome {
+	if len(handles) != 2 {
+		return Outcome{Why: fmt.Sprintf("the one-shot gather serves two ranks; this group has %d", len(handles))}
+	}
+	if rank != 0 && rank != 1 {
+		return Outcome{Why: fmt.Sprintf("rank %d is outside this two-rank group", rank)}
+	}
+	var offers [2]GatherOffer
+	for i, h := range handles {
+		o, err := DecodeGatherOffer(h)
+		if err != nil {
+			return Outcome{Why: fmt.Sprintf("rank %d's handle is not usable: %v", i, err)}
+		}
+		offers[i] = o
+	}
+	peer := 1 - rank
+	out := Outcome{LocalCap: offers[rank].MaxBytes, PeerCap: offers[peer].MaxBytes, peer: offers[peer], peerRank: peer, localRank: rank}
+	for i, o := range offers {
+		if !o.On {
+			out.Why = fmt.Sprintf("rank %d is off: %s", i, reasonText[o.Reason])
+			out.Config = o.Reason == ReasonDisabled
+			return out
+		}
+	}
+	if offers[0].Fabric != offers[1].Fabric {
+		out.Why = fmt.Sprintf("rank 0 uses the %s fabric and rank 1 the %s fabric", fabricName(offers[0].Fabric), fabricName(offers[1].Fabric))
+		return out
+	}
+	m0, m1 := offers[0].Mode, offers[1].Mode
+	switch {
+	case m0 == m1 || m1 == GatherAuto:
+		out.Mode = m0
+	case m0 == GatherAuto:
+		out.Mode = m1
+	default:
+		out.Why = fmt.Sprintf("ROCE_GATHER_MODE differs: rank 0 %s, rank 1 %s", m0, m1)
+		out.Config = true
+		return out
+	}
+	out.Cap = min(offers[0].MaxBytes, offers[1].MaxBytes)
+	out.Lanes = int(min(offers[0].Lanes, offers[1].Lanes))
+	out.On = true
+	return out
+}
+
+// GatherListener is one rank's side of a collNet group between listen and connect.
+type GatherListener struct {
+	t      *Transport
+	l      *listener
+	offer  GatherOffer
+	agreed chan struct{} // closed once connect has computed the outcome
+	mu     sync.Mutex
+	out    Outcome
+	side   *gatherSide
+}
+
+// GatherConfig is this rank's configuration of the one-shot path.
+type GatherConfig struct {
+	Enable   bool
+	MaxBytes uint64
+	Mode     GatherMode
+}
+
+// ListenGather opens the group's listener and writes this rank's offer into handle.
+func (t *Transport) ListenGather(cfg GatherConfig, handle []byte) (*GatherListener, error) {
+	if len(handle) < HandleSize {
+		return nil, fmt.Errorf("handle buffer is %d bytes, need %d", len(handle), HandleSize)
+	}
+	gl := &GatherListener{t: t, agreed: make(chan struct{})}
+	gl.offer = GatherOffer{Version: ProtocolVersion, On: cfg.Enable, Fabric: fabricCode(t.kind), Mode: cfg.Mode,
+		Lanes: uint8(t.dev.Info().Lanes), MaxBytes: cfg.MaxBytes, SlotBytes: SlotBytesFor(cfg.MaxBytes)}
+	if !cfg.Enable {
+		gl.offer.Reason = ReasonDisabled
+	} else {
+		l, err := listen(t.dev, t.localIP(), purposeGather, t.cfg.Timeout, gl.newSide)
+		if err != nil {
+			return nil, err
+		}
+		gl.l = l
+		gl.offer.Addr, gl.offer.Token = l.addr, l.token
+	}
+	gl.offer.Encode(handle)
+	return gl, nil
+}
+
+// newSide serves the accepting rank: it waits until this rank's own connect has agreed
+// the group's parameters, then hands over the side connect prepared.
+func (gl *GatherListener) newSide() (side, error) {
+	select {
+	case <-gl.agreed:
+	case <-time.After(gl.t.cfg.Timeout):
+		return nil, errors.New("this rank did not reach collNet connect in time")
+	}
+	gl.mu.Lock()
+	defer gl.mu.Unlock()
+	if gl.side == nil {
+		return nil, fmt.Errorf("this rank's one-shot path is off: %s", gl.out.Why)
+	}
+	return gl.side, nil
+}
+
+// Close stops listening. Connect closes it too.
+func (gl *GatherListener) Close() {
+	if gl.l != nil {
+		gl.l.close()
+		gl.l = nil
+	}
+}
+
+// GatherComm is a live group. C is the rg_gather_comm the hot path uses.
+type GatherComm struct {
+	t    *Transport
+	side *gatherSide
+	link *fabric.Link
+	Out  Outcome
+}
+
+func (g *GatherComm) C() unsafe.Pointer     { return unsafe.Pointer(g.side.c) }
+func (g *GatherComm) Transport() *Transport { return g.t }
+func (g *GatherComm) Peer() string          { return g.link.Peer() }
+func (g *GatherComm) Outstanding() int      { return int(C.rg_gather_outstanding(g.side.c)) }
+
+// Close stops the link, then frees what the peer wrote into.
+func (g *GatherComm) Close() error {
+	err := g.link.Close()
+	return errors.Join(err, g.side.Close())
+}
+
+// Connect forms the group from every rank's handle: it agrees the outcome, makes the
+// link, and checks it live in both directions. It returns a comm when the path is on;
+// otherwise nil and the outcome says why. Both ranks reach the same answer.
+func (gl *GatherListener) Connect(handles [][]byte, rank int) (*GatherComm, Outcome) {
+	out := Agree(handles, rank)
+	var s *gatherSide
+	var err error
+	if out.On {
+		if s, err = newGatherSide(gl.t, out, rank); err != nil {
+			out.On, out.Why = false, err.Error()
+		}
+	}
+	gl.mu.Lock()
+	gl.out, gl.side = out, s
+	gl.mu.Unlock()
+	close(gl.agreed)
+	defer gl.Close()
+	if !out.On {
+		return nil, out
+	}
+	link, err := gl.link(out, rank, s)
+	if err == nil {
+		s.start(link, gl.t.cfg.Timeout)
+		var errBuf [256]C.char
+		if C.rg_gather_probe(s.c, C.uint64_t(gl.t.cfg.Timeout.Nanoseconds()), &errBuf[0], C.int(len(errBuf))) != 0 {
+			err = errors.New(C.GoString(&errBuf[0]))
+		}
+		if err != nil {
+			link.Close()
+		}
+	}
+	if err != nil {
+		s.Close()
+		out.On, out.Why = false, fmt.Sprintf("the link to rank %d failed: %v", out.peerRank, err)
+		return nil, out
+	}
+	return &GatherComm{t: gl.t, side: s, link: link, Out: out}, out
+}
+
+// link makes the group's link: rank 0 dials rank 1, which accepts.
+func (gl *GatherListener) link(out Outcome, rank int, s *gatherSide) (*fabric.Link, error) {
+	if rank == 0 {
+		return dialLink(gl.t.dev, gl.t.localIP(), out.peer.Addr, out.peer.Token, purposeGather, out.Lanes, s, gl.t.cfg.Timeout)
+	}
+	deadline := time.Now().Add(gl.t.cfg.Timeout)
+	for time.Now().Before(deadline) {
+		if a, ok := gl.l.next(); ok {
+			return a.link, nil
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	return nil, fmt.Errorf("rank 0 did not connect within %v", gl.t.cfg.Timeout)
+}
+
+// gatherSide owns the C comm and the regions the peer writes into.
+type gatherSide struct {
+	t             *Transport
+	c             *C.rg_gather_comm
+	ctrl          *hostBuffer
+	landing       unsafe.Pointer
+	landingPinned C.int
+	landingMR     *fabric.MR
+	out           Outcome
+	peer          gatherRegions
+	once          sync.Once
+}
+
+type gatherRegions struct {
+	ctrlAddr, landingAddr uint64
+	ctrlKeys, landingKeys [fabric.MaxLanes]uint32
+	slotBytes, depth      uint64
+}
+
+func newGatherSide(t *Transport, out Outcome, rank int) (*gatherSide, error) {
+	slot := SlotBytesFor(out.Cap)
+	ctrl, err := newHostBuffer(t.dev, uint64(C.sizeof_rg_gather_ctrl))
+	if err != nil {
+		return nil, fmt.Errorf("gather control region: %w", err)
+	}
+	n := slot * C.RG_GATHER_DEPTH
+	s := &gatherSide{t: t, ctrl: ctrl, out: out}
+	s.landing = C.rg_landing_alloc(C.size_t(n), &s.landingPinned)
+	if s.landing == nil {
+		ctrl.free(t.dev)
+		return nil, fmt.Errorf("allocating %d bytes of landing slots", n)
+	}
+	s.landingMR, err = t.dev.Register(uintptr(s.landing), n, fabric.Host, nil)
+	if err != nil {
+		C.rg_landing_free(s.landing, s.landingPinned)
+		ctrl.free(t.dev)
+		return nil, fmt.Errorf("registering the landing slots: %w", err)
+	}
+	c := (*C.rg_gather_comm)(C.calloc(1, C.sizeof_rg_gather_comm))
+	C.rg_gather_init(c)
+	c.rank = C.int(rank)
+	c.mode = C.int(out.Mode)
+	c.eager_max = EagerMaxAuto
+	c.slot_bytes = C.uint64_t(slot)
+	c.ctrl = (*C.rg_gather_ctrl)(ctrl.ptr)
+	c.landing = (*C.uint8_t)(s.landing)
+	s.c = c
+	return s, nil
+}
+
+func (s *gatherSide) blob() []byte {
+	b := make([]byte, 0, 64)
+	b = binary.LittleEndian.AppendUint64(b, s.ctrl.addr())
+	b = binary.LittleEndian.AppendUint64(b, uint64(uintptr(s.landing)))
+	for i := 0; i < fabric.MaxLanes; i++ {
+		b = binary.LittleEndian.AppendUint32(b, s.ctrl.mr.RKey(i))
+	}
+	for i := 0; i < fabric.MaxLanes; i++ {
+		b = binary.LittleEndian.AppendUint32(b, s.landingMR.RKey(i))
+	}
+	b = binary.LittleEndian.AppendUint64(b, uint64(s.c.slot_bytes))
+	b = binary.LittleEndian.AppendUint64(b, C.RG_GATHER_DEPTH)
+	return b
+}
+
+func (s *gatherSide) peerBlob(b []byte) error {
+	want := 16 + 8*fabric.MaxLanes + 16
+	if len(b) != want {
+		return fmt.Errorf("the peer's gather regions are described in %d bytes, expected %d", len(b), want)
+	}
+	p := &s.peer
+	p.ctrlAddr = binary.LittleEndian.Uint64(b[0:])
+	p.landingAddr = binary.LittleEndian.Uint64(b[8:])
+	for i := 0; i < fabric.MaxLanes; i++ {
+		p.ctrlKeys[i] = binary.LittleEndian.Uint32(b[16+4*i:])
+		p.landingKeys[i] = binary.LittleEndian.Uint32(b[16+4*fabric.MaxLanes+4*i:])
+	}
+	p.slotBytes = binary.LittleEndian.Uint64(b[16+8*fabric.MaxLanes:])
+	p.depth = binary.LittleEndian.Uint64(b[24+8*fabric.MaxLanes:])
+	if p.slotBytes != uint64(s.c.slot_bytes) || p.depth != C.RG_GATHER_DEPTH {
+		return fmt.Errorf("the peer's landing slots (%d x %d bytes) differ from this rank's (%d x %d bytes)",
+			p.depth, p.slotBytes, C.RG_GATHER_DEPTH, uint64(s.c.slot_bytes))
+	}
+	return nil
+}
+
+func (s *gatherSide) start(link *fabric.Link, timeout time.Duration) {
+	s.c.link = (*C.rg_link)(link.C())
+	s.c.timeout_ns = C.uint64_t(timeout.Nanoseconds())
+	s.c.peer_ctrl_addr = C.uint64_t(s.peer.ctrlAddr)
+	s.c.peer_landing_addr = C.uint64_t(s.peer.landingAddr)
+	for i := 0; i < fabric.MaxLanes; i++ {
+		s.c.peer_ctrl_rkey[i] = C.uint32_t(s.peer.ctrlKeys[i])
+		s.c.peer_landing_rkey[i] = C.uint32_t(s.peer.landingKeys[i])
+	}
+}
+
+func (s *gatherSide) Close() error {
+	var err error
+	s.once.Do(func() {
+		C.rg_gather_fini(s.c)
+		err = errors.Join(s.t.dev.Deregister(s.landingMR), s.ctrl.free(s.t.dev))
+		C.rg_landing_free(s.landing, s.landingPinned)
+		C.free(unsafe.Pointer(s.c))
+	})
+	return err
+}

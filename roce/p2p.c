@@ -1,0 +1,298 @@
+/* The p2p message protocol (see p2p.h). Runs on NCCL's proxy progress thread. */
+#include <string.h>
+#include "../internal/nlog/nlog.h"
+#include "p2p.h"
+
+#define POLL_BATCH 16
+/* A waiting request asks the lane for liveness once per this many tests. */
+#define CHECK_EVERY 1024
+
+void rg_p2p_send_init(rg_p2p_send* s) {
+  for (int i = 0; i < RG_P2P_SEND_REQS; i++) {
+    s->reqs[i].index = i;
+    s->reqs[i].comm = s;
+    s->free_reqs[i] = RG_P2P_SEND_REQS - 1 - i;
+  }
+  s->nfree = RG_P2P_SEND_REQS;
+}
+
+void rg_p2p_recv_init(rg_p2p_recv* r) {
+  for (int i = 0; i < RG_P2P_SLOTS; i++) {
+    r->reqs[i].index = i;
+    r->reqs[i].comm = r;
+  }
+  for (int i = 0; i < RG_P2P_FLUSH_REQS; i++) {
+    r->flush_reqs[i].index = i;
+    r->flush_reqs[i].comm = r;
+  }
+}
+
+int rg_p2p_send_outstanding(const rg_p2p_send* s) { return RG_P2P_SEND_REQS - s->nfree; }
+
+int rg_p2p_recv_outstanding(const rg_p2p_recv* r) {
+  int n = 0;
+  for (int i = 0; i < RG_P2P_SLOTS; i++) n += r->reqs[i].kind != RG_REQ_FREE;
+  for (int i = 0; i < RG_P2P_FLUSH_REQS; i++) n += r->flush_reqs[i].kind != RG_REQ_FREE;
+  return n;
+}
+
+static ncclResult_t send_failed(rg_p2p_send* s, const char* what, uint64_t seq) {
+  if (!s->warned) {
+    s->warned = 1;
+    RG_WARN("send to %s failed at message %llu: %s: %s", s->link->peer, (unsigned long long)seq, what,
+            rg_why(s->lane));
+  }
+  return ncclRemoteError;
+}
+
+static ncclResult_t recv_failed(rg_p2p_recv* r, const char* what, uint64_t seq) {
+  if (!r->warned) {
+    r->warned = 1;
+    RG_WARN("receive from %s failed at message %llu: %s: %s", r->link->peer, (unsigned long long)seq, what,
+            rg_why(r->lane));
+  }
+  return ncclRemoteError;
+}
+
+/* Drains CTS arrivals into cts_ready. The sender's lane carries nothing else inbound. */
+static int send_progress_cts(rg_p2p_send* s) {
+  rg_cqe c[POLL_BATCH];
+  int n = rg_poll_recv(s->lane, c, POLL_BATCH);
+  if (n < 0) return n;
+  for (int i = 0; i < n; i++) {
+    if (RG_IMM_CLASS(c[i].imm) != RG_IMM_CTS || c[i].status != 0) return RG_ERR_INVALID;
+    s->cts_ready[c[i].imm & (RG_P2P_SLOTS - 1)] = 1;
+  }
+  return 0;
+}
+
+static int send_progress_completions(rg_p2p_send* s) {
+  rg_cqe c[POLL_BATCH];
+  int n = rg_poll_send(s->lane, c, POLL_BATCH);
+  if (n < 0) return n;
+  for (int i = 0; i < n; i++) {
+    if (c[i].status != 0 || c[i].wr_id == 0 || c[i].wr_id > RG_P2P_SEND_REQS) return RG_ERR_INVALID;
+    s->reqs[c[i].wr_id - 1].done = 1;
+  }
+  return 0;
+}
+
+int rg_p2p_isend(rg_p2p_send* s, void* data, uint64_t size, int tag, const rg_mr* mr, void** request) {
+  *request = NULL;
+  if (send_progress_cts(s) != 0) return send_failed(s, "waiting for the receiver's clear-to-send", s->sends);
+  uint32_t slot = (uint32_t)(s->head & (RG_P2P_SLOTS - 1));
+  if (!s->cts_ready[slot] || s->nfree == 0) return ncclSuccess;
+  rg_cts_entry* e = &s->fifo[slot * RG_P2P_MAX_RECVS];
+  uint32_t nreqs = e[0].nreqs;
+  if (nreqs == 0 || nreqs > RG_P2P_MAX_RECVS) {
+    RG_WARN("clear-to-send from %s names %u buffers (at most %d)", s->link->peer, nreqs, RG_P2P_MAX_RECVS);
+    return ncclRemoteError;
+  }
+  uint32_t i = 0;
+  while (i < nreqs && (s->matched[i] || e[i].tag != tag)) i++;
+  if (i == nreqs) {
+    RG_WARN("send to %s with tag %d matches none of the %u buffers the receiver posted", s->link->peer, tag, nreqs);
+    return ncclInternalError;
+  }
+  if (size > e[i].size) {
+    RG_WARN("send of %llu bytes to %s does not fit the receiver's %llu-byte buffer (tag %d)",
+            (unsigned long long)size, s->link->peer, (unsigned long long)e[i].size, tag);
+    return ncclInvalidUsage;
+  }
+  int ri = s->free_reqs[s->nfree - 1];
+  rg_request* req = &s->reqs[ri];
+  uint64_t record = size;
+  rg_wr wr[2];
+  int nwr = 0;
+  if (size > 0) {
+    wr[nwr++] = (rg_wr){.local = data, .mr = mr, .len = size, .remote = e[i].addr, .rkey = e[i].rkey,
+                        .op = RG_OP_WRITE};
+  }
+  wr[nwr++] = (rg_wr){.wr_id = (uint64_t)ri + 1,
+                      .local = &record,
+                      .len = sizeof(record),
+                      .remote = s->peer_cmpl_addr + ((uint64_t)slot * RG_P2P_MAX_RECVS + i) * sizeof(uint64_t),
+                      .rkey = s->peer_cmpl_rkey,
+                      .imm = (RG_IMM_DATA << 28) | (slot << 3) | i,
+                      .op = RG_OP_WRITE_IMM,
+                      .flags = RG_WR_SIGNALED | RG_WR_INLINE};
+  int rc = rg_post(s->lane, wr, nwr);
+  if (rc == RG_ERR_FULL) return ncclSuccess;
+  if (rc != RG_OK) return send_failed(s, "posting the write", s->sends);
+  s->nfree--;
+  req->kind = RG_REQ_SEND;
+  req->done = 0;
+  req->n = 1;
+  req->id = s->sends++;
+  req->sizes[0] = size;
+  s->matched[i] = 1;
+  if (++s->nmatched == (int)nreqs) {
+    memset(s->matched, 0, sizeof(s->matched));
+    s->nmatched = 0;
+    s->cts_ready[slot] = 0;
+    s->head++;
+  }
+  *request = req;
+  return ncclSuccess;
+}
+
+int rg_p2p_irecv(rg_p2p_recv* r, int n, void** data, const uint64_t* sizes, const int* tags, const rg_mr* const* mrs,
+                 void** request) {
+  *request = NULL;
+  if (n < 1 || n > RG_P2P_MAX_RECVS) {
+    RG_WARN("irecv of %d buffers from %s: between 1 and %d are supported", n, r->link->peer, RG_P2P_MAX_RECVS);
+    return ncclInvalidArgument;
+  }
+  uint32_t slot = (uint32_t)(r->head & (RG_P2P_SLOTS - 1));
+  rg_request* req = &r->reqs[slot];
+  if (req->kind != RG_REQ_FREE) return ncclSuccess; /* RG_P2P_SLOTS receives outstanding */
+  rg_cts_entry* e = &r->cts[slot * RG_P2P_MAX_RECVS];
+  int hca = r->lane->hca;
+  for (int i = 0; i < n; i++) {
+    if (sizes[i] > 0 && mrs[i] == NULL) {
+      RG_WARN("irecv buffer %d from %s (%llu bytes) has no registration", i, r->link->peer,
+              (unsigned long long)sizes[i]);
+      return ncclInvalidArgument;
+    }
+    e[i] = (rg_cts_entry){.addr = (uint64_t)(uintptr_t)data[i],
+                          .size = sizes[i],
+                          .rkey = mrs[i] ? mrs[i]->rkey[hca] : 0,
+                          .tag = tags[i],
+                          .nreqs = (uint32_t)n,
+                          .id = r->head};
+  }
+  rg_wr wr = {.local = e,
+              .mr = r->cts_mr,
+              .len = sizeof(rg_cts_entry) * (uint64_t)n,
+              .remote = r->peer_fifo_addr + (uint64_t)slot * RG_P2P_MAX_RECVS * sizeof(rg_cts_entry),
+              .rkey = r->peer_fifo_rkey,
+              .imm = (RG_IMM_CTS << 28) | slot,
+              .op = RG_OP_WRITE_IMM};
+  int rc = rg_post(r->lane, &wr, 1);
+  if (rc == RG_ERR_FULL) return ncclSuccess;
+  if (rc != RG_OK) return recv_failed(r, "posting the clear-to-send", r->head);
+  req->kind = RG_REQ_RECV;
+  req->done = 0;
+  req->n = n;
+  req->waiting = n;
+  req->id = r->head++;
+  for (int i = 0; i < n; i++) req->sizes[i] = 0;
+  *request = req;
+  return ncclSuccess;
+}
+
+static int recv_progress(rg_p2p_recv* r) {
+  rg_cqe c[POLL_BATCH];
+  int n = rg_poll_recv(r->lane, c, POLL_BATCH);
+  if (n < 0) return n;
+  for (int i = 0; i < n; i++) {
+    uint32_t imm = c[i].imm;
+    if (RG_IMM_CLASS(imm) != RG_IMM_DATA || c[i].status != 0) return RG_ERR_INVALID;
+    uint32_t slot = (imm >> 3) & (RG_P2P_SLOTS - 1), entry = imm & 7;
+    rg_request* q = &r->reqs[slot];
+    if (q->kind != RG_REQ_RECV || (int)entry >= q->n) return RG_ERR_INVALID;
+    q->sizes[entry] = r->cmpl[slot * RG_P2P_MAX_RECVS + entry];
+    if (--q->waiting == 0) q->done = 1;
+  }
+  return 0;
+}
+
+int rg_p2p_iflush(rg_p2p_recv* r, int n, void** data, const int* sizes, const rg_mr* const* mrs, void** request) {
+  *request = NULL;
+  rg_link* link = r->link;
+  if (link->flush.ops == NULL) return ncclSuccess;
+  int last = -1;
+  for (int i = 0; i < n; i++)
+    if (sizes[i] > 0) last = i;
+  if (last < 0) return ncclSuccess;
+  if (mrs[last] == NULL) {
+    RG_WARN("flush of a buffer from %s that has no registration", link->peer);
+    return ncclInvalidArgument;
+  }
+  int fi = 0;
+  while (fi < RG_P2P_FLUSH_REQS && r->flush_reqs[fi].kind != RG_REQ_FREE) fi++;
+  if (fi == RG_P2P_FLUSH_REQS) return ncclSuccess; /* all flush requests in flight: retry */
+  /* Reading the buffer back through the NIC orders the GPU's view after the NIC's writes. */
+  rg_wr wr = {.wr_id = (uint64_t)fi + 1,
+              .local = link->flush_dst,
+              .mr = link->flush_dst_mr,
+              .len = 1,
+              .remote = (uint64_t)(uintptr_t)data[last],
+              .rkey = mrs[last]->rkey[link->flush.hca],
+              .op = RG_OP_READ,
+              .flags = RG_WR_SIGNALED};
+  int rc = rg_post(&link->flush, &wr, 1);
+  if (rc == RG_ERR_FULL) return ncclSuccess;
+  if (rc != RG_OK) return recv_failed(r, "posting the flush", r->flushes);
+  rg_request* req = &r->flush_reqs[fi];
+  req->kind = RG_REQ_FLUSH;
+  req->done = 0;
+  req->id = r->flushes++;
+  *request = req;
+  return ncclSuccess;
+}
+
+static ncclResult_t test_flush(rg_request* req, int* done) {
+  rg_p2p_recv* r = req->comm;
+  if (!req->done) {
+    rg_cqe c[POLL_BATCH];
+    int n = rg_poll_send(&r->link->flush, c, POLL_BATCH);
+    if (n < 0) return recv_failed(r, "flushing", req->id);
+    for (int i = 0; i < n; i++) {
+      if (c[i].status != 0 || c[i].wr_id == 0 || c[i].wr_id > RG_P2P_FLUSH_REQS)
+        return recv_failed(r, "flushing", req->id);
+      r->flush_reqs[c[i].wr_id - 1].done = 1;
+    }
+  }
+  if (!req->done) return ncclSuccess;
+  *done = 1;
+  req->kind = RG_REQ_FREE;
+  return ncclSuccess;
+}
+
+static ncclResult_t test_send(rg_request* req, int* done, uint64_t* sizes) {
+  rg_p2p_send* s = req->comm;
+  if (!req->done) {
+    int rc = send_progress_completions(s);
+    if (rc == 0) rc = send_progress_cts(s);
+    if (rc != 0 && !req->done) return send_failed(s, "waiting for the write to complete", req->id);
+    if (!req->done && ++s->polls % CHECK_EVERY == 0 && rg_check(s->lane, rg_now_ns()) != RG_OK)
+      return send_failed(s, "waiting for the write to complete", req->id);
+  }
+  if (!req->done) return ncclSuccess;
+  *done = 1;
+  if (sizes) sizes[0] = req->sizes[0];
+  req->kind = RG_REQ_FREE;
+  s->free_reqs[s->nfree++] = req->index;
+  return ncclSuccess;
+}
+
+static ncclResult_t test_recv(rg_request* req, int* done, uint64_t* sizes) {
+  rg_p2p_recv* r = req->comm;
+  if (!req->done) {
+    if (recv_progress(r) != 0 && !req->done) return recv_failed(r, "waiting for data", req->id);
+    if (!req->done && ++r->polls % CHECK_EVERY == 0 && rg_check(r->lane, rg_now_ns()) != RG_OK)
+      return recv_failed(r, "waiting for data", req->id);
+  }
+  if (!req->done) return ncclSuccess;
+  *done = 1;
+  if (sizes)
+    for (int i = 0; i < req->n; i++) sizes[i] = req->sizes[i];
+  req->kind = RG_REQ_FREE;
+  return ncclSuccess;
+}
+
+int rg_p2p_test(rg_request* req, int* done, uint64_t* sizes) {
+  *done = 0;
+  switch (req->kind) {
+  case RG_REQ_SEND:
+    return test_send(req, done, sizes);
+  case RG_REQ_RECV:
+    return test_recv(req, done, sizes);
+  case RG_REQ_FLUSH:
+    return test_flush(req, done);
+  default:
+    RG_WARN("test called on a request that is not in flight (kind %d)", req->kind);
+    return ncclInvalidUsage;
+  }
+}

@@ -1,0 +1,216 @@
+// Package roce is the transport: it opens a fabric (verbs or tcp), makes authenticated
+// links, and runs the p2p message protocol and the one-shot gather protocol on them.
+package roce
+
+/*
+#cgo CFLAGS: -Wall -Werror
+#include <stdlib.h>
+#include <string.h>
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/roce-gather/roce_gather/internal/nlog"
+	"github.com/roce-gather/roce_gather/roce/fabric"
+	"github.com/roce-gather/roce_gather/roce/tcp"
+)
+
+// Config is what the transport needs from the plugin's configuration.
+type Config struct {
+	Fabric           string // "auto", "verbs" or "tcp"
+	HCAs             string // ROCE_GATHER_HCAS, "" for all active ports
+	GIDIndex         int    // -1 chooses automatically
+	TCPInterface     string // ROCE_GATHER_TCP_IF
+	NCCLSocketIfname string // NCCL_SOCKET_IFNAME
+	Timeout          time.Duration
+}
+
+// Transport is one open fabric device and the registrations made on it.
+type Transport struct {
+	cfg   Config
+	dev   fabric.Device
+	kind  string
+	iface fabric.Interface // where bootstrap sockets bind
+	regs  regCache
+}
+
+// Open opens the fabric the configuration names. "auto" takes verbs when a usable port
+// exists and tcp otherwise, and says which and why.
+func Open(cfg Config) (*Transport, error) {
+	if cfg.Timeout <= 0 {
+		return nil, fmt.Errorf("timeout must be positive, got %v", cfg.Timeout)
+	}
+	iface, err := fabric.PickInterface(cfg.TCPInterface, cfg.NCCLSocketIfname)
+	if err != nil {
+		return nil, err
+	}
+	t := &Transport{cfg: cfg, iface: iface}
+	t.regs.init()
+	switch cfg.Fabric {
+	case "tcp":
+		err = t.openTCP()
+	case "verbs":
+		err = t.openVerbs()
+	case "auto", "":
+		if verr := t.openVerbs(); verr != nil {
+			nlog.Infof(nlog.Init|nlog.Net, "no usable RDMA port (%v); using the tcp fabric", verr)
+			err = t.openTCP()
+		}
+	default:
+		err = fmt.Errorf("unknown fabric %q (auto, verbs or tcp)", cfg.Fabric)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+func (t *Transport) openTCP() error {
+	d, err := tcp.Open(tcp.Config{Interface: t.iface.Name, Timeout: t.cfg.Timeout})
+	if err != nil {
+		return fmt.Errorf("tcp fabric: %w", err)
+	}
+	t.dev, t.kind = d, "tcp"
+	return nil
+}
+
+// Kind is "verbs" or "tcp".
+func (t *Transport) Kind() string { return t.kind }
+
+// Device is the fabric device in use.
+func (t *Transport) Device() fabric.Device { return t.dev }
+
+// Interface is where the transport's sockets bind.
+func (t *Transport) Interface() fabric.Interface { return t.iface }
+
+// Timeout is the longest wait for a peer.
+func (t *Transport) Timeout() time.Duration { return t.cfg.Timeout }
+
+// Close releases registrations nobody released and closes the device.
+func (t *Transport) Close() error {
+	t.regs.releaseAll(t.dev)
+	return t.dev.Close()
+}
+
+// regCache shares one registration among every caller that registers an overlapping
+// page range of the same memory kind (NCCL registers one staging buffer 2 x nChannels
+// times), with a reference count.
+type regCache struct {
+	mu      sync.Mutex
+	entries map[unsafe.Pointer]*regEntry // by the rg_mr pointer handed out as mhandle
+}
+
+type regEntry struct {
+	mr   *fabric.MR
+	refs int
+}
+
+func (c *regCache) init() { c.entries = map[unsafe.Pointer]*regEntry{} }
+
+const regAlign = 4096
+
+// Register returns an mhandle (the C rg_mr) covering [addr, addr+size).
+func (t *Transport) Register(addr uintptr, size uint64, mem fabric.Mem, dmabuf *fabric.DmaBuf) (unsafe.Pointer, error) {
+	if size == 0 {
+		return nil, errors.New("cannot register 0 bytes")
+	}
+	begin := addr &^ (regAlign - 1)
+	end := (uint64(addr) + size + regAlign - 1) &^ (regAlign - 1)
+	c := &t.regs
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for p, e := range c.entries {
+		if e.mr.Mem() == mem && e.mr.Contains(begin, end-uint64(begin)) {
+			e.refs++
+			return p, nil
+		}
+	}
+	if dmabuf != nil {
+		// The descriptor covers the buffer NCCL passed, not our page-aligned range.
+		begin, end = addr, uint64(addr)+size
+	}
+	mr, err := t.dev.Register(begin, end-uint64(begin), mem, dmabuf)
+	if err != nil {
+		return nil, fmt.Errorf("registering %d bytes of %s memory at 0x%x on %s: %w", size, mem, addr, t.dev.Info().Name, err)
+	}
+	c.entries[mr.C()] = &regEntry{mr: mr, refs: 1}
+	return mr.C(), nil
+}
+
+// Deregister drops one reference to an mhandle from Register.
+func (t *Transport) Deregister(mhandle unsafe.Pointer) error {
+	c := &t.regs
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, ok := c.entries[mhandle]
+	if !ok {
+		return fmt.Errorf("0x%x is not a registration of this plugin", uintptr(mhandle))
+	}
+	if e.refs--; e.refs > 0 {
+		return nil
+	}
+	delete(c.entries, mhandle)
+	return t.dev.Deregister(e.mr)
+}
+
+// Registrations is the number of live registrations, for leak checks.
+func (t *Transport) Registrations() int {
+	t.regs.mu.Lock()
+	defer t.regs.mu.Unlock()
+	return len(t.regs.entries)
+}
+
+func (c *regCache) releaseAll(dev fabric.Device) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for p, e := range c.entries {
+		dev.Deregister(e.mr)
+		delete(c.entries, p)
+	}
+}
+
+// hostBuffer is page-aligned, zeroed C memory registered on the device: the control
+// structures peers write into (FIFOs, completion records, gather slots).
+type hostBuffer struct {
+	ptr unsafe.Pointer
+	len uint64
+	mr  *fabric.MR
+}
+
+func newHostBuffer(dev fabric.Device, n uint64) (*hostBuffer, error) {
+	var p unsafe.Pointer
+	if C.posix_memalign(&p, regAlign, C.size_t(n)) != 0 {
+		return nil, fmt.Errorf("allocating %d bytes", n)
+	}
+	C.memset(p, 0, C.size_t(n))
+	mr, err := dev.Register(uintptr(p), n, fabric.Host, nil)
+	if err != nil {
+		C.free(p)
+		return nil, err
+	}
+	return &hostBuffer{ptr: p, len: n, mr: mr}, nil
+}
+
+func (b *hostBuffer) free(dev fabric.Device) error {
+	if b == nil || b.ptr == nil {
+		return nil
+	}
+	err := dev.Deregister(b.mr)
+	if err == nil {
+		C.free(b.ptr)
+	}
+	b.ptr = nil
+	return err
+}
+
+func (b *hostBuffer) addr() uint64 { return uint64(uintptr(b.ptr)) }
+
+// localIP is where this transport's listeners bind.
+func (t *Transport) localIP() net.IP { return t.iface.IP }
