@@ -1,0 +1,7 @@
+#include <stdlib.h>
+#include "_cgo_export.h"
+
+static void at_exit(void) { rgGoAtExit(); }
+
+/* Writes ROCE_GATHER_STATS at process exit for jobs that never finalize NCCL. */
+void rg_register_at_exit(void) { atexit(at_exit); }

@@ -1,0 +1,150 @@
+package plugin
+
+/*
+#include "abi.h"
+*/
+import "C"
+
+import (
+	"os"
+	"unsafe"
+
+	"github.com/roce-gather/roce_gather/internal/nlog"
+	"github.com/roce-gather/roce_gather/roce"
+)
+
+// collListen is what collNet listen returns: the group's listener and its context.
+type collListen struct {
+	gl     *roce.GatherListener
+	commID uint64
+}
+
+// collComm is a live group as the plugin tracks it.
+type collComm struct {
+	g   *roce.GatherComm
+	tr  *roce.Transport
+	seq uint64 // registry entry
+}
+
+func (c *collComm) close() {
+	registry.forget(c.seq)
+	c.g.Close()
+}
+
+func gatherMode(m Mode) roce.GatherMode {
+	switch m {
+	case ModeRendezvous:
+		return roce.GatherRendezvous
+	case ModeEager:
+		return roce.GatherEager
+	}
+	return roce.GatherAuto
+}
+
+//export rgGoCollInit
+func rgGoCollInit(ctx *unsafe.Pointer, commID C.uint64_t, abi C.int, logger unsafe.Pointer) C.int {
+	rc := initContext(ctx, uint64(commID), int(abi), true, logger)
+	if rc == rcSuccess && !collNetEnabled() {
+		nlog.Infof(nlog.Init|nlog.Net, "the one-shot gather is off: NCCL_COLLNET_ENABLE is not 1, so NCCL will not use collNet (the net works as usual)")
+	}
+	return rc
+}
+
+// collNetEnabled reports NCCL's own switch, for the log line that says why the path is off.
+func collNetEnabled() bool {
+	v, ok := lookup(os.Getenv, "NCCL_COLLNET_ENABLE")
+	return ok && v == "1"
+}
+
+//export rgGoCollListen
+func rgGoCollListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listenComm *unsafe.Pointer) C.int {
+	*listenComm = nil
+	if !checkDev("collNet listen", dev) {
+		return rcInvalidArgument
+	}
+	tr, err := state.transport()
+	if err != nil {
+		nlog.Warnf("collNet listen: %v", err)
+		return rcInvalidUsage
+	}
+	var commID uint64
+	if c, ok := contextOf(ctx); ok {
+		commID = c.commID
+	}
+	state.mu.Lock()
+	cfg := state.cfg
+	state.mu.Unlock()
+	gl, err := tr.ListenGather(roce.GatherConfig{Enable: cfg.Enable, MaxBytes: cfg.MaxBytes, Mode: gatherMode(cfg.Mode)},
+		unsafe.Slice((*byte)(handle), roce.HandleSize))
+	if err != nil {
+		nlog.Warnf("collNet listen: %v", err)
+		return rcSystemError
+	}
+	*listenComm = handles.add(&collListen{gl: gl, commID: commID})
+	return rcSuccess
+}
+
+func collListenOf(p unsafe.Pointer) (*collListen, bool) { return handleOf[*collListen](p) }
+
+//export rgGoCollConnect
+func rgGoCollConnect(handles *unsafe.Pointer, nranks C.int, rank C.int, listenComm unsafe.Pointer, collCommOut *unsafe.Pointer) C.int {
+	*collCommOut = nil
+	cl, ok := collListenOf(listenComm)
+	if !ok {
+		nlog.Warnf("collNet connect: the listen comm is not one this plugin made")
+		return rcInvalidArgument
+	}
+	hs := make([][]byte, int(nranks))
+	for i, p := range unsafe.Slice(handles, int(nranks)) {
+		hs[i] = unsafe.Slice((*byte)(p), roce.HandleSize)
+	}
+	g, out := cl.gl.Connect(hs, int(rank))
+	seq := registry.record(cl.commID, groupOutcome{on: out.On, cap: out.Cap, localCap: out.LocalCap, peerCap: out.PeerCap, why: out.Why})
+	if !out.On {
+		// Both ranks reach this from the same handles; NCCL then keeps every collective on
+		// its own algorithms and says "Cannot initialize CollNet".
+		if out.Config {
+			nlog.Infof(nlog.Init|nlog.Net, "one-shot gather off for communicator 0x%x: %s (local cap %d, peer cap %d)", cl.commID, out.Why, out.LocalCap, out.PeerCap)
+		} else {
+			nlog.Warnf("one-shot gather off for communicator 0x%x: %s (local cap %d, peer cap %d)", cl.commID, out.Why, out.LocalCap, out.PeerCap)
+		}
+		return rcSuccess
+	}
+	c := &collComm{g: g, tr: g.Transport(), seq: seq}
+	state.mu.Lock()
+	state.colls[g.C()] = c
+	state.mu.Unlock()
+	nlog.Infof(nlog.Init|nlog.Net, "one-shot gather on for communicator 0x%x with %s: agreed cap %d bytes a rank (local %d, peer %d), mode %s, %d lane(s)",
+		cl.commID, g.Peer(), out.Cap, out.LocalCap, out.PeerCap, out.Mode, out.Lanes)
+	*collCommOut = g.C()
+	return rcSuccess
+}
+
+//export rgGoCollCloseListen
+func rgGoCollCloseListen(listenComm unsafe.Pointer) C.int {
+	cl, ok := collListenOf(listenComm)
+	if !ok {
+		nlog.Warnf("collNet closeListen: the listen comm is not one this plugin made")
+		return rcInvalidArgument
+	}
+	handles.remove(listenComm)
+	cl.gl.Close()
+	return rcSuccess
+}
+
+//export rgGoCollClose
+func rgGoCollClose(comm unsafe.Pointer) C.int {
+	state.mu.Lock()
+	c, ok := state.colls[comm]
+	delete(state.colls, comm)
+	state.mu.Unlock()
+	if !ok {
+		nlog.Warnf("closeColl: 0x%x is not a collNet comm this plugin made", uintptr(comm))
+		return rcInvalidArgument
+	}
+	if n := c.g.Outstanding(); n > 0 {
+		nlog.Infof(nlog.Net, "closing the one-shot group with %s with %d gathers in flight", c.g.Peer(), n)
+	}
+	c.close()
+	return rcSuccess
+}

@@ -1,0 +1,200 @@
+package plugin
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Mode is how a one-shot gather moves a shard (docs/roce-gather.md, "Modes").
+type Mode int
+
+const (
+	ModeAuto       Mode = iota // chosen by size from measurement
+	ModeRendezvous             // the receiver's ready token first, then a zero-copy write
+	ModeEager                  // a write into plugin-owned landing slots, no wait
+)
+
+func (m Mode) String() string {
+	switch m {
+	case ModeRendezvous:
+		return "rendezvous"
+	case ModeEager:
+		return "eager"
+	}
+	return "auto"
+}
+
+// Config is the plugin's configuration, read from the environment once per init from
+// idle. Each invalid value is refused with a WARN and replaced by the default.
+type Config struct {
+	Enable    bool
+	MaxBytes  uint64 // this rank's per-rank shard cap
+	Fabric    string // auto, verbs, tcp
+	HCAs      string
+	GIDIndex  int // -1: automatic
+	TCPIf     string
+	SocketIf  string // NCCL_SOCKET_IFNAME, consulted when TCPIf is empty
+	Timeout   time.Duration
+	Mode      Mode
+	StatsPath string // "", a path (with %p for the pid, %h for the host) or "stderr"
+}
+
+// Defaults, as DESIGN.md's configuration table gives them.
+const (
+	DefaultMaxBytes = 512 << 10
+	// MaxMaxBytes bounds the cap: the landing slots of eager mode are sized from it.
+	MaxMaxBytes      = 64 << 20
+	DefaultTimeoutMS = 30000
+)
+
+// Warning is one refused environment value.
+type Warning struct {
+	Var, Value, Used, Why string
+}
+
+func (w Warning) String() string {
+	return fmt.Sprintf("%s=%q %s; using %s", w.Var, w.Value, w.Why, w.Used)
+}
+
+// ParseConfig reads the configuration through getenv and returns every refused value.
+func ParseConfig(getenv func(string) string) (Config, []Warning) {
+	c := Config{
+		Enable:   true,
+		MaxBytes: DefaultMaxBytes,
+		Fabric:   "auto",
+		GIDIndex: -1,
+		Timeout:  DefaultTimeoutMS * time.Millisecond,
+		Mode:     ModeAuto,
+	}
+	var warns []Warning
+	refuse := func(name, value, used, why string) {
+		warns = append(warns, Warning{Var: name, Value: value, Used: used, Why: why})
+	}
+
+	if v, ok := lookup(getenv, "ROCE_GATHER_ENABLE"); ok {
+		switch v {
+		case "1":
+		case "0":
+			c.Enable = false
+		default:
+			refuse("ROCE_GATHER_ENABLE", v, "1", "is not 0 or 1")
+		}
+	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_MAX_BYTES"); ok {
+		n, err := ParseBytes(v)
+		switch {
+		case err != nil:
+			refuse("ROCE_GATHER_MAX_BYTES", v, fmt.Sprint(DefaultMaxBytes), "is not a byte count ("+err.Error()+")")
+		case n == 0 || n > MaxMaxBytes:
+			refuse("ROCE_GATHER_MAX_BYTES", v, fmt.Sprint(DefaultMaxBytes), fmt.Sprintf("is outside 1..%d", MaxMaxBytes))
+		default:
+			c.MaxBytes = n
+		}
+	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_FABRIC"); ok {
+		switch v {
+		case "auto", "verbs", "tcp":
+			c.Fabric = v
+		default:
+			refuse("ROCE_GATHER_FABRIC", v, "auto", "is not auto, verbs or tcp")
+		}
+	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_HCAS"); ok {
+		if err := checkHCAList(v); err != nil {
+			refuse("ROCE_GATHER_HCAS", v, "all active ports", err.Error())
+		} else {
+			c.HCAs = v
+		}
+	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_GID_INDEX"); ok && v != "auto" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 || n > 255 {
+			refuse("ROCE_GATHER_GID_INDEX", v, "auto", "is not auto or an index from 0 to 255")
+		} else {
+			c.GIDIndex = n
+		}
+	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_TCP_IF"); ok {
+		if strings.ContainsAny(v, " ,/") || len(v) > 15 {
+			refuse("ROCE_GATHER_TCP_IF", v, "NCCL_SOCKET_IFNAME or the first interface that is up", "is not an interface name")
+		} else {
+			c.TCPIf = v
+		}
+	}
+	c.SocketIf = strings.TrimSpace(getenv("NCCL_SOCKET_IFNAME"))
+	if v, ok := lookup(getenv, "ROCE_GATHER_TIMEOUT_MS"); ok {
+		n, err := strconv.ParseUint(v, 10, 32)
+		if err != nil || n == 0 {
+			refuse("ROCE_GATHER_TIMEOUT_MS", v, fmt.Sprint(DefaultTimeoutMS), "is not a positive number of milliseconds")
+		} else {
+			c.Timeout = time.Duration(n) * time.Millisecond
+		}
+	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_MODE"); ok {
+		switch v {
+		case "auto":
+		case "rendezvous":
+			c.Mode = ModeRendezvous
+		case "eager":
+			c.Mode = ModeEager
+		default:
+			refuse("ROCE_GATHER_MODE", v, "auto", "is not rendezvous, eager or auto")
+		}
+	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_STATS"); ok {
+		c.StatsPath = v
+	}
+	return c, warns
+}
+
+// lookup returns a variable's trimmed value and whether it is set and non-empty.
+func lookup(getenv func(string) string, name string) (string, bool) {
+	v := strings.TrimSpace(getenv(name))
+	return v, v != ""
+}
+
+// ParseBytes reads a byte count: a plain integer or one with a K, M or G suffix (powers
+// of 1024, with or without "iB"/"B").
+func ParseBytes(s string) (uint64, error) {
+	t := strings.ToUpper(strings.TrimSpace(s))
+	mult := uint64(1)
+	for _, suf := range []struct {
+		s string
+		m uint64
+	}{{"KIB", 1 << 10}, {"MIB", 1 << 20}, {"GIB", 1 << 30}, {"KB", 1 << 10}, {"MB", 1 << 20}, {"GB", 1 << 30}, {"K", 1 << 10}, {"M", 1 << 20}, {"G", 1 << 30}} {
+		if strings.HasSuffix(t, suf.s) {
+			t, mult = strings.TrimSpace(strings.TrimSuffix(t, suf.s)), suf.m
+			break
+		}
+	}
+	n, err := strconv.ParseUint(t, 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("want digits with an optional K, M or G suffix")
+	}
+	if n > (^uint64(0))/mult {
+		return 0, fmt.Errorf("too large")
+	}
+	return n * mult, nil
+}
+
+// checkHCAList accepts "name" or "name:port" items separated by commas.
+func checkHCAList(v string) error {
+	for _, item := range strings.Split(v, ",") {
+		item = strings.TrimSpace(item)
+		if item == "" {
+			return fmt.Errorf("has an empty item")
+		}
+		name, port, hasPort := strings.Cut(item, ":")
+		if name == "" || strings.ContainsAny(name, " /=^") {
+			return fmt.Errorf("item %q is not an HCA name", item)
+		}
+		if hasPort {
+			if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 255 {
+				return fmt.Errorf("item %q has a port that is not 1 to 255", item)
+			}
+		}
+	}
+	return nil
+}

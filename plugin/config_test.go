@@ -1,0 +1,95 @@
+package plugin
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func env(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
+
+func TestConfigDefaultsMatchTheDesignTable(t *testing.T) {
+	c, warns := ParseConfig(env(nil))
+	require.Empty(t, warns)
+	require.True(t, c.Enable)
+	require.Equal(t, uint64(524288), c.MaxBytes)
+	require.Equal(t, "auto", c.Fabric)
+	require.Equal(t, -1, c.GIDIndex)
+	require.Equal(t, 30*time.Second, c.Timeout)
+	require.Equal(t, ModeAuto, c.Mode)
+	require.Equal(t, "", c.StatsPath)
+}
+
+func TestConfigReadsEveryVariable(t *testing.T) {
+	c, warns := ParseConfig(env(map[string]string{
+		"ROCE_GATHER_ENABLE":     "0",
+		"ROCE_GATHER_MAX_BYTES":  "511K",
+		"ROCE_GATHER_FABRIC":     "tcp",
+		"ROCE_GATHER_HCAS":       "mlx5_0,mlx5_1:1",
+		"ROCE_GATHER_GID_INDEX":  "3",
+		"ROCE_GATHER_TCP_IF":     "eth0",
+		"ROCE_GATHER_TIMEOUT_MS": "2500",
+		"ROCE_GATHER_MODE":       "eager",
+		"ROCE_GATHER_STATS":      "/tmp/s.%p.json",
+		"NCCL_SOCKET_IFNAME":     "^docker",
+	}))
+	require.Empty(t, warns)
+	require.False(t, c.Enable)
+	require.Equal(t, uint64(511*1024), c.MaxBytes)
+	require.Equal(t, "tcp", c.Fabric)
+	require.Equal(t, "mlx5_0,mlx5_1:1", c.HCAs)
+	require.Equal(t, 3, c.GIDIndex)
+	require.Equal(t, "eth0", c.TCPIf)
+	require.Equal(t, "^docker", c.SocketIf)
+	require.Equal(t, 2500*time.Millisecond, c.Timeout)
+	require.Equal(t, ModeEager, c.Mode)
+	require.Equal(t, "/tmp/s.%p.json", c.StatsPath)
+}
+
+// Every bad value is refused with a warning naming the variable, the value and the default used.
+func TestConfigRefusesEveryBadValueAndKeepsTheDefault(t *testing.T) {
+	cases := []struct {
+		name, value, used string
+	}{
+		{"ROCE_GATHER_ENABLE", "yes", "1"},
+		{"ROCE_GATHER_MAX_BYTES", "abc", "524288"},
+		{"ROCE_GATHER_MAX_BYTES", "0", "524288"},
+		{"ROCE_GATHER_MAX_BYTES", "65M", "524288"},
+		{"ROCE_GATHER_FABRIC", "rdma", "auto"},
+		{"ROCE_GATHER_HCAS", "mlx5_0,,mlx5_1", "all active ports"},
+		{"ROCE_GATHER_HCAS", "mlx5_0:0", "all active ports"},
+		{"ROCE_GATHER_GID_INDEX", "-1", "auto"},
+		{"ROCE_GATHER_GID_INDEX", "three", "auto"},
+		{"ROCE_GATHER_TCP_IF", "eth0,eth1", "NCCL_SOCKET_IFNAME or the first interface that is up"},
+		{"ROCE_GATHER_TIMEOUT_MS", "0", "30000"},
+		{"ROCE_GATHER_TIMEOUT_MS", "-5", "30000"},
+		{"ROCE_GATHER_MODE", "fast", "auto"},
+	}
+	def, _ := ParseConfig(env(nil))
+	for _, tc := range cases {
+		t.Run(tc.name+"="+tc.value, func(t *testing.T) {
+			c, warns := ParseConfig(env(map[string]string{tc.name: tc.value}))
+			require.Len(t, warns, 1)
+			require.Equal(t, tc.name, warns[0].Var)
+			require.Equal(t, tc.value, warns[0].Value)
+			require.Equal(t, tc.used, warns[0].Used)
+			require.Contains(t, warns[0].String(), tc.name+"=\""+tc.value+"\"")
+			require.Contains(t, warns[0].String(), "using "+tc.used)
+			c.SocketIf = def.SocketIf
+			require.Equal(t, def, c, "a refused value must leave the default in place")
+		})
+	}
+}
+
+func TestParseBytesSuffixes(t *testing.T) {
+	for in, want := range map[string]uint64{"512": 512, "4K": 4096, "4KiB": 4096, "1M": 1 << 20, "2MiB": 2 << 20, "1g": 1 << 30, " 8 kb ": 8192} {
+		got, err := ParseBytes(in)
+		require.NoError(t, err, in)
+		require.Equal(t, want, got, in)
+	}
+	for _, bad := range []string{"", "K", "1.5M", "-1", "1T", "99999999999999999999"} {
+		_, err := ParseBytes(bad)
+		require.Error(t, err, bad)
+	}
+}

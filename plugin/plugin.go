@@ -1,0 +1,168 @@
+// Package plugin is the NCCL-facing side of roce_gather: the version shims of the net,
+// collNet and tuner tables, the request paths NCCL's proxy drives, configuration,
+// logging, and the registry that ties a communicator's collNet group to its tuner.
+package plugin
+
+/*
+#cgo CFLAGS: -Wall -Werror
+#cgo CFLAGS: -I${SRCDIR}/../include
+#include "abi.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"os"
+	"sync"
+	"unsafe"
+
+	"github.com/roce-gather/roce_gather/internal/nlog"
+	"github.com/roce-gather/roce_gather/roce"
+	"github.com/roce-gather/roce_gather/roce/fabric"
+)
+
+// Version is this library's release.
+const Version = "0.1.0"
+
+// NCCL result codes the Go side returns.
+const (
+	rcSuccess         = C.ncclSuccess
+	rcSystemError     = C.ncclSystemError
+	rcInternalError   = C.ncclInternalError
+	rcInvalidArgument = C.ncclInvalidArgument
+	rcInvalidUsage    = C.ncclInvalidUsage
+	rcRemoteError     = C.ncclRemoteError
+)
+
+// runtimeState is the process-wide state NCCL's plugin model forces on us: one fabric,
+// opened when the first context is made and closed when the last one is finalized, so
+// every init after a full finalize starts clean (the library itself is never unloaded).
+type runtimeState struct {
+	mu       sync.Mutex
+	contexts int
+	cfg      Config
+	tr       *roce.Transport
+	props    rgProps
+	gen      uint64 // bumps at every open, so stale objects are recognised
+
+	sends    map[unsafe.Pointer]*roce.SendComm
+	recvs    map[unsafe.Pointer]*roce.RecvComm
+	pending  map[uint64]*roce.PendingSend
+	nextSlot uint64
+	colls    map[unsafe.Pointer]*collComm
+	warned   map[Warning]bool
+}
+
+var state = &runtimeState{warned: map[Warning]bool{}}
+
+// rgProps are the device's properties as C strings that stay valid for NCCL.
+type rgProps struct {
+	info    fabric.DeviceInfo
+	name    *C.char
+	pciPath *C.char
+}
+
+// context is what init returns to NCCL: one per communicator from NCCL 2.28 on.
+type context struct {
+	commID uint64
+	abi    int
+	coll   bool
+	gen    uint64
+}
+
+// acquire opens the fabric if this is the first live context.
+func (s *runtimeState) acquire(abi int, coll bool) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.contexts == 0 {
+		cfg, warns := ParseConfig(os.Getenv)
+		for _, w := range warns {
+			// The environment does not change within a process: say it once, not per communicator.
+			if !s.warned[w] {
+				s.warned[w] = true
+				nlog.Warnf("%s", w)
+			}
+		}
+		tr, err := roce.Open(roce.Config{
+			Fabric: cfg.Fabric, HCAs: cfg.HCAs, GIDIndex: cfg.GIDIndex,
+			TCPInterface: cfg.TCPIf, NCCLSocketIfname: cfg.SocketIf, Timeout: cfg.Timeout,
+		})
+		if err != nil {
+			return err
+		}
+		s.cfg, s.tr = cfg, tr
+		s.gen++
+		s.sends = map[unsafe.Pointer]*roce.SendComm{}
+		s.recvs = map[unsafe.Pointer]*roce.RecvComm{}
+		s.pending = map[uint64]*roce.PendingSend{}
+		s.colls = map[unsafe.Pointer]*collComm{}
+		s.setProps(tr.Device().Info())
+		if cfg.StatsPath != "" {
+			armStatsAtExit()
+		}
+		nlog.Infof(nlog.Init|nlog.Net, "roce_gather %s: %s fabric, device %s (%s); one-shot gather cap %d bytes a rank, mode %s, timeout %v",
+			Version, tr.Kind(), tr.Device().Info().Name, tr.Device().Info().Detail, cfg.MaxBytes, cfg.Mode, cfg.Timeout)
+	}
+	s.contexts++
+	return nil
+}
+
+// setProps keeps the C strings NCCL reads; the previous ones stay allocated because NCCL
+// may still hold them.
+func (s *runtimeState) setProps(info fabric.DeviceInfo) {
+	if s.props.name == nil || C.GoString(s.props.name) != info.Name {
+		s.props.name = C.CString(info.Name)
+	}
+	if info.PCIPath == "" {
+		s.props.pciPath = nil
+	} else if s.props.pciPath == nil || C.GoString(s.props.pciPath) != info.PCIPath {
+		s.props.pciPath = C.CString(info.PCIPath)
+	}
+	s.props.info = info
+}
+
+// release closes everything when the last context goes.
+func (s *runtimeState) release() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.contexts == 0 {
+		return
+	}
+	s.contexts--
+	if s.contexts > 0 {
+		return
+	}
+	writeStats(s.cfg.StatsPath)
+	for p, c := range s.colls {
+		c.close()
+		delete(s.colls, p)
+	}
+	for p, c := range s.sends {
+		c.Close()
+		delete(s.sends, p)
+	}
+	for p, c := range s.recvs {
+		c.Close()
+		delete(s.recvs, p)
+	}
+	s.pending = nil
+	s.tr.Close()
+	s.tr = nil
+	nlog.Infof(nlog.Init|nlog.Net, "finalized: fabric closed")
+}
+
+// transport returns the open transport, or an error when no context is live.
+func (s *runtimeState) transport() (*roce.Transport, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.tr == nil {
+		return nil, fmt.Errorf("the plugin is not initialised (init was not called, or every context was finalized)")
+	}
+	return s.tr, nil
+}
+
+func newContextHandle(commID uint64, abi int, coll bool) unsafe.Pointer {
+	return handles.add(&context{commID: commID, abi: abi, coll: coll, gen: state.gen})
+}
+
+func contextOf(p unsafe.Pointer) (*context, bool) { return handleOf[*context](p) }

@@ -1,0 +1,121 @@
+/* The tuner: steer a two-rank AllGather within the agreed cap to CollNet Direct / Simple
+ * on one channel, and keep every other AllGather off CollNet. The decision reads only
+ * inputs that are identical on both ranks (collective, total bytes, the group's agreed
+ * outcome, which entries NCCL offers), so both ranks always take the same path. */
+#include <stdlib.h>
+#include "../internal/nlog/nlog.h"
+#include "../roce/stats.h"
+#include "_cgo_export.h"
+#include "abi.h"
+#include "tuner.h"
+
+static float* cell(float** table, int numProto, int algo, int proto) {
+  return (float*)table + (size_t)algo * (size_t)numProto + (size_t)proto;
+}
+
+static int offered(float v) { return v >= 0.0f; }
+
+int rg_tuner_policy(const rg_tuner* t, int collType, size_t nBytes, float** table, int numAlgo, int numProto,
+                    int* nChannels) {
+  if (collType != ncclFuncAllGather || t->nranks != 2) return RG_TUNE_NOT_OURS;
+  if (numAlgo <= NCCL_ALGO_COLLNET_CHAIN || numProto <= NCCL_PROTO_SIMPLE) return RG_TUNE_NOT_OURS;
+  float* direct = cell(table, numProto, NCCL_ALGO_COLLNET_DIRECT, NCCL_PROTO_SIMPLE);
+  if (t->group_on && nBytes > 0 && nBytes <= 2 * t->agreed_cap) {
+    /* An entry NCCL marked ignored has no connection behind it: never schedule onto it. */
+    if (!offered(*direct)) return RG_TUNE_NCCL_NOT_OFFERED;
+    *direct = 0.0f;
+    *nChannels = 1;
+    return RG_TUNE_ONESHOT;
+  }
+  /* Above the cap (or with the group off) the gather belongs to NCCL's own algorithms,
+   * unless removing CollNet would leave NCCL no choice at all. */
+  int others = 0;
+  for (int a = 0; a < numAlgo; a++)
+    for (int p = 0; p < numProto; p++)
+      if (a != NCCL_ALGO_COLLNET_DIRECT && a != NCCL_ALGO_COLLNET_CHAIN && offered(*cell(table, numProto, a, p)))
+        others = 1;
+  if (others)
+    for (int p = 0; p < numProto; p++) {
+      *cell(table, numProto, NCCL_ALGO_COLLNET_DIRECT, p) = NCCL_ALGO_PROTO_IGNORE;
+      *cell(table, numProto, NCCL_ALGO_COLLNET_CHAIN, p) = NCCL_ALGO_PROTO_IGNORE;
+    }
+  return RG_TUNE_NCCL;
+}
+
+ncclResult_t rg_tuner_get_coll_info(void* ctx, ncclFunc_t collType, size_t nBytes, int numPipeOps,
+                                    float** collCostTable, int numAlgo, int numProto, int regBuff, int* nChannels) {
+  (void)numPipeOps, (void)regBuff; /* regBuff is rank-local: never decide on it */
+  rg_tuner* t = ctx;
+  int d = rg_tuner_policy(t, collType, nBytes, collCostTable, numAlgo, numProto, nChannels);
+  switch (d) {
+  case RG_TUNE_ONESHOT:
+    atomic_fetch_add_explicit(&rg_global_stats.tuner_oneshot, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&rg_global_stats.tuner_oneshot_bytes, nBytes, memory_order_relaxed);
+    break;
+  case RG_TUNE_NCCL_NOT_OFFERED:
+    atomic_fetch_add_explicit(&rg_global_stats.tuner_nccl_ignored, 1, memory_order_relaxed);
+    if (!t->warned_not_offered) {
+      t->warned_not_offered = 1;
+      RG_INFO(NCCL_TUNING, "communicator 0x%llx: NCCL does not offer CollNet Direct for AllGather here (it drops it "
+                           "on topologies without NVSwitch); gathers within the cap stay on NCCL",
+              (unsigned long long)t->comm_id);
+    }
+    __attribute__((fallthrough)); /* counted as handed to NCCL too */
+  case RG_TUNE_NCCL:
+    atomic_fetch_add_explicit(&rg_global_stats.tuner_nccl, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&rg_global_stats.tuner_nccl_bytes, nBytes, memory_order_relaxed);
+    break;
+  default:
+    break;
+  }
+  return ncclSuccess;
+}
+
+ncclResult_t rg_tuner_get_coll_info_v3(void* ctx, ncclFunc_t collType, size_t nBytes, int numPipeOps,
+                                       float** collCostTable, int numAlgo, int numProto, int* nChannels) {
+  return rg_tuner_get_coll_info(ctx, collType, nBytes, numPipeOps, collCostTable, numAlgo, numProto, 0, nChannels);
+}
+
+ncclResult_t rg_tuner_get_chunk_size(void* ctx, ncclFunc_t collType, size_t nBytes, int algo, int proto,
+                                     int nChannels, size_t* chunkSize) {
+  (void)ctx, (void)collType, (void)nBytes, (void)algo, (void)proto, (void)nChannels, (void)chunkSize;
+  return ncclSuccess; /* NCCL's chunking stands */
+}
+
+static ncclResult_t tuner_init(void** ctx, uint64_t commId, int hasCommId, size_t nRanks, size_t nNodes,
+                               ncclDebugLogger_t log, int abi) {
+  rg_tuner* t = calloc(1, sizeof(*t));
+  if (t == NULL) return ncclSystemError;
+  t->comm_id = commId;
+  t->nranks = nRanks;
+  t->nnodes = nNodes;
+  int rc = rgGoTunerInit(t, hasCommId, (void*)log, abi);
+  if (rc != ncclSuccess) {
+    free(t);
+    return (ncclResult_t)rc;
+  }
+  *ctx = t;
+  return ncclSuccess;
+}
+
+ncclResult_t rg_tuner_init_v3(size_t nRanks, size_t nNodes, ncclDebugLogger_t log, void** ctx) {
+  return tuner_init(ctx, 0, 0, nRanks, nNodes, log, 3);
+}
+ncclResult_t rg_tuner_init_v4(size_t nRanks, size_t nNodes, ncclDebugLogger_t log, void** ctx) {
+  return tuner_init(ctx, 0, 0, nRanks, nNodes, log, 4);
+}
+ncclResult_t rg_tuner_init_v5(void** ctx, uint64_t commId, size_t nRanks, size_t nNodes, ncclDebugLogger_t log,
+                              ncclNvlDomainInfo_v5_t* nvl, ncclTunerConstants_v5_t* constants) {
+  (void)nvl, (void)constants;
+  return tuner_init(ctx, commId, 1, nRanks, nNodes, log, 5);
+}
+ncclResult_t rg_tuner_init_v6(void** ctx, uint64_t commId, size_t nRanks, size_t nNodes, ncclDebugLogger_t log,
+                              ncclNvlDomainInfo_v6_t* nvl, ncclTunerConstants_v6_t* constants) {
+  (void)nvl, (void)constants;
+  return tuner_init(ctx, commId, 1, nRanks, nNodes, log, 6);
+}
+
+ncclResult_t rg_tuner_finalize(void* ctx) {
+  free(ctx);
+  return ncclSuccess;
+}

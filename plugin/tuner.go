@@ -1,0 +1,68 @@
+package plugin
+
+/*
+#include <stdlib.h>
+#include "tuner.h"
+*/
+import "C"
+
+import (
+	"unsafe"
+
+	"github.com/roce-gather/roce_gather/internal/nlog"
+)
+
+//export rgGoTunerInit
+func rgGoTunerInit(t *C.rg_tuner, hasCommID C.int, logger unsafe.Pointer, abi C.int) C.int {
+	if logger != nil {
+		nlog.SetLogger(logger)
+	}
+	commID := uint64(t.comm_id)
+	var g groupOutcome
+	var found bool
+	if hasCommID != 0 {
+		g, found = registry.lookup(commID)
+	} else {
+		// Tuners before v5 get no commId: take the newest two-rank group no tuner claimed.
+		g, found = registry.claimNewest()
+	}
+	switch {
+	case t.nranks != 2:
+		nlog.Infof(nlog.Tuning, "tuner v%d, communicator 0x%x: %d ranks; the one-shot gather serves two-rank communicators only", int(abi), commID, int(t.nranks))
+	case !found:
+		nlog.Infof(nlog.Tuning, "tuner v%d, communicator 0x%x: no roce_gather collNet group (NCCL_COLLNET_ENABLE=1 is needed, and NCCL must use roce_gather as its net); every gather stays on NCCL", int(abi), commID)
+	case !g.on:
+		nlog.Infof(nlog.Tuning, "tuner v%d, communicator 0x%x: one-shot path off (%s); every gather stays on NCCL", int(abi), commID, g.why)
+	default:
+		t.group_on = 1
+		t.agreed_cap = C.uint64_t(g.cap)
+		nlog.Infof(nlog.Tuning, "tuner v%d, communicator 0x%x: AllGathers of at most %d bytes in total (%d a rank) go to the one-shot path", int(abi), commID, 2*g.cap, g.cap)
+	}
+	return rcSuccess
+}
+
+// TunerDecision is the tuner policy's outcome, for tests.
+type TunerDecision int
+
+const (
+	TuneNotOurs        TunerDecision = C.RG_TUNE_NOT_OURS
+	TuneOneShot        TunerDecision = C.RG_TUNE_ONESHOT
+	TuneNCCL           TunerDecision = C.RG_TUNE_NCCL
+	TuneNCCLNotOffered TunerDecision = C.RG_TUNE_NCCL_NOT_OFFERED
+)
+
+// TunePolicy runs the C policy on a cost table of numAlgo x numProto entries.
+func TunePolicy(nRanks int, on bool, agreedCap uint64, collType int, nBytes uint64, table []float32, numAlgo, numProto int) (TunerDecision, int) {
+	t := C.rg_tuner{nranks: C.size_t(nRanks), agreed_cap: C.uint64_t(agreedCap)}
+	if on {
+		t.group_on = 1
+	}
+	ct := (*C.float)(C.malloc(C.size_t(len(table) * 4)))
+	defer C.free(unsafe.Pointer(ct))
+	cs := unsafe.Slice((*float32)(unsafe.Pointer(ct)), len(table))
+	copy(cs, table)
+	var nch C.int
+	d := C.rg_tuner_policy(&t, C.int(collType), C.size_t(nBytes), (**C.float)(unsafe.Pointer(ct)), C.int(numAlgo), C.int(numProto), &nch)
+	copy(table, cs)
+	return TunerDecision(d), int(nch)
+}

@@ -1,0 +1,27 @@
+#ifndef RG_PLUGIN_TUNER_H
+#define RG_PLUGIN_TUNER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* What one communicator's tuner knows, copied from its collNet group at tuner init
+ * (NCCL connects collNet before it initialises the tuner). */
+typedef struct rg_tuner {
+  uint64_t comm_id;
+  size_t nranks, nnodes;
+  int group_on;
+  uint64_t agreed_cap; /* per-rank shard cap both ranks agreed */
+  int warned_not_offered;
+} rg_tuner;
+
+enum {
+  RG_TUNE_NOT_OURS = 0,         /* not a two-rank AllGather: untouched */
+  RG_TUNE_ONESHOT = 1,          /* steered to CollNet Direct / Simple, one channel */
+  RG_TUNE_NCCL = 2,             /* left to NCCL's own algorithms */
+  RG_TUNE_NCCL_NOT_OFFERED = 3, /* within the cap, but NCCL marked CollNet Direct ignored */
+};
+
+int rg_tuner_policy(const rg_tuner* t, int collType, size_t nBytes, float** table, int numAlgo, int numProto,
+                    int* nChannels);
+
+#endif
