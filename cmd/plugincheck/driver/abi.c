@@ -1,0 +1,320 @@
+/* The ABI check: every versioned table present and complete, and init, devices,
+ * getProperties and finalize called for every version, as NCCL would. */
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include "driver.h"
+
+static int failures;
+
+static void report(const char* table, const char* check, int ok, const char* fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void report(const char* table, const char* check, int ok, const char* fmt, ...) {
+  char detail[512] = "";
+  if (fmt) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(detail, sizeof(detail), fmt, ap);
+    va_end(ap);
+  }
+  if (!ok) failures++;
+  printf("{\"table\":");
+  json_string(stdout, table);
+  printf(",\"check\":");
+  json_string(stdout, check);
+  printf(",\"ok\":%s,\"detail\":", ok ? "true" : "false");
+  json_string(stdout, detail);
+  printf("}\n");
+  fflush(stdout);
+}
+
+static const char* net8_fields[] = {"init",    "devices", "getProperties", "listen",      "connect",
+                                    "accept",  "regMr",   "regMrDmaBuf",   "deregMr",     "isend",
+                                    "irecv",   "iflush",  "test",          "closeSend",   "closeRecv",
+                                    "closeListen", "getDeviceMr", "irecvConsumed", "makeVDevice", "finalize",
+                                    "setNetAttr"};
+static const char* coll8_fields[] = {"init",          "devices",    "getProperties", "listen",      "connect",
+                                     "reduceSupport", "regMr",      "regMrDmaBuf",   "deregMr",     "iallreduce",
+                                     "iallgather",    "ireducescatter", "iflush",    "test",        "closeColl",
+                                     "closeListen",   "makeVDevice", "finalize"};
+static const char* tuner_fields[] = {"init", "getCollInfo", "finalize", "getChunkSize"};
+
+/* Every slot after the name is a function pointer: all must be set. */
+static int check_complete(const char* table, const void* t, size_t size, const char** names, int nnames) {
+  int nslots = (int)((size - sizeof(char*)) / sizeof(void*));
+  if (nslots != nnames) {
+    report(table, "complete", 0, "this checker knows %d entries, the declared table has %d", nnames, nslots);
+    return 0;
+  }
+  const char* name = *(const char* const*)t;
+  if (name == NULL || strcmp(name, "roce_gather") != 0) {
+    report(table, "name", 0, "name is %s, expected roce_gather", name ? name : "NULL");
+    return 0;
+  }
+  void* const* slots = (void* const*)((const char*)t + sizeof(char*));
+  char missing[512] = "";
+  for (int i = 0; i < nslots; i++)
+    if (slots[i] == NULL) {
+      strncat(missing, missing[0] ? ", " : "", sizeof(missing) - strlen(missing) - 1);
+      strncat(missing, names[i], sizeof(missing) - strlen(missing) - 1);
+    }
+  if (missing[0]) {
+    report(table, "complete", 0, "NULL entries: %s", missing);
+    return 0;
+  }
+  report(table, "complete", 1, "name roce_gather, %d entries set", nslots);
+  return 1;
+}
+
+#define CANARY 0xA5
+#define SLACK 64
+
+typedef struct props_view {
+  const char* name;
+  int ptrSupport, speed, maxComms, maxRecvs, netDeviceType, netDeviceVersion;
+  float latency;
+  int has_sizes;
+  uint64_t maxP2pBytes, maxCollBytes;
+} props_view;
+
+/* Calls getProperties into a buffer with a canary behind the version's struct, so a
+ * plugin writing a bigger (newer) struct is caught, then reads fields at their offsets. */
+static int get_props(const char* table, ncclResult_t (*fn)(int, void*), size_t size, size_t off_p2p,
+                     size_t off_coll, props_view* v) {
+  unsigned char* buf = malloc(size + SLACK);
+  memset(buf, CANARY, size + SLACK);
+  ncclResult_t r = fn(0, buf);
+  if (r != ncclSuccess) {
+    report(table, "getProperties", 0, "getProperties(0) returned %d", r);
+    free(buf);
+    return 0;
+  }
+  for (int i = 0; i < SLACK; i++)
+    if (buf[size + i] != CANARY) {
+      report(table, "getProperties", 0, "wrote beyond the %zu-byte struct of this version (byte %zu)", size,
+             size + (size_t)i);
+      free(buf);
+      return 0;
+    }
+  const ncclNetProperties_v8_t* p8 = (const void*)buf; /* the leading fields share offsets up to regIsGlobal */
+  memset(v, 0, sizeof(*v));
+  v->name = p8->name;
+  v->ptrSupport = p8->ptrSupport;
+  if (off_p2p == 0) { /* v8 */
+    v->speed = p8->speed;
+    v->latency = p8->latency;
+    v->maxComms = p8->maxComms;
+    v->maxRecvs = p8->maxRecvs;
+    v->netDeviceType = p8->netDeviceType;
+    v->netDeviceVersion = p8->netDeviceVersion;
+  } else {
+    const ncclNetProperties_v9_t* p9 = (const void*)buf;
+    v->speed = p9->speed;
+    v->latency = p9->latency;
+    v->maxComms = p9->maxComms;
+    v->maxRecvs = p9->maxRecvs;
+    v->netDeviceType = p9->netDeviceType;
+    v->netDeviceVersion = p9->netDeviceVersion;
+    v->has_sizes = 1;
+    memcpy(&v->maxP2pBytes, buf + off_p2p, 8);
+    memcpy(&v->maxCollBytes, buf + off_coll, 8);
+  }
+  free(buf);
+  return 1;
+}
+
+static void check_props(const char* table, const props_view* v) {
+  char why[256] = "";
+  if (v->name == NULL || v->name[0] == '\0') snprintf(why, sizeof(why), "name is empty");
+  else if (!(v->ptrSupport & NCCL_PTR_HOST)) snprintf(why, sizeof(why), "ptrSupport 0x%x lacks NCCL_PTR_HOST", v->ptrSupport);
+  else if (v->ptrSupport & ~(NCCL_PTR_HOST | NCCL_PTR_CUDA | NCCL_PTR_DMABUF)) snprintf(why, sizeof(why), "ptrSupport 0x%x has unknown bits", v->ptrSupport);
+  else if (v->speed <= 0) snprintf(why, sizeof(why), "speed %d Mbps is not positive", v->speed);
+  else if (!(v->latency >= 0.0f && v->latency < 1000.0f)) snprintf(why, sizeof(why), "latency %g us is out of range", v->latency);
+  else if (v->maxComms <= 0) snprintf(why, sizeof(why), "maxComms %d is not positive", v->maxComms);
+  else if (v->maxRecvs < 1 || v->maxRecvs > 8) snprintf(why, sizeof(why), "maxRecvs %d is outside 1..8", v->maxRecvs);
+  else if (v->netDeviceType != NCCL_NET_DEVICE_HOST || v->netDeviceVersion != 0)
+    snprintf(why, sizeof(why), "device type %d version %d, expected host/0", v->netDeviceType, v->netDeviceVersion);
+  else if (v->has_sizes && (v->maxP2pBytes == 0 || v->maxP2pBytes > NCCL_MAX_NET_SIZE_BYTES))
+    snprintf(why, sizeof(why), "maxP2pBytes %llu is outside (0, 1 TiB]", (unsigned long long)v->maxP2pBytes);
+  else if (v->has_sizes && (v->maxCollBytes == 0 || v->maxCollBytes > NCCL_MAX_NET_SIZE_BYTES))
+    snprintf(why, sizeof(why), "maxCollBytes %llu is outside (0, 1 TiB]", (unsigned long long)v->maxCollBytes);
+  if (why[0]) {
+    report(table, "properties", 0, "%s", why);
+    return;
+  }
+  if (v->has_sizes)
+    report(table, "properties", 1, "device %s, ptrSupport 0x%x, %d Mbps, latency %g us, maxRecvs %d, maxP2pBytes %llu, maxCollBytes %llu",
+           v->name, v->ptrSupport, v->speed, v->latency, v->maxRecvs, (unsigned long long)v->maxP2pBytes,
+           (unsigned long long)v->maxCollBytes);
+  else
+    report(table, "properties", 1, "device %s, ptrSupport 0x%x, %d Mbps, latency %g us, maxRecvs %d", v->name,
+           v->ptrSupport, v->speed, v->latency, v->maxRecvs);
+}
+
+static void check_devices(const char* table, ncclResult_t (*devices)(int*)) {
+  int n = -1;
+  ncclResult_t r = devices(&n);
+  report(table, "devices", r == ncclSuccess && n >= 1, "devices returned %d with %d device(s)", r, n);
+}
+
+#define NET_CHECK(T, var, v, props_t, offp2p, offcoll, init_call, finalize_call)                                      \
+  do {                                                                                                                  \
+    const char* tname = T;                                                                                              \
+    if (var == NULL) {                                                                                                  \
+      report(tname, "present", 0, "dlsym found no %s", tname);                                                          \
+      break;                                                                                                            \
+    }                                                                                                                   \
+    report(tname, "present", 1, "exported");                                                                            \
+    if (!check_complete(tname, var, sizeof(*var), net8_fields, (int)((sizeof(*var) - 8) / 8))) break;                   \
+    ncclResult_t r = init_call;                                                                                         \
+    report(tname, "init", r == ncclSuccess, "init returned %d", r);                                                     \
+    if (r != ncclSuccess) break;                                                                                        \
+    check_devices(tname, var->devices);                                                                                 \
+    props_view pv;                                                                                                      \
+    if (get_props(tname, (ncclResult_t(*)(int, void*))var->getProperties, sizeof(props_t), offp2p, offcoll, &pv))      \
+      check_props(tname, &pv);                                                                                          \
+    finalize_call;                                                                                                      \
+  } while (0)
+
+#define COLL_CHECK(T, var, props_t, offp2p, offcoll, init_call, finalize_call)                                        \
+  do {                                                                                                                  \
+    const char* tname = T;                                                                                              \
+    if (var == NULL) {                                                                                                  \
+      report(tname, "present", 0, "dlsym found no %s", tname);                                                          \
+      break;                                                                                                            \
+    }                                                                                                                   \
+    report(tname, "present", 1, "exported");                                                                            \
+    if (!check_complete(tname, var, sizeof(*var), coll8_fields, (int)((sizeof(*var) - 8) / 8))) break;                  \
+    ncclResult_t r = init_call;                                                                                         \
+    report(tname, "init", r == ncclSuccess, "init returned %d", r);                                                     \
+    if (r != ncclSuccess) break;                                                                                        \
+    check_devices(tname, var->devices);                                                                                 \
+    props_view pv;                                                                                                      \
+    if (get_props(tname, (ncclResult_t(*)(int, void*))var->getProperties, sizeof(props_t), offp2p, offcoll, &pv))      \
+      check_props(tname, &pv);                                                                                          \
+    int sup = -1;                                                                                                       \
+    r = var->reduceSupport(ncclFloat32, ncclSum, &sup);                                                                 \
+    report(tname, "reduceSupport", r == ncclSuccess && sup == 0, "float32 sum: returned %d, supported %d", r, sup);    \
+    finalize_call;                                                                                                      \
+  } while (0)
+
+static void check_tuner_table(const char* tname, float* table, int nch) {
+  /* Without a collNet group the tuner leaves every choice to NCCL and keeps AllGathers off CollNet. */
+  int ok = nch == 0;
+  for (int a = 0; a < 7; a++)
+    for (int p = 0; p < 3; p++) {
+      float want = (a == NCCL_ALGO_COLLNET_DIRECT || a == NCCL_ALGO_COLLNET_CHAIN) ? NCCL_ALGO_PROTO_IGNORE : 10.0f;
+      if (table[a * 3 + p] != want) ok = 0;
+    }
+  report(tname, "getCollInfo", ok, "AllGather with no collNet group: %s", ok ? "left to NCCL, CollNet entries ignored" : "unexpected table or channel change");
+}
+
+static void fill_table(float* t) {
+  for (int i = 0; i < 21; i++) t[i] = 10.0f;
+}
+
+#define TUNER_PRESENT(T, var, nfields)                                                           \
+  (var == NULL ? (report(T, "present", 0, "dlsym found no %s", T), 0)                              \
+               : (report(T, "present", 1, "exported"),                                            \
+                  check_complete(T, var, sizeof(*var), tuner_fields, nfields)))
+
+int run_abi(const char* path) {
+  plugin p;
+  char err[512];
+  driver_tag = "abi";
+  if (plugin_open(path, &p, err, sizeof(err)) != 0) {
+    report("library", "dlopen", 0, "%s", err);
+    return 1;
+  }
+  report("library", "dlopen", 1, "%s with RTLD_NOW|RTLD_LOCAL", path);
+
+  ncclNetCommConfig_v12_t config = {.trafficClass = -1};
+  void* ctx = NULL;
+  void* cctx = NULL;
+  const uint64_t comm = 0x5eed0001;
+
+  NET_CHECK("ncclNetPlugin_v12", p.net12, 12, ncclNetProperties_v12_t, 104, 112,
+            p.net12->init(&ctx, comm, &config, driver_logger, NULL),
+            report("ncclNetPlugin_v12", "finalize", p.net12->finalize(ctx) == ncclSuccess, "finalize(ctx)"));
+  NET_CHECK("ncclNetPlugin_v11", p.net11, 11, ncclNetProperties_v11_t, 88, 96,
+            p.net11->init(&ctx, comm, &config, driver_logger, NULL),
+            report("ncclNetPlugin_v11", "finalize", p.net11->finalize(ctx) == ncclSuccess, "finalize(ctx)"));
+  NET_CHECK("ncclNetPlugin_v10", p.net10, 10, ncclNetProperties_v10_t, 88, 96, p.net10->init(driver_logger, NULL), );
+  NET_CHECK("ncclNetPlugin_v9", p.net9, 9, ncclNetProperties_v9_t, 88, 96, p.net9->init(driver_logger), );
+  NET_CHECK("ncclNetPlugin_v8", p.net8, 8, ncclNetProperties_v8_t, 0, 0, p.net8->init(driver_logger), );
+
+  COLL_CHECK("ncclCollNetPlugin_v12", p.coll12, ncclNetProperties_v12_t, 104, 112,
+             p.coll12->init(&cctx, comm, driver_logger),
+             report("ncclCollNetPlugin_v12", "finalize", p.coll12->finalize(cctx) == ncclSuccess, "finalize(ctx)"));
+  COLL_CHECK("ncclCollNetPlugin_v11", p.coll11, ncclNetProperties_v11_t, 88, 96,
+             p.coll11->init(&cctx, comm, driver_logger),
+             report("ncclCollNetPlugin_v11", "finalize", p.coll11->finalize(cctx) == ncclSuccess, "finalize(ctx)"));
+  COLL_CHECK("ncclCollNetPlugin_v10", p.coll10, ncclNetProperties_v10_t, 88, 96, p.coll10->init(driver_logger), );
+  COLL_CHECK("ncclCollNetPlugin_v9", p.coll9, ncclNetProperties_v9_t, 88, 96, p.coll9->init(driver_logger), );
+  COLL_CHECK("ncclCollNetPlugin_v8", p.coll8, ncclNetProperties_v8_t, 0, 0, p.coll8->init(driver_logger), );
+
+  float table[21];
+  int nch;
+  void* tctx = NULL;
+  ncclNvlDomainInfo_v5_t nvl = {1, 1, 1};
+  ncclTunerConstants_v5_t* constants = calloc(1, sizeof(*constants));
+  if (TUNER_PRESENT("ncclTunerPlugin_v6", p.tuner6, 4)) {
+    ncclResult_t r = p.tuner6->init(&tctx, comm, 2, 2, driver_logger, &nvl, constants);
+    report("ncclTunerPlugin_v6", "init", r == ncclSuccess, "init returned %d", r);
+    if (r == ncclSuccess) {
+      fill_table(table);
+      nch = 0;
+      float* tp = table;
+      r = p.tuner6->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)tp, 7, 3, 0, &nch);
+      if (r == ncclSuccess) check_tuner_table("ncclTunerPlugin_v6", table, nch);
+      else report("ncclTunerPlugin_v6", "getCollInfo", 0, "returned %d", r);
+      size_t chunk = 131072;
+      r = p.tuner6->getChunkSize(tctx, ncclFuncAllGather, 4096, NCCL_ALGO_RING, NCCL_PROTO_SIMPLE, 2, &chunk);
+      report("ncclTunerPlugin_v6", "getChunkSize", r == ncclSuccess && chunk == 131072,
+             "ring AllGather: returned %d, chunk %zu (NCCL's 131072 kept)", r, chunk);
+      report("ncclTunerPlugin_v6", "finalize", p.tuner6->finalize(tctx) == ncclSuccess, "finalize(ctx)");
+    }
+  }
+  if (TUNER_PRESENT("ncclTunerPlugin_v5", p.tuner5, 3)) {
+    ncclResult_t r = p.tuner5->init(&tctx, comm, 2, 2, driver_logger, &nvl, constants);
+    report("ncclTunerPlugin_v5", "init", r == ncclSuccess, "init returned %d", r);
+    if (r == ncclSuccess) {
+      fill_table(table);
+      nch = 0;
+      float* tp = table;
+      r = p.tuner5->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)tp, 7, 3, 0, &nch);
+      if (r == ncclSuccess) check_tuner_table("ncclTunerPlugin_v5", table, nch);
+      else report("ncclTunerPlugin_v5", "getCollInfo", 0, "returned %d", r);
+      report("ncclTunerPlugin_v5", "finalize", p.tuner5->finalize(tctx) == ncclSuccess, "finalize(ctx)");
+    }
+  }
+  if (TUNER_PRESENT("ncclTunerPlugin_v4", p.tuner4, 3)) {
+    ncclResult_t r = p.tuner4->init(2, 2, driver_logger, &tctx);
+    report("ncclTunerPlugin_v4", "init", r == ncclSuccess, "init returned %d", r);
+    if (r == ncclSuccess) {
+      fill_table(table);
+      nch = 0;
+      float* tp = table;
+      r = p.tuner4->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)tp, 7, 3, 0, &nch);
+      if (r == ncclSuccess) check_tuner_table("ncclTunerPlugin_v4", table, nch);
+      else report("ncclTunerPlugin_v4", "getCollInfo", 0, "returned %d", r);
+      report("ncclTunerPlugin_v4", "finalize", p.tuner4->destroy(tctx) == ncclSuccess, "destroy(ctx)");
+    }
+  }
+  if (TUNER_PRESENT("ncclTunerPlugin_v3", p.tuner3, 3)) {
+    ncclResult_t r = p.tuner3->init(2, 2, driver_logger, &tctx);
+    report("ncclTunerPlugin_v3", "init", r == ncclSuccess, "init returned %d", r);
+    if (r == ncclSuccess) {
+      fill_table(table);
+      nch = 0;
+      float* tp = table;
+      r = p.tuner3->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)tp, 7, 3, &nch);
+      if (r == ncclSuccess) check_tuner_table("ncclTunerPlugin_v3", table, nch);
+      else report("ncclTunerPlugin_v3", "getCollInfo", 0, "returned %d", r);
+      report("ncclTunerPlugin_v3", "finalize", p.tuner3->destroy(tctx) == ncclSuccess, "destroy(ctx)");
+    }
+  }
+  free(constants);
+  report("library", "warnings", driver_warns == 0, "%d WARN line(s) logged during the check", driver_warns);
+  return failures == 0 ? 0 : 1;
+}

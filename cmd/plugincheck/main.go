@@ -1,0 +1,287 @@
+// Command plugincheck validates roce_gather on a machine: the library's ABI against
+// every NCCL version it serves, the fabric between two ranks, and the hardware.
+//
+// It never loads the library itself (a Go process must not load a second Go runtime):
+// it starts plugincheck-driver, a small C program, which loads the library as NCCL does.
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"sort"
+	"strings"
+	"time"
+)
+
+const usage = `usage: plugincheck <command> [flags]
+
+commands:
+  abi       load the library as NCCL does and check every versioned table (default)
+  selftest  run two ranks over the fabric: the p2p net and the one-shot gather
+  bench     cost of the hot-path calls and p2p bandwidth over the local fabric
+  hw        RDMA devices, ports, GIDs, MTUs and GPUDirect support of this host
+
+Run "plugincheck <command> -h" for a command's flags.
+`
+
+func main() {
+	cmd := "abi"
+	args := os.Args[1:]
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		cmd, args = args[0], args[1:]
+	}
+	var code int
+	switch cmd {
+	case "abi":
+		code = cmdABI(args)
+	case "selftest":
+		code = cmdSelftest(args)
+	case "bench":
+		code = cmdBench(args)
+	case "hw":
+		code = cmdHW(args)
+	case "help", "-h", "--help":
+		fmt.Print(usage)
+	default:
+		fmt.Fprintf(os.Stderr, "plugincheck: unknown command %q\n\n%s", cmd, usage)
+		code = 2
+	}
+	os.Exit(code)
+}
+
+func commonFlags(fs *flag.FlagSet) (lib, driver *string) {
+	lib = fs.String("lib", "", "the library to check (default: libroce_gather.so beside plugincheck)")
+	driver = fs.String("driver", "", "the C driver (default: plugincheck-driver beside plugincheck)")
+	return
+}
+
+type abiCheck struct {
+	Table  string `json:"table"`
+	Check  string `json:"check"`
+	OK     bool   `json:"ok"`
+	Detail string `json:"detail"`
+}
+
+func cmdABI(args []string) int {
+	fs := flag.NewFlagSet("abi", flag.ExitOnError)
+	lib, driver := commonFlags(fs)
+	asJSON := fs.Bool("json", false, "print the checks as JSON")
+	verbose := fs.Bool("v", false, "show the library's INFO lines")
+	fs.Parse(args)
+	p, err := defaultPaths(*lib, *driver)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "plugincheck:", err)
+		return 2
+	}
+	dargs := []string{"abi", p.lib}
+	if *verbose {
+		dargs = append([]string{"-v"}, dargs...)
+	}
+	cmd := exec.Command(p.driver, dargs...)
+	cmd.Stderr = os.Stderr
+	raw, runErr := cmd.Output()
+	var checks []abiCheck
+	sc := bufio.NewScanner(strings.NewReader(string(raw)))
+	for sc.Scan() {
+		var c abiCheck
+		if err := json.Unmarshal(sc.Bytes(), &c); err != nil {
+			fmt.Fprintf(os.Stderr, "plugincheck: unreadable driver line %q: %v\n", sc.Text(), err)
+			return 2
+		}
+		checks = append(checks, c)
+	}
+	failed := 0
+	for _, c := range checks {
+		if !c.OK {
+			failed++
+		}
+	}
+	if len(checks) == 0 || (runErr != nil && failed == 0) {
+		// The driver died without saying why in a check (a crash inside the library).
+		failed++
+		checks = append(checks, abiCheck{Table: "library", Check: "driver", Detail: fmt.Sprintf("the driver ended abnormally: %v", runErr)})
+	}
+	if *asJSON {
+		enc := json.NewEncoder(os.Stdout)
+		enc.SetIndent("", "  ")
+		enc.Encode(struct {
+			Library string     `json:"library"`
+			OK      bool       `json:"ok"`
+			Failed  int        `json:"failed"`
+			Checks  []abiCheck `json:"checks"`
+		}{p.lib, failed == 0, failed, checks})
+	} else {
+		fmt.Printf("%-24s %-14s %-4s %s\n", "TABLE", "CHECK", "", "DETAIL")
+		for _, c := range checks {
+			status := "ok"
+			if !c.OK {
+				status = "FAIL"
+			}
+			fmt.Printf("%-24s %-14s %-4s %s\n", c.Table, c.Check, status, c.Detail)
+		}
+		fmt.Printf("\n%d checks, %d failed: %s\n", len(checks), failed, map[bool]string{true: "the library is ready for NCCL 2.20 to 2.30", false: "the library is NOT usable as it is"}[failed == 0])
+	}
+	if failed > 0 {
+		return 1
+	}
+	return 0
+}
+
+// scenario is one run of a suite with per-rank environments.
+type scenario struct {
+	name       string
+	suite      string
+	env0, env1 []string
+	expect     string // what the gather suite must see: "cap:N" or "off"
+}
+
+func scenarios(which string) []scenario {
+	all := []scenario{
+		{name: "p2p", suite: "p2p"},
+		{name: "gather", suite: "gather", expect: "cap:524288"},
+		{name: "gather, caps 511 KiB and 512 KiB", suite: "gather",
+			env0: []string{"ROCE_GATHER_MAX_BYTES=523264"}, env1: []string{"ROCE_GATHER_MAX_BYTES=524288"}, expect: "cap:523264"},
+		{name: "gather, ROCE_GATHER_ENABLE=0 on rank 1 only", suite: "gather",
+			env1: []string{"ROCE_GATHER_ENABLE=0"}, expect: "off"},
+		{name: "gather, eager mode", suite: "gather", env0: []string{"ROCE_GATHER_MODE=eager"}, env1: []string{"ROCE_GATHER_MODE=eager"}, expect: "cap:524288"},
+		{name: "gather, rendezvous mode", suite: "gather", env0: []string{"ROCE_GATHER_MODE=rendezvous"}, env1: []string{"ROCE_GATHER_MODE=rendezvous"}, expect: "cap:524288"},
+	}
+	if which == "all" {
+		return all
+	}
+	var out []scenario
+	for _, s := range all {
+		if s.suite == which {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+func cmdSelftest(args []string) int {
+	fs := flag.NewFlagSet("selftest", flag.ExitOnError)
+	lib, driver := commonFlags(fs)
+	fab := fs.String("fabric", "tcp", "fabric to test: tcp or verbs")
+	peer := fs.String("peer", "", "run rank 1 here against `HOST:PORT`, where the other host runs plugincheck selftest --listen")
+	listen := fs.String("listen", "", "run rank 0 here and wait for the other host on `ADDR` (e.g. :7411)")
+	suites := fs.String("suite", "all", "p2p, gather or all")
+	verbose := fs.Bool("v", false, "show the library's INFO lines")
+	fs.Parse(args)
+	if *fab != "tcp" && *fab != "verbs" {
+		fmt.Fprintf(os.Stderr, "plugincheck: --fabric=%s: tcp or verbs\n", *fab)
+		return 2
+	}
+	p, err := defaultPaths(*lib, *driver)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "plugincheck:", err)
+		return 2
+	}
+	base := []string{"ROCE_GATHER_FABRIC=" + *fab, "NCCL_COLLNET_ENABLE=1"}
+	if *peer == "" && *listen == "" && os.Getenv("ROCE_GATHER_TCP_IF") == "" && *fab == "tcp" {
+		base = append(base, "ROCE_GATHER_TCP_IF=lo") // two processes on this host talk over loopback
+	}
+	res := &result{}
+	out.res, out.echo = res, true
+	var runErr error
+	for _, sc := range scenarios(*suites) {
+		fmt.Printf("== %s (%s fabric)\n", sc.name, *fab)
+		env0 := append(append([]string{}, base...), sc.env0...)
+		env1 := append(append([]string{}, base...), sc.env1...)
+		if sc.expect != "" {
+			env0 = append(env0, "RG_SELFTEST_EXPECT="+sc.expect)
+			env1 = append(env1, "RG_SELFTEST_EXPECT="+sc.expect)
+		}
+		switch {
+		case *peer != "":
+			runErr = errors.Join(runErr, runRemote(p, sc.suite, 1, env1, *peer, false, *verbose))
+		case *listen != "":
+			runErr = errors.Join(runErr, runRemote(p, sc.suite, 0, env0, *listen, true, *verbose))
+		default:
+			runErr = errors.Join(runErr, runPair(p, sc.suite, env0, env1, *verbose))
+		}
+	}
+	if runErr != nil {
+		fmt.Fprintln(os.Stderr, "plugincheck:", runErr)
+		res.failed++
+	}
+	fmt.Printf("\n%d passed, %d failed\n", res.passed, res.failed)
+	if res.failed > 0 || res.passed == 0 {
+		return 1
+	}
+	return 0
+}
+
+// runRemote runs one rank here and exchanges with the other host's plugincheck.
+func runRemote(p paths, suite string, rank int, env []string, addr string, isListener bool, verbose bool) error {
+	var c net.Conn
+	var err error
+	if isListener {
+		ln, lerr := net.Listen("tcp", addr)
+		if lerr != nil {
+			return lerr
+		}
+		fmt.Printf("waiting for the peer on %s\n", ln.Addr())
+		c, err = ln.Accept()
+		ln.Close()
+	} else {
+		for deadline := time.Now().Add(60 * time.Second); ; {
+			if c, err = net.Dial("tcp", addr); err == nil || time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(500 * time.Millisecond)
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("control connection: %w", err)
+	}
+	defer c.Close()
+	rp, err := startRank(p, rank, suite, env, verbose)
+	if err != nil {
+		return err
+	}
+	peer := tcpPeer{c: c, r: bufio.NewReader(c)}
+	go deliver(peer, rp)
+	err = relay(rp, peer)
+	return errors.Join(err, exitErr(rank, rp.cmd.Wait()))
+}
+
+func cmdBench(args []string) int {
+	fs := flag.NewFlagSet("bench", flag.ExitOnError)
+	lib, driver := commonFlags(fs)
+	fab := fs.String("fabric", "tcp", "fabric: tcp or verbs")
+	fs.Parse(args)
+	p, err := defaultPaths(*lib, *driver)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "plugincheck:", err)
+		return 2
+	}
+	env := []string{"ROCE_GATHER_FABRIC=" + *fab}
+	if os.Getenv("ROCE_GATHER_TCP_IF") == "" && *fab == "tcp" {
+		env = append(env, "ROCE_GATHER_TCP_IF=lo")
+	}
+	res := &result{}
+	out.res, out.echo = res, false
+	if err := runPair(p, "bench", env, env, false); err != nil {
+		fmt.Fprintln(os.Stderr, "plugincheck:", err)
+		return 1
+	}
+	sort.Strings(res.benches)
+	fmt.Printf("%-26s %12s  %-11s %s\n", "MEASURE", "VALUE", "UNIT", "HOW")
+	for _, b := range res.benches {
+		f := strings.SplitN(b, " ", 4)
+		for len(f) < 4 {
+			f = append(f, "")
+		}
+		fmt.Printf("%-26s %12s  %-11s %s\n", f[0], f[1], f[2], f[3])
+	}
+	if res.failed > 0 || len(res.benches) == 0 {
+		return 1
+	}
+	return 0
+}

@@ -1,0 +1,52 @@
+package main
+
+import (
+	"os"
+	"os/exec"
+	"regexp"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func selftest(t *testing.T, suite string) string {
+	t.Helper()
+	pc, _, _ := built(t)
+	cmd := exec.Command(pc, "selftest", "--suite", suite)
+	cmd.Env = os.Environ()
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	return string(out)
+}
+
+var summary = regexp.MustCompile(`(?m)^(\d+) passed, 0 failed$`)
+
+// Two processes over the tcp fabric on loopback: connect/accept retries, tag matching,
+// multi-receive, a receive larger than the send, zero-byte and 64 MiB messages, 256
+// requests outstanding, and four comms on four threads.
+func TestSelftestP2P(t *testing.T) {
+	out := selftest(t, "p2p")
+	require.Regexp(t, summary, out)
+	for _, c := range []string{"p2p/connect-accept-retries", "p2p/size-0", "p2p/size-67108864", "p2p/recv-larger-than-send",
+		"p2p/multi-recv-8-tags", "p2p/256-outstanding", "p2p/optional-recv-completion", "p2p/4-comms-on-4-threads"} {
+		require.Regexp(t, regexp.MustCompile(`ok   rank 0  `+regexp.QuoteMeta(c)+` `), out)
+		require.Regexp(t, regexp.MustCompile(`ok   rank 1  `+regexp.QuoteMeta(c)+` `), out)
+	}
+}
+
+// The gather phase as NCCL runs it: the tuner decides, then iallgather or the p2p net.
+func TestSelftestGather(t *testing.T) {
+	out := selftest(t, "gather")
+	require.Regexp(t, summary, out)
+	// Default caps: every shard up to 512 KiB goes one-shot, 512 KiB + 16 goes to NCCL.
+	require.Regexp(t, `ok   rank 0  gather/524288B/seed1 +path oneshot-direct`, out)
+	require.Regexp(t, `ok   rank 1  gather/524304B/seed2 +path nccl-p2p`, out)
+	require.Regexp(t, `ok   rank 0  gather/100B/seed2 +path oneshot-staged`, out)
+	// Caps of 511 KiB and 512 KiB: a 524288-byte shard goes to NCCL on both ranks.
+	require.Contains(t, out, "== gather, caps 511 KiB and 512 KiB")
+	require.Regexp(t, `(?s)caps 511 KiB.*ok   rank 0  gather/524288B/seed1 +path nccl-p2p.*== gather, ROCE_GATHER_ENABLE`, out)
+	require.Regexp(t, `(?s)caps 511 KiB.*ok   rank 1  gather/524288B/seed1 +path nccl-p2p.*== gather, ROCE_GATHER_ENABLE`, out)
+	// One rank disabled: both ranks hand every gather to NCCL.
+	require.Regexp(t, `(?s)ENABLE=0 on rank 1 only.*rank 0  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p`, out)
+	require.Regexp(t, `(?s)ENABLE=0 on rank 1 only.*rank 1  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p`, out)
+}
