@@ -45,9 +45,3 @@ test: all lint
 clean:
 	rm -rf $(BUILD)/lib* $(BUILD)/plugincheck*
 
-# cgo's generated glue trips -Wextra, so the packages build with -Wall -Werror and this
-# target holds this project's own C files to -Wextra as well.
-cwarnings:
-	@for f in $$(git ls-files '*.c' | grep -v '^cmd/'); do \
-		$(CC) -fsyntax-only -std=gnu11 -Wall -Wextra -Werror -Iinclude -I$$(dirname $$f) -I/tmp/rg-cgo-export $$f || exit 1; \
-	done

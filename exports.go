@@ -4,7 +4,7 @@
 package main
 
 /*
-#cgo CFLAGS: -Wall -Werror
+#cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter -Werror
 #cgo CFLAGS: -I${SRCDIR}/include
 #include "plugin/abi.h"
 #include "nccl/abi_check.h"

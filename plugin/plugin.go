@@ -4,7 +4,7 @@
 package plugin
 
 /*
-#cgo CFLAGS: -Wall -Werror
+#cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter -Werror
 #cgo CFLAGS: -I${SRCDIR}/../include
 #include "abi.h"
 */

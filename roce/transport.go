@@ -3,7 +3,7 @@
 package roce
 
 /*
-#cgo CFLAGS: -Wall -Werror
+#cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter -Werror
 #include <stdlib.h>
 #include <string.h>
 */

@@ -3,7 +3,7 @@
 package cudadrv
 
 /*
-#cgo CFLAGS: -Wall -Werror
+#cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter -Werror
 #cgo LDFLAGS: -ldl
 #include "cudadrv.h"
 */

@@ -3,7 +3,7 @@
 package nlog
 
 /*
-#cgo CFLAGS: -Wall -Werror
+#cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter -Werror
 #include <stdlib.h>
 #include "nlog.h"
 static void rg_log_go(int level, unsigned long flags, const char* file, int line, const char* msg) {

@@ -7,7 +7,7 @@
 package fabric
 
 /*
-#cgo CFLAGS: -Wall -Werror
+#cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter -Werror
 #include <stdlib.h>
 #include <string.h>
 #include "fabric.h"

@@ -7,7 +7,7 @@
 package tcp
 
 /*
-#cgo CFLAGS: -Wall -Werror
+#cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter -Werror
 #cgo LDFLAGS: -lpthread
 #include <stdlib.h>
 #include "tcp.h"
