@@ -72,10 +72,13 @@ struct rg_tcp_lane {
   atomic_uint_fast64_t rcq_head, rcq_tail;
   atomic_uint_fast64_t last_rx_ns;
 
-  /* Staging for CUDA memory, made on first use by the thread that uses it. */
+  /* Staging for CUDA memory, made on first use by the thread that uses it. Copies go on
+   * non-blocking streams: a copy on the legacy stream would wait for NCCL's own kernel,
+   * which is waiting for this very data. */
   void* rx_bounce;
   void* tx_bounce;
   CUcontext rx_ctx, tx_ctx;
+  CUstream rx_stream, tx_stream;
 
   atomic_uint_fast64_t st_frames_sent, st_frames_received, st_bytes_sent, st_bytes_received, st_inline_posts,
       st_queued_posts, st_heartbeats;
@@ -98,26 +101,28 @@ static void lane_fail(rg_tcp_lane* l, const char* fmt, ...) {
   pthread_cond_broadcast(&l->tx_cv);
 }
 
-static int set_ctx(CUcontext* current, CUcontext want) {
-  if (*current == want) return 0;
+/* Makes want current on this thread, with a non-blocking stream of that context. */
+static int set_ctx(CUcontext* current, CUstream* stream, CUcontext want) {
   const rg_cuda_api* cu = rg_cuda();
-  if (cu == NULL || cu->cuCtxSetCurrent(want) != CUDA_SUCCESS) return -1;
+  if (cu == NULL) return -1;
+  if (*current == want && *stream != NULL) return 0;
+  if (cu->cuCtxSetCurrent(want) != CUDA_SUCCESS) return -1;
+  if (*stream != NULL && *current != want) cu->cuStreamDestroy(*stream), *stream = NULL;
   *current = want;
+  if (*stream == NULL && cu->cuStreamCreate(stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) return -1;
   return 0;
 }
 
-static void* alloc_bounce(void) {
-  const rg_cuda_api* cu = rg_cuda();
-  void* p = NULL;
-  if (cu == NULL || cu->cuMemAllocHost(&p, BOUNCE_BYTES) != CUDA_SUCCESS) return NULL;
-  return p;
-}
+/* Pageable on purpose: allocating page-locked memory can wait for work already on the
+ * GPU, and that work (NCCL's kernel) may be waiting for this very transfer. */
+static void* alloc_bounce(void) { return malloc(BOUNCE_BYTES); }
 
-static void free_bounce(void* p, CUcontext ctx) {
+static void free_staging(void* p, CUcontext ctx, CUstream stream) {
+  free(p);
   const rg_cuda_api* cu = rg_cuda();
-  if (p == NULL || cu == NULL) return;
-  if (ctx != NULL) cu->cuCtxSetCurrent(ctx);
-  cu->cuMemFreeHost(p);
+  if (cu == NULL || ctx == NULL || stream == NULL) return;
+  cu->cuCtxSetCurrent(ctx);
+  cu->cuStreamDestroy(stream);
 }
 
 /* ------------------------------------------------------------------ receiving */
@@ -163,19 +168,20 @@ static int read_full(rg_tcp_lane* l, void* buf, uint64_t n) {
 
 static int land_cuda(rg_tcp_lane* l, rg_tcp_region* reg, uint64_t addr, uint64_t len) {
   const rg_cuda_api* cu = rg_cuda();
-  if (set_ctx(&l->rx_ctx, reg->ctx) != 0) {
+  if (set_ctx(&l->rx_ctx, &l->rx_stream, reg->ctx) != 0) {
     lane_fail(l, "cannot make the CUDA context of 0x%llx current", (unsigned long long)addr);
     return -1;
   }
   if (l->rx_bounce == NULL && (l->rx_bounce = alloc_bounce()) == NULL) {
-    lane_fail(l, "cannot allocate %u bytes of pinned staging memory", BOUNCE_BYTES);
+    lane_fail(l, "cannot allocate %u bytes of staging memory", BOUNCE_BYTES);
     return -1;
   }
   uint64_t off = 0;
   while (off < len) {
     uint64_t n = len - off < BOUNCE_BYTES ? len - off : BOUNCE_BYTES;
     if (read_full(l, l->rx_bounce, n) != 0) return -1;
-    CUresult r = cu->cuMemcpyHtoD((CUdeviceptr)(addr + off), l->rx_bounce, n);
+    CUresult r = cu->cuMemcpyHtoDAsync((CUdeviceptr)(addr + off), l->rx_bounce, n, l->rx_stream);
+    if (r == CUDA_SUCCESS) r = cu->cuStreamSynchronize(l->rx_stream);
     if (r != CUDA_SUCCESS) {
       lane_fail(l, "copying a write from %s into GPU memory 0x%llx failed: %s", l->peer,
                 (unsigned long long)(addr + off), rg_cuda_strerror(r));
@@ -213,6 +219,7 @@ static int push_recv_completion(rg_tcp_lane* l, uint32_t imm, uint64_t len) {
 
 static void* rx_main(void* arg) {
   rg_tcp_lane* l = arg;
+  pthread_setname_np(pthread_self(), "rg-tcp-rx");
   frame f;
   while (read_full(l, &f, sizeof(f)) == 0) {
     atomic_fetch_add_explicit(&l->st_frames_received, 1, memory_order_relaxed);
@@ -250,7 +257,7 @@ static void* rx_main(void* arg) {
     }
     if (op == F_WRITE_IMM && push_recv_completion(l, f.imm, f.len) != 0) break;
   }
-  free_bounce(l->rx_bounce, l->rx_ctx);
+  free_staging(l->rx_bounce, l->rx_ctx, l->rx_stream);
   l->rx_bounce = NULL;
   return NULL;
 }
@@ -314,17 +321,18 @@ static int send_item(rg_tcp_lane* l, tx_item* it) {
   if (!is_cuda_source(w)) return send_full(l, (const uint8_t*)w->local + off, w->len - off);
   const rg_cuda_api* cu = rg_cuda();
   rg_tcp_region* reg = w->mr->impl;
-  if (set_ctx(&l->tx_ctx, reg->ctx) != 0) {
+  if (set_ctx(&l->tx_ctx, &l->tx_stream, reg->ctx) != 0) {
     lane_fail(l, "cannot make the CUDA context of 0x%llx current", (unsigned long long)(uintptr_t)w->local);
     return -1;
   }
   if (l->tx_bounce == NULL && (l->tx_bounce = alloc_bounce()) == NULL) {
-    lane_fail(l, "cannot allocate %u bytes of pinned staging memory", BOUNCE_BYTES);
+    lane_fail(l, "cannot allocate %u bytes of staging memory", BOUNCE_BYTES);
     return -1;
   }
   while (off < w->len) {
     uint64_t n = w->len - off < BOUNCE_BYTES ? w->len - off : BOUNCE_BYTES;
-    CUresult r = cu->cuMemcpyDtoH(l->tx_bounce, (CUdeviceptr)((uintptr_t)w->local + off), n);
+    CUresult r = cu->cuMemcpyDtoHAsync(l->tx_bounce, (CUdeviceptr)((uintptr_t)w->local + off), n, l->tx_stream);
+    if (r == CUDA_SUCCESS) r = cu->cuStreamSynchronize(l->tx_stream);
     if (r != CUDA_SUCCESS) {
       lane_fail(l, "copying GPU memory 0x%llx for %s failed: %s", (unsigned long long)((uintptr_t)w->local + off),
                 l->peer, rg_cuda_strerror(r));
@@ -343,6 +351,7 @@ static void send_heartbeat(rg_tcp_lane* l) {
 
 static void* tx_main(void* arg) {
   rg_tcp_lane* l = arg;
+  pthread_setname_np(pthread_self(), "rg-tcp-tx");
   pthread_mutex_lock(&l->tx_mu);
   for (;;) {
     while (l->txq_head == l->txq_tail && !atomic_load(&l->stopping) && !atomic_load(&l->dead)) {
@@ -379,7 +388,7 @@ static void* tx_main(void* arg) {
     l->last_tx_ns = rg_now_ns();
   }
   pthread_mutex_unlock(&l->tx_mu);
-  free_bounce(l->tx_bounce, l->tx_ctx);
+  free_staging(l->tx_bounce, l->tx_ctx, l->tx_stream);
   l->tx_bounce = NULL;
   return NULL;
 }

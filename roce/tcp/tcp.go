@@ -33,6 +33,9 @@ type Config struct {
 	Interface        string // exact interface name; "" picks one
 	NCCLSocketIfname string // NCCL_SOCKET_IFNAME, used when Interface is ""
 	Timeout          time.Duration
+	// CUDA offers NCCL CUDA memory (through staging copies). Off by default: on the GPU
+	// testbed the one-shot gather over it timed out under NCCL 2.28 (docs/benchmarks.md).
+	CUDA bool
 }
 
 // Device is the tcp fabric's single device: one interface of this host.
@@ -61,10 +64,13 @@ func Open(cfg Config) (*Device, error) {
 		speedNote = "no link speed (virtual), reporting 10000 Mbps"
 	}
 	ptr := fabric.PtrHost
-	cudaNote := "host memory only: " + errString(cudadrv.Err())
-	if cudadrv.Available() {
+	cudaNote := "host memory only (ROCE_GATHER_TCP_CUDA=1 offers CUDA memory)"
+	switch {
+	case cfg.CUDA && cudadrv.Available():
 		ptr |= fabric.PtrCUDA
-		cudaNote = "CUDA memory through pinned staging copies"
+		cudaNote = "CUDA memory through staging copies (ROCE_GATHER_TCP_CUDA=1)"
+	case cfg.CUDA:
+		cudaNote = "host memory only: ROCE_GATHER_TCP_CUDA=1, but " + errString(cudadrv.Err())
 	}
 	d := &Device{
 		iface: iface,

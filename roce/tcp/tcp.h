@@ -3,7 +3,7 @@
  * Each lane is one TCP connection with a receive thread, which places incoming writes
  * into registered memory after checking key and bounds, and a send thread, which finishes
  * writes the posting thread could not push without blocking and sends heartbeats.
- * CUDA memory is reached through pinned staging buffers and the CUDA driver. */
+ * CUDA memory is reached through staging buffers and the CUDA driver. */
 #ifndef RG_TCP_H
 #define RG_TCP_H
 
