@@ -327,6 +327,13 @@ int rg_gather_iallgather(void* collComm, void* sendData, int nRecvParts, const r
   c->req.id = c->seq;
   c->req.sizes[0] = windowBytes;
   g->next_seq++;
+  if (!(g->logged & 1)) {
+    g->logged |= 1;
+    RG_INFO(NCCL_NET | NCCL_COLL, "first one-shot gather with %s: window %llu+%llu of %llu bytes, %s mode, %s memory",
+            g->link->peer, (unsigned long long)windowOffset, (unsigned long long)windowBytes,
+            (unsigned long long)(2 * bytesPerRank), c->mode == RG_MODE_EAGER ? "eager" : "rendezvous",
+            c->cuda ? "CUDA" : "host");
+  }
   *request = c;
   return progress(g);
 }
@@ -385,6 +392,11 @@ int rg_gather_test(rg_request* req, int* done, uint64_t* sizes) {
   if (!req->done) return ncclSuccess;
   *done = 1;
   if (sizes) sizes[0] = req->sizes[0];
+  if (!(g->logged & 2)) {
+    g->logged |= 2;
+    RG_INFO(NCCL_NET | NCCL_COLL, "first one-shot gather with %s complete after %llu us", g->link->peer,
+            (unsigned long long)((rg_now_ns() - c->start_ns) / 1000));
+  }
   req->kind = RG_REQ_FREE;
   req->done = 0;
   progress(g); /* returns the landing slot at once; a failure here shows on the next call */

@@ -102,6 +102,7 @@ typedef struct rg_gather_comm {
   CUstream stream; /* for CUDA copies; NULL until first needed */
   CUcontext cuda_ctx;
   int warned;
+  int logged;
   uint32_t polls;
 } rg_gather_comm;
 

@@ -7,6 +7,16 @@
 /* A waiting request asks the lane for liveness once per this many tests. */
 #define CHECK_EVERY 1024
 
+/* The first send, receive and completion of each comm are logged once (NCCL_DEBUG=INFO,
+ * subsystem NET): enough to see where a stuck job stopped, nothing in steady state. */
+#define LOG_FIRST(comm, bit, ...)                   \
+  do {                                              \
+    if (!((comm)->logged & (bit))) {                \
+      (comm)->logged |= (bit);                      \
+      RG_INFO(NCCL_NET, __VA_ARGS__);               \
+    }                                               \
+  } while (0)
+
 void rg_p2p_send_init(rg_p2p_send* s) {
   for (int i = 0; i < RG_P2P_SEND_REQS; i++) {
     s->reqs[i].index = i;
@@ -132,6 +142,8 @@ int rg_p2p_isend(rg_p2p_send* s, void* data, uint64_t size, int tag, const rg_mr
     s->cts_ready[slot] = 0;
     s->head++;
   }
+  LOG_FIRST(s, 1, "first send to %s: %llu bytes, tag %d, into a %u-buffer receive", s->link->peer,
+            (unsigned long long)size, tag, nreqs);
   *request = req;
   return ncclSuccess;
 }
@@ -177,6 +189,8 @@ int rg_p2p_irecv(rg_p2p_recv* r, int n, void** data, const uint64_t* sizes, cons
   req->waiting = n;
   req->id = r->head++;
   for (int i = 0; i < n; i++) req->sizes[i] = 0;
+  LOG_FIRST(r, 1, "first receive from %s posted: %d buffer(s), %llu bytes in the first, tag %d", r->link->peer, n,
+            (unsigned long long)sizes[0], tags[0]);
   *request = req;
   return ncclSuccess;
 }
@@ -262,6 +276,7 @@ static ncclResult_t test_send(rg_request* req, int* done, uint64_t* sizes) {
   if (!req->done) return ncclSuccess;
   *done = 1;
   if (sizes) sizes[0] = req->sizes[0];
+  LOG_FIRST(s, 2, "first send to %s complete", s->link->peer);
   req->kind = RG_REQ_FREE;
   s->free_reqs[s->nfree++] = req->index;
   return ncclSuccess;
@@ -278,6 +293,7 @@ static ncclResult_t test_recv(rg_request* req, int* done, uint64_t* sizes) {
   *done = 1;
   if (sizes)
     for (int i = 0; i < req->n; i++) sizes[i] = req->sizes[i];
+  LOG_FIRST(r, 2, "first receive from %s complete: %llu bytes", r->link->peer, (unsigned long long)req->sizes[0]);
   req->kind = RG_REQ_FREE;
   return ncclSuccess;
 }

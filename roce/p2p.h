@@ -52,6 +52,7 @@ typedef struct rg_p2p_send {
   int nfree;
   uint64_t sends; /* sequence number of the next isend, for log lines */
   int warned;
+  int logged; /* one-time INFO lines already written (bit per event) */
   uint32_t polls;
 } rg_p2p_send;
 
@@ -68,6 +69,7 @@ typedef struct rg_p2p_recv {
   rg_request flush_reqs[RG_P2P_FLUSH_REQS];
   uint64_t flushes;
   int warned;
+  int logged;
   uint32_t polls;
 } rg_p2p_recv;
 
