@@ -74,7 +74,7 @@ func rgGoCollListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listen
 	state.mu.Lock()
 	cfg := state.cfg
 	state.mu.Unlock()
-	gl, err := tr.ListenGather(roce.GatherConfig{Enable: cfg.Enable, MaxBytes: cfg.MaxBytes, Mode: gatherMode(cfg.Mode)},
+	gl, err := tr.ListenGather(roce.GatherConfig{Enable: cfg.Enable, MaxBytes: cfg.MaxBytes, Explicit: cfg.MaxBytesSet, Mode: gatherMode(cfg.Mode)},
 		unsafe.Slice((*byte)(handle), roce.HandleSize))
 	if err != nil {
 		nlog.Warnf("collNet listen: %v", err)

@@ -29,16 +29,20 @@ func (m Mode) String() string {
 // Config is the plugin's configuration, read from the environment once per init from
 // idle. Each invalid value is refused with a WARN and replaced by the default.
 type Config struct {
-	Enable    bool
-	MaxBytes  uint64 // this rank's per-rank shard cap
-	Fabric    string // auto, verbs, tcp
-	HCAs      string
-	GIDIndex  int // -1: automatic
-	TCPIf     string
-	SocketIf  string // NCCL_SOCKET_IFNAME, consulted when TCPIf is empty
-	Timeout   time.Duration
-	Mode      Mode
-	StatsPath string // "", a path (with %p for the pid, %h for the host) or "stderr"
+	Enable   bool
+	MaxBytes uint64 // this rank's per-rank shard cap
+	// MaxBytesSet: ROCE_GATHER_MAX_BYTES was given. The tcp fabric's one-shot path is off
+	// unless it is (docs/benchmarks.md: measured slower than NCCL's ring over TCP).
+	MaxBytesSet bool
+	TCPCUDA     bool   // ROCE_GATHER_TCP_CUDA=1: the tcp fabric offers NCCL CUDA memory (unverified)
+	Fabric      string // auto, verbs, tcp
+	HCAs        string
+	GIDIndex    int // -1: automatic
+	TCPIf       string
+	SocketIf    string // NCCL_SOCKET_IFNAME, consulted when TCPIf is empty
+	Timeout     time.Duration
+	Mode        Mode
+	StatsPath   string // "", a path (with %p for the pid, %h for the host) or "stderr"
 }
 
 // Defaults, as DESIGN.md's configuration table gives them.
@@ -90,7 +94,16 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		case n == 0 || n > MaxMaxBytes:
 			refuse("ROCE_GATHER_MAX_BYTES", v, fmt.Sprint(DefaultMaxBytes), fmt.Sprintf("is outside 1..%d", MaxMaxBytes))
 		default:
-			c.MaxBytes = n
+			c.MaxBytes, c.MaxBytesSet = n, true
+		}
+	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_TCP_CUDA"); ok {
+		switch v {
+		case "0":
+		case "1":
+			c.TCPCUDA = true
+		default:
+			refuse("ROCE_GATHER_TCP_CUDA", v, "0", "is not 0 or 1")
 		}
 	}
 	if v, ok := lookup(getenv, "ROCE_GATHER_FABRIC"); ok {

@@ -19,6 +19,8 @@ func TestConfigDefaultsMatchTheDesignTable(t *testing.T) {
 	require.Equal(t, 30*time.Second, c.Timeout)
 	require.Equal(t, ModeAuto, c.Mode)
 	require.Equal(t, "", c.StatsPath)
+	require.False(t, c.MaxBytesSet)
+	require.False(t, c.TCPCUDA)
 }
 
 func TestConfigReadsEveryVariable(t *testing.T) {
@@ -32,11 +34,14 @@ func TestConfigReadsEveryVariable(t *testing.T) {
 		"ROCE_GATHER_TIMEOUT_MS": "2500",
 		"ROCE_GATHER_MODE":       "eager",
 		"ROCE_GATHER_STATS":      "/tmp/s.%p.json",
+		"ROCE_GATHER_TCP_CUDA":   "1",
 		"NCCL_SOCKET_IFNAME":     "^docker",
 	}))
 	require.Empty(t, warns)
 	require.False(t, c.Enable)
 	require.Equal(t, uint64(511*1024), c.MaxBytes)
+	require.True(t, c.MaxBytesSet)
+	require.True(t, c.TCPCUDA)
 	require.Equal(t, "tcp", c.Fabric)
 	require.Equal(t, "mlx5_0,mlx5_1:1", c.HCAs)
 	require.Equal(t, 3, c.GIDIndex)
@@ -65,6 +70,7 @@ func TestConfigRefusesEveryBadValueAndKeepsTheDefault(t *testing.T) {
 		{"ROCE_GATHER_TIMEOUT_MS", "0", "30000"},
 		{"ROCE_GATHER_TIMEOUT_MS", "-5", "30000"},
 		{"ROCE_GATHER_MODE", "fast", "auto"},
+		{"ROCE_GATHER_TCP_CUDA", "yes", "0"},
 	}
 	def, _ := ParseConfig(env(nil))
 	for _, tc := range cases {

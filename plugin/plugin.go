@@ -85,7 +85,7 @@ func (s *runtimeState) acquire(abi int, coll bool) error {
 		}
 		tr, err := roce.Open(roce.Config{
 			Fabric: cfg.Fabric, HCAs: cfg.HCAs, GIDIndex: cfg.GIDIndex,
-			TCPInterface: cfg.TCPIf, NCCLSocketIfname: cfg.SocketIf, Timeout: cfg.Timeout,
+			TCPInterface: cfg.TCPIf, NCCLSocketIfname: cfg.SocketIf, TCPCUDA: cfg.TCPCUDA, Timeout: cfg.Timeout,
 		})
 		if err != nil {
 			return err

@@ -66,12 +66,14 @@ const (
 	ReasonDisabled
 	ReasonNoMemory
 	ReasonLocalError
+	ReasonTCPDefault
 )
 
 var reasonText = map[uint8]string{
 	ReasonDisabled:   "ROCE_GATHER_ENABLE=0",
 	ReasonNoMemory:   "its landing slots could not be allocated",
 	ReasonLocalError: "a local set-up error (see its log)",
+	ReasonTCPDefault: "it runs the tcp fabric, where the one-shot path measured slower than NCCL's ring (set ROCE_GATHER_MAX_BYTES on both ranks to use it anyway)",
 }
 
 // GatherOffer is what a rank brings to a group: the fields of its collNet handle.
@@ -240,7 +242,7 @@ func Agree(handles [][]byte, rank int) Outcome {
 	for i, o := range offers {
 		if !o.On {
 			out.Why = fmt.Sprintf("rank %d is off: %s", i, reasonText[o.Reason])
-			out.Config = o.Reason == ReasonDisabled
+			out.Config = o.Reason == ReasonDisabled || o.Reason == ReasonTCPDefault
 			return out
 		}
 	}
@@ -280,6 +282,9 @@ type GatherListener struct {
 type GatherConfig struct {
 	Enable   bool
 	MaxBytes uint64
+	// Explicit says MaxBytes came from ROCE_GATHER_MAX_BYTES rather than the default; the
+	// tcp fabric offers the one-shot path only then (docs/benchmarks.md).
+	Explicit bool
 	Mode     GatherMode
 }
 
@@ -291,9 +296,12 @@ func (t *Transport) ListenGather(cfg GatherConfig, handle []byte) (*GatherListen
 	gl := &GatherListener{t: t, agreed: make(chan struct{})}
 	gl.offer = GatherOffer{Version: ProtocolVersion, On: cfg.Enable, Fabric: fabricCode(t.kind), Mode: cfg.Mode,
 		Lanes: uint8(t.dev.Info().Lanes), MaxBytes: cfg.MaxBytes, SlotBytes: SlotBytesFor(cfg.MaxBytes)}
-	if !cfg.Enable {
-		gl.offer.Reason = ReasonDisabled
-	} else {
+	switch {
+	case !cfg.Enable:
+		gl.offer.On, gl.offer.Reason = false, ReasonDisabled
+	case t.kind == "tcp" && !cfg.Explicit:
+		gl.offer.On, gl.offer.Reason = false, ReasonTCPDefault
+	default:
 		l, err := listen(t.dev, t.localIP(), purposeGather, t.cfg.Timeout, gl.newSide)
 		if err != nil {
 			return nil, err

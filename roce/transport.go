@@ -29,6 +29,7 @@ type Config struct {
 	GIDIndex         int    // -1 chooses automatically
 	TCPInterface     string // ROCE_GATHER_TCP_IF
 	NCCLSocketIfname string // NCCL_SOCKET_IFNAME
+	TCPCUDA          bool   // the tcp fabric offers NCCL CUDA memory
 	Timeout          time.Duration
 }
 
@@ -73,7 +74,7 @@ func Open(cfg Config) (*Transport, error) {
 }
 
 func (t *Transport) openTCP() error {
-	d, err := tcp.Open(tcp.Config{Interface: t.iface.Name, Timeout: t.cfg.Timeout})
+	d, err := tcp.Open(tcp.Config{Interface: t.iface.Name, Timeout: t.cfg.Timeout, CUDA: t.cfg.TCPCUDA})
 	if err != nil {
 		return fmt.Errorf("tcp fabric: %w", err)
 	}

@@ -139,11 +139,15 @@ type scenario struct {
 	suite      string
 	env0, env1 []string
 	expect     string // what the gather suite must see: "cap:N" or "off"
+	// tcpDefault runs without ROCE_GATHER_MAX_BYTES: the tcp fabric then keeps the one-shot
+	// path off. Every other gather scenario sets the cap, which turns it on over tcp.
+	tcpDefault bool
 }
 
 func scenarios(which string) []scenario {
 	all := []scenario{
 		{name: "p2p", suite: "p2p"},
+		{name: "gather, tcp fabric defaults (one-shot path off)", suite: "gather", expect: "off", tcpDefault: true},
 		{name: "gather", suite: "gather", expect: "cap:524288"},
 		{name: "gather, caps 511 KiB and 512 KiB", suite: "gather",
 			env0: []string{"ROCE_GATHER_MAX_BYTES=523264"}, env1: []string{"ROCE_GATHER_MAX_BYTES=524288"}, expect: "cap:523264"},
@@ -196,6 +200,11 @@ func cmdSelftest(args []string) int {
 		if sc.expect != "" {
 			env0 = append(env0, "RG_SELFTEST_EXPECT="+sc.expect)
 			env1 = append(env1, "RG_SELFTEST_EXPECT="+sc.expect)
+		}
+		if sc.suite == "gather" && !sc.tcpDefault {
+			// First, so a scenario's own cap (appended above) wins.
+			env0 = append([]string{"ROCE_GATHER_MAX_BYTES=524288"}, env0...)
+			env1 = append([]string{"ROCE_GATHER_MAX_BYTES=524288"}, env1...)
 		}
 		switch {
 		case *peer != "":

@@ -46,6 +46,9 @@ func TestSelftestGather(t *testing.T) {
 	require.Contains(t, out, "== gather, caps 511 KiB and 512 KiB")
 	require.Regexp(t, `(?s)caps 511 KiB.*ok   rank 0  gather/524288B/seed1 +path nccl-p2p.*== gather, ROCE_GATHER_ENABLE`, out)
 	require.Regexp(t, `(?s)caps 511 KiB.*ok   rank 1  gather/524288B/seed1 +path nccl-p2p.*== gather, ROCE_GATHER_ENABLE`, out)
+	// The tcp fabric without ROCE_GATHER_MAX_BYTES keeps the one-shot path off on both ranks.
+	require.Regexp(t, `(?s)tcp fabric defaults.*ok   rank 0  gather/expected-outcome +expected the path off, it is off.*== gather \(tcp`, out)
+	require.Regexp(t, `(?s)tcp fabric defaults.*rank 1  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p.*== gather \(tcp`, out)
 	// One rank disabled: both ranks hand every gather to NCCL.
 	require.Regexp(t, `(?s)ENABLE=0 on rank 1 only.*rank 0  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p`, out)
 	require.Regexp(t, `(?s)ENABLE=0 on rank 1 only.*rank 1  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p`, out)
