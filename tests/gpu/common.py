@@ -1,0 +1,193 @@
+"""Shared by the parent steps and the rank workers. Imports neither torch nor jax.
+
+The plugin counts, per process, every two-rank AllGather its tuner decided (tuner.*) and
+every one-shot gather it executed (oneshot.*), and writes them to ROCE_GATHER_STATS at
+finalize and at exit. A worker keeps a Ledger of the gathers it asked for; the parent
+compares the two (stats_check), so the path each case took is read, not assumed.
+"""
+import argparse
+import json
+import os
+import zlib
+
+# ROCE_GATHER_MAX_BYTES' default: the per-rank shard cap both ranks agree on.
+CAP = 524288
+# Shard sizes of the gather matrix: 16 B to 512 KiB, one past the cap, and an odd 100 B.
+MATRIX_SHARDS = [1 << k for k in range(4, 20)] + [CAP + 16, 100]
+# Shard sizes of the latency runs: powers of four from 16 B to 1 MiB, plus 4, 8, 32, 64 KiB.
+LATENCY_SHARDS = [16, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 262144, 1048576]
+MAX_FAILURES = 40  # failure messages a worker keeps (it counts them all)
+
+
+def seed_of(tag, rank):
+    """The seed of one rank's data for one case: both ranks can regenerate both shards."""
+    return zlib.crc32(f"{tag}|rank{rank}".encode())
+
+
+class Ledger:
+    """The AllGathers a worker asked for, split the way the plugin's stats split them.
+
+    enq: collectives NCCL enqueued (the tuner decides once per enqueue; a CUDA graph's
+    gathers are enqueued once, at capture). execs: gathers that ran (graph replays count).
+    The list form dist.all_gather is kept apart: PyTorch may or may not issue it as one
+    AllGather, and the stats say which.
+    """
+
+    FIELDS = ("small_enq", "big_enq", "small_exec", "big_exec", "list_small", "list_big")
+
+    def __init__(self, cap=CAP):
+        self.cap = cap
+        self.n = dict.fromkeys(self.FIELDS, 0)
+
+    def gather(self, shard_bytes, enq=1, execs=1, listform=False):
+        small = shard_bytes <= self.cap
+        if listform:
+            assert enq == execs, "the list form is counted for eager calls only"
+            self.n["list_small" if small else "list_big"] += enq
+        else:
+            self.n["small_enq" if small else "big_enq"] += enq
+            self.n["small_exec" if small else "big_exec"] += execs
+
+
+def stats_check(stats, ledger, oneshot_on, mode=None):
+    """Compares one rank's ROCE_GATHER_STATS with its ledger. Returns (failures, info)."""
+    if stats is None:
+        return ["no ROCE_GATHER_STATS file was written (the plugin did not load, or never finalized)"], {}
+    t, o, L = stats["tuner"], stats["oneshot"], ledger
+    info = {}
+    F = []
+    if not oneshot_on:  # ROCE_GATHER_ENABLE=0: NCCL's ring for every gather
+        if t["oneshot_gathers"] or o["calls"]:
+            F.append(f"one-shot path used with ROCE_GATHER_ENABLE=0: tuner.oneshot_gathers={t['oneshot_gathers']} "
+                     f"oneshot.calls={o['calls']}")
+        total = L["small_enq"] + L["big_enq"]
+        lists = L["list_small"] + L["list_big"]
+        if t["nccl_gathers"] not in (total, total + lists):
+            F.append(f"tuner.nccl_gathers={t['nccl_gathers']}, expected {total}"
+                     + (f" or {total + lists} (list form as AllGathers)" if lists else ""))
+        return F, info
+    if t["nccl_not_offered"]:
+        F.append(f"NCCL did not offer CollNet Direct for {t['nccl_not_offered']} gathers within the cap "
+                 "(tuner.nccl_not_offered): they ran on NCCL's ring, not the one-shot path")
+    ks = [k for k in (1, 0) if t["oneshot_gathers"] == L["small_enq"] + k * L["list_small"]
+          and t["nccl_gathers"] == L["big_enq"] + k * L["list_big"]]
+    if ks:
+        k = ks[0]
+        if L["list_small"] + L["list_big"]:
+            info["list_form"] = "one AllGather per call" if k == 1 else "not an AllGather (no tuner call)"
+    else:
+        k = 1
+        exp = (f"oneshot_gathers={L['small_enq']} nccl_gathers={L['big_enq']}")
+        if L["list_small"] + L["list_big"]:
+            exp += (f" (or {L['small_enq'] + L['list_small']}/{L['big_enq'] + L['list_big']} "
+                    "with each list-form call counted as one AllGather)")
+        F.append(f"tuner counts oneshot_gathers={t['oneshot_gathers']} nccl_gathers={t['nccl_gathers']} "
+                 f"(not offered {t['nccl_not_offered']}); expected {exp}")
+    if o["errors"]:
+        F.append(f"oneshot.errors={o['errors']}")
+    if o["calls"] <= 0:
+        F.append("oneshot.calls=0: no gather ran over the one-shot path")
+    least = L["small_exec"] + k * L["list_small"]
+    if o["calls"] < least:
+        F.append(f"oneshot.calls={o['calls']} but {least} gathers were steered to the one-shot path and ran")
+    if mode == "eager" and (o["rendezvous"] or o["eager"] != o["calls"]):
+        F.append(f"ROCE_GATHER_MODE=eager but oneshot.eager={o['eager']} rendezvous={o['rendezvous']}")
+    if mode == "rendezvous" and (o["eager"] or o["rendezvous"] != o["calls"]):
+        F.append(f"ROCE_GATHER_MODE=rendezvous but oneshot.rendezvous={o['rendezvous']} eager={o['eager']}")
+    return F, info
+
+
+def stats_brief(stats):
+    """One rank's stats as a flat dict, for tables."""
+    if stats is None:
+        return None
+    t, o = stats["tuner"], stats["oneshot"]
+    return {"tuner_oneshot": t["oneshot_gathers"], "tuner_nccl": t["nccl_gathers"],
+            "not_offered": t["nccl_not_offered"], "calls": o["calls"], "eager": o["eager"],
+            "rendezvous": o["rendezvous"], "errors": o["errors"], "p50_us": o["p50_us"],
+            "p99_us": o["p99_us"], "max_us": o["max_us"]}
+
+
+def compare_digests(ref_name, ref, name, other):
+    """ref, other: [rank0 digests, rank1 digests]. Every case ref ran must match in other."""
+    F, n = [], 0
+    for r in (0, 1):
+        a, b = ref[r], other[r]
+        missing = sorted(set(a) - set(b))
+        if missing:
+            F.append(f"rank {r}: {name} lacks {len(missing)} cases {ref_name} ran, e.g. {missing[0]}")
+        for k in sorted(set(a) & set(b)):
+            n += 1
+            if a[k] != b[k]:
+                F.append(f"rank {r} {k}: output of {name} differs from {ref_name}")
+    return F, n
+
+
+def md_table(headers, rows):
+    out = ["| " + " | ".join(str(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join("" if c is None else str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def fmt(x, digits=1):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+# ---- rank workers -------------------------------------------------------------------
+
+def worker_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--task", default="")
+    p.add_argument("--rank", type=int, help="this rank (default: $RANK, as torchrun sets it)")
+    p.add_argument("--port", type=int, help="rendezvous port on 127.0.0.1 (default: torchrun's env://)")
+    p.add_argument("--result", required=True)
+    p.add_argument("--params", default="{}")
+    a = p.parse_args()
+    a.params = json.loads(a.params)
+    if a.rank is None:
+        a.rank = int(os.environ["RANK"])
+    # The GPU: cuda:<rank> on the one-host testbed, cuda:$LOCAL_RANK under torchrun.
+    a.local = int(os.environ["LOCAL_RANK"]) if a.port is None and "LOCAL_RANK" in os.environ else a.rank
+    return a
+
+
+class Result:
+    """What a rank writes for the parent: failures, digests of outputs, numbers, ledger."""
+
+    def __init__(self, args):
+        self.path = args.result
+        self.d = {"rank": args.rank, "task": args.task, "params": args.params, "completed": False,
+                  "failures": [], "n_failures": 0, "cases": 0, "digests": {}, "numbers": {}, "ledger": None}
+
+    def fail(self, msg):
+        self.d["n_failures"] += 1
+        if len(self.d["failures"]) < MAX_FAILURES:
+            self.d["failures"].append(msg)
+        print("FAIL", msg, flush=True)
+
+    def write(self):
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.d, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def main():
+    """python3 common.py RESULT.json STATS.json [eager|rendezvous|off]: checks one rank's
+    ROCE_GATHER_STATS against the ledger its worker wrote (for runs outside run_all.sh)."""
+    import sys
+    if len(sys.argv) < 3:
+        raise SystemExit(main.__doc__)
+    with open(sys.argv[1]) as f:
+        res = json.load(f)
+    with open(sys.argv[2]) as f:
+        stats = json.load(f)
+    mode = sys.argv[3] if len(sys.argv) > 3 else None
+    failures, info = stats_check(stats, res["ledger"], mode != "off", mode if mode != "off" else None)
+    print(json.dumps({"worker_failures": res["failures"], "stats": stats_brief(stats), "ledger": res["ledger"],
+                      "stats_failures": failures, **info}, indent=1))
+    raise SystemExit(1 if failures or res["failures"] or not res["completed"] else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Starts the two ranks of one run (one GPU each, each its own "host") and collects them.
+
+run_pair starts `python <worker> --rank r ...` twice with per-rank environments, waits
+under one wall-clock limit, kills both process groups at expiry (or 15 s after one rank
+failed, since its peer then waits inside NCCL), and returns what the ranks wrote: their
+result JSON, their ROCE_GATHER_STATS files, and the failures found (exit status, the
+workers' own checks, the stats against the workers' ledgers).
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import common
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+LIB = os.path.join(REPO, "build", "libroce_gather.so")
+PEER_GRACE_S = 15
+
+# Never multicast: set in every process, last, so nothing overrides it.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Over the tcp fabric the one-shot path is off unless the cap is given (docs/benchmarks.md).
+PLUGIN = {"NCCL_NET_PLUGIN": LIB, "NCCL_NET": "roce_gather", "NCCL_COLLNET_ENABLE": "1",
+          "ROCE_GATHER_FABRIC": "tcp", "ROCE_GATHER_TCP_IF": "lo", "ROCE_GATHER_MAX_BYTES": "524288"}
+CONFIGS = {
+    "oneshot": dict(PLUGIN),
+    "oneshot-mode-eager": dict(PLUGIN, ROCE_GATHER_MODE="eager"),
+    "oneshot-mode-rendezvous": dict(PLUGIN, ROCE_GATHER_MODE="rendezvous"),
+    # GPUDirect: NCCL hands GPU memory to the plugin (and registers graph buffers).
+    "oneshot-gdr": dict(PLUGIN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1"),
+    "ring-over-plugin": dict(PLUGIN, ROCE_GATHER_ENABLE="0"),
+    "nccl-socket": {"NCCL_NET_PLUGIN": "none"},
+}
+# Cleared from the inherited environment so that nothing outside changes what a config means.
+OWNED = {"NCCL_NET_PLUGIN", "NCCL_NET", "NCCL_COLLNET_ENABLE", "NCCL_NET_GDR_LEVEL", "NCCL_TUNER_PLUGIN",
+         "NCCL_GRAPH_REGISTER", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE", "NCCL_HOSTID",
+         "NCCL_SOCKET_IFNAME", "NCCL_ALGO", "NCCL_PROTO"}
+
+
+def uses_plugin(config):
+    return "ROCE_GATHER_FABRIC" in CONFIGS[config]
+
+
+def oneshot_on(config):
+    return uses_plugin(config) and CONFIGS[config].get("ROCE_GATHER_ENABLE") != "0"
+
+
+def gather_mode(config):
+    return CONFIGS[config].get("ROCE_GATHER_MODE")
+
+
+def rank_env(config, rank, stats_path, extra=None):
+    env = {k: v for k, v in os.environ.items() if k not in OWNED and not k.startswith("ROCE_GATHER_")}
+    env.update(NCCL_HOSTID=f"testhost-{rank}", NCCL_MNNVL_ENABLE="0", NCCL_SOCKET_IFNAME="lo",
+               NCCL_DEBUG="WARN", PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
+    env.update(CONFIGS[config])
+    if uses_plugin(config):
+        env["ROCE_GATHER_STATS"] = stats_path
+    env.update(extra or {})
+    env.update(NO_MULTICAST)
+    return env
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_live = []  # the running pair's processes; kill_live() ends them (also on SIGTERM)
+
+
+def kill_live():
+    for p in _live:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # each rank leads its own session
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in _live:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            print(f"pid {p.pid} did not exit after SIGKILL", flush=True)
+    _live.clear()
+
+
+def tail(path, n=25):
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def _load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=None):
+    """Runs `worker --task task` as ranks 0 and 1 under config; returns a record (dict)."""
+    logs = [os.path.join(work, "logs", f"{run}.rank{r}.log") for r in (0, 1)]
+    results = [os.path.join(work, "raw", f"{run}.rank{r}.json") for r in (0, 1)]
+    stats = [os.path.join(work, "raw", f"{run}.stats.rank{r}.json") for r in (0, 1)]
+    for f in results + stats:
+        if os.path.exists(f):
+            os.remove(f)
+    port = free_port()
+    t0 = time.monotonic()
+    procs = []
+    for r in (0, 1):
+        env = rank_env(config, r, stats[r], extra_env)
+        cmd = [sys.executable, "-u", os.path.join(HERE, worker), "--task", task, "--rank", str(r),
+               "--port", str(port), "--result", results[r], "--params", json.dumps(params or {})]
+        shown = {k: v for k, v in env.items() if k.startswith(("NCCL_", "ROCE_GATHER_", "XLA_", "TORCH_", "NVSHMEM_"))}
+        with open(logs[r], "w") as log:
+            log.write(f"# run {run}, config {config}, rank {r}\n# {' '.join(cmd)}\n")
+            log.write("".join(f"# {k}={v}\n" for k, v in sorted(shown.items())))
+            log.flush()
+            p = subprocess.Popen(cmd, env=env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(p)
+        _live.append(p)
+
+    deadline, first_bad, timed_out, cut_short = t0 + timeout, None, False, False
+    while True:
+        rcs = [p.poll() for p in procs]
+        if all(rc is not None for rc in rcs):
+            break
+        now = time.monotonic()
+        if first_bad is None and any(rc not in (None, 0) for rc in rcs):
+            first_bad = now
+        if now > deadline:
+            timed_out = True
+            break
+        if first_bad is not None and now - first_bad > PEER_GRACE_S:
+            cut_short = True
+            break
+        time.sleep(0.2)
+    kill_live()
+    rcs = [p.returncode for p in procs]
+
+    rec = {"run": run, "config": config, "seconds": round(time.monotonic() - t0, 1), "rcs": rcs,
+           "timed_out": timed_out, "results": [_load(f) for f in results], "stats": [_load(f) for f in stats],
+           "logs": logs, "failures": [], "notes": [], "tails": []}
+    fail = rec["failures"].append
+    if timed_out:
+        fail(f"{run}: still running after {timeout:.0f}s; both ranks killed")
+    if cut_short:
+        fail(f"{run}: a rank failed and its peer was killed {PEER_GRACE_S}s later")
+    for r in (0, 1):
+        res = rec["results"][r]
+        if rcs[r] != 0 and not timed_out and not cut_short:
+            fail(f"{run} rank {r}: exit status {rcs[r]}")
+        if res is None:
+            fail(f"{run} rank {r}: wrote no result")
+            continue
+        for f in res["failures"]:
+            fail(f"{run} rank {r}: {f}")
+        if res["n_failures"] > len(res["failures"]):
+            fail(f"{run} rank {r}: ... and {res['n_failures'] - len(res['failures'])} more failures")
+    clean = not rec["failures"] and all(res and res.get("completed") for res in rec["results"])
+    if uses_plugin(config) and clean:
+        for r in (0, 1):
+            F, info = common.stats_check(rec["stats"][r], rec["results"][r]["ledger"], oneshot_on(config),
+                                         gather_mode(config))
+            rec["failures"] += [f"{run} rank {r} stats: {f}" for f in F]
+            if info.get("list_form"):
+                rec["notes"].append(f"{run} rank {r}: the list form dist.all_gather was {info['list_form']}")
+    if rec["failures"]:
+        rec["tails"] = [f"--- {os.path.basename(l)} (last lines)\n{tail(l)}" for l in logs]
+    return rec

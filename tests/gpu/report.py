@@ -1,0 +1,132 @@
+"""Gathers the steps' results: OUT/summary.json, OUT/summary.md, OUT/latency.png,
+OUT/latency.csv and OUT/results.tar.gz (every log and raw file); prints a short table.
+
+    python3 report.py --work DIR --out OUTDIR --steps "env kernels ..." --start EPOCH
+
+Exit status 1 when a step failed (or ended without a result).
+"""
+import argparse
+import json
+import os
+import shutil
+import tarfile
+import time
+
+from common import md_table
+
+TRUNCATE = 4 << 20  # a file bigger than this goes into the tarball as its head and tail
+
+
+def load_step(work, name):
+    meta = os.path.join(work, "steps", name + ".meta")
+    rc, secs = None, None
+    if os.path.exists(meta):
+        parts = open(meta).read().split()
+        rc, secs = int(parts[0]), int(parts[1])
+    path = os.path.join(work, "steps", name + ".json")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        log = os.path.join(work, "logs", name + ".log")
+        tail = open(log, errors="replace").read()[-1500:] if os.path.exists(log) else ""
+        d = {"name": name, "status": "fail", "headline": f"ended (exit {rc}) without a result",
+             "failures": [f"step {name} ended (exit {rc}; 124 is a timeout) without writing its result; "
+                          f"see logs/{name}.log"], "notes": [], "numbers": {}, "md": [], "runs": [],
+             "log_tail": tail}
+    d["rc"], d["seconds"] = rc, secs
+    return d
+
+
+def add_to_tar(tar, path, arc):
+    if os.path.getsize(path) <= TRUNCATE:
+        tar.add(path, arcname=arc)
+        return
+    import io
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+        f.seek(-(1 << 20), os.SEEK_END)
+        tail = f.read()
+    data = head + b"\n\n[... truncated by report.py ...]\n\n" + tail
+    info = tarfile.TarInfo(arc)
+    info.size, info.mtime = len(data), int(time.time())
+    tar.addfile(info, io.BytesIO(data))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--work", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", required=True)
+    p.add_argument("--start", type=float, required=True)
+    a = p.parse_args()
+    names = a.steps.split()
+    steps = [load_step(a.work, n) for n in names]
+    failed = [s["name"] for s in steps if s["status"] == "fail"]
+    total = round(time.time() - a.start)
+
+    summary = {"ok": not failed, "failed_steps": failed, "total_seconds": total,
+               "steps": {s["name"]: {k: s.get(k) for k in ("status", "rc", "seconds", "headline", "numbers", "notes")}
+                         | {"failures": s["failures"][:30], "n_failures": len(s["failures"]),
+                            "runs": [{k: r[k] for k in ("run", "config", "ok", "seconds", "rcs", "stats")} for r in s["runs"]]}
+                         for s in steps}}
+    md = [f"# roce_gather GPU testbed run: {'PASS' if not failed else 'FAIL (' + ', '.join(failed) + ')'}",
+          f"{total} s in all. Logs and raw results: results.tar.gz.", "",
+          md_table(["step", "status", "seconds", "summary"],
+                   [[s["name"], s["status"], s["seconds"], s["headline"]] for s in steps])]
+    for s in steps:
+        md += ["", f"## {s['name']}: {s['status']}", ""]
+        if s["failures"]:
+            md += ["Failures:", ""] + [f"- {f}" for f in s["failures"][:30]]
+            if len(s["failures"]) > 30:
+                md.append(f"- ... {len(s['failures']) - 30} more (steps/{s['name']}.json)")
+            md.append("")
+        md += [f"- {n}" for n in s["notes"][:20]]
+        for sec in s["md"]:
+            md += ["", sec]
+        for r in s["runs"]:
+            for t in r.get("tails", []):
+                md += ["", "```", t[-2500:], "```"]
+        if s.get("log_tail"):
+            md += ["", "```", s["log_tail"], "```"]
+
+    with open(os.path.join(a.work, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(a.work, "summary.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    os.makedirs(a.out, exist_ok=True)
+    for name in ("summary.json", "summary.md", "latency.png", "latency.csv"):
+        if os.path.exists(os.path.join(a.work, name)):
+            shutil.copy(os.path.join(a.work, name), os.path.join(a.out, name))
+    with tarfile.open(os.path.join(a.out, "results.tar.gz"), "w:gz") as tar:
+        for root, _, files in os.walk(a.work):
+            for fn in sorted(files):
+                path = os.path.join(root, fn)
+                add_to_tar(tar, path, os.path.join("results", os.path.relpath(path, a.work)))
+
+    # The short table the caller sees.
+    print()
+    print(f"{'step':<9} {'status':<6} {'secs':>5}  summary")
+    for s in steps:
+        print(f"{s['name']:<9} {s['status']:<6} {str(s['seconds']):>5}  {s['headline'][:110]}")
+        for f in s["failures"][:4]:
+            print(f"{'':<23}- {' | '.join(f.split(chr(10)))[:150]}")
+        if len(s["failures"]) > 4:
+            print(f"{'':<23}- ... {len(s['failures']) - 4} more in summary.md")
+    lat = next((s for s in steps if s["name"] == "latency"), None)
+    if lat and lat["numbers"].get("latency"):
+        L = lat["numbers"]["latency"]
+        cols = [c for c in ("oneshot", "ring-over-plugin", "nccl-socket") if c in L]
+        print("\nus per gather under CUDA graph replay (rank 0):")
+        print(f"{'bytes':>8} " + " ".join(f"{c:>17}" for c in cols) + f" {'os/socket':>9} {'os/ring':>8}")
+        num = lambda x, w, d: f"{x:>{w}.{d}f}" if x else f"{'-':>{w}}"
+        for b, r in lat["numbers"]["ratios"].get("graph", {}).items():
+            print(f"{b:>8} " + " ".join(num(L[c]["graph"].get(b), 17, 1) for c in cols)
+                  + f" {num(r['oneshot/nccl-socket'], 9, 2)} {num(r['oneshot/ring-over-plugin'], 8, 2)}")
+    present = ", ".join(sorted(os.listdir(a.out)))
+    print(f"\nRESULT: {'PASS' if not failed else 'FAIL: ' + ', '.join(failed)} ({total} s); {a.out}: {present}")
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
