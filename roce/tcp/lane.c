@@ -496,7 +496,13 @@ static int drain(rg_tcp_lane* l, rg_cqe* ring, uint32_t cap, atomic_uint_fast64_
                  atomic_uint_fast64_t* tail, rg_cqe* out, int max) {
   uint64_t h = atomic_load_explicit(head, memory_order_relaxed);
   uint64_t t = atomic_load_explicit(tail, memory_order_acquire);
-  if (h == t) return atomic_load(&l->dead) ? RG_ERR_DEAD : 0;
+  if (h == t) {
+    if (!atomic_load(&l->dead)) return 0;
+    /* The receive thread pushes its last completions before it marks the lane dead:
+     * look again, so a completion that raced the failure is still delivered. */
+    t = atomic_load_explicit(tail, memory_order_acquire);
+    if (h == t) return RG_ERR_DEAD;
+  }
   int k = 0;
   while (h != t && k < max) out[k++] = ring[h++ % cap];
   atomic_store_explicit(head, h, memory_order_release);
