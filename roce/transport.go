@@ -6,6 +6,14 @@ package roce
 #cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter -Werror
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+
+// Control regions are mapped so that closing a comm gives their pages back at once.
+static void* rg_map(size_t n) {
+  void* p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? NULL : p;
+}
+static void rg_unmap(void* p, size_t n) { munmap(p, n); }
 */
 import "C"
 
@@ -186,14 +194,13 @@ type hostBuffer struct {
 }
 
 func newHostBuffer(dev fabric.Device, n uint64) (*hostBuffer, error) {
-	var p unsafe.Pointer
-	if C.posix_memalign(&p, regAlign, C.size_t(n)) != 0 {
-		return nil, fmt.Errorf("allocating %d bytes", n)
+	p := C.rg_map(C.size_t(n)) // zeroed and page-aligned
+	if p == nil {
+		return nil, fmt.Errorf("mapping %d bytes", n)
 	}
-	C.memset(p, 0, C.size_t(n))
 	mr, err := dev.Register(uintptr(p), n, fabric.Host, nil)
 	if err != nil {
-		C.free(p)
+		C.rg_unmap(p, C.size_t(n))
 		return nil, err
 	}
 	return &hostBuffer{ptr: p, len: n, mr: mr}, nil
@@ -205,7 +212,7 @@ func (b *hostBuffer) free(dev fabric.Device) error {
 	}
 	err := dev.Deregister(b.mr)
 	if err == nil {
-		C.free(b.ptr)
+		C.rg_unmap(b.ptr, C.size_t(b.len))
 	}
 	b.ptr = nil
 	return err

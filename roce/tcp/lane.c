@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -538,13 +539,27 @@ const rg_lane_ops rg_tcp_lane_ops = {
     .why = lane_why,
 };
 
+/* The rings are mapped, not malloc'ed: they go back to the system when the lane closes,
+ * so a job that connects and closes many comms does not grow. */
+static void* map_zeroed(size_t n) {
+  void* p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? NULL : p;
+}
+
+static void unmap(void* p, size_t n) {
+  if (p != NULL) munmap(p, n);
+}
+
 rg_tcp_lane* rg_tcp_lane_start(rg_tcp_dev* dev, int fd, const char* peer, char* err, int errlen) {
   rg_tcp_lane* l = calloc(1, sizeof(*l));
-  tx_item* txq = calloc(TXQ_CAP, sizeof(tx_item));
-  rg_cqe* scq = calloc(SCQ_CAP, sizeof(rg_cqe));
-  rg_cqe* rcq = calloc(RCQ_CAP, sizeof(rg_cqe));
+  tx_item* txq = map_zeroed(TXQ_CAP * sizeof(tx_item));
+  rg_cqe* scq = map_zeroed(SCQ_CAP * sizeof(rg_cqe));
+  rg_cqe* rcq = map_zeroed(RCQ_CAP * sizeof(rg_cqe));
   if (l == NULL || txq == NULL || scq == NULL || rcq == NULL) {
-    free(l), free(txq), free(scq), free(rcq);
+    free(l);
+    unmap(txq, TXQ_CAP * sizeof(tx_item));
+    unmap(scq, SCQ_CAP * sizeof(rg_cqe));
+    unmap(rcq, RCQ_CAP * sizeof(rg_cqe));
     snprintf(err, errlen, "out of memory for a lane");
     return NULL;
   }
@@ -605,9 +620,9 @@ void rg_tcp_lane_close(rg_tcp_lane* l) {
   pthread_cond_destroy(&l->tx_cv);
   pthread_mutex_destroy(&l->tx_mu);
   pthread_mutex_destroy(&l->why_mu);
-  free(l->txq);
-  free(l->scq);
-  free(l->rcq);
+  unmap(l->txq, TXQ_CAP * sizeof(tx_item));
+  unmap(l->scq, SCQ_CAP * sizeof(rg_cqe));
+  unmap(l->rcq, RCQ_CAP * sizeof(rg_cqe));
   free(l);
 }
 
