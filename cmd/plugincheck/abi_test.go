@@ -167,7 +167,7 @@ func TestBadEnvironmentValuesAreRefusedWithAWarning(t *testing.T) {
 	}
 }
 
-var cycleLine = regexp.MustCompile(`CYCLE (first|last) \d+ fds=(\d+) threads=(\d+) rss_kb=(\d+)`)
+var cycleLine = regexp.MustCompile(`CYCLE (first|mid|last) \d+ fds=(\d+) threads=(\d+) rss_kb=(\d+)`)
 
 func lifecycle(t *testing.T, cycles int, reopen bool) map[string][3]int {
 	t.Helper()
@@ -193,11 +193,15 @@ func lifecycle(t *testing.T, cycles int, reopen bool) map[string][3]int {
 }
 
 // NCCL 2.28+ calls init per communicator and finalize when it goes; the library must
-// start clean each time and give back what each init took.
-func TestInitFinalizeInitLeavesNothingBehind(t *testing.T) {
-	got := lifecycle(t, 50, false)
+// start clean each time and give back what each init took: 1,000 cycles of init,
+// devices, getProperties, a listen and finalize.
+func TestThousandInitFinalizeCyclesLeaveNothingBehind(t *testing.T) {
+	got := lifecycle(t, 1000, false)
+	t.Logf("first fds=%d threads=%d rss_kb=%d, last fds=%d threads=%d rss_kb=%d",
+		got["first"][0], got["first"][1], got["first"][2], got["last"][0], got["last"][1], got["last"][2])
 	require.Equal(t, got["first"][0], got["last"][0], "open file descriptors")
 	require.LessOrEqual(t, got["last"][1], got["first"][1]+2, "threads")
+	require.Less(t, got["last"][2], got["first"][2]+16*1024, "resident memory grew by more than 16 MiB")
 }
 
 // NCCL dlcloses the library when its last communicator goes and dlopens it again for the

@@ -27,7 +27,7 @@ static long status_field(const char* key) {
   return v;
 }
 
-static void snapshot(const char* label, int cycle) {
+void snapshot(const char* label, int cycle) {
   printf("CYCLE %s %d fds=%d threads=%ld rss_kb=%ld\n", label, cycle, count_fds(), status_field("Threads:"),
          status_field("VmRSS:"));
   fflush(stdout);

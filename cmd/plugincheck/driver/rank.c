@@ -373,6 +373,40 @@ static void case_threads(void) {
   case_result("p2p/4-comms-on-4-threads", all, "%s", all ? "300 messages of mixed sizes each, interleaved" : (ok ? why : "connecting failed"));
 }
 
+/* Connect and close a comm pair n times, with a message each time; what the process holds
+ * must not grow. The first cycle is a warm-up (lane threads, CUDA probe). */
+int suite_cycles(int n) {
+  uint8_t sbuf[64], rbuf[64];
+  for (int c = 0; c <= n; c++) {
+    if (c == 1) snapshot("first", 1);
+    if (c == n / 2) snapshot("mid", c);
+    char tag[32];
+    snprintf(tag, sizeof(tag), "cycle-%d", c);
+    conn_pair cp;
+    if (connect_pair(tag, &cp) != 0) {
+      case_result("cycles/connect-close", 0, "connecting failed at cycle %d", c);
+      return 1;
+    }
+    void *smh, *rmh;
+    R.net->regMr(cp.send, sbuf, sizeof(sbuf), NCCL_PTR_HOST, &smh);
+    R.net->regMr(cp.recv, rbuf, sizeof(rbuf), NCCL_PTR_HOST, &rmh);
+    fill_pattern(sbuf, sizeof(sbuf), (uint64_t)c * 2 + (uint64_t)R.rank);
+    int got = -1;
+    if (exchange_message(&cp, sbuf, sizeof(sbuf), smh, rbuf, sizeof(rbuf), rmh, 0, &got) != 0 || got != 64 ||
+        check_pattern(rbuf, sizeof(rbuf), (uint64_t)c * 2 + (uint64_t)(1 - R.rank)) >= 0) {
+      case_result("cycles/connect-close", 0, "the message of cycle %d failed", c);
+      return 1;
+    }
+    R.net->deregMr(cp.send, smh);
+    R.net->deregMr(cp.recv, rmh);
+    close_pair(&cp);
+  }
+  barrier("cycles-done");
+  snapshot("last", n);
+  case_result("cycles/connect-close", 1, "%d connect/message/close cycles", n);
+  return 0;
+}
+
 int suite_p2p(void) {
   conn_pair cp;
   if (connect_pair("p2p", &cp) != 0) {
@@ -419,11 +453,13 @@ int run_rank(const char* path, int rank, const char* suite) {
   if (strcmp(suite, "p2p") == 0) rc = suite_p2p();
   else if (strcmp(suite, "gather") == 0) rc = suite_gather();
   else if (strcmp(suite, "bench") == 0) rc = suite_bench();
+  else if (strncmp(suite, "fault-", 6) == 0) rc = suite_fault(suite);
+  else if (strncmp(suite, "cycles-", 7) == 0) rc = suite_cycles(atoi(suite + 7));
   else {
     fprintf(stderr, "[%s] unknown suite %s\n", driver_tag, suite);
     return 2;
   }
-  barrier("done");
+  if (strncmp(suite, "fault-", 6) != 0) barrier("done"); /* after a fault the peer may be gone */
   R.net->finalize(R.netctx);
   printf("SUMMARY %d passed, %d failed, %d warnings\n", case_passes, case_failures, driver_warns);
   fflush(stdout);

@@ -33,5 +33,9 @@ void close_pair(conn_pair* cp);
 int suite_p2p(void);
 int suite_gather(void);
 int suite_bench(void);
+int suite_fault(const char* which);
+int suite_cycles(int n);
+/* Prints "CYCLE label n fds=… threads=… rss_kb=…". */
+void snapshot(const char* label, int cycle);
 
 #endif
