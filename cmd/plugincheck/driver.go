@@ -114,6 +114,7 @@ type result struct {
 	cases   []caseLine
 	benches []string
 	notes   []string
+	loads   []string // "LOAD ..." lines, per rank
 }
 
 type caseLine struct {
@@ -163,6 +164,8 @@ func printRankLine(rank int, line string) {
 		if out.echo {
 			fmt.Printf("     rank %d  %s\n", rank, strings.TrimPrefix(line, "NOTE "))
 		}
+	case strings.HasPrefix(line, "LOAD "):
+		res.loads = append(res.loads, fmt.Sprintf("%d %s", rank, strings.TrimPrefix(line, "LOAD ")))
 	case strings.HasPrefix(line, "SUMMARY "):
 	default:
 		fmt.Fprintf(os.Stderr, "[rank %d] %s\n", rank, line)

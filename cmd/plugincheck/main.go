@@ -264,11 +264,15 @@ func cmdBench(args []string) int {
 	fs := flag.NewFlagSet("bench", flag.ExitOnError)
 	lib, driver := commonFlags(fs)
 	fab := fs.String("fabric", "tcp", "fabric: tcp or verbs")
+	load := fs.Int("load", 0, "instead: run two communicators on two threads, gathers and p2p, for `SECONDS`")
 	fs.Parse(args)
 	p, err := defaultPaths(*lib, *driver)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "plugincheck:", err)
 		return 2
+	}
+	if *load > 0 {
+		return runLoad(p, *fab, *load)
 	}
 	env := []string{"ROCE_GATHER_FABRIC=" + *fab}
 	if os.Getenv("ROCE_GATHER_TCP_IF") == "" && *fab == "tcp" {
@@ -290,6 +294,61 @@ func cmdBench(args []string) int {
 		fmt.Printf("%-26s %12s  %-11s %s\n", f[0], f[1], f[2], f[3])
 	}
 	if res.failed > 0 || len(res.benches) == 0 {
+		return 1
+	}
+	return 0
+}
+
+// runLoad runs the load suite and checks ROCE_GATHER_STATS against the work each rank
+// counted: every gather it made is one one-shot call, and nothing failed.
+func runLoad(p paths, fab string, seconds int) int {
+	dir, err := os.MkdirTemp("", "roce_gather_load")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "plugincheck:", err)
+		return 2
+	}
+	defer os.RemoveAll(dir)
+	env := func(r int) []string {
+		e := []string{"ROCE_GATHER_FABRIC=" + fab, "ROCE_GATHER_MAX_BYTES=524288", "NCCL_COLLNET_ENABLE=1",
+			fmt.Sprintf("ROCE_GATHER_STATS=%s/stats.%d.json", dir, r)}
+		if os.Getenv("ROCE_GATHER_TCP_IF") == "" && fab == "tcp" {
+			e = append(e, "ROCE_GATHER_TCP_IF=lo")
+		}
+		return e
+	}
+	res := &result{}
+	out.res, out.echo = res, true
+	fmt.Printf("two communicators on two threads a rank, %d s of one-shot gathers and p2p messages (%s fabric)\n", seconds, fab)
+	if err := runPair(p, fmt.Sprintf("load-%d", seconds), env(0), env(1), false); err != nil {
+		fmt.Fprintln(os.Stderr, "plugincheck:", err)
+		return 1
+	}
+	failed := res.failed
+	for _, l := range res.loads {
+		var rank int
+		var gathers, messages, errs int64
+		var secs float64
+		fmt.Sscanf(l, "%d gathers=%d messages=%d errors=%d seconds=%f", &rank, &gathers, &messages, &errs, &secs)
+		raw, err := os.ReadFile(fmt.Sprintf("%s/stats.%d.json", dir, rank))
+		var st struct {
+			OneShot struct {
+				Calls, Errors uint64
+				P50           float64 `json:"p50_us"`
+				P99           float64 `json:"p99_us"`
+			} `json:"oneshot"`
+		}
+		if err == nil {
+			err = json.Unmarshal(raw, &st)
+		}
+		ok := err == nil && st.OneShot.Calls == uint64(gathers) && st.OneShot.Errors == 0 && errs == 0
+		if !ok {
+			failed++
+		}
+		fmt.Printf("rank %d: %d gathers and %d messages in %.1f s; stats: %d one-shot calls, %d errors, p50 %.1f us, p99 %.1f us: %s\n",
+			rank, gathers, messages, secs, st.OneShot.Calls, st.OneShot.Errors, st.OneShot.P50, st.OneShot.P99,
+			map[bool]string{true: "consistent", false: fmt.Sprintf("INCONSISTENT (%v)", err)}[ok])
+	}
+	if failed > 0 || len(res.loads) != 2 {
 		return 1
 	}
 	return 0

@@ -455,6 +455,7 @@ int run_rank(const char* path, int rank, const char* suite) {
   else if (strcmp(suite, "bench") == 0) rc = suite_bench();
   else if (strncmp(suite, "fault-", 6) == 0) rc = suite_fault(suite);
   else if (strncmp(suite, "cycles-", 7) == 0) rc = suite_cycles(atoi(suite + 7));
+  else if (strncmp(suite, "load-", 5) == 0) rc = suite_load(atoi(suite + 5));
   else {
     fprintf(stderr, "[%s] unknown suite %s\n", driver_tag, suite);
     return 2;

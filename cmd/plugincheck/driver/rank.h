@@ -35,6 +35,7 @@ int suite_gather(void);
 int suite_bench(void);
 int suite_fault(const char* which);
 int suite_cycles(int n);
+int suite_load(int seconds);
 /* Prints "CYCLE label n fds=… threads=… rss_kb=…". */
 void snapshot(const char* label, int cycle);
 
