@@ -148,19 +148,36 @@ func TestABICatchesPropertiesOfTheWrongVersion(t *testing.T) {
 	}
 }
 
+// Every variable of the configuration table given a bad value: one WARN each, naming the
+// variable, the value and what was used instead, and the library still works.
 func TestBadEnvironmentValuesAreRefusedWithAWarning(t *testing.T) {
-	r, code, stderr := runABI(t, []string{"ROCE_GATHER_MAX_BYTES=lots", "ROCE_GATHER_MODE=turbo", "ROCE_GATHER_TIMEOUT_MS=0"})
+	bad := map[string]string{
+		"ROCE_GATHER_ENABLE":     `ROCE_GATHER_ENABLE="maybe" is not 0 or 1; using 1`,
+		"ROCE_GATHER_MAX_BYTES":  `ROCE_GATHER_MAX_BYTES="lots" is not a byte count (want digits with an optional K, M or G suffix); using 524288`,
+		"ROCE_GATHER_FABRIC":     `ROCE_GATHER_FABRIC="rdma" is not auto, verbs or tcp; using auto`,
+		"ROCE_GATHER_HCAS":       `ROCE_GATHER_HCAS="mlx5_0,,mlx5_1" has an empty item; using all active ports`,
+		"ROCE_GATHER_GID_INDEX":  `ROCE_GATHER_GID_INDEX="third" is not auto or an index from 0 to 255; using auto`,
+		"ROCE_GATHER_TCP_IF":     `ROCE_GATHER_TCP_IF="eth0,eth1" is not an interface name; using NCCL_SOCKET_IFNAME or the first interface that is up`,
+		"ROCE_GATHER_TIMEOUT_MS": `ROCE_GATHER_TIMEOUT_MS="0" is not a positive number of milliseconds; using 30000`,
+		"ROCE_GATHER_MODE":       `ROCE_GATHER_MODE="turbo" is not rendezvous, eager or auto; using auto`,
+		"ROCE_GATHER_TCP_CUDA":   `ROCE_GATHER_TCP_CUDA="yes" is not 0 or 1; using 0`,
+	}
+	values := map[string]string{"ROCE_GATHER_ENABLE": "maybe", "ROCE_GATHER_MAX_BYTES": "lots", "ROCE_GATHER_FABRIC": "rdma",
+		"ROCE_GATHER_HCAS": "mlx5_0,,mlx5_1", "ROCE_GATHER_GID_INDEX": "third", "ROCE_GATHER_TCP_IF": "eth0,eth1",
+		"ROCE_GATHER_TIMEOUT_MS": "0", "ROCE_GATHER_MODE": "turbo", "ROCE_GATHER_TCP_CUDA": "yes"}
+	var env []string
+	for k, v := range values {
+		env = append(env, k+"="+v)
+	}
+	// The refused ROCE_GATHER_TCP_IF falls back to NCCL_SOCKET_IFNAME: keep the check on loopback.
+	r, code, stderr := runABI(t, append(env, "NCCL_SOCKET_IFNAME=lo"))
 	require.Equal(t, 1, code, "WARN lines make the check fail")
-	for _, want := range []string{
-		`NCCL WARN NET/roce_gather : ROCE_GATHER_MAX_BYTES="lots" is not a byte count (want digits with an optional K, M or G suffix); using 524288`,
-		`NCCL WARN NET/roce_gather : ROCE_GATHER_MODE="turbo" is not rendezvous, eager or auto; using auto`,
-		`NCCL WARN NET/roce_gather : ROCE_GATHER_TIMEOUT_MS="0" is not a positive number of milliseconds; using 30000`,
-	} {
-		require.Contains(t, stderr, want)
+	for name, want := range bad {
+		require.Equal(t, 1, strings.Count(stderr, "NCCL WARN NET/roce_gather : "+want), "%s: once per process\n%s", name, stderr)
 	}
 	for _, c := range r.Checks {
 		if c.Check == "warnings" {
-			require.Equal(t, "3 WARN line(s) logged during the check", c.Detail)
+			require.Equal(t, "9 WARN line(s) logged during the check", c.Detail)
 		} else {
 			require.True(t, c.OK, "%s %s: the defaults keep everything else working", c.Table, c.Check)
 		}
