@@ -76,10 +76,21 @@ ncclResult_t rg_tuner_get_coll_info_v3(void* ctx, ncclFunc_t collType, size_t nB
   return rg_tuner_get_coll_info(ctx, collType, nBytes, numPipeOps, collCostTable, numAlgo, numProto, 0, nChannels);
 }
 
+int rg_tuner_chunk_policy(const rg_tuner* t, int collType, size_t nBytes, int algo, int proto, size_t* chunkSize) {
+  if (collType != ncclFuncAllGather || t->nranks != 2 || !t->group_on || algo != NCCL_ALGO_COLLNET_DIRECT ||
+      proto != NCCL_PROTO_SIMPLE || nBytes > 2 * t->agreed_cap || nBytes <= *chunkSize)
+    return 0;
+  /* NCCL cuts small CollNet gathers into 32-128 KiB windows, one iallgather each; ask for
+   * the whole gather in one (NCCL clamps this to its buffer). */
+  *chunkSize = nBytes;
+  return 1;
+}
+
 ncclResult_t rg_tuner_get_chunk_size(void* ctx, ncclFunc_t collType, size_t nBytes, int algo, int proto,
                                      int nChannels, size_t* chunkSize) {
-  (void)ctx, (void)collType, (void)nBytes, (void)algo, (void)proto, (void)nChannels, (void)chunkSize;
-  return ncclSuccess; /* NCCL's chunking stands */
+  (void)nChannels;
+  rg_tuner_chunk_policy(ctx, collType, nBytes, algo, proto, chunkSize);
+  return ncclSuccess;
 }
 
 static ncclResult_t tuner_init(void** ctx, uint64_t commId, int hasCommId, size_t nRanks, size_t nNodes,

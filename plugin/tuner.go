@@ -66,3 +66,15 @@ func TunePolicy(nRanks int, on bool, agreedCap uint64, collType int, nBytes uint
 	copy(table, cs)
 	return TunerDecision(d), int(nch)
 }
+
+// ChunkPolicy runs the C chunk-size policy (tuner v6) and returns the chunk size NCCL
+// would use.
+func ChunkPolicy(nRanks int, on bool, agreedCap uint64, collType int, nBytes uint64, algo, proto int, chunk uint64) uint64 {
+	t := C.rg_tuner{nranks: C.size_t(nRanks), agreed_cap: C.uint64_t(agreedCap)}
+	if on {
+		t.group_on = 1
+	}
+	c := C.size_t(chunk)
+	C.rg_tuner_chunk_policy(&t, C.int(collType), C.size_t(nBytes), C.int(algo), C.int(proto), &c)
+	return uint64(c)
+}

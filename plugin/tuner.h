@@ -24,4 +24,7 @@ enum {
 int rg_tuner_policy(const rg_tuner* t, int collType, size_t nBytes, float** table, int numAlgo, int numProto,
                     int* nChannels);
 
+/* Tuner v6 (NCCL 2.30): the chunk size of a one-shot gather. Returns 1 if it changed it. */
+int rg_tuner_chunk_policy(const rg_tuner* t, int collType, size_t nBytes, int algo, int proto, size_t* chunkSize);
+
 #endif

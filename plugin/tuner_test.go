@@ -113,3 +113,28 @@ func TestTunerIndexesWithTheTableShapeNCCLPasses(t *testing.T) {
 	require.Equal(t, 1, nch)
 	require.Equal(t, float32(0), table[algoCollNetDirect*3+protoSimple])
 }
+
+// Tuner v6 asks for the whole one-shot gather as one window; NCCL clamps it to its buffer.
+func TestChunkSizeCoversAOneShotGatherInOneWindow(t *testing.T) {
+	require.Equal(t, uint64(2*65536), ChunkPolicy(2, true, 524288, allGather, 2*65536, algoCollNetDirect, protoSimple, 32768))
+	require.Equal(t, uint64(2*524288), ChunkPolicy(2, true, 524288, allGather, 2*524288, algoCollNetDirect, protoSimple, 131072))
+}
+
+func TestChunkSizeUntouchedOutsideTheOneShotPath(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		on         bool
+		coll, algo int
+		nBytes     uint64
+	}{
+		{"group off", false, allGather, algoCollNetDirect, 4096},
+		{"ring", true, allGather, algoRing, 4096},
+		{"all-reduce", true, allReduce, algoCollNetDirect, 4096},
+		{"above the cap", true, allGather, algoCollNetDirect, 2*524288 + 2},
+		{"already larger", true, allGather, algoCollNetDirect, 1024},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			require.Equal(t, uint64(32768), ChunkPolicy(2, tc.on, 524288, tc.coll, tc.nBytes, tc.algo, protoSimple, 32768))
+		})
+	}
+}

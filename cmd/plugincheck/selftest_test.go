@@ -1,9 +1,11 @@
 package main
 
 import (
+	"bufio"
 	"os"
 	"os/exec"
 	"regexp"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -52,4 +54,45 @@ func TestSelftestGather(t *testing.T) {
 	// One rank disabled: both ranks hand every gather to NCCL.
 	require.Regexp(t, `(?s)ENABLE=0 on rank 1 only.*rank 0  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p`, out)
 	require.Regexp(t, `(?s)ENABLE=0 on rank 1 only.*rank 1  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p`, out)
+}
+
+// What a user runs on two hosts, here as two plugincheck processes on loopback: one
+// listens, the other connects, and each drives its own rank.
+func TestSelftestAcrossTwoPlugincheckProcesses(t *testing.T) {
+	pc, _, _ := built(t)
+	env := append(os.Environ(), "ROCE_GATHER_TCP_IF=lo")
+	listener := exec.Command(pc, "selftest", "--suite", "p2p", "--listen", "127.0.0.1:0")
+	listener.Env = env
+	var lout strings.Builder
+	stdout, err := listener.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, listener.Start())
+	// The listener prints where it waits; the peer connects there.
+	sc := bufio.NewScanner(stdout)
+	addr := ""
+	for sc.Scan() {
+		lout.WriteString(sc.Text() + "\n")
+		if a, ok := strings.CutPrefix(sc.Text(), "waiting for the peer on "); ok {
+			addr = a
+			break
+		}
+	}
+	require.NotEmpty(t, addr, "%s", lout.String())
+	done := make(chan struct{})
+	go func() {
+		for sc.Scan() {
+			lout.WriteString(sc.Text() + "\n")
+		}
+		close(done)
+	}()
+	peer := exec.Command(pc, "selftest", "--suite", "p2p", "--peer", addr)
+	peer.Env = env
+	pout, err := peer.CombinedOutput()
+	require.NoError(t, err, "%s", pout)
+	require.NoError(t, listener.Wait())
+	<-done
+	require.Regexp(t, summary, string(pout))
+	require.Regexp(t, summary, lout.String())
+	require.Contains(t, string(pout), "ok   rank 1  p2p/size-67108864")
+	require.Contains(t, lout.String(), "ok   rank 0  p2p/size-67108864")
 }
