@@ -227,16 +227,62 @@ func finish(conn *net.TCPConn, ep fabric.Endpoint, s side, peerProto, peerFab []
 	return ep.Start(conn)
 }
 
+// handshakes tracks the connections of handshakes in flight, so that closing a listener
+// or the transport cuts them short instead of waiting for their deadlines.
+type handshakes struct {
+	mu     sync.Mutex
+	closed bool
+	conns  map[*net.TCPConn]struct{}
+}
+
+// add registers c; false once closed (the caller then drops c).
+func (h *handshakes) add(c *net.TCPConn) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.closed {
+		return false
+	}
+	if h.conns == nil {
+		h.conns = map[*net.TCPConn]struct{}{}
+	}
+	h.conns[c] = struct{}{}
+	return true
+}
+
+func (h *handshakes) remove(c *net.TCPConn) {
+	h.mu.Lock()
+	delete(h.conns, c)
+	h.mu.Unlock()
+}
+
+// abort refuses new handshakes and ends those in flight by closing their sockets (a
+// deadline would not do: the handshake moves its own deadline as it goes).
+func (h *handshakes) abort() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.closed = true
+	for c := range h.conns {
+		c.Close()
+	}
+}
+
+var errClosing = errors.New("the transport is closing")
+
 // dialLink connects to a listener, authenticates with its token and returns the link.
-func dialLink(dev fabric.Device, local net.IP, to endpointAddr, token Token, purpose uint8, lanes int, s side, timeout time.Duration) (*fabric.Link, error) {
-	deadline := time.Now().Add(timeout)
-	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: local}, Deadline: deadline}
-	c, err := d.Dial("tcp", to.String())
+func (t *Transport) dialLink(to endpointAddr, token Token, purpose uint8, lanes int, s side) (*fabric.Link, error) {
+	deadline := time.Now().Add(t.cfg.Timeout)
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: t.localIP()}, Deadline: deadline}
+	c, err := d.DialContext(t.ctx, "tcp", to.String())
 	if err != nil {
 		return nil, fmt.Errorf("connecting to %s: %w", to, err)
 	}
 	conn := c.(*net.TCPConn)
-	ep, err := dev.NewEndpoint(lanes)
+	if !t.dials.add(conn) {
+		conn.Close()
+		return nil, errClosing
+	}
+	defer t.dials.remove(conn)
+	ep, err := t.dev.NewEndpoint(lanes)
 	if err != nil {
 		conn.Close()
 		return nil, err
@@ -262,19 +308,26 @@ func dialLink(dev fabric.Device, local net.IP, to endpointAddr, token Token, pur
 
 // listener accepts links for one purpose from peers that present its token.
 type listener struct {
-	dev     fabric.Device
+	t       *Transport
 	ln      *net.TCPListener
 	addr    endpointAddr
 	token   Token
 	purpose uint8
-	timeout time.Duration
-	// newSide builds the accepting side's protocol state for one incoming link.
-	newSide func() (side, error)
+	// newSide gives the accepting side's protocol state for one incoming link; it must
+	// return once stop closes. When sharedSide is set, the state belongs to someone else
+	// and is never closed here.
+	newSide    func(stop <-chan struct{}) (side, error)
+	sharedSide bool
 
-	mu      sync.Mutex
-	closed  bool
-	ready   []accepted
-	pending sync.WaitGroup
+	mu        sync.Mutex
+	closed    bool
+	ready     []accepted
+	deciding  int        // handshakes inside newSide
+	decided   *sync.Cond // on mu, signalled as deciding drops
+	inflight  handshakes
+	stop      chan struct{} // closed when the listener closes
+	pending   sync.WaitGroup
+	closeOnce sync.Once
 }
 
 type accepted struct {
@@ -282,17 +335,22 @@ type accepted struct {
 	side side
 }
 
-func listen(dev fabric.Device, local net.IP, purpose uint8, timeout time.Duration, newSide func() (side, error)) (*listener, error) {
+func (t *Transport) listen(purpose uint8, newSide func(stop <-chan struct{}) (side, error), sharedSide bool) (*listener, error) {
 	token, err := newToken()
 	if err != nil {
 		return nil, err
 	}
-	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: local})
+	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: t.localIP()})
 	if err != nil {
-		return nil, fmt.Errorf("listening on %s: %w", local, err)
+		return nil, fmt.Errorf("listening on %s: %w", t.localIP(), err)
 	}
-	l := &listener{dev: dev, ln: ln, token: token, purpose: purpose, timeout: timeout, newSide: newSide,
-		addr: endpointAddr{IP: local, Port: ln.Addr().(*net.TCPAddr).Port}}
+	l := &listener{t: t, ln: ln, token: token, purpose: purpose, newSide: newSide, sharedSide: sharedSide, stop: make(chan struct{}),
+		addr: endpointAddr{IP: t.localIP(), Port: ln.Addr().(*net.TCPAddr).Port}}
+	if !t.track(l) {
+		ln.Close()
+		return nil, errClosing
+	}
+	l.decided = sync.NewCond(&l.mu)
 	l.pending.Add(1)
 	go l.serve()
 	return l, nil
@@ -305,18 +363,46 @@ func (l *listener) serve() {
 		if err != nil {
 			return // closed
 		}
+		if !l.inflight.add(c) {
+			c.Close()
+			return
+		}
 		l.pending.Add(1)
 		go func() {
 			defer l.pending.Done()
+			defer l.inflight.remove(c)
 			l.handle(c)
 		}()
 	}
 }
 
+func (l *listener) closeSide(s side) {
+	if c, ok := s.(interface{ Close() error }); ok && !l.sharedSide {
+		c.Close()
+	}
+}
+
+// decideSide asks newSide for the link's state. close waits for it before cutting
+// connections, so that a refusal (the listener closing, say) still reaches the peer.
+func (l *listener) decideSide(conn *net.TCPConn) (side, error) {
+	l.mu.Lock()
+	l.deciding++
+	l.mu.Unlock()
+	s, err := l.newSide(l.stop)
+	if err != nil {
+		l.inflight.remove(conn) // the refusal is the last word; close leaves it be
+	}
+	l.mu.Lock()
+	l.deciding--
+	l.decided.Broadcast()
+	l.mu.Unlock()
+	return s, err
+}
+
 // handle authenticates one incoming connection and, if it belongs here, makes the link.
 func (l *listener) handle(conn *net.TCPConn) {
 	from := conn.RemoteAddr().String()
-	deadline := time.Now().Add(l.timeout)
+	deadline := time.Now().Add(l.t.cfg.Timeout)
 	conn.SetDeadline(deadline)
 	h, err := readHello(conn)
 	if err != nil {
@@ -344,9 +430,9 @@ func (l *listener) handle(conn *net.TCPConn) {
 	}
 	var link *fabric.Link
 	var s side
-	ep, err := l.dev.NewEndpoint(int(h.lanes))
+	ep, err := l.t.dev.NewEndpoint(int(h.lanes))
 	if err == nil {
-		s, err = l.newSide()
+		s, err = l.decideSide(conn)
 		if err != nil {
 			ep.Close()
 		}
@@ -363,18 +449,14 @@ func (l *listener) handle(conn *net.TCPConn) {
 		nlog.Warnf("accepting a link from %s failed: %v", from, err)
 		ep.Close()
 		conn.Close()
-		if c, ok := s.(interface{ Close() error }); ok {
-			c.Close()
-		}
+		l.closeSide(s)
 		return
 	}
 	l.mu.Lock()
 	if l.closed {
 		l.mu.Unlock()
 		link.Close()
-		if c, ok := s.(interface{ Close() error }); ok {
-			c.Close()
-		}
+		l.closeSide(s)
 		return
 	}
 	l.ready = append(l.ready, accepted{link: link, side: s})
@@ -393,18 +475,30 @@ func (l *listener) next() (accepted, bool) {
 	return a, true
 }
 
-// close stops accepting and releases links nobody claimed.
+// close stops accepting, ends the handshakes in flight, waits for their goroutines and
+// releases links nobody claimed. Once it returns, nothing of the listener runs.
 func (l *listener) close() {
-	l.ln.Close()
-	l.mu.Lock()
-	l.closed = true
-	unclaimed := l.ready
-	l.ready = nil
-	l.mu.Unlock()
-	for _, a := range unclaimed {
-		a.link.Close()
-		if c, ok := a.side.(interface{ Close() error }); ok {
-			c.Close()
+	l.closeOnce.Do(func() {
+		l.ln.Close()
+		l.mu.Lock()
+		l.closed = true
+		l.mu.Unlock()
+		close(l.stop)
+		l.mu.Lock()
+		for l.deciding > 0 {
+			l.decided.Wait()
 		}
-	}
+		l.mu.Unlock()
+		l.inflight.abort()
+		l.pending.Wait()
+		l.mu.Lock()
+		unclaimed := l.ready
+		l.ready = nil
+		l.mu.Unlock()
+		for _, a := range unclaimed {
+			a.link.Close()
+			l.closeSide(a.side)
+		}
+		l.t.untrack(l)
+	})
 }

@@ -302,7 +302,7 @@ func (t *Transport) ListenGather(cfg GatherConfig, handle []byte) (*GatherListen
 	case t.kind == "tcp" && !cfg.Explicit:
 		gl.offer.On, gl.offer.Reason = false, ReasonTCPDefault
 	default:
-		l, err := listen(t.dev, t.localIP(), purposeGather, t.cfg.Timeout, gl.newSide)
+		l, err := t.listen(purposeGather, gl.newSide, true)
 		if err != nil {
 			return nil, err
 		}
@@ -315,9 +315,11 @@ func (t *Transport) ListenGather(cfg GatherConfig, handle []byte) (*GatherListen
 
 // newSide serves the accepting rank: it waits until this rank's own connect has agreed
 // the group's parameters, then hands over the side connect prepared.
-func (gl *GatherListener) newSide() (side, error) {
+func (gl *GatherListener) newSide(stop <-chan struct{}) (side, error) {
 	select {
 	case <-gl.agreed:
+	case <-stop:
+		return nil, errors.New("the collNet listener closed before this rank connected")
 	case <-time.After(gl.t.cfg.Timeout):
 		return nil, errors.New("this rank did not reach collNet connect in time")
 	}
@@ -388,6 +390,7 @@ func (gl *GatherListener) Connect(handles [][]byte, rank int) (*GatherComm, Outc
 		}
 	}
 	if err != nil {
+		gl.Close() // the listener's handshakes may still hold s
 		s.Close()
 		out.On, out.Why = false, fmt.Sprintf("the link to rank %d failed: %v", out.peerRank, err)
 		return nil, out
@@ -398,7 +401,7 @@ func (gl *GatherListener) Connect(handles [][]byte, rank int) (*GatherComm, Outc
 // link makes the group's link: rank 0 dials rank 1, which accepts.
 func (gl *GatherListener) link(out Outcome, rank int, s *gatherSide) (*fabric.Link, error) {
 	if rank == 0 {
-		return dialLink(gl.t.dev, gl.t.localIP(), out.peer.Addr, out.peer.Token, purposeGather, out.Lanes, s, gl.t.cfg.Timeout)
+		return gl.t.dialLink(out.peer.Addr, out.peer.Token, purposeGather, out.Lanes, s)
 	}
 	deadline := time.Now().Add(gl.t.cfg.Timeout)
 	for time.Now().Before(deadline) {
@@ -449,6 +452,12 @@ func newGatherSide(t *Transport, out Outcome, rank int) (*gatherSide, error) {
 		return nil, fmt.Errorf("registering the landing slots: %w", err)
 	}
 	c := (*C.rg_gather_comm)(C.calloc(1, C.sizeof_rg_gather_comm))
+	if c == nil {
+		t.dev.Deregister(s.landingMR)
+		C.rg_landing_free(s.landing, s.landingPinned)
+		ctrl.free(t.dev)
+		return nil, errors.New("out of memory for a gather comm")
+	}
 	C.rg_gather_init(c)
 	c.rank = C.int(rank)
 	c.mode = C.int(out.Mode)

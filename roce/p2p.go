@@ -39,7 +39,7 @@ func (t *Transport) ListenP2P(handle []byte) (*P2PListener, error) {
 		return nil, fmt.Errorf("handle buffer is %d bytes, need %d", len(handle), HandleSize)
 	}
 	pl := &P2PListener{t: t}
-	l, err := listen(t.dev, t.localIP(), purposeP2P, t.cfg.Timeout, func() (side, error) { return newRecvSide(t) })
+	l, err := t.listen(purposeP2P, func(<-chan struct{}) (side, error) { return newRecvSide(t) }, false)
 	if err != nil {
 		return nil, err
 	}
@@ -111,14 +111,14 @@ func (t *Transport) ConnectP2P(handle []byte) (*PendingSend, error) {
 		return nil, err
 	}
 	p := &PendingSend{done: make(chan struct{})}
-	go func() {
+	started := t.goBackground(func() {
 		defer close(p.done)
 		s, err := newSendSide(t)
 		if err != nil {
 			p.err = err
 			return
 		}
-		link, err := dialLink(t.dev, t.localIP(), h.addr, h.token, purposeP2P, 1, s, t.cfg.Timeout)
+		link, err := t.dialLink(h.addr, h.token, purposeP2P, 1, s)
 		if err != nil {
 			s.Close()
 			p.err = err
@@ -126,7 +126,10 @@ func (t *Transport) ConnectP2P(handle []byte) (*PendingSend, error) {
 		}
 		s.start(link)
 		p.comm = &SendComm{t: t, side: s, link: link}
-	}()
+	})
+	if !started {
+		return nil, errClosing
+	}
 	return p, nil
 }
 
@@ -194,6 +197,10 @@ func newSendSide(t *Transport) (*sendSide, error) {
 		return nil, fmt.Errorf("send FIFO: %w", err)
 	}
 	c := (*C.rg_p2p_send)(C.calloc(1, C.sizeof_rg_p2p_send))
+	if c == nil {
+		fifo.free(t.dev)
+		return nil, errors.New("out of memory for a send comm")
+	}
 	C.rg_p2p_send_init(c)
 	c.fifo = (*C.rg_cts_entry)(fifo.ptr)
 	return &sendSide{t: t, c: c, fifo: fifo}, nil
@@ -245,6 +252,11 @@ func newRecvSide(t *Transport) (*recvSide, error) {
 		return nil, fmt.Errorf("completion records: %w", err)
 	}
 	c := (*C.rg_p2p_recv)(C.calloc(1, C.sizeof_rg_p2p_recv))
+	if c == nil {
+		cts.free(t.dev)
+		cmpl.free(t.dev)
+		return nil, errors.New("out of memory for a receive comm")
+	}
 	C.rg_p2p_recv_init(c)
 	c.cts = (*C.rg_cts_entry)(cts.ptr)
 	c.cts_mr = (*C.rg_mr)(cts.mr.C())

@@ -18,6 +18,7 @@ static void rg_unmap(void* p, size_t n) { munmap(p, n); }
 import "C"
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -48,6 +49,16 @@ type Transport struct {
 	kind  string
 	iface fabric.Interface // where bootstrap sockets bind
 	regs  regCache
+
+	// Set-up running in the background: cancelled and waited for by Close, so that
+	// nothing touches the device after it is gone.
+	ctx       context.Context
+	cancel    context.CancelFunc
+	bg        sync.WaitGroup // connects in flight
+	dials     handshakes
+	mu        sync.Mutex
+	closing   bool
+	listeners map[*listener]struct{}
 }
 
 // Open opens the fabric the configuration names. "auto" takes verbs when a usable port
@@ -60,7 +71,8 @@ func Open(cfg Config) (*Transport, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := &Transport{cfg: cfg, iface: iface}
+	t := &Transport{cfg: cfg, iface: iface, listeners: map[*listener]struct{}{}}
+	t.ctx, t.cancel = context.WithCancel(context.Background())
 	t.regs.init()
 	switch cfg.Fabric {
 	case "tcp":
@@ -102,10 +114,56 @@ func (t *Transport) Interface() fabric.Interface { return t.iface }
 // Timeout is the longest wait for a peer.
 func (t *Transport) Timeout() time.Duration { return t.cfg.Timeout }
 
-// Close releases registrations nobody released and closes the device.
+// Close ends every handshake and connect in flight, closes the listeners nobody closed,
+// waits for all of it, then releases registrations nobody released and closes the device.
 func (t *Transport) Close() error {
+	t.mu.Lock()
+	t.closing = true
+	listeners := make([]*listener, 0, len(t.listeners))
+	for l := range t.listeners {
+		listeners = append(listeners, l)
+	}
+	t.mu.Unlock()
+	t.cancel()
+	t.dials.abort()
+	for _, l := range listeners {
+		l.close()
+	}
+	t.bg.Wait()
 	t.regs.releaseAll(t.dev)
 	return t.dev.Close()
+}
+
+// track registers a listener for Close; false once the transport is closing.
+func (t *Transport) track(l *listener) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closing {
+		return false
+	}
+	t.listeners[l] = struct{}{}
+	return true
+}
+
+func (t *Transport) untrack(l *listener) {
+	t.mu.Lock()
+	delete(t.listeners, l)
+	t.mu.Unlock()
+}
+
+// goBackground runs f unless the transport is closing; Close waits for it.
+func (t *Transport) goBackground(f func()) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closing {
+		return false
+	}
+	t.bg.Add(1)
+	go func() {
+		defer t.bg.Done()
+		f()
+	}()
+	return true
 }
 
 // regCache shares one registration among every caller that registers an overlapping
@@ -165,6 +223,7 @@ func (t *Transport) Deregister(mhandle unsafe.Pointer) error {
 	if e.refs--; e.refs > 0 {
 		return nil
 	}
+	// The entry goes even if the device reports a failure: it has retired the key either way.
 	delete(c.entries, mhandle)
 	return t.dev.Deregister(e.mr)
 }
