@@ -30,7 +30,7 @@ func TestSelftestP2P(t *testing.T) {
 	out := selftest(t, "p2p")
 	require.Regexp(t, summary, out)
 	for _, c := range []string{"p2p/connect-accept-retries", "p2p/size-0", "p2p/size-67108864", "p2p/recv-larger-than-send",
-		"p2p/multi-recv-8-tags", "p2p/256-outstanding", "p2p/optional-recv-completion", "p2p/4-comms-on-4-threads"} {
+		"p2p/multi-recv-8-tags", "p2p/send-ahead-of-its-receive", "p2p/256-outstanding", "p2p/optional-recv-completion", "p2p/4-comms-on-4-threads"} {
 		require.Regexp(t, regexp.MustCompile(`ok   rank 0  `+regexp.QuoteMeta(c)+` `), out)
 		require.Regexp(t, regexp.MustCompile(`ok   rank 1  `+regexp.QuoteMeta(c)+` `), out)
 	}

@@ -232,6 +232,55 @@ static void case_multi_recv(conn_pair* cp) {
   free(rbuf);
 }
 
+/* A send whose tag belongs to a receive not yet posted is refused without error (no
+ * request, NCCL retries) until that receive comes; then it is delivered where it belongs. */
+static void case_send_ahead_of_its_receive(conn_pair* cp) {
+  size_t bsz = 4096;
+  uint8_t* sbuf = malloc(2 * bsz);
+  uint8_t* rbuf = malloc(2 * bsz);
+  void *smh = NULL, *rmh = NULL;
+  int ok = R.net->regMr(cp->send, sbuf, 2 * bsz, NCCL_PTR_HOST, &smh) == ncclSuccess &&
+           R.net->regMr(cp->recv, rbuf, 2 * bsz, NCCL_PTR_HOST, &rmh) == ncclSuccess;
+  char detail[160] = "";
+  fill_pattern(sbuf, bsz, 900 + (uint64_t)R.rank);
+  fill_pattern(sbuf + bsz, bsz, 950 + (uint64_t)R.rank);
+  memset(rbuf, 0xEE, 2 * bsz);
+  void* data[1] = {rbuf};
+  size_t sizes[1] = {bsz};
+  int tag8[1] = {8}, tag9[1] = {9};
+  void* mh[1] = {rmh};
+  void *r8 = NULL, *r9 = NULL, *s8 = NULL, *s9 = NULL;
+  while (ok && r8 == NULL) ok = R.net->irecv(cp->recv, 1, data, sizes, tag8, mh, NULL, &r8) == ncclSuccess;
+  /* The peer's receive for tag 8 is at the head; tag 9 must wait, for 200 ms of retries. */
+  for (uint64_t t0 = now_ns(); ok && now_ns() - t0 < 200000000ull;) {
+    int r = R.net->isend(cp->send, sbuf + bsz, bsz, 9, smh, NULL, &s9);
+    if (r != ncclSuccess || s9 != NULL) {
+      snprintf(detail, sizeof(detail), "isend of tag 9 before its receive returned %d with %s request", r,
+               s9 ? "a" : "no");
+      ok = 0;
+    }
+  }
+  while (ok && s8 == NULL) ok = R.net->isend(cp->send, sbuf, bsz, 8, smh, NULL, &s8) == ncclSuccess;
+  data[0] = rbuf + bsz;
+  while (ok && r9 == NULL) ok = R.net->irecv(cp->recv, 1, data, sizes, tag9, mh, NULL, &r9) == ncclSuccess;
+  while (ok && s9 == NULL) ok = R.net->isend(cp->send, sbuf + bsz, bsz, 9, smh, NULL, &s9) == ncclSuccess;
+  int got8 = -1, got9 = -1;
+  ok = ok && test_until_done("isend tag 8", s8, NULL, net_test) == 0 &&
+       test_until_done("isend tag 9", s9, NULL, net_test) == 0 && test_until_done("irecv tag 8", r8, &got8, net_test) == 0 &&
+       test_until_done("irecv tag 9", r9, &got9, net_test) == 0;
+  if (ok && (got8 != (int)bsz || got9 != (int)bsz || check_pattern(rbuf, bsz, 900 + (uint64_t)(1 - R.rank)) >= 0 ||
+             check_pattern(rbuf + bsz, bsz, 950 + (uint64_t)(1 - R.rank)) >= 0)) {
+    snprintf(detail, sizeof(detail), "tag 8 got %d bytes, tag 9 got %d; expected %zu each with the peer's bytes", got8,
+             got9, bsz);
+    ok = 0;
+  }
+  case_result("p2p/send-ahead-of-its-receive", ok, "%s", ok ? "the early send waited, then landed by its tag" : detail);
+  R.net->deregMr(cp->send, smh);
+  R.net->deregMr(cp->recv, rmh);
+  free(sbuf);
+  free(rbuf);
+}
+
 /* 256 receives posted before any send, then 256 sends, all outstanding at once. */
 static void case_outstanding(conn_pair* cp) {
   enum { N = 256 };
@@ -419,6 +468,7 @@ int suite_p2p(void) {
               cp.accept_retries);
   case_sizes(&cp);
   case_multi_recv(&cp);
+  case_send_ahead_of_its_receive(&cp);
   case_outstanding(&cp);
   case_optional_completion_and_flush(&cp);
   close_pair(&cp);
