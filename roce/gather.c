@@ -12,10 +12,14 @@
 #define CHECK_EVERY 256
 #define SEQ_MASK 0xffffffu
 #define STRIPE_ALIGN 64
+/* No 24-bit seq equals it, so a slot never used matches no call. */
+#define RG_SEQ_NONE UINT64_MAX
 
 void rg_gather_init(rg_gather_comm* g) {
   g->next_seq = 1;
   for (int i = 0; i < RG_GATHER_DEPTH; i++) {
+    g->ready_seq[i] = RG_SEQ_NONE;
+    g->arrived_seq[i] = RG_SEQ_NONE;
     g->calls[i].req.index = i;
     g->calls[i].req.comm = g;
   }
@@ -140,6 +144,7 @@ static int post_part(rg_gather_comm* g, rg_gather_call* c, uint64_t remote, cons
   uint64_t per = (c->my_len + (uint64_t)nl - 1) / (uint64_t)nl;
   per = (per + STRIPE_ALIGN - 1) / STRIPE_ALIGN * STRIPE_ALIGN;
   for (int l = 0; l < nl; l++) {
+    if (c->lanes_posted & (1u << l)) continue;
     rg_lane* lane = &g->link->lane[l];
     uint64_t b = (uint64_t)l * per, e = b + per;
     if (b > c->my_len) b = c->my_len;
@@ -152,7 +157,8 @@ static int post_part(rg_gather_comm* g, rg_gather_call* c, uint64_t remote, cons
     wr[n++] = (rg_wr){.wr_id = (uint64_t)c->req.index + 1, .imm = RG_GIMM(kind, c->seq), .op = RG_OP_WRITE_IMM,
                       .flags = RG_WR_SIGNALED};
     int rc = rg_post(lane, wr, n);
-    if (rc != RG_OK) return rc; /* lanes are posted in one go or the group is failed */
+    if (rc != RG_OK) return rc; /* RG_ERR_FULL: the retry starts at this lane */
+    c->lanes_posted |= 1u << l;
     c->writes_pending++;
   }
   return RG_OK;
@@ -208,7 +214,7 @@ static ncclResult_t advance(rg_gather_comm* g, rg_gather_call* c) {
   if (!c->posted) {
     if (c->mode == RG_MODE_RENDEZVOUS && g->ready_seq[slot] == seq24) {
       rg_ready_token t = g->ctrl->ready[slot];
-      if ((t.seq & SEQ_MASK) != seq24 || t.size < c->my_off + c->my_len)
+      if (t.seq != c->seq || t.size < c->my_off + c->my_len)
         return fail(g, c, "the peer's ready token does not match this call");
       int rc = post_part(g, c, t.addr + c->my_off, t.rkey);
       if (rc == RG_ERR_FULL) return ncclSuccess;

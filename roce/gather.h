@@ -55,6 +55,7 @@ typedef struct rg_gather_call {
   int mode;
   int token_sent;     /* rendezvous: our ready token is posted */
   int posted;         /* this rank's part has been posted to the peer */
+  uint32_t lanes_posted; /* bit per lane whose stripe is posted, so a full queue resumes there */
   int finished;       /* complete; stays set until the slot is reused */
   int writes_pending; /* signaled writes not yet complete */
   int landed;         /* the peer's part is in this rank's rows */
@@ -88,8 +89,8 @@ typedef struct rg_gather_comm {
 
   rg_gather_call calls[RG_GATHER_DEPTH]; /* calls[seq % DEPTH] */
   uint64_t next_seq;                     /* sequence number of the next call, from 1 */
-  uint64_t ready_seq[RG_GATHER_DEPTH];   /* newest ready token seen per slot */
-  uint64_t arrived_seq[RG_GATHER_DEPTH]; /* the seq whose data arrivals are counted */
+  uint64_t ready_seq[RG_GATHER_DEPTH];   /* newest ready token's 24-bit seq per slot; RG_SEQ_NONE before */
+  uint64_t arrived_seq[RG_GATHER_DEPTH]; /* the 24-bit seq whose arrivals are counted; RG_SEQ_NONE before */
   int arrived[RG_GATHER_DEPTH];          /* lanes that delivered that seq */
   uint64_t peer_consumed;                /* newest seq the peer has freed the landing slot of */
   uint64_t consumed;                     /* newest seq this rank freed, all earlier included */
