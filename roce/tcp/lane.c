@@ -560,6 +560,7 @@ rg_tcp_lane* rg_tcp_lane_start(rg_tcp_dev* dev, int fd, const char* peer, char* 
     unmap(txq, TXQ_CAP * sizeof(tx_item));
     unmap(scq, SCQ_CAP * sizeof(rg_cqe));
     unmap(rcq, RCQ_CAP * sizeof(rg_cqe));
+    close(fd); /* the lane owns fd from here, as on every other failure */
     snprintf(err, errlen, "out of memory for a lane");
     return NULL;
   }

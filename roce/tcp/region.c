@@ -107,13 +107,13 @@ int rg_tcp_deregister(rg_tcp_dev* dev, uint32_t key, char* err, int errlen) {
   }
   dev->slots[slot] = NULL;
   pthread_mutex_unlock(&dev->mu);
-  /* A receive thread may still be placing bytes into it; wait for that to finish. */
-  uint64_t start = rg_now_ns();
+  /* A receive thread may still be placing bytes into it; wait for that to finish. One
+   * stalled mid-write keeps it until its lane's own timeout ends the lane, so wait longer. */
+  uint64_t start = rg_now_ns(), limit = 2 * dev->timeout_ns + 1000000000ull;
   while (atomic_load(&reg->refs) > 0) {
-    if (rg_now_ns() - start > dev->timeout_ns) {
+    if (rg_now_ns() - start > limit) {
       snprintf(err, errlen, "region 0x%llx+%llu still receiving a write after %llu ms; left in place",
-               (unsigned long long)reg->addr, (unsigned long long)reg->len,
-               (unsigned long long)(dev->timeout_ns / 1000000));
+               (unsigned long long)reg->addr, (unsigned long long)reg->len, (unsigned long long)(limit / 1000000));
       return -1;
     }
     struct timespec ts = {0, 100000};
