@@ -198,7 +198,12 @@ static void check_devices(const char* table, ncclResult_t (*devices)(int*)) {
     finalize_call;                                                                                                      \
   } while (0)
 
-static void check_tuner_table(const char* tname, float* table, int nch) {
+/* Checks one version's getCollInfo on a table fill_table prepared. */
+static void check_coll_info(const char* tname, ncclResult_t r, const float* table, int nch) {
+  if (r != ncclSuccess) {
+    report(tname, "getCollInfo", 0, "returned %d", r);
+    return;
+  }
   /* Without a collNet group the tuner leaves every choice to NCCL and keeps AllGathers off CollNet. */
   int ok = nch == 0;
   for (int a = 0; a < 7; a++)
@@ -209,8 +214,9 @@ static void check_tuner_table(const char* tname, float* table, int nch) {
   report(tname, "getCollInfo", ok, "AllGather with no collNet group: %s", ok ? "left to NCCL, CollNet entries ignored" : "unexpected table or channel change");
 }
 
-static void fill_table(float* t) {
+static void fill_table(float* t, int* nch) {
   for (int i = 0; i < 21; i++) t[i] = 10.0f;
+  *nch = 0;
 }
 
 #define TUNER_PRESENT(T, var, nfields)                                                           \
@@ -262,12 +268,9 @@ int run_abi(const char* path) {
     ncclResult_t r = p.tuner6->init(&tctx, comm, 2, 2, driver_logger, &nvl, constants);
     report("ncclTunerPlugin_v6", "init", r == ncclSuccess, "init returned %d", r);
     if (r == ncclSuccess) {
-      fill_table(table);
-      nch = 0;
-      float* tp = table;
-      r = p.tuner6->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)tp, 7, 3, 0, &nch);
-      if (r == ncclSuccess) check_tuner_table("ncclTunerPlugin_v6", table, nch);
-      else report("ncclTunerPlugin_v6", "getCollInfo", 0, "returned %d", r);
+      fill_table(table, &nch);
+      r = p.tuner6->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch);
+      check_coll_info("ncclTunerPlugin_v6", r, table, nch);
       size_t chunk = 131072;
       r = p.tuner6->getChunkSize(tctx, ncclFuncAllGather, 4096, NCCL_ALGO_RING, NCCL_PROTO_SIMPLE, 2, &chunk);
       report("ncclTunerPlugin_v6", "getChunkSize", r == ncclSuccess && chunk == 131072,
@@ -279,12 +282,9 @@ int run_abi(const char* path) {
     ncclResult_t r = p.tuner5->init(&tctx, comm, 2, 2, driver_logger, &nvl, constants);
     report("ncclTunerPlugin_v5", "init", r == ncclSuccess, "init returned %d", r);
     if (r == ncclSuccess) {
-      fill_table(table);
-      nch = 0;
-      float* tp = table;
-      r = p.tuner5->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)tp, 7, 3, 0, &nch);
-      if (r == ncclSuccess) check_tuner_table("ncclTunerPlugin_v5", table, nch);
-      else report("ncclTunerPlugin_v5", "getCollInfo", 0, "returned %d", r);
+      fill_table(table, &nch);
+      r = p.tuner5->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch);
+      check_coll_info("ncclTunerPlugin_v5", r, table, nch);
       report("ncclTunerPlugin_v5", "finalize", p.tuner5->finalize(tctx) == ncclSuccess, "finalize(ctx)");
     }
   }
@@ -292,12 +292,9 @@ int run_abi(const char* path) {
     ncclResult_t r = p.tuner4->init(2, 2, driver_logger, &tctx);
     report("ncclTunerPlugin_v4", "init", r == ncclSuccess, "init returned %d", r);
     if (r == ncclSuccess) {
-      fill_table(table);
-      nch = 0;
-      float* tp = table;
-      r = p.tuner4->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)tp, 7, 3, 0, &nch);
-      if (r == ncclSuccess) check_tuner_table("ncclTunerPlugin_v4", table, nch);
-      else report("ncclTunerPlugin_v4", "getCollInfo", 0, "returned %d", r);
+      fill_table(table, &nch);
+      r = p.tuner4->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch);
+      check_coll_info("ncclTunerPlugin_v4", r, table, nch);
       report("ncclTunerPlugin_v4", "finalize", p.tuner4->destroy(tctx) == ncclSuccess, "destroy(ctx)");
     }
   }
@@ -305,12 +302,9 @@ int run_abi(const char* path) {
     ncclResult_t r = p.tuner3->init(2, 2, driver_logger, &tctx);
     report("ncclTunerPlugin_v3", "init", r == ncclSuccess, "init returned %d", r);
     if (r == ncclSuccess) {
-      fill_table(table);
-      nch = 0;
-      float* tp = table;
-      r = p.tuner3->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)tp, 7, 3, &nch);
-      if (r == ncclSuccess) check_tuner_table("ncclTunerPlugin_v3", table, nch);
-      else report("ncclTunerPlugin_v3", "getCollInfo", 0, "returned %d", r);
+      fill_table(table, &nch);
+      r = p.tuner3->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, &nch);
+      check_coll_info("ncclTunerPlugin_v3", r, table, nch);
       report("ncclTunerPlugin_v3", "finalize", p.tuner3->destroy(tctx) == ncclSuccess, "destroy(ctx)");
     }
   }

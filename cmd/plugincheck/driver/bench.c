@@ -127,19 +127,17 @@ int suite_bench(void) {
     case_result("bench/connect", 0, "could not connect the two ranks");
     return 1;
   }
-  uint8_t* sbuf = malloc(4096);
-  uint8_t* rbuf = malloc(4096);
-  memset(sbuf, 1, 4096);
-  void *smh, *rmh;
-  R.net->regMr(cp.send, sbuf, 4096, NCCL_PTR_HOST, &smh);
-  R.net->regMr(cp.recv, rbuf, 4096, NCCL_PTR_HOST, &rmh);
-  bench_idle_test(&cp, rbuf, rmh, sbuf, smh);
-  bench_pingpong(&cp, rbuf, rmh, sbuf, smh);
+  reg_bufs b;
+  if (reg_bufs_open(&cp, 4096, &b) != 0) {
+    case_result("bench/register", 0, "regMr of two 4 KiB host buffers failed");
+    close_pair(&cp);
+    return 1;
+  }
+  memset(b.send, 1, 4096);
+  bench_idle_test(&cp, b.recv, b.rmh, b.send, b.smh);
+  bench_pingpong(&cp, b.recv, b.rmh, b.send, b.smh);
   bench_bandwidth(&cp);
-  R.net->deregMr(cp.send, smh);
-  R.net->deregMr(cp.recv, rmh);
+  reg_bufs_close(&cp, &b);
   close_pair(&cp);
-  free(sbuf);
-  free(rbuf);
   return 0;
 }

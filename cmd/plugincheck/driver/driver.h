@@ -51,5 +51,7 @@ int exchange(const char* tag, const void* mine, void* peers, int len);
 int barrier(const char* tag);
 
 uint64_t now_ns(void);
+/* Descriptors this process holds open. */
+int count_fds(void);
 
 #endif

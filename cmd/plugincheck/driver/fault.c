@@ -3,7 +3,6 @@
  * within ROCE_GATHER_TIMEOUT_MS plus a second, nothing written into a failed gather's
  * rows, and every close prompt. */
 #define _GNU_SOURCE
-#include <dirent.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -12,15 +11,6 @@
 static uint64_t timeout_ns(void) {
   const char* v = getenv("ROCE_GATHER_TIMEOUT_MS");
   return (uint64_t)(v ? atoll(v) : 30000) * 1000000ull;
-}
-
-static int fd_count(void) {
-  DIR* d = opendir("/proc/self/fd");
-  int n = 0;
-  if (d == NULL) return -1;
-  while (readdir(d) != NULL) n++;
-  closedir(d);
-  return n - 3;
 }
 
 /* The victim announces it is ready to be killed, then waits to be. */
@@ -166,7 +156,7 @@ static int fault_gather(int stall) {
 
 /* Close with requests in flight: prompt, and nothing left behind. */
 static int fault_abort(void) {
-  int fds0 = fd_count();
+  int fds0 = count_fds();
   conn_pair cp;
   if (connect_pair("fault-abort", &cp) != 0) {
     case_result("fault/abort-connect", 0, "could not connect");
@@ -195,7 +185,7 @@ static int fault_abort(void) {
   close_pair(&cp);
   double ms = (double)(now_ns() - t0) / 1e6;
   barrier("abort-closed");
-  int fds1 = fd_count();
+  int fds1 = count_fds();
   case_result("fault/abort-with-requests-in-flight", ms < 1000 && fds1 == fds0,
               "%d receives in flight, closed in %.1f ms; descriptors %d before connecting, %d after closing", posted,
               ms, fds0, fds1);

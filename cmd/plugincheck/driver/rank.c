@@ -108,6 +108,24 @@ void close_pair(conn_pair* cp) {
   cp->send = cp->recv = NULL;
 }
 
+int reg_bufs_open(conn_pair* cp, size_t n, reg_bufs* b) {
+  *b = (reg_bufs){.send = malloc(n), .recv = malloc(n)};
+  if (b->send != NULL && b->recv != NULL &&
+      R.net->regMr(cp->send, b->send, n, NCCL_PTR_HOST, &b->smh) == ncclSuccess &&
+      R.net->regMr(cp->recv, b->recv, n, NCCL_PTR_HOST, &b->rmh) == ncclSuccess)
+    return 0;
+  reg_bufs_close(cp, b);
+  return -1;
+}
+
+void reg_bufs_close(conn_pair* cp, reg_bufs* b) {
+  if (b->smh) R.net->deregMr(cp->send, b->smh);
+  if (b->rmh) R.net->deregMr(cp->recv, b->rmh);
+  free(b->send);
+  free(b->recv);
+  *b = (reg_bufs){0};
+}
+
 /* Both ranks send one message to each other at once; returns the size the receive saw. */
 static int exchange_message(conn_pair* cp, const uint8_t* sbuf, size_t ssize, void* smh, uint8_t* rbuf, size_t rsize,
                             void* rmh, int tag, int* got) {
@@ -138,14 +156,13 @@ static int exchange_message(conn_pair* cp, const uint8_t* sbuf, size_t ssize, vo
 static void case_sizes(conn_pair* cp) {
   static const size_t sizes[] = {0, 1, 7, 8, 100, 4096, 65536, 1 << 20, 4 << 20, 64 << 20};
   size_t maxsz = 64 << 20;
-  uint8_t* sbuf = malloc(maxsz);
-  uint8_t* rbuf = malloc(maxsz);
-  void *smh = NULL, *rmh = NULL;
-  if (R.net->regMr(cp->send, sbuf, maxsz, NCCL_PTR_HOST, &smh) != ncclSuccess ||
-      R.net->regMr(cp->recv, rbuf, maxsz, NCCL_PTR_HOST, &rmh) != ncclSuccess) {
-    case_result("p2p/register", 0, "regMr of 64 MiB host buffers failed");
+  reg_bufs b;
+  if (reg_bufs_open(cp, maxsz, &b) != 0) {
+    case_result("p2p/register", 0, "regMr of two 64 MiB host buffers failed");
     return;
   }
+  uint8_t *sbuf = b.send, *rbuf = b.recv;
+  void *smh = b.smh, *rmh = b.rmh;
   for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
     size_t n = sizes[i];
     char name[64];
@@ -174,21 +191,20 @@ static void case_sizes(conn_pair* cp) {
   ok = ok && got == 1000 && check_pattern(rbuf, 1000, 77 + (uint64_t)(1 - R.rank)) < 0 && rbuf[1000] == 0xEE &&
        rbuf[(1 << 20) - 1] == 0xEE;
   case_result("p2p/recv-larger-than-send", ok, "1000-byte message into a 1 MiB buffer: test reported %d", got);
-  R.net->deregMr(cp->send, smh);
-  R.net->deregMr(cp->recv, rmh);
-  free(sbuf);
-  free(rbuf);
+  reg_bufs_close(cp, &b);
 }
 
 /* One irecv of 8 buffers with distinct tags, filled by 8 sends issued in another order. */
 static void case_multi_recv(conn_pair* cp) {
   enum { N = 8 };
   size_t bsz = 8192;
-  uint8_t* sbuf = malloc(N * bsz);
-  uint8_t* rbuf = malloc(N * bsz);
-  void *smh, *rmh;
-  R.net->regMr(cp->send, sbuf, N * bsz, NCCL_PTR_HOST, &smh);
-  R.net->regMr(cp->recv, rbuf, N * bsz, NCCL_PTR_HOST, &rmh);
+  reg_bufs b;
+  if (reg_bufs_open(cp, N * bsz, &b) != 0) {
+    case_result("p2p/register", 0, "regMr of two 64 KiB host buffers failed");
+    return;
+  }
+  uint8_t *sbuf = b.send, *rbuf = b.recv;
+  void *smh = b.smh, *rmh = b.rmh;
   void* data[N];
   size_t sizes[N];
   int tags[N];
@@ -226,21 +242,21 @@ static void case_multi_recv(conn_pair* cp) {
     }
   }
   case_result("p2p/multi-recv-8-tags", ok, "%s", ok ? "8 buffers matched by tag, sent out of order" : detail);
-  R.net->deregMr(cp->send, smh);
-  R.net->deregMr(cp->recv, rmh);
-  free(sbuf);
-  free(rbuf);
+  reg_bufs_close(cp, &b);
 }
 
 /* A send whose tag belongs to a receive not yet posted is refused without error (no
  * request, NCCL retries) until that receive comes; then it is delivered where it belongs. */
 static void case_send_ahead_of_its_receive(conn_pair* cp) {
   size_t bsz = 4096;
-  uint8_t* sbuf = malloc(2 * bsz);
-  uint8_t* rbuf = malloc(2 * bsz);
-  void *smh = NULL, *rmh = NULL;
-  int ok = R.net->regMr(cp->send, sbuf, 2 * bsz, NCCL_PTR_HOST, &smh) == ncclSuccess &&
-           R.net->regMr(cp->recv, rbuf, 2 * bsz, NCCL_PTR_HOST, &rmh) == ncclSuccess;
+  reg_bufs b;
+  if (reg_bufs_open(cp, 2 * bsz, &b) != 0) {
+    case_result("p2p/register", 0, "regMr of two 8 KiB host buffers failed");
+    return;
+  }
+  uint8_t *sbuf = b.send, *rbuf = b.recv;
+  void *smh = b.smh, *rmh = b.rmh;
+  int ok = 1;
   char detail[160] = "";
   fill_pattern(sbuf, bsz, 900 + (uint64_t)R.rank);
   fill_pattern(sbuf + bsz, bsz, 950 + (uint64_t)R.rank);
@@ -275,21 +291,20 @@ static void case_send_ahead_of_its_receive(conn_pair* cp) {
     ok = 0;
   }
   case_result("p2p/send-ahead-of-its-receive", ok, "%s", ok ? "the early send waited, then landed by its tag" : detail);
-  R.net->deregMr(cp->send, smh);
-  R.net->deregMr(cp->recv, rmh);
-  free(sbuf);
-  free(rbuf);
+  reg_bufs_close(cp, &b);
 }
 
 /* 256 receives posted before any send, then 256 sends, all outstanding at once. */
 static void case_outstanding(conn_pair* cp) {
   enum { N = 256 };
   size_t bsz = 512;
-  uint8_t* sbuf = malloc(N * bsz);
-  uint8_t* rbuf = malloc(N * bsz);
-  void *smh, *rmh;
-  R.net->regMr(cp->send, sbuf, N * bsz, NCCL_PTR_HOST, &smh);
-  R.net->regMr(cp->recv, rbuf, N * bsz, NCCL_PTR_HOST, &rmh);
+  reg_bufs b;
+  if (reg_bufs_open(cp, N * bsz, &b) != 0) {
+    case_result("p2p/register", 0, "regMr of two 128 KiB host buffers failed");
+    return;
+  }
+  uint8_t *sbuf = b.send, *rbuf = b.recv;
+  void *smh = b.smh, *rmh = b.rmh;
   void* rreq[N] = {0};
   void* sreq[N] = {0};
   int ok = 1, posted_recv = 0;
@@ -324,10 +339,7 @@ static void case_outstanding(conn_pair* cp) {
   }
   case_result("p2p/256-outstanding", ok, "%d receives and %d sends in flight at once%s", posted_recv, posted_send,
               bad >= 0 ? ", a message arrived wrong" : "");
-  R.net->deregMr(cp->send, smh);
-  R.net->deregMr(cp->recv, rmh);
-  free(sbuf);
-  free(rbuf);
+  reg_bufs_close(cp, &b);
 }
 
 static void case_optional_completion_and_flush(conn_pair* cp) {

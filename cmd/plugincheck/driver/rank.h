@@ -30,6 +30,15 @@ int test_until_done(const char* what, void* req, int* sizes, int (*test)(void*, 
 int connect_pair(const char* tag, conn_pair* cp);
 void close_pair(conn_pair* cp);
 
+/* A send buffer and a receive buffer of n bytes each, registered with a pair's comms. */
+typedef struct reg_bufs {
+  uint8_t *send, *recv;
+  void *smh, *rmh;
+} reg_bufs;
+/* 0, or -1 with nothing left allocated. */
+int reg_bufs_open(conn_pair* cp, size_t n, reg_bufs* b);
+void reg_bufs_close(conn_pair* cp, reg_bufs* b);
+
 int suite_p2p(void);
 int suite_gather(void);
 int suite_bench(void);
