@@ -17,8 +17,7 @@ import (
 
 func openTCP(t *testing.T) *Transport {
 	t.Helper()
-	tr, err := Open(Config{Fabric: "tcp", TCPInterface: "lo", Timeout: 2 * time.Second})
-	require.NoError(t, err)
+	tr := openTCPWithTimeout(t, 2*time.Second)
 	t.Cleanup(func() { tr.Close() })
 	return tr
 }

@@ -198,14 +198,21 @@ func lifecycle(t *testing.T, cycles int, reopen bool) map[string][3]int {
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "%s", out)
 	require.Contains(t, string(out), "OK "+strconv.Itoa(cycles)+" cycles")
+	return cycleValues(t, string(out), 2)
+}
+
+// cycleValues reads the driver's CYCLE lines: fds, threads and rss_kb by label; it expects
+// the given number of labels.
+func cycleValues(t *testing.T, out string, labels int) map[string][3]int {
+	t.Helper()
 	got := map[string][3]int{}
-	for _, m := range cycleLine.FindAllStringSubmatch(string(out), -1) {
+	for _, m := range cycleLine.FindAllStringSubmatch(out, -1) {
 		a, _ := strconv.Atoi(m[2])
 		b, _ := strconv.Atoi(m[3])
 		c, _ := strconv.Atoi(m[4])
 		got[m[1]] = [3]int{a, b, c}
 	}
-	require.Len(t, got, 2, "%s", out)
+	require.Len(t, got, labels, "%s", out)
 	return got
 }
 

@@ -6,7 +6,6 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -206,19 +205,6 @@ func wrapVeth(wrap [2][]string, r int) string {
 	return []string{"rgva", "rgvb"}[r] + suffix
 }
 
-func cycleValues(t *testing.T, out string) map[string][3]int {
-	t.Helper()
-	got := map[string][3]int{}
-	for _, m := range cycleLine.FindAllStringSubmatch(out, -1) {
-		a, _ := strconv.Atoi(m[2])
-		b, _ := strconv.Atoi(m[3])
-		c, _ := strconv.Atoi(m[4])
-		got[m[1]] = [3]int{a, b, c}
-	}
-	require.Len(t, got, 3, "%s", out)
-	return got
-}
-
 // 1,000 connect/message/close cycles of a comm pair in one process: descriptors,
 // threads and resident memory stay where they were after the first.
 func TestThousandConnectCloseCyclesLeaveNothingBehind(t *testing.T) {
@@ -228,7 +214,7 @@ func TestThousandConnectCloseCyclesLeaveNothingBehind(t *testing.T) {
 			t.Logf("rank 0 log:\n%s\nrank 1 log:\n%s", r0.errOut.String(), r1.errOut.String())
 		}
 		requireCases(t, out, "cycles/connect-close")
-		v := cycleValues(t, out)
+		v := cycleValues(t, out, 3)
 		t.Logf("rank %d: first fds=%d threads=%d rss_kb=%d, after 500 rss_kb=%d, last fds=%d threads=%d rss_kb=%d", r,
 			v["first"][0], v["first"][1], v["first"][2], v["mid"][2], v["last"][0], v["last"][1], v["last"][2])
 		require.Equal(t, v["first"][0], v["last"][0], "rank %d: open descriptors", r)
