@@ -59,13 +59,9 @@ func collNetEnabled() bool {
 //export rgGoCollListen
 func rgGoCollListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listenComm *unsafe.Pointer) C.int {
 	*listenComm = nil
-	if !checkDev("collNet listen", dev) {
-		return rcInvalidArgument
-	}
-	tr, err := state.transport()
-	if err != nil {
-		nlog.Warnf("collNet listen: %v", err)
-		return rcInvalidUsage
+	tr, rc := transportFor("collNet listen", dev)
+	if tr == nil {
+		return rc
 	}
 	var commID uint64
 	if c, ok := contextOf(ctx); ok {

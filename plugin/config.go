@@ -76,16 +76,21 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 	refuse := func(name, value, used, why string) {
 		warns = append(warns, Warning{Var: name, Value: value, Used: used, Why: why})
 	}
-
-	if v, ok := lookup(getenv, "ROCE_GATHER_ENABLE"); ok {
-		switch v {
-		case "1":
-		case "0":
-			c.Enable = false
+	// flag reads a 0/1 variable into dst, which holds its default.
+	flag := func(name string, dst *bool) {
+		v, ok := lookup(getenv, name)
+		switch {
+		case !ok:
+		case v == "0" || v == "1":
+			*dst = v == "1"
+		case *dst:
+			refuse(name, v, "1", "is not 0 or 1")
 		default:
-			refuse("ROCE_GATHER_ENABLE", v, "1", "is not 0 or 1")
+			refuse(name, v, "0", "is not 0 or 1")
 		}
 	}
+
+	flag("ROCE_GATHER_ENABLE", &c.Enable)
 	if v, ok := lookup(getenv, "ROCE_GATHER_MAX_BYTES"); ok {
 		n, err := ParseBytes(v)
 		switch {
@@ -97,15 +102,7 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 			c.MaxBytes, c.MaxBytesSet = n, true
 		}
 	}
-	if v, ok := lookup(getenv, "ROCE_GATHER_TCP_CUDA"); ok {
-		switch v {
-		case "0":
-		case "1":
-			c.TCPCUDA = true
-		default:
-			refuse("ROCE_GATHER_TCP_CUDA", v, "0", "is not 0 or 1")
-		}
-	}
+	flag("ROCE_GATHER_TCP_CUDA", &c.TCPCUDA)
 	if v, ok := lookup(getenv, "ROCE_GATHER_FABRIC"); ok {
 		switch v {
 		case "auto", "verbs", "tcp":

@@ -87,8 +87,7 @@ func rgGoProperties(dev C.int, coll C.int, p *C.rg_props) C.int {
 		nlog.Warnf("getProperties: %v", err)
 		return rcInvalidUsage
 	}
-	if dev != 0 {
-		nlog.Warnf("getProperties: device %d does not exist (this plugin has 1 device)", int(dev))
+	if !checkDev("getProperties", dev) {
 		return rcInvalidArgument
 	}
 	state.mu.Lock()
@@ -117,16 +116,25 @@ func checkDev(op string, dev C.int) bool {
 	return true
 }
 
-//export rgGoNetListen
-func rgGoNetListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listenComm *unsafe.Pointer) C.int {
-	*listenComm = nil
-	if !checkDev("listen", dev) {
-		return rcInvalidArgument
+// transportFor checks dev and returns the open transport, or the result to give NCCL.
+func transportFor(op string, dev C.int) (*roce.Transport, C.int) {
+	if !checkDev(op, dev) {
+		return nil, rcInvalidArgument
 	}
 	tr, err := state.transport()
 	if err != nil {
-		nlog.Warnf("listen: %v", err)
-		return rcInvalidUsage
+		nlog.Warnf("%s: %v", op, err)
+		return nil, rcInvalidUsage
+	}
+	return tr, rcSuccess
+}
+
+//export rgGoNetListen
+func rgGoNetListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listenComm *unsafe.Pointer) C.int {
+	*listenComm = nil
+	tr, rc := transportFor("listen", dev)
+	if tr == nil {
+		return rc
 	}
 	pl, err := tr.ListenP2P(unsafe.Slice((*byte)(handle), roce.HandleSize))
 	if err != nil {
@@ -140,13 +148,9 @@ func rgGoNetListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listenC
 //export rgGoNetConnect
 func rgGoNetConnect(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, sendComm *unsafe.Pointer) C.int {
 	*sendComm = nil
-	if !checkDev("connect", dev) {
-		return rcInvalidArgument
-	}
-	tr, err := state.transport()
-	if err != nil {
-		nlog.Warnf("connect: %v", err)
-		return rcInvalidUsage
+	tr, rc := transportFor("connect", dev)
+	if tr == nil {
+		return rc
 	}
 	h := unsafe.Slice((*byte)(handle), roce.HandleSize)
 	state.mu.Lock()
@@ -158,8 +162,8 @@ func rgGoNetConnect(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, sendCo
 			nlog.Warnf("connect: the handle names a connection attempt this plugin does not know (0x%x)", slot)
 			return rcInvalidArgument
 		}
-		p, err = tr.ConnectP2P(h)
-		if err != nil {
+		var err error
+		if p, err = tr.ConnectP2P(h); err != nil {
 			nlog.Warnf("connect: %v", err)
 			return rcInvalidArgument
 		}
