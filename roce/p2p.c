@@ -46,22 +46,23 @@ int rg_p2p_recv_outstanding(const rg_p2p_recv* r) {
   return n;
 }
 
-static ncclResult_t send_failed(rg_p2p_send* s, const char* what, uint64_t seq) {
-  if (!s->warned) {
-    s->warned = 1;
-    RG_WARN("send to %s failed at message %llu: %s: %s", s->link->peer, (unsigned long long)seq, what,
-            rg_why(s->lane));
+/* One WARN per comm: the direction, the peer, the message, what was under way, and why. */
+static ncclResult_t comm_failed(int* warned, const char* direction, const rg_link* link, rg_lane* lane,
+                                const char* what, uint64_t seq) {
+  if (!*warned) {
+    *warned = 1;
+    RG_WARN("%s %s failed at message %llu: %s: %s", direction, link->peer, (unsigned long long)seq, what,
+            rg_why(lane));
   }
   return ncclRemoteError;
 }
 
+static ncclResult_t send_failed(rg_p2p_send* s, const char* what, uint64_t seq) {
+  return comm_failed(&s->warned, "send to", s->link, s->lane, what, seq);
+}
+
 static ncclResult_t recv_failed(rg_p2p_recv* r, const char* what, uint64_t seq) {
-  if (!r->warned) {
-    r->warned = 1;
-    RG_WARN("receive from %s failed at message %llu: %s: %s", r->link->peer, (unsigned long long)seq, what,
-            rg_why(r->lane));
-  }
-  return ncclRemoteError;
+  return comm_failed(&r->warned, "receive from", r->link, r->lane, what, seq);
 }
 
 /* Drains CTS arrivals into cts_ready. The sender's lane carries nothing else inbound. */
