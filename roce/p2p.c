@@ -90,9 +90,9 @@ static int send_progress_completions(rg_p2p_send* s) {
 
 /* A send that must wait (no clear-to-send yet, no free request, a full queue) asks the
  * lane now and then whether the peer is still there: NCCL retries it without end. */
-static ncclResult_t send_retry(rg_p2p_send* s) {
+static ncclResult_t send_retry(rg_p2p_send* s, const char* waiting_for) {
   if (++s->polls % CHECK_EVERY == 0 && rg_check(s->lane, rg_now_ns()) != RG_OK)
-    return send_failed(s, "waiting for the receiver's clear-to-send", s->sends);
+    return send_failed(s, waiting_for, s->sends);
   return ncclSuccess;
 }
 
@@ -100,7 +100,8 @@ int rg_p2p_isend(rg_p2p_send* s, void* data, uint64_t size, int tag, const rg_mr
   *request = NULL;
   if (send_progress_cts(s) != 0) return send_failed(s, "waiting for the receiver's clear-to-send", s->sends);
   uint32_t slot = (uint32_t)(s->head & (RG_P2P_SLOTS - 1));
-  if (!s->cts_ready[slot] || s->nfree == 0) return send_retry(s);
+  if (!s->cts_ready[slot]) return send_retry(s, "waiting for the receiver's clear-to-send");
+  if (s->nfree == 0) return send_retry(s, "waiting for a free send request");
   rg_cts_entry* e = &s->fifo[slot * RG_P2P_MAX_RECVS];
   uint32_t nreqs = e[0].nreqs;
   if (nreqs == 0 || nreqs > RG_P2P_MAX_RECVS) {
@@ -109,7 +110,7 @@ int rg_p2p_isend(rg_p2p_send* s, void* data, uint64_t size, int tag, const rg_mr
   }
   uint32_t i = 0;
   while (i < nreqs && (s->matched[i] || e[i].tag != tag)) i++;
-  if (i == nreqs) return send_retry(s); /* its receive is a later one; NCCL asks again */
+  if (i == nreqs) return send_retry(s, "waiting for the receive its tag belongs to"); /* NCCL asks again */
   if (size > e[i].size) {
     RG_WARN("send of %llu bytes to %s does not fit the receiver's %llu-byte buffer (tag %d)",
             (unsigned long long)size, s->link->peer, (unsigned long long)e[i].size, tag);
@@ -133,7 +134,7 @@ int rg_p2p_isend(rg_p2p_send* s, void* data, uint64_t size, int tag, const rg_mr
                       .op = RG_OP_WRITE_IMM,
                       .flags = RG_WR_SIGNALED | RG_WR_INLINE};
   int rc = rg_post(s->lane, wr, nwr);
-  if (rc == RG_ERR_FULL) return send_retry(s);
+  if (rc == RG_ERR_FULL) return send_retry(s, "waiting for room to post the write");
   if (rc != RG_OK) return send_failed(s, "posting the write", s->sends);
   s->nfree--;
   req->kind = RG_REQ_SEND;
