@@ -320,8 +320,7 @@ type listener struct {
 	sharedSide bool
 
 	mu        sync.Mutex
-	closed    bool
-	ready     []accepted
+	ready     []accepted // close releases what is left, after every handshake ended
 	deciding  int        // handshakes inside newSide
 	decided   *sync.Cond // on mu, signalled as deciding drops
 	inflight  handshakes
@@ -453,12 +452,6 @@ func (l *listener) handle(conn *net.TCPConn) {
 		return
 	}
 	l.mu.Lock()
-	if l.closed {
-		l.mu.Unlock()
-		link.Close()
-		l.closeSide(s)
-		return
-	}
 	l.ready = append(l.ready, accepted{link: link, side: s})
 	l.mu.Unlock()
 }
@@ -480,9 +473,6 @@ func (l *listener) next() (accepted, bool) {
 func (l *listener) close() {
 	l.closeOnce.Do(func() {
 		l.ln.Close()
-		l.mu.Lock()
-		l.closed = true
-		l.mu.Unlock()
 		close(l.stop)
 		l.mu.Lock()
 		for l.deciding > 0 {
