@@ -6,9 +6,9 @@ DRIVER_CFLAGS := -O2 -g -std=gnu11 -Wall -Wextra -Werror -Iinclude
 LIB := $(BUILD)/libroce_gather.so
 
 .PHONY: all check test vet fmt lint clean kernels
-all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver
+all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/kernel-check
 
-GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') go.mod go.sum build/exports.map
+GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/roce_gather.ptx go.mod go.sum build/exports.map
 
 $(LIB): $(GO_SOURCES)
 	$(GO) build -buildmode=c-shared -trimpath \
@@ -24,6 +24,21 @@ $(BUILD)/plugincheck: $(GO_SOURCES)
 
 $(BUILD)/plugincheck-driver: $(wildcard cmd/plugincheck/driver/*.c cmd/plugincheck/driver/*.h) $(wildcard include/nccl/*.h)
 	$(CC) $(DRIVER_CFLAGS) -o $@ $(filter %.c,$^) -ldl -lpthread
+
+# The GPU check of the gather kernel (tests/gpu/kernel_check.c); builds anywhere, runs where a GPU is.
+KERNEL_CHECK_SRC := tests/gpu/kernel_check.c kernels/place.c internal/cudadrv/cudadrv.c
+$(BUILD)/kernel-check: $(KERNEL_CHECK_SRC) kernels/place.h internal/cudadrv/cudadrv.h include/cuda_subset.h
+	$(CC) $(DRIVER_CFLAGS) -o $@ $(KERNEL_CHECK_SRC) -ldl -lpthread
+
+# Rebuilds the embedded PTX of the gather kernel; needs nvcc (any CUDA 11.8 or newer).
+# compute_75 PTX of ISA 7.8 (nvcc 11.8) loads on every CUDA 12 and 13 driver and runs on
+# Turing and every later GPU; the first line records the source it came from.
+NVCC ?= nvcc
+KERNEL_ARCH := compute_75
+kernels:
+	$(NVCC) -ptx -arch=$(KERNEL_ARCH) -o kernels/roce_gather.ptx.tmp kernels/roce_gather.cu
+	{ echo "// source-sha256: $$(sha256sum kernels/roce_gather.cu | cut -d' ' -f1)"; cat kernels/roce_gather.ptx.tmp; } >kernels/roce_gather.ptx
+	rm -f kernels/roce_gather.ptx.tmp
 
 # Builds the library and runs plugincheck's main job: the ABI check.
 check: all
@@ -43,5 +58,5 @@ test: all lint
 	$(GO) test -count=1 ./...
 
 clean:
-	rm -rf $(BUILD)/lib* $(BUILD)/plugincheck*
+	rm -rf $(BUILD)/lib* $(BUILD)/plugincheck* $(BUILD)/kernel-check
 
