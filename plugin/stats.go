@@ -37,6 +37,7 @@ type Stats struct {
 		Bytes      uint64  `json:"bytes"`
 		Rendezvous uint64  `json:"rendezvous"`
 		Eager      uint64  `json:"eager"`
+		Kernel     uint64  `json:"eager_by_kernel"` // eager calls the gather kernel placed on the GPU
 		Errors     uint64  `json:"errors"`
 		P50us      float64 `json:"p50_us"`
 		P90us      float64 `json:"p90_us"`
@@ -61,6 +62,7 @@ func ReadStats() Stats {
 	s.OneShot.Bytes = uint64(g.gather_bytes)
 	s.OneShot.Rendezvous = uint64(g.gathers_rendezvous)
 	s.OneShot.Eager = uint64(g.gathers_eager)
+	s.OneShot.Kernel = uint64(g.gathers_kernel)
 	s.OneShot.Errors = uint64(g.gather_errors)
 	var hist [C.RG_LAT_BUCKETS]uint64
 	for i := range hist {

@@ -32,10 +32,12 @@ void rg_gather_init(rg_gather_comm* g) {
 void rg_gather_fini(rg_gather_comm* g) {
   const rg_cuda_api* cu = rg_cuda();
   if (cu == NULL || g->stream == NULL) return;
+  for (int i = 0; i < RG_GATHER_DEPTH; i++) g->place_status[2 * i + 1] = 1; /* kernels still waiting end now */
   cu->cuCtxSetCurrent(g->cuda_ctx);
   cu->cuStreamSynchronize(g->stream);
   for (int i = 0; i < RG_GATHER_DEPTH; i++)
     if (g->calls[i].copy_done) cu->cuEventDestroy(g->calls[i].copy_done);
+  if (g->place_state == 1) rg_place_unload(&g->place);
   cu->cuStreamDestroy(g->stream);
   g->stream = NULL;
 }
@@ -63,6 +65,8 @@ static void part_of(int r, uint64_t bpr, uint64_t off, uint64_t wb, uint64_t* po
 
 static ncclResult_t fail(rg_gather_comm* g, rg_gather_call* c, const char* what) {
   if (c != NULL) c->error = 1;
+  /* A gather kernel still waiting gives up; a failed call's rows stay untouched. */
+  if (c != NULL && c->launched) g->place_status[2 * (c->seq & (RG_GATHER_DEPTH - 1)) + 1] = 1;
   atomic_fetch_add_explicit(&rg_global_stats.gather_errors, 1, memory_order_relaxed);
   if (!g->warned) {
     g->warned = 1;
@@ -154,8 +158,17 @@ static int post_part(rg_gather_comm* g, rg_gather_call* c, uint64_t remote, cons
     if (e > b)
       wr[n++] = (rg_wr){.local = c->send + b, .mr = c->send_mr, .len = e - b, .remote = remote + b,
                         .rkey = rkeys[lane->peer_hca], .op = RG_OP_WRITE};
-    wr[n++] = (rg_wr){.wr_id = (uint64_t)c->req.index + 1, .imm = RG_GIMM(kind, c->seq), .op = RG_OP_WRITE_IMM,
-                      .flags = RG_WR_SIGNALED};
+    wr[n] = (rg_wr){.wr_id = (uint64_t)c->req.index + 1, .imm = RG_GIMM(kind, c->seq), .op = RG_OP_WRITE_IMM,
+                    .flags = RG_WR_SIGNALED};
+    if (c->mode == RG_MODE_EAGER) { /* the arrival word rides on the notice, after the stripe */
+      uint64_t slot = c->seq & (RG_GATHER_DEPTH - 1);
+      wr[n].local = &c->seq;
+      wr[n].len = sizeof(c->seq);
+      wr[n].remote = g->peer_arrival_addr + (slot * RG_MAX_LANES + (uint64_t)l) * sizeof(uint64_t);
+      wr[n].rkey = g->peer_landing_rkey[lane->peer_hca];
+      wr[n].flags |= RG_WR_INLINE;
+    }
+    n++;
     int rc = rg_post(lane, wr, n);
     if (rc != RG_OK) return rc; /* RG_ERR_FULL: the retry starts at this lane */
     c->lanes_posted |= 1u << l;
@@ -166,10 +179,18 @@ static int post_part(rg_gather_comm* g, rg_gather_call* c, uint64_t remote, cons
 
 /* Both copies into this rank's rows happen only after the peer's part arrived, so a
  * failed exchange leaves the rows untouched. */
+static int arrival_complete(const rg_gather_comm* g, const rg_gather_call* c) {
+  uint64_t slot = c->seq & (RG_GATHER_DEPTH - 1);
+  for (int l = 0; l < g->link->nlanes; l++)
+    if (g->arrival[slot * RG_MAX_LANES + (uint64_t)l] != c->seq) return 0;
+  return 1;
+}
+
 static int place_rows(rg_gather_comm* g, rg_gather_call* c) {
   uint32_t slot = (uint32_t)(c->seq & (RG_GATHER_DEPTH - 1));
   const uint8_t* landing = g->landing + (uint64_t)slot * g->slot_bytes;
   int own_in_place = c->send == c->recv + c->my_off;
+  if (c->mode == RG_MODE_EAGER && !arrival_complete(g, c)) return -2;
   if (!c->cuda) {
     if (c->mode == RG_MODE_EAGER && c->peer_len) memcpy(c->recv + c->peer_off, landing, c->peer_len);
     if (!own_in_place && c->my_len) memcpy(c->recv + c->my_off, c->send, c->my_len);
@@ -192,6 +213,40 @@ static int place_rows(rg_gather_comm* g, rg_gather_call* c) {
   return 0;
 }
 
+/* Loads the gather kernel into the proxy thread's context on first use. When it cannot be
+ * loaded, eager copies run as cuMemcpyAsync once the host sees the arrival; one WARN says so. */
+static int place_kernel_ready(rg_gather_comm* g) {
+  if (g->place_state == 0) {
+    char err[256];
+    g->place_state = rg_place_load(&g->place, err, sizeof(err)) == 0 ? 1 : -1;
+    if (g->place_state < 0)
+      RG_WARN("gather kernel unavailable (%s); eager gathers with %s copy with cuMemcpyAsync instead", err,
+              g->link->peer);
+  }
+  return g->place_state == 1;
+}
+
+/* Launches the gather kernel for an eager call on CUDA memory before the peer's part
+ * arrives. Returns 1 when it is not used for this call, 0 when launched, -1 on error. */
+static int launch_place(rg_gather_comm* g, rg_gather_call* c) {
+  if (!c->send_cuda || !c->recv_cuda || ensure_stream(g) != 0 || !place_kernel_ready(g)) return 1;
+  const rg_cuda_api* cu = rg_cuda();
+  if (c->copy_done == NULL && cu->cuEventCreate(&c->copy_done, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) return -1;
+  uint64_t slot = c->seq & (RG_GATHER_DEPTH - 1);
+  volatile uint32_t* status = &g->place_status[2 * slot];
+  status[0] = RG_PLACE_PENDING;
+  status[1] = 0;
+  rg_place_args a = {.arrival = &g->arrival[slot * RG_MAX_LANES], .lanes = g->link->nlanes, .seq = c->seq,
+                     .landing = g->landing + slot * g->slot_bytes, .peer_row = c->recv + c->peer_off,
+                     .peer_len = c->peer_len, .own_src = c->send, .own_row = c->recv + c->my_off,
+                     .own_len = c->my_len, .status = status,
+                     .timeout_ns = g->timeout_ns + 1000000000ull}; /* the host's own timeout reports first */
+  if (rg_place_launch(&g->place, g->stream, &a) != CUDA_SUCCESS) return -1;
+  if (cu->cuEventRecord(c->copy_done, g->stream) != CUDA_SUCCESS) return -1;
+  c->launched = c->copying = 1;
+  return 0;
+}
+
 static int post_ready_token(rg_gather_comm* g, rg_gather_call* c) {
   uint32_t slot = (uint32_t)(c->seq & (RG_GATHER_DEPTH - 1));
   rg_ready_token t = {.seq = c->seq, .addr = (uint64_t)(uintptr_t)c->recv, .size = c->bytes};
@@ -205,6 +260,11 @@ static int post_ready_token(rg_gather_comm* g, rg_gather_call* c) {
 static ncclResult_t advance(rg_gather_comm* g, rg_gather_call* c) {
   uint32_t slot = (uint32_t)(c->seq & (RG_GATHER_DEPTH - 1));
   uint32_t seq24 = (uint32_t)(c->seq & SEQ_MASK);
+  if (c->mode == RG_MODE_EAGER && c->cuda && !c->launched && !c->kernel_declined) {
+    int rc = launch_place(g, c);
+    if (rc < 0) return fail(g, c, "launching the gather kernel");
+    c->kernel_declined = rc > 0;
+  }
   if (c->mode == RG_MODE_RENDEZVOUS && !c->token_sent) {
     int rc = post_ready_token(g, c);
     if (rc == RG_ERR_FULL) return ncclSuccess;
@@ -227,17 +287,26 @@ static ncclResult_t advance(rg_gather_comm* g, rg_gather_call* c) {
       c->posted = 1;
     }
   }
-  if (!c->landed && !c->copying && g->arrived_seq[slot] == seq24 && g->arrived[slot] == g->link->nlanes) {
-    if (place_rows(g, c) != 0) return fail(g, c, "copying into the rows on the GPU");
+  if (!c->landed && !c->copying && !c->launched && g->arrived_seq[slot] == seq24 &&
+      g->arrived[slot] == g->link->nlanes) {
+    int rc = place_rows(g, c);
+    if (rc == -2) return fail(g, c, "the landing slot's arrival words do not name this call");
+    if (rc != 0) return fail(g, c, "copying into the rows on the GPU");
   }
   if (c->copying) {
     CUresult r = rg_cuda()->cuEventQuery(c->copy_done);
-    if (r == CUDA_SUCCESS) {
-      c->copying = 0;
-      c->landed = c->own_placed = 1;
-    } else if (r != CUDA_ERROR_NOT_READY) {
-      return fail(g, c, "copying into the rows on the GPU");
+    if (r == CUDA_ERROR_NOT_READY) return ncclSuccess;
+    if (r != CUDA_SUCCESS) return fail(g, c, c->launched ? "running the gather kernel" : "copying into the rows on the GPU");
+    c->copying = 0;
+    if (c->launched) {
+      uint32_t st = g->place_status[2 * slot];
+      if (st != RG_PLACE_DONE)
+        return fail(g, c, st == RG_PLACE_TIMED_OUT ? "the gather kernel saw no arrival within its timeout"
+                          : st == RG_PLACE_CANCELLED ? "the gather kernel was cancelled"
+                                                     : "the gather kernel ended without a verdict");
+      atomic_fetch_add_explicit(&rg_global_stats.gathers_kernel, 1, memory_order_relaxed);
     }
+    c->landed = c->own_placed = 1;
   }
   return ncclSuccess;
 }
@@ -326,7 +395,9 @@ int rg_gather_iallgather(void* collComm, void* sendData, int nRecvParts, const r
   c->send_mr = smr;
   c->recv = recvParts[0].address;
   c->recv_mr = rmr;
-  c->cuda = (smr && smr->mem == RG_MEM_CUDA) || (rmr && rmr->mem == RG_MEM_CUDA);
+  c->send_cuda = smr && smr->mem == RG_MEM_CUDA;
+  c->recv_cuda = rmr && rmr->mem == RG_MEM_CUDA;
+  c->cuda = c->send_cuda || c->recv_cuda;
   c->start_ns = rg_now_ns();
   c->req.kind = RG_REQ_GATHER;
   c->req.done = 0;

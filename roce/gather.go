@@ -2,6 +2,7 @@ package roce
 
 /*
 #include <stdlib.h>
+#include <string.h>
 #include "gather.h"
 #include "../internal/cudadrv/cudadrv.h"
 
@@ -33,6 +34,7 @@ import (
 	"time"
 	"unsafe"
 
+	_ "github.com/roce-gather/roce_gather/kernels" // the gather kernel gather.c launches
 	"github.com/roce-gather/roce_gather/roce/fabric"
 )
 
@@ -438,14 +440,18 @@ func newGatherSide(t *Transport, out Outcome, rank int) (*gatherSide, error) {
 	if err != nil {
 		return nil, fmt.Errorf("gather control region: %w", err)
 	}
-	n := slot * C.RG_GATHER_DEPTH
+	// The peer writes the slots and the arrival words; the kernel's status words are local.
+	slots := slot * C.RG_GATHER_DEPTH
+	visible := slots + C.RG_ARRIVAL_BYTES
+	n := visible + C.RG_PLACE_STATUS_BYTES
 	s := &gatherSide{t: t, ctrl: ctrl, out: out}
 	s.landing = C.rg_landing_alloc(C.size_t(n), &s.landingPinned)
 	if s.landing == nil {
 		ctrl.free(t.dev)
 		return nil, fmt.Errorf("allocating %d bytes of landing slots", n)
 	}
-	s.landingMR, err = t.dev.Register(uintptr(s.landing), n, fabric.Host, nil)
+	C.memset(unsafe.Add(s.landing, slots), 0, C.RG_ARRIVAL_BYTES+C.RG_PLACE_STATUS_BYTES) // no word names a call yet
+	s.landingMR, err = t.dev.Register(uintptr(s.landing), visible, fabric.Host, nil)
 	if err != nil {
 		C.rg_landing_free(s.landing, s.landingPinned)
 		ctrl.free(t.dev)
@@ -465,6 +471,8 @@ func newGatherSide(t *Transport, out Outcome, rank int) (*gatherSide, error) {
 	c.slot_bytes = C.uint64_t(slot)
 	c.ctrl = (*C.rg_gather_ctrl)(ctrl.ptr)
 	c.landing = (*C.uint8_t)(s.landing)
+	c.arrival = (*C.uint64_t)(unsafe.Add(s.landing, slots))
+	c.place_status = (*C.uint32_t)(unsafe.Add(s.landing, visible))
 	s.c = c
 	return s, nil
 }
@@ -510,6 +518,7 @@ func (s *gatherSide) start(link *fabric.Link, timeout time.Duration) {
 	s.c.timeout_ns = C.uint64_t(timeout.Nanoseconds())
 	s.c.peer_ctrl_addr = C.uint64_t(s.peer.ctrlAddr)
 	s.c.peer_landing_addr = C.uint64_t(s.peer.landingAddr)
+	s.c.peer_arrival_addr = C.uint64_t(s.peer.landingAddr + s.peer.depth*s.peer.slotBytes)
 	for i := 0; i < fabric.MaxLanes; i++ {
 		s.c.peer_ctrl_rkey[i] = C.uint32_t(s.peer.ctrlKeys[i])
 		s.c.peer_landing_rkey[i] = C.uint32_t(s.peer.landingKeys[i])

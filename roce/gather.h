@@ -8,7 +8,9 @@
  *  - rendezvous: the receiver first writes a ready token (window address and keys) for
  *    call k; the sender then writes straight into the receiver's rows (zero copy);
  *  - eager: the sender writes at once into plugin-owned landing slots of the receiver,
- *    which copies them into the rows on arrival; credits return the slots.
+ *    then the slot's arrival word per lane; the receiver copies the slot into the rows
+ *    once every arrival word names the call (on the GPU, the gather kernel launched at
+ *    iallgather time waits for them); credits return the slots.
  * Nothing is placed into this rank's rows before the peer's part has fully arrived. */
 #ifndef RG_GATHER_H
 #define RG_GATHER_H
@@ -16,10 +18,16 @@
 #include "fabric/fabric.h"
 #include "request.h"
 #include "../include/cuda_subset.h"
+#include "../kernels/place.h"
 
 #define RG_GATHER_DEPTH 16 /* calls in flight per group; a power of two */
 #define RG_GATHER_MAX_PARTS 1
 #define RG_GATHER_FLUSH_REQS 8
+/* After the landing slots: one arrival word per slot and lane, which an eager sender
+ * writes with the call's sequence number once its stripe is in place. */
+#define RG_ARRIVAL_BYTES ((uint64_t)RG_GATHER_DEPTH * RG_MAX_LANES * sizeof(uint64_t))
+/* After those, local only: the gather kernel's status and cancel words per slot. */
+#define RG_PLACE_STATUS_BYTES ((uint64_t)RG_GATHER_DEPTH * 2 * sizeof(uint32_t))
 
 /* Gather immediates: class RG_IMM_GATHER in the top nibble, kind below it, 24-bit seq. */
 #define RG_GIMM(kind, seq) ((3u << 28) | ((uint32_t)(kind) << 24) | ((uint32_t)(seq) & 0xffffffu))
@@ -61,6 +69,7 @@ typedef struct rg_gather_call {
   int landed;         /* the peer's part is in this rank's rows */
   int own_placed;     /* this rank's part is in this rank's rows */
   int copying;        /* an asynchronous CUDA copy is in flight */
+  int launched;       /* the gather kernel places this call (eager, CUDA memory) */
   int error;
   uint64_t bytes;          /* window bytes, for stats */
   uint64_t my_off, my_len; /* this rank's part, as offsets into the window */
@@ -70,6 +79,8 @@ typedef struct rg_gather_call {
   uint8_t* recv;
   const rg_mr* recv_mr;
   int cuda; /* send or recv is CUDA memory */
+  int send_cuda, recv_cuda;
+  int kernel_declined; /* eager on CUDA memory, but the kernel cannot place this call */
   uint64_t start_ns;
   CUevent copy_done;
 } rg_gather_call;
@@ -84,7 +95,9 @@ typedef struct rg_gather_comm {
 
   rg_gather_ctrl* ctrl; /* written by the peer */
   uint8_t* landing;     /* [RG_GATHER_DEPTH][slot_bytes], written by the peer */
-  uint64_t peer_ctrl_addr, peer_landing_addr;
+  volatile uint64_t* arrival;       /* [RG_GATHER_DEPTH][RG_MAX_LANES], after the slots, written by the peer */
+  volatile uint32_t* place_status;  /* [RG_GATHER_DEPTH][2], after the arrival words */
+  uint64_t peer_ctrl_addr, peer_landing_addr, peer_arrival_addr;
   uint32_t peer_ctrl_rkey[RG_MAX_HCAS], peer_landing_rkey[RG_MAX_HCAS];
 
   rg_gather_call calls[RG_GATHER_DEPTH]; /* calls[seq % DEPTH] */
@@ -102,13 +115,15 @@ typedef struct rg_gather_comm {
 
   CUstream stream; /* for CUDA copies; NULL until first needed */
   CUcontext cuda_ctx;
+  rg_place_kernel place;
+  int place_state; /* 0 not loaded yet, 1 loaded, -1 unavailable (copies use cuMemcpyAsync) */
   int warned;
   int logged;
   uint32_t polls;
 } rg_gather_comm;
 
 void rg_gather_init(rg_gather_comm* g);
-/* Releases the CUDA stream and events. */
+/* Cancels gather kernels still waiting, then releases the stream, events and module. */
 void rg_gather_fini(rg_gather_comm* g);
 
 int rg_gather_iallgather(void* collComm, void* sendData, int nRecvParts, const rg_sge* recvParts,

@@ -30,5 +30,6 @@ void rg_stats_read(rg_stats_snapshot* out) {
   out->gathers_rendezvous = atomic_load(&g->gathers_rendezvous);
   out->gathers_eager = atomic_load(&g->gathers_eager);
   out->gather_errors = atomic_load(&g->gather_errors);
+  out->gathers_kernel = atomic_load(&g->gathers_kernel);
   for (int i = 0; i < RG_LAT_BUCKETS; i++) out->gather_lat[i] = atomic_load(&g->gather_lat[i]);
 }
