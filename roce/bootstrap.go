@@ -17,7 +17,7 @@ import (
 
 // ProtocolVersion is the version of every handle and bootstrap message this library
 // writes. A peer on another version is refused with a message naming both.
-const ProtocolVersion = 1
+const ProtocolVersion = 2
 
 // HandleSize is NCCL's handle size (NCCL_NET_HANDLE_MAXSIZE).
 const HandleSize = 128
