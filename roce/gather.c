@@ -86,6 +86,45 @@ static int ensure_stream(rg_gather_comm* g) {
   return cu->cuStreamCreate(&g->stream, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS ? 0 : -1;
 }
 
+int rg_gather_cuda_prepare(rg_gather_comm* g, char* err, int errlen) {
+  const rg_cuda_api* cu = rg_cuda();
+  CUcontext ctx = NULL;
+  if (cu == NULL || cu->cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || ctx == NULL) return 0; /* no GPU here */
+  if (ensure_stream(g) != 0) {
+    snprintf(err, errlen, "cannot create a CUDA stream for the gather copies");
+    return -1;
+  }
+  for (int i = 0; i < RG_GATHER_DEPTH; i++)
+    if (g->calls[i].copy_done == NULL &&
+        cu->cuEventCreate(&g->calls[i].copy_done, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
+      snprintf(err, errlen, "cannot create the CUDA events of the gather copies");
+      return -1;
+    }
+  char why[200];
+  if (rg_place_load(&g->place, why, sizeof(why)) != 0) {
+    g->place_state = -1;
+    RG_WARN("gather kernel unavailable (%s); eager gathers on GPU memory copy with cuMemcpyAsync instead", why);
+    return 0;
+  }
+  /* One empty placement now makes the driver finish loading the module (it may defer that
+   * to the first launch), so no launch during a collective has to load anything. */
+  volatile uint32_t* status = &g->place_status[0];
+  status[0] = RG_PLACE_PENDING;
+  status[1] = 0;
+  rg_place_args a = {.arrival = g->arrival, .lanes = 0, .status = status, .timeout_ns = 1000000000ull};
+  CUresult r = rg_place_launch(&g->place, g->stream, &a);
+  if (r == CUDA_SUCCESS) r = cu->cuStreamSynchronize(g->stream);
+  if (r != CUDA_SUCCESS || status[0] != RG_PLACE_DONE) {
+    rg_place_unload(&g->place);
+    g->place_state = -1;
+    RG_WARN("gather kernel failed its first launch (%s, status %u); eager gathers on GPU memory copy with "
+            "cuMemcpyAsync instead", rg_cuda_strerror(r), status[0]);
+    return 0;
+  }
+  g->place_state = 1;
+  return 0;
+}
+
 /* Records what one received completion says. */
 static int dispatch(rg_gather_comm* g, const rg_cqe* c) {
   if (c->status != 0 || RG_IMM_CLASS(c->imm) != RG_IMM_GATHER) return -1;
@@ -213,25 +252,11 @@ static int place_rows(rg_gather_comm* g, rg_gather_call* c) {
   return 0;
 }
 
-/* Loads the gather kernel into the proxy thread's context on first use. When it cannot be
- * loaded, eager copies run as cuMemcpyAsync once the host sees the arrival; one WARN says so. */
-static int place_kernel_ready(rg_gather_comm* g) {
-  if (g->place_state == 0) {
-    char err[256];
-    g->place_state = rg_place_load(&g->place, err, sizeof(err)) == 0 ? 1 : -1;
-    if (g->place_state < 0)
-      RG_WARN("gather kernel unavailable (%s); eager gathers with %s copy with cuMemcpyAsync instead", err,
-              g->link->peer);
-  }
-  return g->place_state == 1;
-}
-
 /* Launches the gather kernel for an eager call on CUDA memory before the peer's part
  * arrives. Returns 1 when it is not used for this call, 0 when launched, -1 on error. */
 static int launch_place(rg_gather_comm* g, rg_gather_call* c) {
-  if (!c->send_cuda || !c->recv_cuda || ensure_stream(g) != 0 || !place_kernel_ready(g)) return 1;
-  const rg_cuda_api* cu = rg_cuda();
-  if (c->copy_done == NULL && cu->cuEventCreate(&c->copy_done, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) return -1;
+  /* Loaded at connect only: loading it here, with NCCL's kernel waiting on this thread, hangs. */
+  if (!c->send_cuda || !c->recv_cuda || g->place_state != 1 || c->copy_done == NULL) return 1;
   uint64_t slot = c->seq & (RG_GATHER_DEPTH - 1);
   volatile uint32_t* status = &g->place_status[2 * slot];
   status[0] = RG_PLACE_PENDING;
@@ -242,7 +267,7 @@ static int launch_place(rg_gather_comm* g, rg_gather_call* c) {
                      .own_len = c->my_len, .status = status,
                      .timeout_ns = g->timeout_ns + 1000000000ull}; /* the host's own timeout reports first */
   if (rg_place_launch(&g->place, g->stream, &a) != CUDA_SUCCESS) return -1;
-  if (cu->cuEventRecord(c->copy_done, g->stream) != CUDA_SUCCESS) return -1;
+  if (rg_cuda()->cuEventRecord(c->copy_done, g->stream) != CUDA_SUCCESS) return -1;
   c->launched = c->copying = 1;
   return 0;
 }

@@ -384,7 +384,12 @@ func (gl *GatherListener) Connect(handles [][]byte, rank int) (*GatherComm, Outc
 	if err == nil {
 		s.start(link, gl.t.cfg.Timeout)
 		var errBuf [256]C.char
-		if C.rg_gather_probe(s.c, C.uint64_t(gl.t.cfg.Timeout.Nanoseconds()), &errBuf[0], C.int(len(errBuf))) != 0 {
+		// Before the live check, so that a rank that cannot prepare fails it on both ranks.
+		// This runs on NCCL's thread, in its CUDA context.
+		if gl.t.dev.Info().PtrSupport&fabric.PtrCUDA != 0 &&
+			C.rg_gather_cuda_prepare(s.c, &errBuf[0], C.int(len(errBuf))) != 0 {
+			err = errors.New(C.GoString(&errBuf[0]))
+		} else if C.rg_gather_probe(s.c, C.uint64_t(gl.t.cfg.Timeout.Nanoseconds()), &errBuf[0], C.int(len(errBuf))) != 0 {
 			err = errors.New(C.GoString(&errBuf[0]))
 		}
 		if err != nil {

@@ -116,7 +116,7 @@ typedef struct rg_gather_comm {
   CUstream stream; /* for CUDA copies; NULL until first needed */
   CUcontext cuda_ctx;
   rg_place_kernel place;
-  int place_state; /* 0 not loaded yet, 1 loaded, -1 unavailable (copies use cuMemcpyAsync) */
+  int place_state; /* 1 loaded at connect; 0 or -1 not (eager copies then use cuMemcpyAsync) */
   int warned;
   int logged;
   uint32_t polls;
@@ -136,6 +136,11 @@ int rg_gather_test(rg_request* req, int* done, uint64_t* sizes);
  * to timeout_ns; returns 0 when both directions work, else writes why into err. */
 int rg_gather_probe(rg_gather_comm* g, uint64_t timeout_ns, char* err, int errlen);
 int rg_gather_outstanding(const rg_gather_comm* g);
+/* Where the calling thread has a CUDA context and the fabric takes CUDA memory: creates the
+ * stream and events and loads the gather kernel, before any collective can wait on them.
+ * Returns -1 with err set when the stream or events cannot be made; a kernel that does not
+ * load is a WARN, and eager copies then use cuMemcpyAsync. */
+int rg_gather_cuda_prepare(rg_gather_comm* g, char* err, int errlen);
 
 /* The per-call mode both ranks derive from the same inputs. */
 int rg_gather_call_mode(const rg_gather_comm* g, uint64_t windowBytes, uint64_t part0, uint64_t part1);
