@@ -6,7 +6,7 @@ DRIVER_CFLAGS := -O2 -g -std=gnu11 -Wall -Wextra -Werror -Iinclude
 LIB := $(BUILD)/libroce_gather.so
 
 .PHONY: all check test vet fmt lint clean kernels
-all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/kernel-check
+all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl
 
 GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/roce_gather.ptx go.mod go.sum build/exports.map
 
@@ -29,6 +29,13 @@ $(BUILD)/plugincheck-driver: $(wildcard cmd/plugincheck/driver/*.c cmd/pluginche
 KERNEL_CHECK_SRC := tests/gpu/kernel_check.c kernels/place.c internal/cudadrv/cudadrv.c
 $(BUILD)/kernel-check: $(KERNEL_CHECK_SRC) kernels/place.h internal/cudadrv/cudadrv.h include/cuda_subset.h
 	$(CC) $(DRIVER_CFLAGS) -o $@ $(KERNEL_CHECK_SRC) -ldl -lpthread
+
+# NCCL through its C API for tests/gpu: ncclCommAbort after the peer's death, and gathers
+# with no framework around them. NCCL is opened at run time.
+NCCL_MIN := tests/gpu/nccl_min.c internal/cudadrv/cudadrv.c
+NCCL_MIN_H := tests/gpu/nccl_min.h internal/cudadrv/cudadrv.h include/cuda_subset.h
+$(BUILD)/abort-nccl $(BUILD)/gather-nccl: $(BUILD)/%-nccl: tests/gpu/%_nccl.c $(NCCL_MIN) $(NCCL_MIN_H)
+	$(CC) $(DRIVER_CFLAGS) -o $@ $< $(NCCL_MIN) -ldl -lpthread
 
 # Rebuilds the embedded PTX of the gather kernel; needs nvcc (any CUDA 11.8 or newer).
 # compute_75 PTX of ISA 7.8 (nvcc 11.8) loads on every CUDA 12 and 13 driver and runs on
@@ -58,5 +65,5 @@ test: all lint
 	$(GO) test -count=1 ./...
 
 clean:
-	rm -rf $(BUILD)/lib* $(BUILD)/plugincheck* $(BUILD)/kernel-check
+	rm -rf $(BUILD)/lib* $(BUILD)/plugincheck* $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl
 

@@ -16,6 +16,8 @@ CAP = 524288
 MATRIX_SHARDS = [1 << k for k in range(4, 20)] + [CAP + 16, 100]
 # Shard sizes of the latency runs: powers of four from 16 B to 1 MiB, plus 4, 8, 32, 64 KiB.
 LATENCY_SHARDS = [16, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 262144, 1048576]
+# Shard sizes of step topology's check: 16 B to 64 KiB, and an odd 100 B.
+SMALL_SHARDS = [16, 100, 1024, 4096, 16384, 65536]
 MAX_FAILURES = 40  # failure messages a worker keeps (it counts them all)
 
 
@@ -104,7 +106,7 @@ def stats_brief(stats):
     t, o = stats["tuner"], stats["oneshot"]
     return {"tuner_oneshot": t["oneshot_gathers"], "tuner_nccl": t["nccl_gathers"],
             "not_offered": t["nccl_not_offered"], "calls": o["calls"], "eager": o["eager"],
-            "rendezvous": o["rendezvous"], "errors": o["errors"], "p50_us": o["p50_us"],
+            "by_kernel": o.get("eager_by_kernel", 0), "rendezvous": o["rendezvous"], "errors": o["errors"], "p50_us": o["p50_us"],
             "p99_us": o["p99_us"], "max_us": o["max_us"]}
 
 
@@ -146,8 +148,10 @@ def worker_args():
     a.params = json.loads(a.params)
     if a.rank is None:
         a.rank = int(os.environ["RANK"])
-    # The GPU: cuda:<rank> on the one-host testbed, cuda:$LOCAL_RANK under torchrun.
+    # The GPU: cuda:<rank> on the one-host testbed, cuda:$LOCAL_RANK under torchrun, or the
+    # params' "device" (step topology puts both ranks on one GPU).
     a.local = int(os.environ["LOCAL_RANK"]) if a.port is None and "LOCAL_RANK" in os.environ else a.rank
+    a.local = a.params.get("device", a.local)
     return a
 
 

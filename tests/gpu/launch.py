@@ -3,8 +3,8 @@
 run_pair starts `python <worker> --rank r ...` twice with per-rank environments, waits
 under one wall-clock limit, kills both process groups at expiry (or 15 s after one rank
 failed, since its peer then waits inside NCCL), and returns what the ranks wrote: their
-result JSON, their ROCE_GATHER_STATS files, and the failures found (exit status, the
-workers' own checks, the stats against the workers' ledgers).
+result JSON, their ROCE_GATHER_STATS files, when each exited, and the failures found (exit
+status, the workers' own checks, the stats against the workers' ledgers).
 """
 import json
 import os
@@ -31,14 +31,19 @@ CONFIGS = {
     "oneshot-mode-eager": dict(PLUGIN, ROCE_GATHER_MODE="eager"),
     "oneshot-mode-rendezvous": dict(PLUGIN, ROCE_GATHER_MODE="rendezvous"),
     # GPUDirect: NCCL hands GPU memory to the plugin (and registers graph buffers).
+    # The tcp fabric then copies GPU memory with CUDA calls from its own threads, which an
+    # application's blocking copy stalls (docs/roce-gather.md): step capi only, never PyTorch.
     "oneshot-gdr": dict(PLUGIN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1"),
+    "oneshot-gdr-rendezvous": dict(PLUGIN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1",
+                                   ROCE_GATHER_MODE="rendezvous"),
     "ring-over-plugin": dict(PLUGIN, ROCE_GATHER_ENABLE="0"),
     "nccl-socket": {"NCCL_NET_PLUGIN": "none"},
 }
 # Cleared from the inherited environment so that nothing outside changes what a config means.
 OWNED = {"NCCL_NET_PLUGIN", "NCCL_NET", "NCCL_COLLNET_ENABLE", "NCCL_NET_GDR_LEVEL", "NCCL_TUNER_PLUGIN",
          "NCCL_GRAPH_REGISTER", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE", "NCCL_HOSTID",
-         "NCCL_SOCKET_IFNAME", "NCCL_ALGO", "NCCL_PROTO"}
+         "NCCL_SOCKET_IFNAME", "NCCL_ALGO", "NCCL_PROTO", "NCCL_TOPO_FILE", "NCCL_TOPO_DUMP_FILE",
+         "NCCL_TOPO_DUMP_FILE_RANK"}
 
 
 def uses_plugin(config):
@@ -104,8 +109,15 @@ def _load(path):
         return None
 
 
-def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=None):
-    """Runs `worker --task task` as ranks 0 and 1 under config; returns a record (dict)."""
+def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=None, rank_env_extra=None,
+             expect_rcs=(0, 0), check_stats=True):
+    """Runs `worker --task task` as ranks 0 and 1 under config; returns a record (dict).
+
+    rank_env_extra: [dict for rank 0, dict for rank 1], on top of extra_env. expect_rcs: the
+    exit status that means success, per rank (step abort's rank 1 ends itself with SIGKILL).
+    check_stats=False leaves ROCE_GATHER_STATS unjudged, for steps that report the path
+    the gathers took rather than require one.
+    """
     logs = [os.path.join(work, "logs", f"{run}.rank{r}.log") for r in (0, 1)]
     results = [os.path.join(work, "raw", f"{run}.rank{r}.json") for r in (0, 1)]
     stats = [os.path.join(work, "raw", f"{run}.stats.rank{r}.json") for r in (0, 1)]
@@ -116,10 +128,12 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
     t0 = time.monotonic()
     procs = []
     for r in (0, 1):
-        env = rank_env(config, r, stats[r], extra_env)
+        extra = dict(extra_env or {}, **(rank_env_extra[r] if rank_env_extra else {}))
+        env = rank_env(config, r, stats[r], extra)
         cmd = [sys.executable, "-u", os.path.join(HERE, worker), "--task", task, "--rank", str(r),
                "--port", str(port), "--result", results[r], "--params", json.dumps(params or {})]
-        shown = {k: v for k, v in env.items() if k.startswith(("NCCL_", "ROCE_GATHER_", "XLA_", "TORCH_", "NVSHMEM_"))}
+        shown = {k: v for k, v in env.items() if k.startswith(("NCCL_", "ROCE_GATHER_", "XLA_", "TORCH_", "NVSHMEM_",
+                                                                 "CUDA_VISIBLE_DEVICES"))}
         with open(logs[r], "w") as log:
             log.write(f"# run {run}, config {config}, rank {r}\n# {' '.join(cmd)}\n")
             log.write("".join(f"# {k}={v}\n" for k, v in sorted(shown.items())))
@@ -130,12 +144,16 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
         _live.append(p)
 
     deadline, first_bad, timed_out, cut_short = t0 + timeout, None, False, False
+    exit_times = [None, None]  # epoch seconds at which the poll below first saw each rank gone
     while True:
         rcs = [p.poll() for p in procs]
+        for r in (0, 1):
+            if rcs[r] is not None and exit_times[r] is None:
+                exit_times[r] = time.time()
         if all(rc is not None for rc in rcs):
             break
         now = time.monotonic()
-        if first_bad is None and any(rc not in (None, 0) for rc in rcs):
+        if first_bad is None and any(rc not in (None, expect_rcs[r]) for r, rc in enumerate(rcs)):
             first_bad = now
         if now > deadline:
             timed_out = True
@@ -148,8 +166,8 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
     rcs = [p.returncode for p in procs]
 
     rec = {"run": run, "config": config, "seconds": round(time.monotonic() - t0, 1), "rcs": rcs,
-           "timed_out": timed_out, "results": [_load(f) for f in results], "stats": [_load(f) for f in stats],
-           "logs": logs, "failures": [], "notes": [], "tails": []}
+           "exit_times": exit_times, "timed_out": timed_out, "results": [_load(f) for f in results],
+           "stats": [_load(f) for f in stats], "logs": logs, "failures": [], "notes": [], "tails": []}
     fail = rec["failures"].append
     if timed_out:
         fail(f"{run}: still running after {timeout:.0f}s; both ranks killed")
@@ -157,7 +175,7 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
         fail(f"{run}: a rank failed and its peer was killed {PEER_GRACE_S}s later")
     for r in (0, 1):
         res = rec["results"][r]
-        if rcs[r] != 0 and not timed_out and not cut_short:
+        if rcs[r] != expect_rcs[r] and not timed_out and not cut_short:
             fail(f"{run} rank {r}: exit status {rcs[r]}")
         if res is None:
             fail(f"{run} rank {r}: wrote no result")
@@ -167,7 +185,7 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
         if res["n_failures"] > len(res["failures"]):
             fail(f"{run} rank {r}: ... and {res['n_failures'] - len(res['failures'])} more failures")
     clean = not rec["failures"] and all(res and res.get("completed") for res in rec["results"])
-    if uses_plugin(config) and clean:
+    if uses_plugin(config) and clean and check_stats:
         for r in (0, 1):
             F, info = common.stats_check(rec["stats"][r], rec["results"][r]["ledger"], oneshot_on(config),
                                          gather_mode(config))

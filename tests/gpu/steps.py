@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 
 import common
 import launch
@@ -41,17 +42,21 @@ class Step:
         self.d["notes"].append(msg)
         print(msg, flush=True)
 
-    def pair(self, run, config, worker, task, limit, params=None, extra_env=None):
-        """One process-pair run, its wall-clock limit cut to what the step has left."""
+    def pair(self, run, config, worker, task, limit, params=None, extra_env=None, judge=True, **opts):
+        """One process-pair run, its wall-clock limit cut to what the step has left. opts go to
+        launch.run_pair; judge=False leaves the run's failures for the caller to judge."""
         left = self.deadline - time.time() - 3
         if left < 20:
             self.fail(f"{run}: not started, only {left:.0f}s left in the step")
             return None
         print(f"-- {run}: config {config}, limit {min(limit, left):.0f}s", flush=True)
-        rec = launch.run_pair(self.work, run, config, worker, task, min(limit, left), params, extra_env)
+        rec = launch.run_pair(self.work, run, config, worker, task, min(limit, left), params, extra_env, **opts)
         print(f"   {run}: {'ok' if not rec['failures'] else 'FAILED'} in {rec['seconds']}s, exit {rec['rcs']}", flush=True)
         for f in rec["failures"]:
-            self.fail(f)
+            if judge:
+                self.fail(f)
+            else:
+                print(f"   {run}, left to the step to judge: {f}", flush=True)
         for n in rec["notes"]:
             self.note(n)
         for t in rec["tails"]:
@@ -106,11 +111,11 @@ def runs_table(step, recs):
             if b is None:
                 continue
             rows.append([rec["run"], r, b["tuner_oneshot"], b["tuner_nccl"], b["not_offered"], b["calls"],
-                         b["eager"], b["rendezvous"], b["errors"], b["p50_us"], b["p99_us"], b["max_us"]])
+                         b["eager"], b["by_kernel"], b["rendezvous"], b["errors"], b["p50_us"], b["p99_us"], b["max_us"]])
     if rows:
         step.d["md"].append("ROCE_GATHER_STATS per rank (tuner: AllGathers decided; oneshot: one-shot gathers run)\n\n"
                             + md_table(["run", "rank", "tuner oneshot", "tuner nccl", "not offered", "calls", "eager",
-                                        "rendezvous", "errors", "p50 us", "p99 us", "max us"], rows))
+                                        "eager by kernel", "rendezvous", "errors", "p50 us", "p99 us", "max us"], rows))
 
 
 # ---- a. environment --------------------------------------------------------------------
@@ -161,34 +166,44 @@ def step_env(s):
 
 def step_kernels(s):
     cu, ptx = os.path.join(REPO, "kernels", "roce_gather.cu"), os.path.join(REPO, "kernels", "roce_gather.ptx")
-    missing = [os.path.relpath(p, REPO) for p in (cu, ptx) if not os.path.exists(p)]
+    check = os.path.join(REPO, "build", "kernel-check")
+    missing = [os.path.relpath(p, REPO) for p in (cu, ptx, check) if not os.path.exists(p)]
     if missing:
-        s.d["status"] = "skip"
-        s.d["headline"] = f"{', '.join(missing)} absent: nothing to check"
+        s.fail(f"{', '.join(missing)} absent (build/kernel-check comes from make all)")
         return
     cu_sha = hashlib.sha256(open(cu, "rb").read()).hexdigest()
-    ptx_text = open(ptx, errors="replace").read()
-    ptx_sha = hashlib.sha256(open(ptx, "rb").read()).hexdigest()
-    m = re.search(r"//\s*source-sha256:\s*([0-9a-fA-F]{64})", ptx_text)
+    m = re.search(r"//\s*source-sha256:\s*([0-9a-fA-F]{64})", open(ptx, errors="replace").read())
     header = m.group(1).lower() if m else None
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    with tempfile.TemporaryDirectory() as tmp:
-        fresh = os.path.join(tmp, "roce_gather.ptx")
-        rc, out = sh([nvcc, "-ptx", "-arch=compute_75", "-I", os.path.dirname(cu), "-o", fresh, cu], timeout=50)
-        body = lambda t: [l for l in t.splitlines() if not l.lstrip().startswith("//")]
-        same_body = rc == 0 and body(open(fresh, errors="replace").read()) == body(ptx_text)
-    s.d["numbers"].update(cu_sha256=cu_sha, ptx_sha256=ptx_sha, ptx_header_sha256=header,
-                          header_matches=header == cu_sha, compiles=rc == 0, fresh_ptx_same_body=same_body)
-    s.d["md"].append(md_table(["file", "sha256"], [["kernels/roce_gather.cu", cu_sha], ["kernels/roce_gather.ptx", ptx_sha],
-                                                   ["ptx header source-sha256", header or "(none)"]]))
-    if rc != 0:
-        s.fail(f"nvcc -ptx -arch=compute_75 kernels/roce_gather.cu failed (exit {rc}): {out.strip()[-400:]}")
     if header != cu_sha:
-        s.d["status"] = "warn"  # report only: the PTX is another agent's to regenerate
-        s.note("kernels/roce_gather.ptx is stale: its source-sha256 header "
-               f"{'is missing' if header is None else header[:12] + '...'} but the .cu hashes to {cu_sha[:12]}...")
-    s.d["headline"] = (f"compiles: {'yes' if rc == 0 else 'NO'}; PTX header matches .cu: {'yes' if header == cu_sha else 'NO'}; "
-                       f"fresh PTX body identical: {'yes' if same_body else 'no'}")
+        s.fail(f"kernels/roce_gather.ptx is stale: its source-sha256 line {'is missing' if header is None else header[:12] + '...'} "
+               f"but the .cu hashes to {cu_sha[:12]}... (run make kernels)")
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    images = [ptx]
+    with tempfile.TemporaryDirectory() as tmp:
+        # This machine's nvcc builds the same source afresh; every image must place the same bytes.
+        for kind, args in (("cubin", ["-cubin", "-arch=sm_90"]), ("ptx", ["-ptx", "-arch=compute_75"])):
+            out = os.path.join(tmp, f"fresh.{kind}")
+            rc, text = sh([nvcc] + args + ["-o", out, cu], timeout=60)
+            if rc == 0:
+                images.append(out)
+            else:
+                s.fail(f"nvcc {' '.join(args)} kernels/roce_gather.cu failed (exit {rc}): {text.strip()[-300:]}")
+        rc, out = sh([check] + images, timeout=120)
+    passes, fails = out.count("\nPASS "), [l for l in out.splitlines() if l.startswith("FAIL")]
+    for f in fails[:10]:
+        s.fail(f)
+    if rc != 0 and not fails:
+        s.fail(f"kernel-check exited {rc}: {out.strip()[-300:]}")
+    times = [l for l in out.splitlines() if l.startswith("TIME")]
+    drv = re.search(r"driver CUDA (\S+), device 0 (.*)", out)
+    s.d["numbers"].update(cu_sha256=cu_sha, ptx_header_sha256=header, images=len(images), cases_passed=passes,
+                          driver=drv.group(1) if drv else None, timings=times)
+    s.d["md"].append("Gather kernel: embedded PTX (nvcc 11.8, compute_75) and images built here from the same source, "
+                     "each run through the library's loader\n\n```\n" +
+                     "\n".join(l for l in out.splitlines() if l.startswith(("driver", "LOAD", "DIGEST", "TIME", "FAIL", "kernel-check")))
+                     + "\n```")
+    s.d["headline"] = (f"PTX header matches .cu: {'yes' if header == cu_sha else 'NO'}; {len(images)} images loaded on CUDA "
+                       f"{drv.group(1) if drv else '?'}; {passes} cases passed, {len(fails)} failed")
 
 
 # ---- c. p2p -----------------------------------------------------------------------------
@@ -222,7 +237,7 @@ def step_gather(s):
     ref = s.pair("gather.nccl-socket", "nccl-socket", "torch_cases.py", "matrix", 90)
     ref_ok = ref and all(x and x.get("completed") for x in ref["results"])
     recs = [ref]
-    for c, params in (("oneshot-mode-eager", {}), ("oneshot-mode-rendezvous", {}), ("oneshot-gdr", {"graph": True})):
+    for c, params in (("oneshot-mode-eager", {}), ("oneshot-mode-rendezvous", {})):
         rec = s.pair(f"gather.{c}", c, "torch_cases.py", "matrix", 90, params)
         recs.append(rec)
         if rec and ref_ok and all(x and x.get("completed") for x in rec["results"]):
@@ -245,7 +260,7 @@ COLLNET_RX = r"(?i)collnet|roce_gather|one-shot|Algo"
 
 def step_graphs(s):
     recs = []
-    for c, extra in (("oneshot-mode-eager", INFO_ENV), ("oneshot-mode-rendezvous", None), ("oneshot-gdr", None)):
+    for c, extra in (("oneshot-mode-eager", INFO_ENV), ("oneshot-mode-rendezvous", None)):
         run = f"graphs.{c}" + (".nccl-info" if extra else "")
         rec = s.pair(run, c, "torch_cases.py", "graphs", 60, {"replays": 64}, extra)
         recs.append(rec)
@@ -259,7 +274,262 @@ def step_graphs(s):
     s.d["headline"] = f"4 gathers x 64 replays: {len(good)}/{len(recs)} configs byte-exact"
 
 
-# ---- f. JAX -----------------------------------------------------------------------------
+# ---- f. abort ---------------------------------------------------------------------------
+
+ABORT_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",  # rank 0 aborts; the watchdog neither aborts nor ends it
+             "TORCH_NCCL_BLOCKING_WAIT": "0",  # wait() never blocks the host; rank 0 polls its gathers
+             "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",  # no flight-recorder dump inside the timed abort
+             "ROCE_GATHER_TIMEOUT_MS": "3000"}  # the plugin gives up on a silent peer after 3 s
+ABORT_LIMIT_S = 10
+PLUGIN_WARN_RX = r"^(?=.*roce_gather)(?=.*WARN)"
+
+
+def abort_times(rec):
+    """Rank 0's timeline of one abort run, in seconds after the peer's death (its marker)."""
+    n = (rec["results"][0] or {}).get("numbers", {})
+    died, called, back = n.get("died_at"), n.get("abort_called_at"), n.get("abort_returned_at")
+
+    def since(t):
+        return round(t - died, 3) if died is not None and t is not None else None
+    return {"died_at": died, "api": n.get("api"), "seen_s": since(n.get("seen_at")),
+            "first_error_s": since(n.get("first_error_at")), "first_error": n.get("first_error"),
+            "abort_called_s": since(called), "abort_s": round(back - called, 3) if called and back else None,
+            "abort_returned_s": since(back), "exit_s": since(rec["exit_times"][0]),
+            "loop_gathers": n.get("loop_gathers"), "enqueued_after_marker": n.get("enqueued_after_marker")}
+
+
+def abort_verdict(t):
+    """Failures of one abort timeline against the limit."""
+    if t["died_at"] is None:
+        return ["rank 0 recorded no time of the peer's death (rank 1's marker file): nothing was measured"]
+    F = []
+    if t["abort_returned_s"] is None:
+        F.append("the abort never returned" + (f" (called {t['abort_called_s']:.2f}s after the peer's death)"
+                                               if t["abort_called_s"] is not None else " (it was never called)"))
+    elif t["abort_returned_s"] > ABORT_LIMIT_S:
+        F.append(f"the abort returned {t['abort_returned_s']:.2f}s after the peer's death (limit {ABORT_LIMIT_S}s)")
+    if t["exit_s"] is None:
+        F.append("rank 0 did not exit by itself: the launcher killed it")
+    elif t["exit_s"] > ABORT_LIMIT_S:
+        F.append(f"rank 0 exited {t['exit_s']:.1f}s after the peer's death (limit {ABORT_LIMIT_S}s)")
+    return F
+
+
+# ncclCommAbort from C in every config, then PyTorch's abort: NCCL's own transport first, as the control.
+ABORT_RUNS = [("abort-nccl", c) for c in ("nccl-socket", "ring-over-plugin", "oneshot")] + \
+             [("abort", c) for c in ("nccl-socket", "oneshot")]
+
+
+def step_abort(s):
+    recs, rows, head, verdicts = [], [], [], {}
+    for task, c in ABORT_RUNS:
+        run = f"{task}.{c}"
+        marker = os.path.join(s.work, "raw", run, "died")
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        # Rank 1's SIGKILL is its success; the stats cannot match a ledger cut short by it.
+        rec = s.pair(run, c, "abort_cases.py", task, 40, {"marker": marker}, ABORT_ENV,
+                     expect_rcs=(0, 0 if task == "abort-nccl" else -signal.SIGKILL), check_stats=False)
+        recs.append(rec)
+        if rec is None:
+            continue
+        t = abort_times(rec)
+        s.d["numbers"][run] = t
+        verdicts[(task, c)] = [f"{run}: {f}" for f in abort_verdict(t)]
+        rows.append([run, t["api"] or "-", fmt(t["seen_s"], 3), fmt(t["first_error_s"], 2), fmt(t["abort_called_s"], 2),
+                     fmt(t["abort_s"], 2), fmt(t["abort_returned_s"], 2), fmt(t["exit_s"], 1)])
+        head.append(f"{run} {fmt(t['abort_returned_s'])}/{fmt(t['exit_s'])}")
+        lines, n = evidence(rec["logs"], PLUGIN_WARN_RX, 16)
+        s.d["md"].append(f"{run}: rank 0's first error after the peer's death, then the plugin's WARN lines "
+                         f"({n} in both ranks' logs, the first 16):\n\n```\n{t['first_error'] or '(no error)'}\n---\n"
+                         + "\n".join(lines) + "\n```")
+    if rows:
+        s.d["md"].insert(0, f"Seconds after rank 1's SIGKILL (the time it wrote just before); rank 0's exit as the "
+                            f"launcher's 0.2 s poll saw it. Both must stay within {ABORT_LIMIT_S} s.\n\n"
+                         + md_table(["config", "abort API", "marker seen", "first error", "abort called", "abort took",
+                                     "abort returned", "rank 0 exited"], rows))
+    for (task, c), F in verdicts.items():
+        # A PyTorch abort that hangs with NCCL's own transport as well says nothing about the plugin.
+        control_failed = task == "abort" and c != "nccl-socket" and verdicts.get((task, "nccl-socket"))
+        for f in F:
+            if task == "abort" and (c == "nccl-socket" or control_failed):
+                s.d["status"] = "warn"
+                s.note(f"{f} (PyTorch's abort; NCCL's own socket transport{' shows the same' if control_failed else ''})")
+            else:
+                s.fail(f)
+    runs_table(s, recs)
+    s.d["headline"] = ("abort returned/rank 0 exited, s after the peer's death: " + ", ".join(head)
+                       + f" (limit {ABORT_LIMIT_S})") if head else "no abort measured"
+
+
+# ---- capi: NCCL's C API, GPUDirect included ----------------------------------------------
+
+# (run, config, params): NCCL's socket transport as the reference, host staging, then
+# GPUDirect, where NCCL hands the plugin GPU memory: eager (the gather kernel places the
+# peer's shard), rendezvous, and ncclCommRegister'ed buffers.
+CAPI_RUNS = [("nccl-socket", "nccl-socket", {}), ("oneshot", "oneshot", {}), ("oneshot-gdr", "oneshot-gdr", {}),
+             ("oneshot-gdr-rendezvous", "oneshot-gdr-rendezvous", {}),
+             ("oneshot-gdr-registered", "oneshot-gdr", {"registered": True})]
+
+
+def step_capi(s):
+    recs = []
+    for name, c, params in CAPI_RUNS:
+        run = f"capi.{name}"
+        d = os.path.join(s.work, "raw", run)
+        os.makedirs(d, exist_ok=True)
+        rec = s.pair(run, c, "capi_cases.py", "gather", 50, dict(params, dir=d, timeout=45))
+        recs.append(rec)
+    runs_table(s, recs)
+    good = [r["run"] for r in recs if r and not r["failures"]]
+    cases = next((r["results"][0]["cases"] for r in recs if r and r["results"][0]), 0)
+    s.d["headline"] = f"{cases} cases a rank; byte-exact and stats consistent: {len(good)}/{len(CAPI_RUNS)} runs"
+
+
+# ---- g. topology ------------------------------------------------------------------------
+
+# GRAPH: NCCL prints the topology it built, NVSwitch (NVS) nodes included.
+TOPO_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,TUNING,COLL,GRAPH"}
+COLLNET_SETUP_RX = r"Connected CollNet|via COLLNET/"
+NVS_RX = r"- NVS/"  # a link to an NVSwitch in NCCL's topology print
+DUP_GPU_RX = r"Duplicate GPU detected"
+# NCCL 2.28 asks NVML for the NVLinks of a GPU whose <gpu> node has no <nvlink> child (xml.cc,
+# ncclTopoGetXmlFromGpu): removing them all brings them back. The nvlink-free files keep one
+# inert <nvlink> a GPU, to a GPU that exists nowhere, for which NCCL adds no link (topo.cc,
+# ncclTopoAddNvLinks).
+INERT_NVLINK = {"target": "0000:ff:1f.7", "count": "1", "tclass": "0x030200"}
+
+
+def xml_attrs(d):
+    return "".join(f' {k}="{v}"' for k, v in d.items())
+
+
+def write_topo(root, path):
+    """Writes an XML tree the way NCCL dumps one (xml.cc, ncclTopoDumpXmlRec). Not ElementTree's
+    writer: NCCL's parser reads no entities and takes the space of " />" for another attribute."""
+    out = []
+
+    def emit(e, indent):
+        attrs = xml_attrs(e.attrib)
+        if len(e) == 0:
+            out.append(f"{' ' * indent}<{e.tag}{attrs}/>")
+            return
+        out.append(f"{' ' * indent}<{e.tag}{attrs}>")
+        for c in e:
+            emit(c, indent + 2)
+        out.append(f"{' ' * indent}</{e.tag}>")
+    emit(root, 0)
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def strip_nvlinks(src, dst, inert):
+    """Writes NCCL's topology XML src to dst without its <nvlink> elements, with one inert
+    <nvlink> a GPU if inert. Returns the removed elements' tclass values."""
+    root = ET.parse(src).getroot()
+    removed = []
+    for parent in list(root.iter()):
+        for child in [c for c in parent if c.tag == "nvlink"]:
+            removed.append(child.get("tclass", "?"))
+            parent.remove(child)
+    if inert:
+        for gpu in root.iter("gpu"):
+            ET.SubElement(gpu, "nvlink", INERT_NVLINK)
+    write_topo(root, dst)
+    return removed
+
+
+def topo_info(rec):
+    """What one topology run shows: its values, NVSwitch in NCCL's view, CollNet, the path taken."""
+    if rec is None:
+        return {"values": "not run"}
+    b = [common.stats_brief(x) for x in rec["stats"]]
+    offered = "?" if b[0] is None else "no" if b[0]["not_offered"] else "yes" if b[0]["tuner_oneshot"] else "?"
+    return {"values": "FAILED" if rec["failures"] else "correct",
+            "cases": rec["results"][0]["cases"] if rec["results"][0] else 0,
+            "nvswitch": "yes" if evidence(rec["logs"][:1], NVS_RX, 0)[1] else "no",
+            "collnet_setup_lines": evidence(rec["logs"], COLLNET_SETUP_RX, 0)[1],
+            "collnet_direct_offered": offered, "oneshot_gathers": [x["calls"] if x else "-" for x in b], "stats": b}
+
+
+def topo_row(case, i):
+    t = i.get("stats", [None])[0]
+    tuner = "/".join(str(t[k]) for k in ("tuner_oneshot", "tuner_nccl", "not_offered")) if t else "-"
+    return [case, i["values"], i.get("cases", "-"), i.get("nvswitch", "-"), i.get("collnet_setup_lines", "-"),
+            i.get("collnet_direct_offered", "-"), tuner, " / ".join(str(x) for x in i.get("oneshot_gathers", ["-"]))]
+
+
+def topology_files(s, dumps):
+    """The nvlink-free and nvlink-stripped topology files, per rank, made from NCCL's dumps."""
+    raw = os.path.join(s.work, "raw")
+    files = {v: [os.path.join(raw, f"topology.rank{r}.{v}.xml") for r in (0, 1)] for v in ("nvlink-free", "nvlink-stripped")}
+    removed = [strip_nvlinks(dumps[r], files["nvlink-free"][r], True) for r in (0, 1)]
+    for r in (0, 1):
+        strip_nvlinks(dumps[r], files["nvlink-stripped"][r], False)
+    s.d["numbers"]["nvlinks_removed"] = removed
+    s.d["md"].append("NCCL's own topology, dumped per rank (raw/topology.rank*.xml): "
+                     + "; ".join(f"rank {r} had {len(x)} `<nvlink>` (tclass {', '.join(sorted(set(x))) or '-'})"
+                                 for r, x in enumerate(removed))
+                     + ". raw/topology.rank*.nvlink-stripped.xml: every `<nvlink>` removed; "
+                       "raw/topology.rank*.nvlink-free.xml: the same plus one inert `<nvlink>` a GPU "
+                       f"(`<nvlink{xml_attrs(INERT_NVLINK)}/>`), since NCCL asks NVML for the NVLinks of a GPU "
+                       "that has none in the file.")
+    return files
+
+
+def step_topology(s):
+    dumps = [os.path.join(s.work, "raw", f"topology.rank{r}.xml") for r in (0, 1)]
+    for f in dumps:
+        if os.path.exists(f):
+            os.remove(f)
+
+    def run(case, params=None, extra=None, rank_extra=None, judge=True):
+        # The path taken is what this step reports, not what it requires: no stats check.
+        return s.pair(f"topology.{case}", "oneshot", "torch_cases.py", "small", 40, params, dict(TOPO_ENV, **(extra or {})),
+                      judge=judge, rank_env_extra=rank_extra, check_stats=False)
+    # Each rank is a node of its own, so each dumps its own topology: NCCL_TOPO_DUMP_FILE_RANK
+    # names the one rank that writes NCCL_TOPO_DUMP_FILE.
+    recs = {"default": run("default", rank_extra=[{"NCCL_TOPO_DUMP_FILE": dumps[r], "NCCL_TOPO_DUMP_FILE_RANK": str(r)}
+                                                  for r in (0, 1)])}
+    files = topology_files(s, dumps) if all(os.path.exists(f) for f in dumps) else None
+    if files:
+        recs["nvlink-free"] = run("nvlink-free", rank_extra=[{"NCCL_TOPO_FILE": f} for f in files["nvlink-free"]])
+    else:
+        s.fail("NCCL wrote no topology dump (NCCL_TOPO_DUMP_FILE): the nvlink-free run cannot start")
+    # Both ranks on GPU 0, still two "hosts" (NCCL's duplicate-GPU check compares host hashes too).
+    recs["one-gpu"] = run("one-gpu", {"device": 0}, {"CUDA_VISIBLE_DEVICES": "0"}, judge=False)
+    if files and s.deadline - time.time() > 30:  # evidence only: the first to go when time is short
+        recs["nvlink-stripped"] = run("nvlink-stripped", rank_extra=[{"NCCL_TOPO_FILE": f} for f in files["nvlink-stripped"]])
+    info = {c: topo_info(rec) for c, rec in recs.items()}
+    one = recs["one-gpu"]
+    if one and one["failures"]:
+        lines, n = evidence(one["logs"], DUP_GPU_RX, 2)
+        if n:
+            info["one-gpu"]["values"] = "not possible"
+            s.note("one-gpu: not possible, NCCL refused two ranks on one GPU:\n" + "\n".join(lines))
+        else:
+            for f in one["failures"]:
+                s.fail(f)
+    s.d["numbers"]["cases"] = info
+    s.d["md"].insert(0, "The path small gathers (16 B to 64 KiB a rank, config oneshot) took, and their values against "
+                        "the CPU reference whatever the path. NVSwitch: NCCL's topology print (rank 0) has an NVS node; "
+                        "from NCCL 2.24 CollNet Direct needs one. Offered and tuner counts: ROCE_GATHER_STATS of rank 0.\n\n"
+                     + md_table(["case", "values", "cases", "NVSwitch", "CollNet set-up lines", "CollNet Direct offered",
+                                 "tuner oneshot/nccl/not offered", "one-shot gathers (rank 0 / 1)"],
+                                [topo_row(c, i) for c, i in info.items()]))
+    if recs.get("nvlink-free"):
+        lines, n = evidence(recs["nvlink-free"]["logs"][:1], COLLNET_RX + "|NVS/", 16)
+        s.d["md"].append(f"nvlink-free, rank 0: {n} INFO lines about CollNet/roce_gather/NVS/Algo, the first:\n\n```\n"
+                         + "\n".join(lines) + "\n```")
+    runs_table(s, recs.values())
+    nf, og = info.get("nvlink-free", {"values": "not run"}), info["one-gpu"]
+    first = lambda i: (i.get("oneshot_gathers") or ["-"])[0]
+    s.d["headline"] = (f"nvlink-free topology: CollNet Direct offered: {nf.get('collnet_direct_offered', '-')}; "
+                       f"one-shot gathers: {first(nf)}; values {nf['values']}. One GPU: "
+                       + (og["values"] if og["values"] in ("not possible", "not run")
+                          else f"one-shot gathers {first(og)}; values {og['values']}"))
+
+
+# ---- h. JAX -----------------------------------------------------------------------------
 
 def step_jax(s):
     extra = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,TUNING",
@@ -280,7 +550,7 @@ def step_jax(s):
     s.d["headline"] = (f"{res['cases']} cases (rank 0), jax {res['numbers'].get('jax', '?')}" if res else "no result")
 
 
-# ---- g. latency -------------------------------------------------------------------------
+# ---- i. latency -------------------------------------------------------------------------
 
 LAT_CONFIGS = ["oneshot", "oneshot-mode-eager", "oneshot-mode-rendezvous", "ring-over-plugin", "nccl-socket"]
 
@@ -318,7 +588,7 @@ def step_latency(s):
     s.d["headline"] = "graph oneshot/socket: " + ", ".join(f"{b}B {g[b]['oneshot/nccl-socket']:.2f}" for b in pick) if pick else "no ratios"
 
 
-# ---- h. plot ----------------------------------------------------------------------------
+# ---- j. plot ----------------------------------------------------------------------------
 
 def step_plot(s):
     src = os.path.join(s.work, "latency.csv")

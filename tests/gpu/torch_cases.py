@@ -1,6 +1,6 @@
 """Rank worker for the PyTorch correctness cases (started by launch.run_pair).
 
-    python torch_cases.py --task p2p|matrix|graphs --rank R --port P --result FILE [--params JSON]
+    python torch_cases.py --task p2p|matrix|graphs|small --rank R --port P --result FILE [--params JSON]
 
 Every input comes from a seed (gen), so each rank can regenerate both ranks' data and
 check every output byte for byte on the CPU; outputs are also hashed (digests) so the
@@ -90,6 +90,14 @@ class Ctx:
         return start.elapsed_time(end) * 1000.0 / iters
 
 
+def host(t):
+    """t copied to the host once the device is idle. A blocking copy queued behind a
+    collective would stall every CUDA call of the plugin's threads until the collective
+    ends, which on CUDA memory (GDR) never happens (docs/roce-gather.md, "CUDA calls")."""
+    torch.cuda.synchronize()
+    return t.cpu()
+
+
 def guarded(numel, dtype, dev, off=0, tail=64):
     """An output of numel elements at element offset off, between poisoned guard bytes."""
     base = torch.empty(off + numel + tail, dtype=dtype, device=dev)
@@ -100,7 +108,7 @@ def guarded(numel, dtype, dev, off=0, tail=64):
 def check_gathered(ctx, name, base, off, shards, digest=True):
     """Checks a gather output inside `base` at element offset off, and its guards."""
     n = 2 * shards[0].numel()
-    b = base.cpu()
+    b = host(base)
     ctx.check(name, b[off:off + n], torch.cat(shards), rows=2, digest=digest)
     isz = b.element_size()
     b8 = b.view(torch.uint8)
@@ -126,7 +134,7 @@ def gather_list(ctx, name, shards):
         o.view(torch.uint8).fill_(POISON)
     dist.all_gather(outs, inp)
     ctx.ledger.gather(inp.numel() * inp.element_size(), listform=True)
-    ctx.check(name, torch.cat([o.cpu() for o in outs]), torch.cat(shards), rows=2)
+    ctx.check(name, torch.cat([host(o) for o in outs]), torch.cat(shards), rows=2)
 
 
 def task_matrix(ctx):
@@ -218,6 +226,16 @@ def task_graphs(ctx):
     del g
 
 
+def task_small(ctx):
+    """Step topology: a handful of gathers, uint8 and float32 shards of 16 B to 64 KiB, each
+    checked against the CPU reference."""
+    for nbytes in common.SMALL_SHARDS:
+        for dname in ("uint8", "float32"):
+            dt = DTYPES[dname]
+            name = f"small/{dname}/{nbytes}B"
+            gather_into(ctx, name, [gen(name, r, nbytes // dt.itemsize, dt) for r in (0, 1)])
+
+
 P2P_NUMELS = [1, 1000, 262144, 16777216]  # float32: 4 B, 4000 B, 1 MiB, 64 MiB
 
 
@@ -233,19 +251,19 @@ def task_p2p(ctx):
             a = [gen(name, r, n, dt) for r in (0, 1)]
             x = a[rank].to(dev)
             dist.all_reduce(x)
-            ctx.check(name, x.cpu(), (a[0].float() + a[1].float()).to(dt))
+            ctx.check(name, host(x), (a[0].float() + a[1].float()).to(dt))
         name = f"all_gather/float32/{n}el"
         shards = [gen(name, r, n, f32) for r in (0, 1)]
         out = torch.empty(2 * n, dtype=f32, device=dev)
         dist.all_gather_into_tensor(out, shards[rank].to(dev))
         ctx.ledger.gather(n * 4)
-        ctx.check(name, out.cpu(), torch.cat(shards), rows=2)
+        ctx.check(name, host(out), torch.cat(shards), rows=2)
         for root in (0, 1):
             name = f"broadcast/root{root}/{n}el"
             data = gen(name, root, n, f32)
             x = data.to(dev) if rank == root else torch.full((n,), -7.0, device=dev)
             dist.broadcast(x, src=root)
-            ctx.check(name, x.cpu(), data)
+            ctx.check(name, host(x), data)
         for src in (0, 1):
             name = f"send_recv/{src}to{1 - src}/{n}el"
             data = gen(name, src, n, f32)
@@ -254,7 +272,7 @@ def task_p2p(ctx):
             else:
                 x = torch.full((n,), -7.0, device=dev)
                 dist.recv(x, src=src)
-                ctx.check(name, x.cpu(), data)
+                ctx.check(name, host(x), data)
     # Bus bandwidth at 64 MiB, NCCL-tests definitions (n = 2 ranks): all_reduce moves
     # 64 MiB, busBw = algBw * 2(n-1)/n; all_gather's size is its 64 MiB output, busBw = algBw * (n-1)/n.
     size = 64 << 20
@@ -271,7 +289,7 @@ def task_p2p(ctx):
     ctx.res.d["numbers"]["bandwidth"] = bw
 
 
-TASKS = {"p2p": task_p2p, "matrix": task_matrix, "graphs": task_graphs}
+TASKS = {"p2p": task_p2p, "matrix": task_matrix, "graphs": task_graphs, "small": task_small}
 
 
 def worker_main(tasks):

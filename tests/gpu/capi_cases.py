@@ -1,0 +1,53 @@
+"""Rank worker for step capi: all-gathers through NCCL's C API (tests/gpu/gather_nccl.c).
+
+    python capi_cases.py --task gather --rank R --port P --result FILE --params '{"dir": D, "registered": false}'
+
+The C program checks every byte itself; this worker turns its CASE lines into the result
+file and the ledger the plugin's ROCE_GATHER_STATS are checked against. No PyTorch: the
+host waits for the stream before every copy, so no CUDA call of the application is ever
+queued behind a collective (docs/roce-gather.md, "CUDA calls on the proxy thread").
+"""
+import os
+import subprocess
+import sys
+
+import common
+
+GATHER_NCCL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "build",
+                           "gather-nccl")
+
+
+def main():
+    args = common.worker_args()
+    res = common.Result(args)
+    ledger = common.Ledger()
+    cmd = [GATHER_NCCL, str(args.rank), str(args.local), args.params["dir"]]
+    if args.params.get("registered"):
+        cmd.append("registered")
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.params.get("timeout", 80))
+        out, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        out, rc = f"{text(e.stdout)}{text(e.stderr)}\ngather-nccl still running after {e.timeout}s", None
+    print(out, flush=True)
+    for line in out.splitlines():
+        f = line.split()
+        if f[:1] == ["CASE"] and len(f) == 4:
+            res.d["cases"] += 1
+            ledger.gather(int(f[2]))
+            if f[3] != "PASS":
+                res.fail(f"{f[1]}: wrong bytes")
+        elif f[:1] == ["FAIL"]:
+            res.fail(line)
+    if rc != 0:
+        res.fail(f"gather-nccl exited with status {rc}")
+    res.d["ledger"] = ledger.n
+    res.d["numbers"]["nccl_lib"] = next((l.split(" ", 1)[1] for l in out.splitlines() if l.startswith("NCCL_LIB ")), None)
+    res.d["completed"] = rc == 0 and "FINALIZED" in out
+    res.write()
+    sys.exit(0 if res.d["completed"] and not res.d["n_failures"] else 1)
+
+
+if __name__ == "__main__":
+    main()
