@@ -327,14 +327,14 @@ def step_abort(s):
         marker = os.path.join(s.work, "raw", run, "died")
         os.makedirs(os.path.dirname(marker), exist_ok=True)
         # Rank 1's SIGKILL is its success; the stats cannot match a ledger cut short by it.
-        rec = s.pair(run, c, "abort_cases.py", task, 40, {"marker": marker}, ABORT_ENV,
+        rec = s.pair(run, c, "abort_cases.py", task, 40, {"marker": marker}, ABORT_ENV, judge=task == "abort-nccl",
                      expect_rcs=(0, 0 if task == "abort-nccl" else -signal.SIGKILL), check_stats=False)
         recs.append(rec)
         if rec is None:
             continue
         t = abort_times(rec)
         s.d["numbers"][run] = t
-        verdicts[(task, c)] = [f"{run}: {f}" for f in abort_verdict(t)]
+        verdicts[(task, c)] = [f"{run}: {f}" for f in abort_verdict(t)] + ([] if task == "abort-nccl" else rec["failures"])
         rows.append([run, t["api"] or "-", fmt(t["seen_s"], 3), fmt(t["first_error_s"], 2), fmt(t["abort_called_s"], 2),
                      fmt(t["abort_s"], 2), fmt(t["abort_returned_s"], 2), fmt(t["exit_s"], 1)])
         head.append(f"{run} {fmt(t['abort_returned_s'])}/{fmt(t['exit_s'])}")
@@ -353,7 +353,8 @@ def step_abort(s):
         for f in F:
             if task == "abort" and (c == "nccl-socket" or control_failed):
                 s.d["status"] = "warn"
-                s.note(f"{f} (PyTorch's abort; NCCL's own socket transport{' shows the same' if control_failed else ''})")
+                s.note(f"{f}: " + ("the same happens over NCCL's own socket transport" if control_failed
+                                   else "PyTorch's abort over NCCL's own socket transport, no plugin involved"))
             else:
                 s.fail(f)
     runs_table(s, recs)
