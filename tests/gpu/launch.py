@@ -32,7 +32,8 @@ CONFIGS = {
     "oneshot-mode-rendezvous": dict(PLUGIN, ROCE_GATHER_MODE="rendezvous"),
     # GPUDirect: NCCL hands GPU memory to the plugin (and registers graph buffers).
     # The tcp fabric then copies GPU memory with CUDA calls from its own threads, which an
-    # application's blocking copy stalls (docs/roce-gather.md): step capi only, never PyTorch.
+    # application's blocking copy queued behind a collective stalls (docs/roce-gather.md):
+    # the workers wait for the device before they copy anything to the host.
     "oneshot-gdr": dict(PLUGIN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1"),
     "oneshot-gdr-rendezvous": dict(PLUGIN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1",
                                    ROCE_GATHER_MODE="rendezvous"),

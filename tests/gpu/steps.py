@@ -237,7 +237,7 @@ def step_gather(s):
     ref = s.pair("gather.nccl-socket", "nccl-socket", "torch_cases.py", "matrix", 90)
     ref_ok = ref and all(x and x.get("completed") for x in ref["results"])
     recs = [ref]
-    for c, params in (("oneshot-mode-eager", {}), ("oneshot-mode-rendezvous", {})):
+    for c, params in (("oneshot-mode-eager", {}), ("oneshot-mode-rendezvous", {}), ("oneshot-gdr", {"graph": True})):
         rec = s.pair(f"gather.{c}", c, "torch_cases.py", "matrix", 90, params)
         recs.append(rec)
         if rec and ref_ok and all(x and x.get("completed") for x in rec["results"]):
@@ -260,7 +260,7 @@ COLLNET_RX = r"(?i)collnet|roce_gather|one-shot|Algo"
 
 def step_graphs(s):
     recs = []
-    for c, extra in (("oneshot-mode-eager", INFO_ENV), ("oneshot-mode-rendezvous", None)):
+    for c, extra in (("oneshot-mode-eager", INFO_ENV), ("oneshot-mode-rendezvous", None), ("oneshot-gdr", None)):
         run = f"graphs.{c}" + (".nccl-info" if extra else "")
         rec = s.pair(run, c, "torch_cases.py", "graphs", 60, {"replays": 64}, extra)
         recs.append(rec)
