@@ -34,7 +34,7 @@ type Config struct {
 	// MaxBytesSet: ROCE_GATHER_MAX_BYTES was given. The tcp fabric's one-shot path is off
 	// unless it is (docs/benchmarks.md: measured slower than NCCL's ring over TCP).
 	MaxBytesSet bool
-	TCPCUDA     bool   // ROCE_GATHER_TCP_CUDA=1: the tcp fabric offers NCCL CUDA memory (unverified)
+	TCPCUDA     bool   // ROCE_GATHER_TCP_CUDA=1: the tcp fabric offers NCCL CUDA memory, for testing GPUDirect on one host
 	Fabric      string // auto, verbs, tcp
 	HCAs        string
 	GIDIndex    int // -1: automatic
