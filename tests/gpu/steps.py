@@ -366,10 +366,11 @@ def step_abort(s):
 
 # (run, config, params): NCCL's socket transport as the reference, host staging, then
 # GPUDirect, where NCCL hands the plugin GPU memory: eager (the gather kernel places the
-# peer's shard), rendezvous, and ncclCommRegister'ed buffers.
+# peer's shard), rendezvous, and ncclCommRegister'ed buffers in both modes.
 CAPI_RUNS = [("nccl-socket", "nccl-socket", {}), ("oneshot", "oneshot", {}), ("oneshot-gdr", "oneshot-gdr", {}),
              ("oneshot-gdr-rendezvous", "oneshot-gdr-rendezvous", {}),
-             ("oneshot-gdr-registered", "oneshot-gdr", {"registered": True})]
+             ("oneshot-gdr-registered", "oneshot-gdr", {"registered": True}),
+             ("oneshot-gdr-rendezvous-registered", "oneshot-gdr-rendezvous", {"registered": True})]
 
 
 def step_capi(s):
