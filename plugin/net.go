@@ -173,6 +173,9 @@ func rgGoNetConnect(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, sendCo
 		state.pending[slot] = p
 		state.mu.Unlock()
 		roce.SetConnectSlot(h, slot)
+		// The handshake runs in the background; the first call never waits for it, even
+		// when it could already be done, so every connect takes NCCL's retry path.
+		return rcSuccess
 	}
 	comm, err := p.Poll()
 	if comm == nil && err == nil {
