@@ -8,6 +8,9 @@
 
 /* Values of a placement's status word; the kernel writes one when it ends. */
 enum rg_place_status { RG_PLACE_PENDING = 0, RG_PLACE_DONE = 1, RG_PLACE_TIMED_OUT = 2, RG_PLACE_CANCELLED = 3 };
+/* A placement's words in host-mapped memory: the outcome (written by the kernel), cancel
+ * and go (written by the host); four, to keep each placement's words 16-byte aligned. */
+enum rg_place_word { RG_PLACE_STATUS = 0, RG_PLACE_CANCEL = 1, RG_PLACE_GO = 2, RG_PLACE_WORDS = 4 };
 
 #define RG_PLACE_THREADS 512
 
@@ -16,8 +19,9 @@ typedef struct rg_place_kernel {
   CUfunction fn;
 } rg_place_kernel;
 
-/* One placement: wait until arrival[0..lanes) all equal seq, then copy landing to peer_row
- * and own_src to own_row. status[0] receives the outcome; a nonzero status[1] cancels. */
+/* One placement: wait until arrival[0..lanes) all equal seq and status[RG_PLACE_GO] is
+ * nonzero, then copy landing to peer_row and own_src to own_row. status[RG_PLACE_STATUS]
+ * receives the outcome; a nonzero status[RG_PLACE_CANCEL] cancels, and wins over go. */
 typedef struct rg_place_args {
   const volatile uint64_t* arrival;
   int lanes;

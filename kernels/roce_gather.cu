@@ -2,17 +2,18 @@
 //
 // The plugin launches one instance per eager gather on CUDA memory, on its own stream,
 // as soon as NCCL hands it the call, before the peer's data has arrived. One block waits
-// until every lane's arrival word in the landing region shows this call's sequence
-// number, then copies the peer's part out of the landing slot and this rank's own part
-// into the rows. The sequence it waits for is read from memory the peer writes, never
-// inferred from the launch, and a single block decides, so the rows receive either both
-// complete parts or nothing.
+// until every lane's arrival word in the landing region shows this call's sequence number
+// and the host has set the call's go word, then copies the peer's part out of the landing
+// slot and this rank's own part into the rows. The host sets go once the fabric has
+// completed every lane's write: RDMA does not promise that a write's bytes land in order,
+// so an arrival word alone does not prove the stripe before it is there. A single block
+// decides, and a cancel seen first wins, so the rows receive both complete parts or nothing.
 //
 // Build: `make kernels` (nvcc -ptx -arch=compute_75); the PTX is embedded in the library.
 
 typedef unsigned long long u64;
 
-// Values of status[0]; status[1] is the host's cancel word.
+// Values of status[0]; status[1] is the host's cancel word, status[2] its go word.
 #define RG_PLACE_PENDING 0u
 #define RG_PLACE_DONE 1u
 #define RG_PLACE_TIMED_OUT 2u
@@ -59,15 +60,16 @@ extern "C" __global__ void roce_gather_place(const volatile u64* arrival, int la
     while (v == RG_PLACE_PENDING) {
       int seen = 0;
       for (int l = 0; l < lanes; l++) seen += arrival[l] == seq;
-      if (seen == lanes)
-        v = RG_PLACE_DONE;
-      else if (status[1] != 0)
+      if (status[1] != 0)
         v = RG_PLACE_CANCELLED;
+      else if (seen == lanes && status[2] != 0)
+        v = RG_PLACE_DONE;
       else if (globaltimer_ns() - start > timeout_ns)
         v = RG_PLACE_TIMED_OUT;
     }
-    // The data was written before the arrival words; order this thread's reads of it after theirs.
+    // Order this thread's reads of the data after those of the words that announced it.
     __threadfence_system();
+    if (v == RG_PLACE_DONE && status[1] != 0) v = RG_PLACE_CANCELLED;
     verdict = v;
   }
   __syncthreads();

@@ -29,10 +29,14 @@ void rg_gather_init(rg_gather_comm* g) {
   }
 }
 
+static void cancel_kernels(rg_gather_comm* g) {
+  for (int i = 0; i < RG_GATHER_DEPTH; i++) g->place_status[RG_PLACE_WORDS * i + RG_PLACE_CANCEL] = 1;
+}
+
 void rg_gather_fini(rg_gather_comm* g) {
   const rg_cuda_api* cu = rg_cuda();
   if (cu == NULL || g->stream == NULL) return;
-  for (int i = 0; i < RG_GATHER_DEPTH; i++) g->place_status[2 * i + 1] = 1; /* kernels still waiting end now */
+  cancel_kernels(g); /* kernels still waiting end now */
   cu->cuCtxSetCurrent(g->cuda_ctx);
   cu->cuStreamSynchronize(g->stream);
   for (int i = 0; i < RG_GATHER_DEPTH; i++)
@@ -65,8 +69,9 @@ static void part_of(int r, uint64_t bpr, uint64_t off, uint64_t wb, uint64_t* po
 
 static ncclResult_t fail(rg_gather_comm* g, rg_gather_call* c, const char* what) {
   if (c != NULL) c->error = 1;
-  /* A gather kernel still waiting gives up; a failed call's rows stay untouched. */
-  if (c != NULL && c->launched) g->place_status[2 * (c->seq & (RG_GATHER_DEPTH - 1)) + 1] = 1;
+  /* The group is finished: every gather kernel still queued or waiting gives up, and the
+   * rows of the calls it served stay untouched. */
+  cancel_kernels(g);
   atomic_fetch_add_explicit(&rg_global_stats.gather_errors, 1, memory_order_relaxed);
   if (!g->warned) {
     g->warned = 1;
@@ -90,6 +95,11 @@ int rg_gather_cuda_prepare(rg_gather_comm* g, char* err, int errlen) {
   const rg_cuda_api* cu = rg_cuda();
   CUcontext ctx = NULL;
   if (cu == NULL || cu->cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || ctx == NULL) return 0; /* no GPU here */
+  if (!g->landing_mapped) {
+    g->place_state = -1;
+    RG_WARN("the landing region could not be pinned for the GPU; eager gathers on GPU memory copy with "
+            "cuMemcpyAsync instead of the gather kernel");
+  }
   if (ensure_stream(g) != 0) {
     snprintf(err, errlen, "cannot create a CUDA stream for the gather copies");
     return -1;
@@ -100,6 +110,7 @@ int rg_gather_cuda_prepare(rg_gather_comm* g, char* err, int errlen) {
       snprintf(err, errlen, "cannot create the CUDA events of the gather copies");
       return -1;
     }
+  if (!g->landing_mapped) return 0;
   char why[200];
   if (rg_place_load(&g->place, why, sizeof(why)) != 0) {
     g->place_state = -1;
@@ -109,16 +120,17 @@ int rg_gather_cuda_prepare(rg_gather_comm* g, char* err, int errlen) {
   /* One empty placement now makes the driver finish loading the module (it may defer that
    * to the first launch), so no launch during a collective has to load anything. */
   volatile uint32_t* status = &g->place_status[0];
-  status[0] = RG_PLACE_PENDING;
-  status[1] = 0;
+  status[RG_PLACE_STATUS] = RG_PLACE_PENDING;
+  status[RG_PLACE_CANCEL] = 0;
+  status[RG_PLACE_GO] = 1;
   rg_place_args a = {.arrival = g->arrival, .lanes = 0, .status = status, .timeout_ns = 1000000000ull};
   CUresult r = rg_place_launch(&g->place, g->stream, &a);
   if (r == CUDA_SUCCESS) r = cu->cuStreamSynchronize(g->stream);
-  if (r != CUDA_SUCCESS || status[0] != RG_PLACE_DONE) {
+  if (r != CUDA_SUCCESS || status[RG_PLACE_STATUS] != RG_PLACE_DONE) {
     rg_place_unload(&g->place);
     g->place_state = -1;
     RG_WARN("gather kernel failed its first launch (%s, status %u); eager gathers on GPU memory copy with "
-            "cuMemcpyAsync instead", rg_cuda_strerror(r), status[0]);
+            "cuMemcpyAsync instead", rg_cuda_strerror(r), status[RG_PLACE_STATUS]);
     return 0;
   }
   g->place_state = 1;
@@ -258,17 +270,19 @@ static int launch_place(rg_gather_comm* g, rg_gather_call* c) {
   /* Loaded at connect only: loading it here, with NCCL's kernel waiting on this thread, hangs. */
   if (!c->send_cuda || !c->recv_cuda || g->place_state != 1 || c->copy_done == NULL) return 1;
   uint64_t slot = c->seq & (RG_GATHER_DEPTH - 1);
-  volatile uint32_t* status = &g->place_status[2 * slot];
-  status[0] = RG_PLACE_PENDING;
-  status[1] = 0;
+  volatile uint32_t* status = &g->place_status[RG_PLACE_WORDS * slot];
+  status[RG_PLACE_STATUS] = RG_PLACE_PENDING;
+  status[RG_PLACE_CANCEL] = 0;
+  status[RG_PLACE_GO] = 0;
   rg_place_args a = {.arrival = &g->arrival[slot * RG_MAX_LANES], .lanes = g->link->nlanes, .seq = c->seq,
                      .landing = g->landing + slot * g->slot_bytes, .peer_row = c->recv + c->peer_off,
                      .peer_len = c->peer_len, .own_src = c->send, .own_row = c->recv + c->my_off,
                      .own_len = c->my_len, .status = status,
                      .timeout_ns = g->timeout_ns + 1000000000ull}; /* the host's own timeout reports first */
   if (rg_place_launch(&g->place, g->stream, &a) != CUDA_SUCCESS) return -1;
+  c->launched = 1; /* from here a failure must cancel it */
   if (rg_cuda()->cuEventRecord(c->copy_done, g->stream) != CUDA_SUCCESS) return -1;
-  c->launched = c->copying = 1;
+  c->copying = 1;
   return 0;
 }
 
@@ -312,8 +326,14 @@ static ncclResult_t advance(rg_gather_comm* g, rg_gather_call* c) {
       c->posted = 1;
     }
   }
-  if (!c->landed && !c->copying && !c->launched && g->arrived_seq[slot] == seq24 &&
-      g->arrived[slot] == g->link->nlanes) {
+  int all_arrived = g->arrived_seq[slot] == seq24 && g->arrived[slot] == g->link->nlanes;
+  if (c->launched && !c->go_set && all_arrived) {
+    /* Every lane's write has completed, so its bytes are in place: the kernel may copy. */
+    if (!arrival_complete(g, c)) return fail(g, c, "the landing slot's arrival words do not name this call");
+    g->place_status[RG_PLACE_WORDS * slot + RG_PLACE_GO] = 1;
+    c->go_set = 1;
+  }
+  if (!c->landed && !c->copying && !c->launched && all_arrived) {
     int rc = place_rows(g, c);
     if (rc == -2) return fail(g, c, "the landing slot's arrival words do not name this call");
     if (rc != 0) return fail(g, c, "copying into the rows on the GPU");
@@ -324,7 +344,7 @@ static ncclResult_t advance(rg_gather_comm* g, rg_gather_call* c) {
     if (r != CUDA_SUCCESS) return fail(g, c, c->launched ? "running the gather kernel" : "copying into the rows on the GPU");
     c->copying = 0;
     if (c->launched) {
-      uint32_t st = g->place_status[2 * slot];
+      uint32_t st = g->place_status[RG_PLACE_WORDS * slot + RG_PLACE_STATUS];
       if (st != RG_PLACE_DONE)
         return fail(g, c, st == RG_PLACE_TIMED_OUT ? "the gather kernel saw no arrival within its timeout"
                           : st == RG_PLACE_CANCELLED ? "the gather kernel was cancelled"

@@ -478,6 +478,7 @@ func newGatherSide(t *Transport, out Outcome, rank int) (*gatherSide, error) {
 	c.landing = (*C.uint8_t)(s.landing)
 	c.arrival = (*C.uint64_t)(unsafe.Add(s.landing, slots))
 	c.place_status = (*C.uint32_t)(unsafe.Add(s.landing, visible))
+	c.landing_mapped = s.landingPinned
 	s.c = c
 	return s, nil
 }

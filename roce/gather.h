@@ -26,8 +26,8 @@
 /* After the landing slots: one arrival word per slot and lane, which an eager sender
  * writes with the call's sequence number once its stripe is in place. */
 #define RG_ARRIVAL_BYTES ((uint64_t)RG_GATHER_DEPTH * RG_MAX_LANES * sizeof(uint64_t))
-/* After those, local only: the gather kernel's status and cancel words per slot. */
-#define RG_PLACE_STATUS_BYTES ((uint64_t)RG_GATHER_DEPTH * 2 * sizeof(uint32_t))
+/* After those, local only: the gather kernel's words per slot (kernels/place.h). */
+#define RG_PLACE_STATUS_BYTES ((uint64_t)RG_GATHER_DEPTH * RG_PLACE_WORDS * sizeof(uint32_t))
 
 /* Gather immediates: class RG_IMM_GATHER in the top nibble, kind below it, 24-bit seq. */
 #define RG_GIMM(kind, seq) ((3u << 28) | ((uint32_t)(kind) << 24) | ((uint32_t)(seq) & 0xffffffu))
@@ -70,6 +70,7 @@ typedef struct rg_gather_call {
   int own_placed;     /* this rank's part is in this rank's rows */
   int copying;        /* an asynchronous CUDA copy is in flight */
   int launched;       /* the gather kernel places this call (eager, CUDA memory) */
+  int go_set;         /* every lane's write completed: the kernel may copy */
   int error;
   uint64_t bytes;          /* window bytes, for stats */
   uint64_t my_off, my_len; /* this rank's part, as offsets into the window */
@@ -96,7 +97,8 @@ typedef struct rg_gather_comm {
   rg_gather_ctrl* ctrl; /* written by the peer */
   uint8_t* landing;     /* [RG_GATHER_DEPTH][slot_bytes], written by the peer */
   volatile uint64_t* arrival;       /* [RG_GATHER_DEPTH][RG_MAX_LANES], after the slots, written by the peer */
-  volatile uint32_t* place_status;  /* [RG_GATHER_DEPTH][2], after the arrival words */
+  volatile uint32_t* place_status;  /* [RG_GATHER_DEPTH][RG_PLACE_WORDS], after the arrival words */
+  int landing_mapped;               /* the landing region is pinned and mapped for the GPU */
   uint64_t peer_ctrl_addr, peer_landing_addr, peer_arrival_addr;
   uint32_t peer_ctrl_rkey[RG_MAX_HCAS], peer_landing_rkey[RG_MAX_HCAS];
 
