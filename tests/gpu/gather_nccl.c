@@ -3,7 +3,9 @@
  *   gather-nccl RANK DEVICE DIR [registered]     (two processes, ranks 0 and 1, sharing DIR)
  *
  * Shards of 16 B to 512 KiB (powers of two), 512 KiB + 16, 100 B and odd sizes (1, 3,
- * 4097 B), three seeds each, out of place and in place; with "registered" the buffers are
+ * 4097 B), three seeds each, out of place and in place, then a burst of BURST 4 KiB gathers
+ * into distinct outputs before one wait (more calls in flight than the plugin's 16 slots,
+ * so slots and credits are reused under load); with "registered" the buffers are
  * registered with ncclCommRegister first, which is NCCL's registered-buffer path for
  * CollNet when GPUDirect is on. The host waits for the stream before it copies anything,
  * so no copy is ever queued behind a collective (docs/roce-gather.md, "CUDA calls on the
@@ -18,6 +20,8 @@
 #define MAX_SHARD (512 * 1024 + 16)
 #define GUARD 64
 #define POISON 0xA5
+#define BURST 48
+#define BURST_SHARD 4096
 
 static uint8_t byte_of(int rank, int seed, uint64_t i) {
   return (uint8_t)((i * 2654435761u >> 7) ^ (uint64_t)(rank * 77 + seed * 13) ^ (i >> 11));
@@ -87,6 +91,35 @@ int main(int argc, char** argv) {
         cases++;
         failed += !ok;
       }
+  /* The burst: gather i takes send bytes [i*BURST_SHARD, ...) and output i of 2*BURST_SHARD. */
+  for (int i = 0; i < BURST; i++)
+    for (uint64_t j = 0; j < BURST_SHARD; j++) host[i * BURST_SHARD + j] = byte_of(rank, 100 + i, j);
+  die_if(cu->cuMemcpyHtoD(send, host, (size_t)BURST * BURST_SHARD) != CUDA_SUCCESS, "cuMemcpyHtoD");
+  memset(host, POISON, recv_bytes);
+  die_if(cu->cuMemcpyHtoD(recv, host, recv_bytes) != CUDA_SUCCESS, "cuMemcpyHtoD");
+  for (int i = 0; i < BURST; i++) {
+    int rc = nccl.all_gather((const void*)(uintptr_t)(send + (CUdeviceptr)i * BURST_SHARD),
+                             (void*)(uintptr_t)(recv + (CUdeviceptr)i * 2 * BURST_SHARD), BURST_SHARD, NCCL_UINT8, comm, s);
+    die_if(rc != NCCL_SUCCESS, "ncclAllGather (burst)");
+  }
+  die_if(cu->cuStreamSynchronize(s) != CUDA_SUCCESS, "the burst's stream failed");
+  die_if(cu->cuMemcpyDtoH(host, recv, recv_bytes) != CUDA_SUCCESS, "cuMemcpyDtoH");
+  for (int i = 0; i < BURST; i++) {
+    int ok = 1;
+    for (int r = 0; r < 2; r++)
+      for (uint64_t j = 0; j < BURST_SHARD; j++)
+        ok &= host[(size_t)i * 2 * BURST_SHARD + (size_t)r * BURST_SHARD + j] == byte_of(r, 100 + i, j);
+    printf("CASE burst/%d %d %s\n", i, BURST_SHARD, ok ? "PASS" : "FAIL");
+    cases++;
+    failed += !ok;
+  }
+  for (size_t j = (size_t)BURST * 2 * BURST_SHARD; j < recv_bytes; j++) {
+    if (host[j] != POISON) {
+      printf("FAIL the burst wrote past its outputs at byte %zu\n", j);
+      failed++;
+      break;
+    }
+  }
   printf("CASES %d FAILED %d\n", cases, failed);
   fflush(stdout);
   if (registered) {

@@ -3,9 +3,10 @@
  *
  *   kernel-check IMAGE...     (PTX or cubin files; the first is normally kernels/roce_gather.ptx)
  *
- * Cases per image: data already arrived, data arriving while the kernel waits, a stale or
- * partial arrival (the kernel times out and writes nothing), a cancel from the host, odd
- * sizes and unaligned rows. Every image must place the same bytes, so a cubin built fresh
+ * Cases per image: data already arrived, data written while the kernel waits, a stale or
+ * partial arrival and arrival words without the host's go (the kernel times out and writes
+ * nothing), a cancel from the host, a cancel that meets arrived data, odd sizes and
+ * unaligned rows. Every image must place the same bytes, so a cubin built fresh
  * from the source proves the embedded PTX does what the source says. Also times one
  * placement against the two cuMemcpyAsync it replaces. Exit status 0 when all pass. */
 #include <stdint.h>
@@ -69,7 +70,8 @@ typedef struct gcase {
   uint64_t peer_len, own_len;
   uint64_t row_off;  /* offset of the rows in recv, to test unaligned rows */
   int lanes;
-  int arrive;        /* 0 never, 1 before launch, 2 while the kernel waits, 3 one lane only, 4 stale seq */
+  int arrive;        /* 0 never, 1 before launch, 2 while the kernel waits, 3 one lane only, 4 stale seq,
+                        5 arrival words but no go, 6 arrived with go and cancel before launch */
   int cancel_after_ms;
   uint64_t timeout_ms;
   uint32_t want;
@@ -85,13 +87,15 @@ static void run_case(const rg_place_kernel* k, CUstream s, region* rg, buffers* 
   CHECK(cu->cuMemcpyHtoD(b->recv, b->host, total + c->row_off + 64));
   pattern(own, c->own_len, 11 + (uint32_t)rank);
   if (c->own_len) CHECK(cu->cuMemcpyHtoD(b->send, own, c->own_len));
-  pattern(rg->landing, c->peer_len, 29 + (uint32_t)rank);
-  for (int l = 0; l < 4; l++) rg->arrival[l] = seq - 16; /* what the slot held one round ago */
-  if (c->arrive == 1)
+  /* While the kernel waits, the landing slot still holds the previous round's bytes. */
+  pattern(rg->landing, c->peer_len, c->arrive == 2 ? 97u : 29 + (uint32_t)rank);
+  for (int l = 0; l < 4; l++) rg->arrival[l] = c->arrive == 4 ? seq - 16 : 0; /* one round ago, or never */
+  if (c->arrive == 1 || c->arrive == 5 || c->arrive == 6)
     for (int l = 0; l < c->lanes; l++) rg->arrival[l] = seq;
   if (c->arrive == 3) rg->arrival[0] = seq;
-  rg->status[0] = RG_PLACE_PENDING;
-  rg->status[1] = 0;
+  rg->status[RG_PLACE_STATUS] = RG_PLACE_PENDING;
+  rg->status[RG_PLACE_CANCEL] = c->arrive == 6;
+  rg->status[RG_PLACE_GO] = c->arrive == 1 || c->arrive == 3 || c->arrive == 6;
   /* Rank 0's own row comes first, rank 1's second, as in a two-rank window. */
   uint64_t own_off = rank == 0 ? 0 : c->peer_len, peer_off = rank == 0 ? c->own_len : 0;
   rg_place_args a = {.arrival = rg->arrival, .lanes = c->lanes, .seq = seq, .landing = rg->landing,
@@ -106,11 +110,16 @@ static void run_case(const rg_place_kernel* k, CUstream s, region* rg, buffers* 
       printf("FAIL %s %s rank %d: the kernel ended before the data arrived\n", image, c->name, rank);
       failures++;
     }
+    /* As the fabric would: the data, then the arrival words, then the host's go. */
+    pattern(rg->landing, c->peer_len, 29 + (uint32_t)rank);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
     for (int l = 0; l < c->lanes; l++) rg->arrival[l] = seq;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    rg->status[RG_PLACE_GO] = 1;
   }
   if (c->cancel_after_ms) {
     sleep_ms(c->cancel_after_ms);
-    rg->status[1] = 1;
+    rg->status[RG_PLACE_CANCEL] = 1;
   }
   CHECK(cu->cuStreamSynchronize(s));
   double took = now_s() - t0;
@@ -122,9 +131,9 @@ static void run_case(const rg_place_kernel* k, CUstream s, region* rg, buffers* 
   CHECK(cu->cuMemcpyDtoH(b->host, b->recv, total + c->row_off + 64));
   int bytes_ok = memcmp(want, b->host, total + c->row_off + 64) == 0;
   mix(b->host, total + c->row_off + 64);
-  int ok = bytes_ok && rg->status[0] == c->want;
+  int ok = bytes_ok && rg->status[RG_PLACE_STATUS] == c->want;
   printf("%s %s %s rank %d: status %u (want %u), %llu+%llu bytes at offset %llu %s, %.1f ms\n", ok ? "PASS" : "FAIL",
-         image, c->name, rank, rg->status[0], c->want, (unsigned long long)c->own_len,
+         image, c->name, rank, rg->status[RG_PLACE_STATUS], c->want, (unsigned long long)c->own_len,
          (unsigned long long)c->peer_len, (unsigned long long)c->row_off,
          bytes_ok ? (c->want == RG_PLACE_DONE ? "placed exactly" : "rows untouched") : "WRONG BYTES", took * 1e3);
   failures += !ok;
@@ -139,6 +148,8 @@ static void time_placement(const rg_place_kernel* k, CUstream s, region* rg, buf
   CUevent ev;
   CHECK(cu->cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
   rg->arrival[0] = 7;
+  rg->status[RG_PLACE_CANCEL] = 0;
+  rg->status[RG_PLACE_GO] = 1;
   rg_place_args a = {.arrival = rg->arrival, .lanes = 1, .seq = 7, .landing = rg->landing,
                      .peer_row = (void*)(uintptr_t)(b->recv + n), .peer_len = n, .own_src = (void*)(uintptr_t)b->send,
                      .own_row = (void*)(uintptr_t)b->recv, .own_len = n, .status = rg->status, .timeout_ns = 1000000000ull};
@@ -205,7 +216,7 @@ int main(int argc, char** argv) {
   void* host;
   CHECK(cu->cuMemHostAlloc(&host, SLOT + 4096, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP));
   region rg = {.landing = host, .arrival = (volatile uint64_t*)((uint8_t*)host + SLOT),
-               .status = (volatile uint32_t*)((uint8_t*)host + SLOT + 64)};
+               .status = (volatile uint32_t*)((uint8_t*)host + SLOT + 64)}; /* after 4 arrival words */
   buffers b;
   CHECK(cu->cuMemAlloc(&b.send, SLOT));
   CHECK(cu->cuMemAlloc(&b.recv, 2 * SLOT + 4096));
@@ -226,7 +237,9 @@ int main(int argc, char** argv) {
       {"never-arrives", 4096, 4096, 0, 1, 0, 0, 50, RG_PLACE_TIMED_OUT},
       {"one-lane-of-two", 4096, 4096, 0, 2, 3, 0, 50, RG_PLACE_TIMED_OUT},
       {"stale-seq", 4096, 4096, 0, 1, 4, 0, 50, RG_PLACE_TIMED_OUT},
+      {"arrival-without-go", 4096, 4096, 0, 2, 5, 0, 50, RG_PLACE_TIMED_OUT},
       {"cancelled", 4096, 4096, 0, 1, 0, 30, 10000, RG_PLACE_CANCELLED},
+      {"cancel-wins-over-arrival", 4096, 4096, 0, 1, 6, 0, 1000, RG_PLACE_CANCELLED},
   };
   const int ncases = (int)(sizeof(cases) / sizeof(cases[0]));
   uint64_t first_digest = 0;

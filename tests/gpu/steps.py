@@ -381,6 +381,13 @@ def step_capi(s):
         os.makedirs(d, exist_ok=True)
         rec = s.pair(run, c, "capi_cases.py", "gather", 50, dict(params, dir=d, timeout=45))
         recs.append(rec)
+        if rec and launch.gather_mode(c) is None and launch.CONFIGS[c].get("ROCE_GATHER_TCP_CUDA"):
+            # GPUDirect in auto mode: every eager call must have been placed by the gather kernel.
+            for r, st in enumerate(rec["stats"]):
+                o = (st or {}).get("oneshot", {})
+                if not o.get("eager") or o.get("eager_by_kernel") != o.get("eager"):
+                    s.fail(f"{run} rank {r}: {o.get('eager_by_kernel')} of {o.get('eager')} eager calls placed by "
+                           "the gather kernel; expected all, and more than 0")
     runs_table(s, recs)
     good = [r["run"] for r in recs if r and not r["failures"]]
     cases = next((r["results"][0]["cases"] for r in recs if r and r["results"][0]), 0)
