@@ -228,8 +228,7 @@ static int post_part(rg_gather_comm* g, rg_gather_call* c, uint64_t remote, cons
   return RG_OK;
 }
 
-/* Both copies into this rank's rows happen only after the peer's part arrived, so a
- * failed exchange leaves the rows untouched. */
+/* Whether every lane's arrival word of the call's landing slot names the call. */
 static int arrival_complete(const rg_gather_comm* g, const rg_gather_call* c) {
   uint64_t slot = c->seq & (RG_GATHER_DEPTH - 1);
   for (int l = 0; l < g->link->nlanes; l++)
@@ -237,6 +236,8 @@ static int arrival_complete(const rg_gather_comm* g, const rg_gather_call* c) {
   return 1;
 }
 
+/* Both copies into this rank's rows happen only after the peer's part arrived, so a
+ * failed exchange leaves the rows untouched. Returns -2 when the arrival words disagree. */
 static int place_rows(rg_gather_comm* g, rg_gather_call* c) {
   uint32_t slot = (uint32_t)(c->seq & (RG_GATHER_DEPTH - 1));
   const uint8_t* landing = g->landing + (uint64_t)slot * g->slot_bytes;
