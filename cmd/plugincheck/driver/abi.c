@@ -157,7 +157,14 @@ static void check_devices(const char* table, ncclResult_t (*devices)(int*)) {
   report(table, "devices", r == ncclSuccess && n >= 1, "devices returned %d with %d device(s)", r, n);
 }
 
-#define NET_CHECK(T, var, v, props_t, offp2p, offcoll, init_call, finalize_call)                                      \
+static void check_reduce_support(const char* table, ncclResult_t (*reduce_support)(ncclDataType_t, ncclRedOp_t, int*)) {
+  int sup = -1;
+  ncclResult_t r = reduce_support(ncclFloat32, ncclSum, &sup);
+  report(table, "reduceSupport", r == ncclSuccess && sup == 0, "float32 sum: returned %d, supported %d", r, sup);
+}
+
+/* The checks every net and collNet table gets; table_check adds the kind's own. */
+#define TABLE_CHECK(T, var, fields, props_t, offp2p, offcoll, init_call, table_check, finalize_call)                 \
   do {                                                                                                                  \
     const char* tname = T;                                                                                              \
     if (var == NULL) {                                                                                                  \
@@ -165,7 +172,7 @@ static void check_devices(const char* table, ncclResult_t (*devices)(int*)) {
       break;                                                                                                            \
     }                                                                                                                   \
     report(tname, "present", 1, "exported");                                                                            \
-    if (!check_complete(tname, var, sizeof(*var), net8_fields, (int)((sizeof(*var) - 8) / 8))) break;                   \
+    if (!check_complete(tname, var, sizeof(*var), fields, (int)((sizeof(*var) - 8) / 8))) break;                        \
     ncclResult_t r = init_call;                                                                                         \
     report(tname, "init", r == ncclSuccess, "init returned %d", r);                                                     \
     if (r != ncclSuccess) break;                                                                                        \
@@ -173,30 +180,15 @@ static void check_devices(const char* table, ncclResult_t (*devices)(int*)) {
     props_view pv;                                                                                                      \
     if (get_props(tname, (ncclResult_t(*)(int, void*))var->getProperties, sizeof(props_t), offp2p, offcoll, &pv))      \
       check_props(tname, &pv);                                                                                          \
+    table_check;                                                                                                        \
     finalize_call;                                                                                                      \
   } while (0)
 
-#define COLL_CHECK(T, var, props_t, offp2p, offcoll, init_call, finalize_call)                                        \
-  do {                                                                                                                  \
-    const char* tname = T;                                                                                              \
-    if (var == NULL) {                                                                                                  \
-      report(tname, "present", 0, "dlsym found no %s", tname);                                                          \
-      break;                                                                                                            \
-    }                                                                                                                   \
-    report(tname, "present", 1, "exported");                                                                            \
-    if (!check_complete(tname, var, sizeof(*var), coll8_fields, (int)((sizeof(*var) - 8) / 8))) break;                  \
-    ncclResult_t r = init_call;                                                                                         \
-    report(tname, "init", r == ncclSuccess, "init returned %d", r);                                                     \
-    if (r != ncclSuccess) break;                                                                                        \
-    check_devices(tname, var->devices);                                                                                 \
-    props_view pv;                                                                                                      \
-    if (get_props(tname, (ncclResult_t(*)(int, void*))var->getProperties, sizeof(props_t), offp2p, offcoll, &pv))      \
-      check_props(tname, &pv);                                                                                          \
-    int sup = -1;                                                                                                       \
-    r = var->reduceSupport(ncclFloat32, ncclSum, &sup);                                                                 \
-    report(tname, "reduceSupport", r == ncclSuccess && sup == 0, "float32 sum: returned %d, supported %d", r, sup);    \
-    finalize_call;                                                                                                      \
-  } while (0)
+#define NET_CHECK(T, var, props_t, offp2p, offcoll, init_call, finalize_call) \
+  TABLE_CHECK(T, var, net8_fields, props_t, offp2p, offcoll, init_call, , finalize_call)
+#define COLL_CHECK(T, var, props_t, offp2p, offcoll, init_call, finalize_call)                        \
+  TABLE_CHECK(T, var, coll8_fields, props_t, offp2p, offcoll, init_call,                              \
+              check_reduce_support(tname, var->reduceSupport), finalize_call)
 
 /* Checks one version's getCollInfo on a table fill_table prepared. */
 static void check_coll_info(const char* tname, ncclResult_t r, const float* table, int nch) {
@@ -239,15 +231,15 @@ int run_abi(const char* path) {
   void* cctx = NULL;
   const uint64_t comm = 0x5eed0001;
 
-  NET_CHECK("ncclNetPlugin_v12", p.net12, 12, ncclNetProperties_v12_t, 104, 112,
+  NET_CHECK("ncclNetPlugin_v12", p.net12, ncclNetProperties_v12_t, 104, 112,
             p.net12->init(&ctx, comm, &config, driver_logger, NULL),
             report("ncclNetPlugin_v12", "finalize", p.net12->finalize(ctx) == ncclSuccess, "finalize(ctx)"));
-  NET_CHECK("ncclNetPlugin_v11", p.net11, 11, ncclNetProperties_v11_t, 88, 96,
+  NET_CHECK("ncclNetPlugin_v11", p.net11, ncclNetProperties_v11_t, 88, 96,
             p.net11->init(&ctx, comm, &config, driver_logger, NULL),
             report("ncclNetPlugin_v11", "finalize", p.net11->finalize(ctx) == ncclSuccess, "finalize(ctx)"));
-  NET_CHECK("ncclNetPlugin_v10", p.net10, 10, ncclNetProperties_v10_t, 88, 96, p.net10->init(driver_logger, NULL), );
-  NET_CHECK("ncclNetPlugin_v9", p.net9, 9, ncclNetProperties_v9_t, 88, 96, p.net9->init(driver_logger), );
-  NET_CHECK("ncclNetPlugin_v8", p.net8, 8, ncclNetProperties_v8_t, 0, 0, p.net8->init(driver_logger), );
+  NET_CHECK("ncclNetPlugin_v10", p.net10, ncclNetProperties_v10_t, 88, 96, p.net10->init(driver_logger, NULL), );
+  NET_CHECK("ncclNetPlugin_v9", p.net9, ncclNetProperties_v9_t, 88, 96, p.net9->init(driver_logger), );
+  NET_CHECK("ncclNetPlugin_v8", p.net8, ncclNetProperties_v8_t, 0, 0, p.net8->init(driver_logger), );
 
   COLL_CHECK("ncclCollNetPlugin_v12", p.coll12, ncclNetProperties_v12_t, 104, 112,
              p.coll12->init(&cctx, comm, driver_logger),
