@@ -95,11 +95,6 @@ int rg_gather_cuda_prepare(rg_gather_comm* g, char* err, int errlen) {
   const rg_cuda_api* cu = rg_cuda();
   CUcontext ctx = NULL;
   if (cu == NULL || cu->cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || ctx == NULL) return 0; /* no GPU here */
-  if (!g->landing_mapped) {
-    g->place_state = -1;
-    RG_WARN("the landing region could not be pinned for the GPU; eager gathers on GPU memory copy with "
-            "cuMemcpyAsync instead of the gather kernel");
-  }
   if (ensure_stream(g) != 0) {
     snprintf(err, errlen, "cannot create a CUDA stream for the gather copies");
     return -1;
@@ -110,7 +105,12 @@ int rg_gather_cuda_prepare(rg_gather_comm* g, char* err, int errlen) {
       snprintf(err, errlen, "cannot create the CUDA events of the gather copies");
       return -1;
     }
-  if (!g->landing_mapped) return 0;
+  if (!g->landing_mapped) {
+    g->place_state = -1;
+    RG_WARN("the landing region could not be pinned for the GPU; eager gathers on GPU memory copy with "
+            "cuMemcpyAsync instead of the gather kernel");
+    return 0;
+  }
   char why[200];
   if (rg_place_load(&g->place, why, sizeof(why)) != 0) {
     g->place_state = -1;
@@ -265,11 +265,14 @@ static int place_rows(rg_gather_comm* g, rg_gather_call* c) {
   return 0;
 }
 
-/* Launches the gather kernel for an eager call on CUDA memory before the peer's part
- * arrives. Returns 1 when it is not used for this call, 0 when launched, -1 on error. */
+/* The gather kernel places eager calls whose buffers are both CUDA memory, where it was
+ * loaded at connect: loading it later, with NCCL's kernel waiting on this thread, hangs. */
+static int uses_kernel(const rg_gather_comm* g, const rg_gather_call* c) {
+  return c->mode == RG_MODE_EAGER && c->send_cuda && c->recv_cuda && g->place_state == 1;
+}
+
+/* Launches the gather kernel before the peer's part arrives. Returns 0, or -1 on error. */
 static int launch_place(rg_gather_comm* g, rg_gather_call* c) {
-  /* Loaded at connect only: loading it here, with NCCL's kernel waiting on this thread, hangs. */
-  if (!c->send_cuda || !c->recv_cuda || g->place_state != 1 || c->copy_done == NULL) return 1;
   uint64_t slot = c->seq & (RG_GATHER_DEPTH - 1);
   volatile uint32_t* status = &g->place_status[RG_PLACE_WORDS * slot];
   status[RG_PLACE_STATUS] = RG_PLACE_PENDING;
@@ -300,11 +303,8 @@ static int post_ready_token(rg_gather_comm* g, rg_gather_call* c) {
 static ncclResult_t advance(rg_gather_comm* g, rg_gather_call* c) {
   uint32_t slot = (uint32_t)(c->seq & (RG_GATHER_DEPTH - 1));
   uint32_t seq24 = (uint32_t)(c->seq & SEQ_MASK);
-  if (c->mode == RG_MODE_EAGER && c->cuda && !c->launched && !c->kernel_declined) {
-    int rc = launch_place(g, c);
-    if (rc < 0) return fail(g, c, "launching the gather kernel");
-    c->kernel_declined = rc > 0;
-  }
+  if (!c->launched && uses_kernel(g, c) && launch_place(g, c) != 0)
+    return fail(g, c, "launching the gather kernel");
   if (c->mode == RG_MODE_RENDEZVOUS && !c->token_sent) {
     int rc = post_ready_token(g, c);
     if (rc == RG_ERR_FULL) return ncclSuccess;

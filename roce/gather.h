@@ -81,7 +81,6 @@ typedef struct rg_gather_call {
   const rg_mr* recv_mr;
   int cuda; /* send or recv is CUDA memory */
   int send_cuda, recv_cuda;
-  int kernel_declined; /* eager on CUDA memory, but the kernel cannot place this call */
   uint64_t start_ns;
   CUevent copy_done;
 } rg_gather_call;
