@@ -44,7 +44,7 @@ func SourceSHA256() (string, error) {
 }
 
 // Load loads the embedded PTX into the calling thread's current CUDA context and unloads
-// it again: the check plugincheck and the tests run where a GPU exists.
+// it again, to say whether this host's driver takes it.
 func Load() error {
 	var k C.rg_place_kernel
 	var err [256]C.char
