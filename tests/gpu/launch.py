@@ -26,6 +26,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 # Over the tcp fabric the one-shot path is off unless the cap is given (docs/benchmarks.md).
 PLUGIN = {"NCCL_NET_PLUGIN": LIB, "NCCL_NET": "roce_gather", "NCCL_COLLNET_ENABLE": "1",
           "ROCE_GATHER_FABRIC": "tcp", "ROCE_GATHER_TCP_IF": "lo", "ROCE_GATHER_MAX_BYTES": "524288"}
+GDR = dict(PLUGIN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1")
 CONFIGS = {
     "oneshot": dict(PLUGIN),
     "oneshot-mode-eager": dict(PLUGIN, ROCE_GATHER_MODE="eager"),
@@ -34,9 +35,8 @@ CONFIGS = {
     # The tcp fabric then copies GPU memory with CUDA calls from its own threads, which an
     # application's blocking copy queued behind a collective stalls (docs/roce-gather.md):
     # the workers wait for the device before they copy anything to the host.
-    "oneshot-gdr": dict(PLUGIN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1"),
-    "oneshot-gdr-rendezvous": dict(PLUGIN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1",
-                                   ROCE_GATHER_MODE="rendezvous"),
+    "oneshot-gdr": dict(GDR),
+    "oneshot-gdr-rendezvous": dict(GDR, ROCE_GATHER_MODE="rendezvous"),
     "ring-over-plugin": dict(PLUGIN, ROCE_GATHER_ENABLE="0"),
     "nccl-socket": {"NCCL_NET_PLUGIN": "none"},
 }
