@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import launch
 from torch_cases import Ctx, gather_into, gen
 
 SHARD = 4096  # bytes a rank
@@ -144,8 +145,7 @@ def survive(res, marker, gather):
     res.d["completed"] = True
 
 
-ABORT_NCCL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "build",
-                          "abort-nccl")
+ABORT_NCCL = os.path.join(launch.BUILD, "abort-nccl")
 
 
 def nccl_abort(args, res):

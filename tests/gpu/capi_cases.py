@@ -12,9 +12,9 @@ import subprocess
 import sys
 
 import common
+import launch
 
-GATHER_NCCL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "build",
-                           "gather-nccl")
+GATHER_NCCL = os.path.join(launch.BUILD, "gather-nccl")
 
 
 def main():

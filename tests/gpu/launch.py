@@ -18,7 +18,8 @@ import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-LIB = os.path.join(REPO, "build", "libroce_gather.so")
+BUILD = os.path.join(REPO, "build")
+LIB = os.path.join(BUILD, "libroce_gather.so")
 PEER_GRACE_S = 15
 
 # Never multicast: set in every process, last, so nothing overrides it.

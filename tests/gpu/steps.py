@@ -130,7 +130,7 @@ JAX_INFO = ("import glob, importlib.util, os, jax, jaxlib; s = importlib.util.fi
 
 def step_env(s):
     for cmd in (["nvidia-smi"], ["nvidia-smi", "topo", "-m"], ["nvcc", "--version"], ["uname", "-a"],
-                ["ls", "-l", os.path.join(REPO, "build")], ["ls", "-l", "/usr/include/nccl.h"],
+                ["ls", "-l", launch.BUILD], ["ls", "-l", "/usr/include/nccl.h"],
                 [sys.executable, "-c", JAX_INFO]):
         sh(cmd)
     for k in sorted(os.environ):
@@ -153,7 +153,7 @@ def step_env(s):
         s.fail(f"{launch.LIB} does not exist: build it first (make all)")
     else:
         s.d["numbers"]["lib_sha256"] = hashlib.sha256(open(launch.LIB, "rb").read()).hexdigest()
-    plugincheck = os.path.join(REPO, "build", "plugincheck")
+    plugincheck = os.path.join(launch.BUILD, "plugincheck")
     if os.path.exists(plugincheck):
         rc, _ = sh([plugincheck, "abi"], timeout=20)
         s.note(f"build/plugincheck abi: exit {rc}")
@@ -166,7 +166,7 @@ def step_env(s):
 
 def step_kernels(s):
     cu, ptx = os.path.join(REPO, "kernels", "roce_gather.cu"), os.path.join(REPO, "kernels", "roce_gather.ptx")
-    check = os.path.join(REPO, "build", "kernel-check")
+    check = os.path.join(launch.BUILD, "kernel-check")
     missing = [os.path.relpath(p, REPO) for p in (cu, ptx, check) if not os.path.exists(p)]
     if missing:
         s.fail(f"{', '.join(missing)} absent (build/kernel-check comes from make all)")
