@@ -84,6 +84,7 @@ func TestMalformedPeerHandles(t *testing.T) {
 		"bad address family":  corrupt(func(h []byte) { h[gOffAddr] = 5 }),
 		"truncated":           good[:64],
 		"off, unknown reason": corrupt(func(h []byte) { h[gOffVerdict] = 0; h[gOffReason] = 200 }),
+		"unknown flag bit":    corrupt(func(h []byte) { h[gOffFlags] = 0x02 }),
 	}
 	for name, bad := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -135,9 +136,33 @@ func TestGroupsOfOtherSizesAreOff(t *testing.T) {
 	require.Equal(t, "the one-shot gather serves two ranks; this group has 3", o.Why)
 }
 
+// Scheduling onto an entry NCCL dropped changes the algorithm both ranks run, so it is
+// used only when both ranks ask; one rank asking alone is named, on both ranks alike.
+func TestDirectWithoutNVSwitchNeedsBothRanks(t *testing.T) {
+	a, b := offer(4096), offer(4096)
+	a.DirectWithoutNVSwitch, b.DirectWithoutNVSwitch = true, true
+	o0, o1 := both(a, b)
+	require.True(t, o0.On)
+	require.True(t, o0.DirectWithoutNVSwitch)
+	require.True(t, o1.DirectWithoutNVSwitch)
+	require.Empty(t, o0.Note)
+
+	b.DirectWithoutNVSwitch = false
+	o0, o1 = both(a, b)
+	require.True(t, o0.On, "the group stays on; only the override is dropped")
+	require.False(t, o0.DirectWithoutNVSwitch)
+	require.False(t, o1.DirectWithoutNVSwitch)
+	require.Equal(t, "only rank 0 set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1; neither rank uses it", o0.Note)
+	require.Equal(t, o0.Note, o1.Note)
+
+	o0, _ = both(offer(4096), offer(4096))
+	require.False(t, o0.DirectWithoutNVSwitch)
+	require.Empty(t, o0.Note)
+}
+
 func TestOfferRoundTrips(t *testing.T) {
 	o := offer(3 * 1000)
-	o.Mode, o.Lanes, o.Fabric = GatherRendezvous, 2, 2
+	o.Mode, o.Lanes, o.Fabric, o.DirectWithoutNVSwitch = GatherRendezvous, 2, 2, true
 	got, err := DecodeGatherOffer(handle(o))
 	require.NoError(t, err)
 	require.Equal(t, o, got)
@@ -154,7 +179,8 @@ func FuzzAgree(f *testing.F) {
 	f.Fuzz(func(t *testing.T, a, b []byte) {
 		hs := [][]byte{a, b}
 		o0, o1 := Agree(hs, 0), Agree(hs, 1)
-		if o0.On != o1.On || o0.Cap != o1.Cap || o0.Why != o1.Why || o0.Mode != o1.Mode || o0.Lanes != o1.Lanes {
+		if o0.On != o1.On || o0.Cap != o1.Cap || o0.Why != o1.Why || o0.Mode != o1.Mode || o0.Lanes != o1.Lanes ||
+			o0.DirectWithoutNVSwitch != o1.DirectWithoutNVSwitch || o0.Note != o1.Note {
 			t.Fatalf("ranks disagree: %+v vs %+v", o0, o1)
 		}
 		if o0.On && (o0.Cap == 0 || o0.Cap != min(o0.LocalCap, o0.PeerCap)) {

@@ -90,6 +90,9 @@ type GatherOffer struct {
 	SlotBytes uint64
 	Addr      endpointAddr
 	Token     Token
+	// DirectWithoutNVSwitch: this rank asks to schedule onto CollNet Direct where NCCL
+	// drops it for lack of an NVSwitch (ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1).
+	DirectWithoutNVSwitch bool
 }
 
 const (
@@ -103,7 +106,11 @@ const (
 	gOffToken   = 32
 	gOffMax     = 48
 	gOffSlot    = 56
-	gEnd        = 64 // bytes after this are zero
+	gOffFlags   = 64
+	gEnd        = 65 // bytes after this are zero
+
+	flagDirectWithoutNVSwitch = 1 << 0
+	knownFlags                = flagDirectWithoutNVSwitch
 )
 
 func fabricCode(kind string) uint8 {
@@ -147,6 +154,9 @@ func (o GatherOffer) Encode(h []byte) {
 	copy(h[gOffToken:gOffToken+16], o.Token[:])
 	binary.LittleEndian.PutUint64(h[gOffMax:], o.MaxBytes)
 	binary.LittleEndian.PutUint64(h[gOffSlot:], o.SlotBytes)
+	if o.DirectWithoutNVSwitch {
+		h[gOffFlags] |= flagDirectWithoutNVSwitch
+	}
 }
 
 // DecodeGatherOffer reads a handle, refusing anything malformed, foreign or from
@@ -181,6 +191,10 @@ func DecodeGatherOffer(h []byte) (GatherOffer, error) {
 	copy(o.Token[:], h[gOffToken:gOffToken+16])
 	o.MaxBytes = binary.LittleEndian.Uint64(h[gOffMax:])
 	o.SlotBytes = binary.LittleEndian.Uint64(h[gOffSlot:])
+	if f := h[gOffFlags]; f&^knownFlags != 0 {
+		return o, fmt.Errorf("flag byte 0x%02x has bits this library does not know (0x%02x)", f, f&^knownFlags)
+	}
+	o.DirectWithoutNVSwitch = h[gOffFlags]&flagDirectWithoutNVSwitch != 0
 	if !o.On {
 		if _, ok := reasonText[o.Reason]; !ok {
 			return o, fmt.Errorf("verdict is off with unknown reason code %d", o.Reason)
@@ -209,17 +223,21 @@ func DecodeGatherOffer(h []byte) (GatherOffer, error) {
 
 // Outcome is what both ranks of a group conclude from the same handles.
 type Outcome struct {
-	On        bool
-	Cap       uint64 // the agreed per-rank cap: the smaller usable max_bytes
-	LocalCap  uint64
-	PeerCap   uint64
-	Mode      GatherMode
-	Lanes     int
-	Why       string // why the path is off
-	Config    bool   // off by configuration (ROCE_GATHER_ENABLE=0), not by a failure
-	peer      GatherOffer
-	peerRank  int
-	localRank int
+	On       bool
+	Cap      uint64 // the agreed per-rank cap: the smaller usable max_bytes
+	LocalCap uint64
+	PeerCap  uint64
+	Mode     GatherMode
+	Lanes    int
+	Why      string // why the path is off
+	Config   bool   // off by configuration (ROCE_GATHER_ENABLE=0), not by a failure
+	// DirectWithoutNVSwitch: both ranks asked to schedule onto CollNet Direct where NCCL
+	// drops it for lack of an NVSwitch; Note says so when only one rank asked.
+	DirectWithoutNVSwitch bool
+	Note                  string
+	peer                  GatherOffer
+	peerRank              int
+	localRank             int
 }
 
 // Agree computes a group's outcome from all handles. Every input is the same bytes on
@@ -265,6 +283,14 @@ func Agree(handles [][]byte, rank int) Outcome {
 	}
 	out.Cap = min(offers[0].MaxBytes, offers[1].MaxBytes)
 	out.Lanes = int(min(offers[0].Lanes, offers[1].Lanes))
+	out.DirectWithoutNVSwitch = offers[0].DirectWithoutNVSwitch && offers[1].DirectWithoutNVSwitch
+	if offers[0].DirectWithoutNVSwitch != offers[1].DirectWithoutNVSwitch {
+		asked := 0
+		if offers[1].DirectWithoutNVSwitch {
+			asked = 1
+		}
+		out.Note = fmt.Sprintf("only rank %d set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1; neither rank uses it", asked)
+	}
 	out.On = true
 	return out
 }
@@ -288,6 +314,8 @@ type GatherConfig struct {
 	// tcp fabric offers the one-shot path only then (docs/benchmarks.md).
 	Explicit bool
 	Mode     GatherMode
+	// DirectWithoutNVSwitch is this rank's ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH.
+	DirectWithoutNVSwitch bool
 }
 
 // ListenGather opens the group's listener and writes this rank's offer into handle.
@@ -297,7 +325,8 @@ func (t *Transport) ListenGather(cfg GatherConfig, handle []byte) (*GatherListen
 	}
 	gl := &GatherListener{t: t, agreed: make(chan struct{})}
 	gl.offer = GatherOffer{Version: ProtocolVersion, On: cfg.Enable, Fabric: fabricCode(t.kind), Mode: cfg.Mode,
-		Lanes: uint8(t.dev.Info().Lanes), MaxBytes: cfg.MaxBytes, SlotBytes: SlotBytesFor(cfg.MaxBytes)}
+		Lanes: uint8(t.dev.Info().Lanes), MaxBytes: cfg.MaxBytes, SlotBytes: SlotBytesFor(cfg.MaxBytes),
+		DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch}
 	switch {
 	case !cfg.Enable:
 		gl.offer.On, gl.offer.Reason = false, ReasonDisabled
