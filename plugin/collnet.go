@@ -70,7 +70,8 @@ func rgGoCollListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listen
 	state.mu.Lock()
 	cfg := state.cfg
 	state.mu.Unlock()
-	gl, err := tr.ListenGather(roce.GatherConfig{Enable: cfg.Enable, MaxBytes: cfg.MaxBytes, Explicit: cfg.MaxBytesSet, Mode: gatherMode(cfg.Mode)},
+	gl, err := tr.ListenGather(roce.GatherConfig{Enable: cfg.Enable, MaxBytes: cfg.MaxBytes, Explicit: cfg.MaxBytesSet, Mode: gatherMode(cfg.Mode),
+		DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch},
 		unsafe.Slice((*byte)(handle), roce.HandleSize))
 	if err != nil {
 		nlog.Warnf("collNet listen: %v", err)
@@ -95,7 +96,8 @@ func rgGoCollConnect(handles *unsafe.Pointer, nranks C.int, rank C.int, listenCo
 		hs[i] = unsafe.Slice((*byte)(p), roce.HandleSize)
 	}
 	g, out := cl.gl.Connect(hs, int(rank))
-	seq := registry.record(cl.commID, groupOutcome{on: out.On, cap: out.Cap, localCap: out.LocalCap, peerCap: out.PeerCap, why: out.Why})
+	seq := registry.record(cl.commID, groupOutcome{on: out.On, cap: out.Cap, localCap: out.LocalCap, peerCap: out.PeerCap, why: out.Why,
+		directWithoutNVSwitch: out.DirectWithoutNVSwitch})
 	if !out.On {
 		// Both ranks reach this from the same handles; NCCL then keeps every collective on
 		// its own algorithms and says "Cannot initialize CollNet".
@@ -110,10 +112,21 @@ func rgGoCollConnect(handles *unsafe.Pointer, nranks C.int, rank C.int, listenCo
 	state.mu.Lock()
 	state.colls[g.C()] = c
 	state.mu.Unlock()
-	nlog.Infof(nlog.Init|nlog.Net, "one-shot gather on for communicator 0x%x with %s: agreed cap %d bytes a rank (local %d, peer %d), mode %s, %d lane(s)",
-		cl.commID, g.Peer(), out.Cap, out.LocalCap, out.PeerCap, out.Mode, out.Lanes)
+	nlog.Infof(nlog.Init|nlog.Net, "one-shot gather on for communicator 0x%x with %s: agreed cap %d bytes a rank (local %d, peer %d), mode %s, %d lane(s)%s",
+		cl.commID, g.Peer(), out.Cap, out.LocalCap, out.PeerCap, out.Mode, out.Lanes, directNote(out))
+	if out.Note != "" {
+		nlog.Warnf("communicator 0x%x: %s", cl.commID, out.Note)
+	}
 	*collCommOut = g.C()
 	return rcSuccess
+}
+
+// directNote is the connect line's account of ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH.
+func directNote(out roce.Outcome) string {
+	if out.DirectWithoutNVSwitch {
+		return "; both ranks allow CollNet Direct without NVSwitch"
+	}
+	return ""
 }
 
 //export rgGoCollCloseListen

@@ -34,15 +34,18 @@ type Config struct {
 	// MaxBytesSet: ROCE_GATHER_MAX_BYTES was given. The tcp fabric's one-shot path is off
 	// unless it is (docs/benchmarks.md: measured slower than NCCL's ring over TCP).
 	MaxBytesSet bool
-	TCPCUDA     bool   // ROCE_GATHER_TCP_CUDA=1: the tcp fabric offers NCCL CUDA memory, for testing GPUDirect on one host
-	Fabric      string // auto, verbs, tcp
-	HCAs        string
-	GIDIndex    int // -1: automatic
-	TCPIf       string
-	SocketIf    string // NCCL_SOCKET_IFNAME, consulted when TCPIf is empty
-	Timeout     time.Duration
-	Mode        Mode
-	StatsPath   string // "", a path (with %p for the pid, %h for the host) or "stderr"
+	TCPCUDA     bool // ROCE_GATHER_TCP_CUDA=1: the tcp fabric offers NCCL CUDA memory, for testing GPUDirect on one host
+	// DirectWithoutNVSwitch: ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, schedule onto CollNet
+	// Direct where NCCL drops it for lack of an NVSwitch (docs/roce-gather.md, "Topologies without NVSwitch").
+	DirectWithoutNVSwitch bool
+	Fabric                string // auto, verbs, tcp
+	HCAs                  string
+	GIDIndex              int // -1: automatic
+	TCPIf                 string
+	SocketIf              string // NCCL_SOCKET_IFNAME, consulted when TCPIf is empty
+	Timeout               time.Duration
+	Mode                  Mode
+	StatsPath             string // "", a path (with %p for the pid, %h for the host) or "stderr"
 }
 
 // Defaults, as DESIGN.md's configuration table gives them.
@@ -103,6 +106,7 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		}
 	}
 	flag("ROCE_GATHER_TCP_CUDA", &c.TCPCUDA)
+	flag("ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH", &c.DirectWithoutNVSwitch)
 	if v, ok := lookup(getenv, "ROCE_GATHER_FABRIC"); ok {
 		switch v {
 		case "auto", "verbs", "tcp":

@@ -21,27 +21,30 @@ func TestConfigDefaultsMatchTheDesignTable(t *testing.T) {
 	require.Equal(t, "", c.StatsPath)
 	require.False(t, c.MaxBytesSet)
 	require.False(t, c.TCPCUDA)
+	require.False(t, c.DirectWithoutNVSwitch)
 }
 
 func TestConfigReadsEveryVariable(t *testing.T) {
 	c, warns := ParseConfig(env(map[string]string{
-		"ROCE_GATHER_ENABLE":     "0",
-		"ROCE_GATHER_MAX_BYTES":  "511K",
-		"ROCE_GATHER_FABRIC":     "tcp",
-		"ROCE_GATHER_HCAS":       "mlx5_0,mlx5_1:1",
-		"ROCE_GATHER_GID_INDEX":  "3",
-		"ROCE_GATHER_TCP_IF":     "eth0",
-		"ROCE_GATHER_TIMEOUT_MS": "2500",
-		"ROCE_GATHER_MODE":       "eager",
-		"ROCE_GATHER_STATS":      "/tmp/s.%p.json",
-		"ROCE_GATHER_TCP_CUDA":   "1",
-		"NCCL_SOCKET_IFNAME":     "^docker",
+		"ROCE_GATHER_ENABLE":                  "0",
+		"ROCE_GATHER_MAX_BYTES":               "511K",
+		"ROCE_GATHER_FABRIC":                  "tcp",
+		"ROCE_GATHER_HCAS":                    "mlx5_0,mlx5_1:1",
+		"ROCE_GATHER_GID_INDEX":               "3",
+		"ROCE_GATHER_TCP_IF":                  "eth0",
+		"ROCE_GATHER_TIMEOUT_MS":              "2500",
+		"ROCE_GATHER_MODE":                    "eager",
+		"ROCE_GATHER_STATS":                   "/tmp/s.%p.json",
+		"ROCE_GATHER_TCP_CUDA":                "1",
+		"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": "1",
+		"NCCL_SOCKET_IFNAME":                  "^docker",
 	}))
 	require.Empty(t, warns)
 	require.False(t, c.Enable)
 	require.Equal(t, uint64(511*1024), c.MaxBytes)
 	require.True(t, c.MaxBytesSet)
 	require.True(t, c.TCPCUDA)
+	require.True(t, c.DirectWithoutNVSwitch)
 	require.Equal(t, "tcp", c.Fabric)
 	require.Equal(t, "mlx5_0,mlx5_1:1", c.HCAs)
 	require.Equal(t, 3, c.GIDIndex)
@@ -71,6 +74,7 @@ func TestConfigRefusesEveryBadValueAndKeepsTheDefault(t *testing.T) {
 		{"ROCE_GATHER_TIMEOUT_MS", "-5", "30000"},
 		{"ROCE_GATHER_MODE", "fast", "auto"},
 		{"ROCE_GATHER_TCP_CUDA", "yes", "0"},
+		{"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH", "true", "0"},
 	}
 	def, _ := ParseConfig(env(nil))
 	for _, tc := range cases {

@@ -8,6 +8,9 @@ type groupOutcome struct {
 	cap               uint64 // agreed per-rank cap, when on
 	localCap, peerCap uint64
 	why               string // why the path is off
+	// directWithoutNVSwitch: both ranks allow scheduling onto a CollNet Direct entry NCCL
+	// dropped for lack of an NVSwitch.
+	directWithoutNVSwitch bool
 }
 
 // groupRegistry ties a communicator's collNet group to its tuner: collNet connect

@@ -30,6 +30,9 @@ type Stats struct {
 		NCCL           uint64 `json:"nccl_gathers"`
 		NCCLBytes      uint64 `json:"nccl_bytes"`
 		NCCLNotOffered uint64 `json:"nccl_not_offered"`
+		// OneShotUnoffered counts the one-shot decisions made onto a CollNet Direct entry
+		// NCCL had dropped (ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1); OneShot includes them.
+		OneShotUnoffered uint64 `json:"oneshot_unoffered"`
 	} `json:"tuner"`
 	// One-shot iallgather calls as executed, graph replays included.
 	OneShot struct {
@@ -58,6 +61,7 @@ func ReadStats() Stats {
 	s.Tuner.NCCL = uint64(g.tuner_nccl)
 	s.Tuner.NCCLBytes = uint64(g.tuner_nccl_bytes)
 	s.Tuner.NCCLNotOffered = uint64(g.tuner_nccl_ignored)
+	s.Tuner.OneShotUnoffered = uint64(g.tuner_oneshot_unoffered)
 	s.OneShot.Calls = uint64(g.gathers)
 	s.OneShot.Bytes = uint64(g.gather_bytes)
 	s.OneShot.Rendezvous = uint64(g.gathers_rendezvous)

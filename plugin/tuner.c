@@ -21,11 +21,13 @@ int rg_tuner_policy(const rg_tuner* t, int collType, size_t nBytes, float** tabl
   if (numAlgo <= NCCL_ALGO_COLLNET_CHAIN || numProto <= NCCL_PROTO_SIMPLE) return RG_TUNE_NOT_OURS;
   float* direct = cell(table, numProto, NCCL_ALGO_COLLNET_DIRECT, NCCL_PROTO_SIMPLE);
   if (t->group_on && nBytes > 0 && nBytes <= 2 * t->agreed_cap) {
-    /* An entry NCCL marked ignored has no connection behind it: never schedule onto it. */
-    if (!offered(*direct)) return RG_TUNE_NCCL_NOT_OFFERED;
+    /* NCCL ignores the entry without an NVSwitch (or without CollNet, which an on group
+     * rules out); use it only where both ranks asked and nodes hold one rank each. */
+    int unoffered = !offered(*direct);
+    if (unoffered && !t->direct_without_nvswitch) return RG_TUNE_NCCL_NOT_OFFERED;
     *direct = 0.0f;
     *nChannels = 1;
-    return RG_TUNE_ONESHOT;
+    return unoffered ? RG_TUNE_ONESHOT_UNOFFERED : RG_TUNE_ONESHOT;
   }
   /* Above the cap (or with the group off) the gather belongs to NCCL's own algorithms,
    * unless removing CollNet would leave NCCL no choice at all. */
@@ -48,6 +50,15 @@ ncclResult_t rg_tuner_get_coll_info(void* ctx, ncclFunc_t collType, size_t nByte
   rg_tuner* t = ctx;
   int d = rg_tuner_policy(t, collType, nBytes, collCostTable, numAlgo, numProto, nChannels);
   switch (d) {
+  case RG_TUNE_ONESHOT_UNOFFERED:
+    atomic_fetch_add_explicit(&rg_global_stats.tuner_oneshot_unoffered, 1, memory_order_relaxed);
+    if (!t->warned_unoffered_used) {
+      t->warned_unoffered_used = 1;
+      RG_INFO(NCCL_TUNING, "communicator 0x%llx: NCCL does not offer CollNet Direct for AllGather here; scheduling "
+                           "gathers within the cap onto it anyway, as ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1 asks",
+              (unsigned long long)t->comm_id);
+    }
+    __attribute__((fallthrough)); /* counted as one-shot too */
   case RG_TUNE_ONESHOT:
     atomic_fetch_add_explicit(&rg_global_stats.tuner_oneshot, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&rg_global_stats.tuner_oneshot_bytes, nBytes, memory_order_relaxed);
@@ -57,7 +68,8 @@ ncclResult_t rg_tuner_get_coll_info(void* ctx, ncclFunc_t collType, size_t nByte
     if (!t->warned_not_offered) {
       t->warned_not_offered = 1;
       RG_INFO(NCCL_TUNING, "communicator 0x%llx: NCCL does not offer CollNet Direct for AllGather here (it drops it "
-                           "on topologies without NVSwitch); gathers within the cap stay on NCCL",
+                           "on topologies without NVSwitch); gathers within the cap stay on NCCL "
+                           "(ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1 on both ranks uses it anyway)",
               (unsigned long long)t->comm_id);
     }
     __attribute__((fallthrough)); /* counted as handed to NCCL too */

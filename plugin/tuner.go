@@ -37,6 +37,13 @@ func rgGoTunerInit(t *C.rg_tuner, hasCommID C.int, logger unsafe.Pointer, abi C.
 		t.group_on = 1
 		t.agreed_cap = C.uint64_t(g.cap)
 		nlog.Infof(nlog.Tuning, "tuner v%d, communicator 0x%x: AllGathers of at most %d bytes in total (%d a rank) go to the one-shot path", int(abi), commID, 2*g.cap, g.cap)
+		switch {
+		case !g.directWithoutNVSwitch:
+		case t.nnodes != t.nranks:
+			nlog.Infof(nlog.Tuning, "tuner v%d, communicator 0x%x: ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1 not used: %d ranks on %d nodes, and CollNet Direct without NVSwitch is allowed only with one rank a node", int(abi), commID, int(t.nranks), int(t.nnodes))
+		default:
+			t.direct_without_nvswitch = 1
+		}
 	}
 	return rcSuccess
 }
@@ -45,17 +52,31 @@ func rgGoTunerInit(t *C.rg_tuner, hasCommID C.int, logger unsafe.Pointer, abi C.
 type TunerDecision int
 
 const (
-	TuneNotOurs        TunerDecision = C.RG_TUNE_NOT_OURS
-	TuneOneShot        TunerDecision = C.RG_TUNE_ONESHOT
-	TuneNCCL           TunerDecision = C.RG_TUNE_NCCL
-	TuneNCCLNotOffered TunerDecision = C.RG_TUNE_NCCL_NOT_OFFERED
+	TuneNotOurs          TunerDecision = C.RG_TUNE_NOT_OURS
+	TuneOneShot          TunerDecision = C.RG_TUNE_ONESHOT
+	TuneNCCL             TunerDecision = C.RG_TUNE_NCCL
+	TuneNCCLNotOffered   TunerDecision = C.RG_TUNE_NCCL_NOT_OFFERED
+	TuneOneShotUnoffered TunerDecision = C.RG_TUNE_ONESHOT_UNOFFERED
 )
 
 // TunePolicy runs the C policy on a cost table of numAlgo x numProto entries.
 func TunePolicy(nRanks int, on bool, agreedCap uint64, collType int, nBytes uint64, table []float32, numAlgo, numProto int) (TunerDecision, int) {
+	return tunePolicy(nRanks, on, false, agreedCap, collType, nBytes, table, numAlgo, numProto)
+}
+
+// TunePolicyDirectWithoutNVSwitch is TunePolicy for a group whose ranks both set
+// ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, one rank a node.
+func TunePolicyDirectWithoutNVSwitch(agreedCap uint64, collType int, nBytes uint64, table []float32, numAlgo, numProto int) (TunerDecision, int) {
+	return tunePolicy(2, true, true, agreedCap, collType, nBytes, table, numAlgo, numProto)
+}
+
+func tunePolicy(nRanks int, on, directWithoutNVSwitch bool, agreedCap uint64, collType int, nBytes uint64, table []float32, numAlgo, numProto int) (TunerDecision, int) {
 	t := C.rg_tuner{nranks: C.size_t(nRanks), agreed_cap: C.uint64_t(agreedCap)}
 	if on {
 		t.group_on = 1
+	}
+	if directWithoutNVSwitch {
+		t.direct_without_nvswitch = 1
 	}
 	ct := (*C.float)(C.malloc(C.size_t(len(table) * 4)))
 	defer C.free(unsafe.Pointer(ct))

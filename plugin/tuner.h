@@ -11,7 +11,10 @@ typedef struct rg_tuner {
   size_t nranks, nnodes;
   int group_on;
   uint64_t agreed_cap; /* per-rank shard cap both ranks agreed */
-  int warned_not_offered;
+  /* Both ranks allow CollNet Direct where NCCL dropped it, and every node holds one rank,
+   * so Direct has no intra-node peers that would need an NVSwitch. */
+  int direct_without_nvswitch;
+  int warned_not_offered, warned_unoffered_used;
 } rg_tuner;
 
 enum {
@@ -19,6 +22,7 @@ enum {
   RG_TUNE_ONESHOT = 1,          /* steered to CollNet Direct / Simple, one channel */
   RG_TUNE_NCCL = 2,             /* left to NCCL's own algorithms */
   RG_TUNE_NCCL_NOT_OFFERED = 3, /* within the cap, but NCCL marked CollNet Direct ignored */
+  RG_TUNE_ONESHOT_UNOFFERED = 4, /* steered like RG_TUNE_ONESHOT onto the entry NCCL marked ignored */
 };
 
 int rg_tuner_policy(const rg_tuner* t, int collType, size_t nBytes, float** table, int numAlgo, int numProto,

@@ -67,6 +67,30 @@ func TestTunerNeverSchedulesOntoAnEntryNCCLIgnored(t *testing.T) {
 	require.Equal(t, float32(ignore), table[algoCollNetDirect*3+protoSimple])
 }
 
+// With ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1 on both ranks the dropped entry is used within
+// the cap only; above it CollNet stays off as everywhere else.
+func TestTunerUsesTheDroppedDirectEntryOnlyWhenAllowed(t *testing.T) {
+	table := offered()
+	for p := 0; p < 3; p++ {
+		table[algoCollNetDirect*3+p] = ignore
+	}
+	d, nch := TunePolicyDirectWithoutNVSwitch(524288, allGather, 2*524288, table, 7, 3)
+	require.Equal(t, TuneOneShotUnoffered, d)
+	require.Equal(t, 1, nch)
+	require.Equal(t, float32(0), table[algoCollNetDirect*3+protoSimple])
+	require.Equal(t, float32(ignore), table[algoCollNetDirect*3+0], "other protocols stay dropped")
+
+	table = offered()
+	table[algoCollNetDirect*3+protoSimple] = ignore
+	d, _ = TunePolicyDirectWithoutNVSwitch(524288, allGather, 2*524288+2, table, 7, 3)
+	require.Equal(t, TuneNCCL, d)
+	require.Equal(t, float32(ignore), table[algoCollNetDirect*3+protoSimple])
+
+	table = offered()
+	d, _ = TunePolicyDirectWithoutNVSwitch(524288, allGather, 4096, table, 7, 3)
+	require.Equal(t, TuneOneShot, d, "an offered entry is an ordinary one-shot decision")
+}
+
 func TestTunerLeavesEverythingElseAlone(t *testing.T) {
 	for _, tc := range []struct {
 		name         string

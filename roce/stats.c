@@ -25,6 +25,7 @@ void rg_stats_read(rg_stats_snapshot* out) {
   out->tuner_nccl = atomic_load(&g->tuner_nccl);
   out->tuner_nccl_bytes = atomic_load(&g->tuner_nccl_bytes);
   out->tuner_nccl_ignored = atomic_load(&g->tuner_nccl_ignored);
+  out->tuner_oneshot_unoffered = atomic_load(&g->tuner_oneshot_unoffered);
   out->gathers = atomic_load(&g->gathers);
   out->gather_bytes = atomic_load(&g->gather_bytes);
   out->gathers_rendezvous = atomic_load(&g->gathers_rendezvous);

@@ -14,6 +14,7 @@ typedef struct rg_stats {
   atomic_uint_fast64_t tuner_oneshot, tuner_oneshot_bytes;
   atomic_uint_fast64_t tuner_nccl, tuner_nccl_bytes;
   atomic_uint_fast64_t tuner_nccl_ignored; /* within the cap, but NCCL offered no CollNet Direct */
+  atomic_uint_fast64_t tuner_oneshot_unoffered; /* one-shot onto that entry (ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH) */
   /* One-shot gather calls (iallgather), as executed, graph replays included. */
   atomic_uint_fast64_t gathers, gather_bytes, gathers_rendezvous, gathers_eager, gather_errors;
   atomic_uint_fast64_t gathers_kernel; /* eager calls the gather kernel placed */
@@ -25,6 +26,7 @@ extern rg_stats rg_global_stats;
 /* The counters as plain numbers, for readers that cannot see atomics (cgo). */
 typedef struct rg_stats_snapshot {
   uint64_t tuner_oneshot, tuner_oneshot_bytes, tuner_nccl, tuner_nccl_bytes, tuner_nccl_ignored;
+  uint64_t tuner_oneshot_unoffered;
   uint64_t gathers, gather_bytes, gathers_rendezvous, gathers_eager, gather_errors, gathers_kernel;
   uint64_t gather_lat[RG_LAT_BUCKETS];
 } rg_stats_snapshot;

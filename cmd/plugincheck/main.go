@@ -138,13 +138,15 @@ type scenario struct {
 	name       string
 	suite      string
 	env0, env1 []string
-	expect     string // what the gather suite must see: "cap:N" or "off"
+	expect     string // what the gather suite must see: "cap:N", "off" or "dropped"
 	// tcpDefault runs without ROCE_GATHER_MAX_BYTES: the tcp fabric then keeps the one-shot
 	// path off. Every other gather scenario sets the cap, which turns it on over tcp.
 	tcpDefault bool
 }
 
 func scenarios(which string) []scenario {
+	noNVSwitch := []string{"RG_SELFTEST_NO_NVSWITCH=1"}
+	directAnyway := []string{"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1", "RG_SELFTEST_NO_NVSWITCH=1"}
 	all := []scenario{
 		{name: "p2p", suite: "p2p"},
 		{name: "gather, tcp fabric defaults (one-shot path off)", suite: "gather", expect: "off", tcpDefault: true},
@@ -155,6 +157,12 @@ func scenarios(which string) []scenario {
 			env1: []string{"ROCE_GATHER_ENABLE=0"}, expect: "off"},
 		{name: "gather, eager mode", suite: "gather", env0: []string{"ROCE_GATHER_MODE=eager"}, env1: []string{"ROCE_GATHER_MODE=eager"}, expect: "cap:524288"},
 		{name: "gather, rendezvous mode", suite: "gather", env0: []string{"ROCE_GATHER_MODE=rendezvous"}, env1: []string{"ROCE_GATHER_MODE=rendezvous"}, expect: "cap:524288"},
+		// NCCL >= 2.24 drops CollNet Direct without an NVSwitch; the driver's table does the same.
+		{name: "gather, no NVSwitch", suite: "gather", env0: noNVSwitch, env1: noNVSwitch, expect: "dropped"},
+		{name: "gather, no NVSwitch, ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1 on both ranks", suite: "gather",
+			env0: directAnyway, env1: directAnyway, expect: "cap:524288"},
+		{name: "gather, no NVSwitch, ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1 on rank 1 only", suite: "gather",
+			env0: noNVSwitch, env1: directAnyway, expect: "dropped"},
 	}
 	if which == "all" {
 		return all

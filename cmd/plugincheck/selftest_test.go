@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"fmt"
 	"os"
 	"os/exec"
 	"regexp"
@@ -54,6 +55,16 @@ func TestSelftestGather(t *testing.T) {
 	// One rank disabled: both ranks hand every gather to NCCL.
 	require.Regexp(t, `(?s)ENABLE=0 on rank 1 only.*rank 0  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p`, out)
 	require.Regexp(t, `(?s)ENABLE=0 on rank 1 only.*rank 1  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p`, out)
+	// NCCL dropped CollNet Direct (no NVSwitch): NCCL for every gather, unless both ranks
+	// set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1.
+	noNVS := `(?s)== gather, no NVSwitch \(.*rank %d  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p.*on both ranks`
+	both := `(?s)on both ranks \(.*rank %d  gather paths: 51 gathers by the one-shot path, 3 by NCCL's p2p.*on rank 1 only`
+	one := `(?s)on rank 1 only \(.*rank %d  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p`
+	for r := 0; r < 2; r++ {
+		require.Regexp(t, fmt.Sprintf(noNVS, r), out)
+		require.Regexp(t, fmt.Sprintf(both, r), out)
+		require.Regexp(t, fmt.Sprintf(one, r), out)
+	}
 }
 
 // What a user runs on two hosts, here as two plugincheck processes on loopback: one

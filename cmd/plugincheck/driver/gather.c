@@ -105,14 +105,17 @@ static int via_p2p(conn_pair* cp, uint8_t* result, const uint8_t* shard, size_t 
 }
 
 /* NCCL's cost table as it looks to the tuner: its own algorithms offered, CollNet offered
- * only when the group connected. The tuner edits it; NCCL takes the cheapest entry. */
-static int choose_path(void* tctx, const ncclTuner_v6_t* T, size_t total, int* nch) {
+ * only when the group connected, and CollNet Direct dropped when no_nvswitch says the
+ * topology has no NVSwitch (NCCL >= 2.24). The tuner edits it; NCCL takes the cheapest entry. */
+static int choose_path(void* tctx, const ncclTuner_v6_t* T, size_t total, int no_nvswitch, int* nch) {
   float table[7 * 3];
   for (int a = 0; a < 7; a++)
     for (int p = 0; p < 3; p++) {
       int collnet = a == NCCL_ALGO_COLLNET_DIRECT || a == NCCL_ALGO_COLLNET_CHAIN;
       int nvls = a == NCCL_ALGO_NVLS || a == NCCL_ALGO_NVLS_TREE;
-      table[a * 3 + p] = nvls || (collnet && coll == NULL) ? NCCL_ALGO_PROTO_IGNORE : 100.0f + (float)(a * 3 + p);
+      int dropped = a == NCCL_ALGO_COLLNET_DIRECT && no_nvswitch;
+      table[a * 3 + p] =
+          nvls || dropped || (collnet && coll == NULL) ? NCCL_ALGO_PROTO_IGNORE : 100.0f + (float)(a * 3 + p);
     }
   *nch = 0;
   float* tp = table;
@@ -164,12 +167,15 @@ int suite_gather(void) {
     return 1;
   }
 
-  /* plugincheck says what this scenario must produce: "cap:N" (on, agreed cap N) or "off". */
+  /* plugincheck says what this scenario must produce: "cap:N" (on, agreed cap N), "off", or
+   * "dropped" (on, but CollNet Direct dropped: every gather goes to NCCL). */
   const char* expect = getenv("RG_SELFTEST_EXPECT");
+  const char* nvs = getenv("RG_SELFTEST_NO_NVSWITCH");
+  int no_nvswitch = nvs != NULL && strcmp(nvs, "1") == 0;
   long long expect_cap = -1;
   if (expect != NULL && strncmp(expect, "cap:", 4) == 0) expect_cap = atoll(expect + 4);
   if (expect != NULL) {
-    int want_on = expect_cap > 0;
+    int want_on = expect_cap > 0 || strcmp(expect, "dropped") == 0;
     case_result("gather/expected-outcome", on == want_on, "expected the path %s, it is %s", want_on ? "on" : "off",
                 on ? "on" : "off");
   }
@@ -185,7 +191,7 @@ int suite_gather(void) {
       char name[64];
       snprintf(name, sizeof(name), "gather/%zuB/seed%d", S, seed);
       int nch = 0;
-      int path = choose_path(tctx, T, 2 * S, &nch);
+      int path = choose_path(tctx, T, 2 * S, no_nvswitch, &nch);
       uint8_t mine = (uint8_t)path, peers = 0xff;
       exchange(name, &mine, &peers, 1);
       if (path < 0 || peers != mine) {
