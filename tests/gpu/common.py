@@ -105,7 +105,7 @@ def stats_brief(stats):
         return None
     t, o = stats["tuner"], stats["oneshot"]
     return {"tuner_oneshot": t["oneshot_gathers"], "tuner_nccl": t["nccl_gathers"],
-            "not_offered": t["nccl_not_offered"], "calls": o["calls"], "eager": o["eager"],
+            "not_offered": t["nccl_not_offered"], "unoffered": t.get("oneshot_unoffered", 0), "calls": o["calls"], "eager": o["eager"],
             "by_kernel": o.get("eager_by_kernel", 0), "rendezvous": o["rendezvous"], "errors": o["errors"], "p50_us": o["p50_us"],
             "p99_us": o["p99_us"], "max_us": o["max_us"]}
 

@@ -63,7 +63,7 @@ step jax 120
 step latency 240
 step plot 30
 step abort 200
-step topology 90
+step topology 150
 
 timeout -k 5 40 python3 "$HERE/report.py" --work "$WORK" --out "$OUTDIR" --steps "$STEPS" --start "$START"
 rc=$?

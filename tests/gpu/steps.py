@@ -452,7 +452,8 @@ def topo_info(rec):
     if rec is None:
         return {"values": "not run"}
     b = [common.stats_brief(x) for x in rec["stats"]]
-    offered = "?" if b[0] is None else "no" if b[0]["not_offered"] else "yes" if b[0]["tuner_oneshot"] else "?"
+    offered = ("?" if b[0] is None else "no" if b[0]["not_offered"] or b[0]["unoffered"]
+               else "yes" if b[0]["tuner_oneshot"] else "?")
     return {"values": "FAILED" if rec["failures"] else "correct",
             "cases": rec["results"][0]["cases"] if rec["results"][0] else 0,
             "nvswitch": "yes" if evidence(rec["logs"][:1], NVS_RX, 0)[1] else "no",
@@ -462,7 +463,7 @@ def topo_info(rec):
 
 def topo_row(case, i):
     t = i.get("stats", [None])[0]
-    tuner = "/".join(str(t[k]) for k in ("tuner_oneshot", "tuner_nccl", "not_offered")) if t else "-"
+    tuner = "/".join(str(t[k]) for k in ("tuner_oneshot", "unoffered", "tuner_nccl", "not_offered")) if t else "-"
     return [case, i["values"], i.get("cases", "-"), i.get("nvswitch", "-"), i.get("collnet_setup_lines", "-"),
             i.get("collnet_direct_offered", "-"), tuner, " / ".join(str(x) for x in i.get("oneshot_gathers", ["-"]))]
 
@@ -485,6 +486,9 @@ def topology_files(s, dumps):
     return files
 
 
+DIRECT_ENV = {"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": "1"}
+
+
 def step_topology(s):
     dumps = [os.path.join(s.work, "raw", f"topology.rank{r}.xml") for r in (0, 1)]
     for f in dumps:
@@ -501,7 +505,16 @@ def step_topology(s):
                                                   for r in (0, 1)])}
     files = topology_files(s, dumps) if all(os.path.exists(f) for f in dumps) else None
     if files:
-        recs["nvlink-free"] = run("nvlink-free", rank_extra=[{"NCCL_TOPO_FILE": f} for f in files["nvlink-free"]])
+        nvlink_free = [{"NCCL_TOPO_FILE": f} for f in files["nvlink-free"]]
+        recs["nvlink-free"] = run("nvlink-free", rank_extra=nvlink_free)
+        # The same topology with both ranks asking for the Direct entry NCCL dropped: the
+        # small cases, then the full matrix staged and GPUDirect (kernel, registered buffers),
+        # each judged by its ledger against ROCE_GATHER_STATS as well as by its values.
+        recs["nvlink-free-direct"] = run("nvlink-free-direct", extra=DIRECT_ENV, rank_extra=nvlink_free)
+        for case, config, params in (("nvlink-free-direct-matrix", "oneshot", {}),
+                                     ("nvlink-free-direct-gdr", "oneshot-gdr", {"graph": True})):
+            recs[case] = s.pair(f"topology.{case}", config, "torch_cases.py", "matrix", 60, params,
+                                dict(TOPO_ENV, **DIRECT_ENV), rank_env_extra=nvlink_free)
     else:
         s.fail("NCCL wrote no topology dump (NCCL_TOPO_DUMP_FILE): the nvlink-free run cannot start")
     # Both ranks on GPU 0, still two "hosts" (NCCL's duplicate-GPU check compares host hashes too).
@@ -523,7 +536,7 @@ def step_topology(s):
                         "the CPU reference whatever the path. NVSwitch: NCCL's topology print (rank 0) has an NVS node; "
                         "from NCCL 2.24 CollNet Direct needs one. Offered and tuner counts: ROCE_GATHER_STATS of rank 0.\n\n"
                      + md_table(["case", "values", "cases", "NVSwitch", "CollNet set-up lines", "CollNet Direct offered",
-                                 "tuner oneshot/nccl/not offered", "one-shot gathers (rank 0 / 1)"],
+                                 "tuner oneshot/onto dropped Direct/nccl/not offered", "one-shot gathers (rank 0 / 1)"],
                                 [topo_row(c, i) for c, i in info.items()]))
     if recs.get("nvlink-free"):
         lines, n = evidence(recs["nvlink-free"]["logs"][:1], COLLNET_RX + "|NVS/", 16)
@@ -531,9 +544,11 @@ def step_topology(s):
                          + "\n".join(lines) + "\n```")
     runs_table(s, recs.values())
     nf, og = info.get("nvlink-free", {"values": "not run"}), info["one-gpu"]
+    nfd = info.get("nvlink-free-direct", {"values": "not run"})
     first = lambda i: (i.get("oneshot_gathers") or ["-"])[0]
     s.d["headline"] = (f"nvlink-free topology: CollNet Direct offered: {nf.get('collnet_direct_offered', '-')}; "
-                       f"one-shot gathers: {first(nf)}; values {nf['values']}. One GPU: "
+                       f"one-shot gathers: {first(nf)}; values {nf['values']}; with ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1: "
+                       f"one-shot gathers {first(nfd)}, values {nfd['values']}. One GPU: "
                        + (og["values"] if og["values"] in ("not possible", "not run")
                           else f"one-shot gathers {first(og)}; values {og['values']}"))
 
