@@ -316,7 +316,8 @@ def abort_verdict(t):
 
 
 # ncclCommAbort from C in every config, then PyTorch's abort: NCCL's own transport first, as the control.
-ABORT_RUNS = [("abort-nccl", c) for c in ("nccl-socket", "ring-over-plugin", "oneshot")] + \
+# oneshot-gdr: gather kernels are queued or waiting when the peer dies (the host's cancel path).
+ABORT_RUNS = [("abort-nccl", c) for c in ("nccl-socket", "ring-over-plugin", "oneshot", "oneshot-gdr")] + \
              [("abort", c) for c in ("nccl-socket", "oneshot")]
 
 
