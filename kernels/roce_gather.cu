@@ -27,26 +27,47 @@ __device__ static u64 globaltimer_ns() {
   return t;
 }
 
+// Stores 16 bytes at d, whose address is align bytes past a 16-byte boundary, with the
+// widest stores that alignment allows (align is the same for every thread of a copy).
+__device__ static void store16(unsigned char* d, uint4 v, unsigned int align) {
+  if (align == 0) {
+    *(uint4*)d = v;
+  } else if ((align & 7) == 0) {
+    ((u64*)d)[0] = ((u64)v.y << 32) | v.x;
+    ((u64*)d)[1] = ((u64)v.w << 32) | v.z;
+  } else if ((align & 3) == 0) {
+    unsigned int* p = (unsigned int*)d;
+    p[0] = v.x, p[1] = v.y, p[2] = v.z, p[3] = v.w;
+  } else {
+    unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 16; k++) d[k] = (unsigned char)(w[k >> 2] >> (8 * (k & 3)));
+  }
+}
+
 // Copies n bytes with one block. The source may be host memory the peer just wrote, so
 // every load bypasses the caches (ld.global.cv) rather than trust a line read earlier.
+// Loads stay 16 bytes wide whatever the destination's alignment: narrow loads across PCIe
+// cost far more than narrow stores into device memory.
 __device__ static void block_copy(unsigned char* dst, const unsigned char* src, u64 n) {
-  u64 i = 0;
-  if ((((u64)dst | (u64)src) & 15) == 0) {
-    const uint4* s = (const uint4*)src;
-    uint4* d = (uint4*)dst;
-    u64 words = n / 16, stride = (u64)blockDim.x * RG_PLACE_UNROLL;
-    u64 w = threadIdx.x;
-    for (; w + (RG_PLACE_UNROLL - 1) * blockDim.x < words; w += stride) {
-      uint4 v[RG_PLACE_UNROLL];
+  const volatile unsigned char* vsrc = (const volatile unsigned char*)src;
+  u64 head = (16 - ((u64)src & 15)) & 15;
+  if (head > n) head = n;
+  for (u64 b = threadIdx.x; b < head; b += blockDim.x) dst[b] = vsrc[b];
+  const uint4* s = (const uint4*)(src + head);
+  unsigned char* d = dst + head;
+  unsigned int align = (unsigned int)((u64)d & 15);
+  u64 words = (n - head) / 16, stride = (u64)blockDim.x * RG_PLACE_UNROLL;
+  u64 w = threadIdx.x;
+  for (; w + (RG_PLACE_UNROLL - 1) * blockDim.x < words; w += stride) {
+    uint4 v[RG_PLACE_UNROLL];
 #pragma unroll
-      for (int k = 0; k < RG_PLACE_UNROLL; k++) v[k] = __ldcv(s + w + (u64)k * blockDim.x);
+    for (int k = 0; k < RG_PLACE_UNROLL; k++) v[k] = __ldcv(s + w + (u64)k * blockDim.x);
 #pragma unroll
-      for (int k = 0; k < RG_PLACE_UNROLL; k++) d[w + (u64)k * blockDim.x] = v[k];
-    }
-    for (; w < words; w += blockDim.x) d[w] = __ldcv(s + w);
-    i = words * 16;
+    for (int k = 0; k < RG_PLACE_UNROLL; k++) store16(d + (w + (u64)k * blockDim.x) * 16, v[k], align);
   }
-  for (u64 b = i + threadIdx.x; b < n; b += blockDim.x) dst[b] = ((const volatile unsigned char*)src)[b];
+  for (; w < words; w += blockDim.x) store16(d + w * 16, __ldcv(s + w), align);
+  for (u64 b = head + words * 16 + threadIdx.x; b < n; b += blockDim.x) dst[b] = vsrc[b];
 }
 
 extern "C" __global__ void roce_gather_place(const volatile u64* arrival, int lanes, u64 seq,

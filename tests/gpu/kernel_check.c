@@ -75,6 +75,7 @@ typedef struct gcase {
   int cancel_after_ms;
   uint64_t timeout_ms;
   uint32_t want;
+  uint64_t src_off; /* offset of both sources (landing slot, send buffer), to test unaligned sources */
 } gcase;
 
 static void run_case(const rg_place_kernel* k, CUstream s, region* rg, buffers* b, const gcase* c, int rank,
@@ -86,9 +87,10 @@ static void run_case(const rg_place_kernel* k, CUstream s, region* rg, buffers* 
   memset(b->host, FILL, total + c->row_off + 64);
   CHECK(cu->cuMemcpyHtoD(b->recv, b->host, total + c->row_off + 64));
   pattern(own, c->own_len, 11 + (uint32_t)rank);
-  if (c->own_len) CHECK(cu->cuMemcpyHtoD(b->send, own, c->own_len));
+  if (c->own_len) CHECK(cu->cuMemcpyHtoD(b->send + c->src_off, own, c->own_len));
+  uint8_t* landing = rg->landing + c->src_off;
   /* While the kernel waits, the landing slot still holds the previous round's bytes. */
-  pattern(rg->landing, c->peer_len, c->arrive == 2 ? 97u : 29 + (uint32_t)rank);
+  pattern(landing, c->peer_len, c->arrive == 2 ? 97u : 29 + (uint32_t)rank);
   for (int l = 0; l < 4; l++) rg->arrival[l] = c->arrive == 4 ? seq - 16 : 0; /* one round ago, or never */
   if (c->arrive == 1 || c->arrive == 5 || c->arrive == 6)
     for (int l = 0; l < c->lanes; l++) rg->arrival[l] = seq;
@@ -98,9 +100,9 @@ static void run_case(const rg_place_kernel* k, CUstream s, region* rg, buffers* 
   rg->status[RG_PLACE_GO] = c->arrive == 1 || c->arrive == 3 || c->arrive == 6;
   /* Rank 0's own row comes first, rank 1's second, as in a two-rank window. */
   uint64_t own_off = rank == 0 ? 0 : c->peer_len, peer_off = rank == 0 ? c->own_len : 0;
-  rg_place_args a = {.arrival = rg->arrival, .lanes = c->lanes, .seq = seq, .landing = rg->landing,
+  rg_place_args a = {.arrival = rg->arrival, .lanes = c->lanes, .seq = seq, .landing = landing,
                      .peer_row = (void*)(uintptr_t)(b->recv + c->row_off + peer_off), .peer_len = c->peer_len,
-                     .own_src = (void*)(uintptr_t)b->send, .own_row = (void*)(uintptr_t)(b->recv + c->row_off + own_off),
+                     .own_src = (void*)(uintptr_t)(b->send + c->src_off), .own_row = (void*)(uintptr_t)(b->recv + c->row_off + own_off),
                      .own_len = c->own_len, .status = rg->status, .timeout_ns = c->timeout_ms * 1000000ull};
   double t0 = now_s();
   CHECK(rg_place_launch(k, s, &a));
@@ -111,7 +113,7 @@ static void run_case(const rg_place_kernel* k, CUstream s, region* rg, buffers* 
       failures++;
     }
     /* As the fabric would: the data, then the arrival words, then the host's go. */
-    pattern(rg->landing, c->peer_len, 29 + (uint32_t)rank);
+    pattern(landing, c->peer_len, 29 + (uint32_t)rank);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     for (int l = 0; l < c->lanes; l++) rg->arrival[l] = seq;
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -126,7 +128,7 @@ static void run_case(const rg_place_kernel* k, CUstream s, region* rg, buffers* 
   memset(want, FILL, total + c->row_off + 64);
   if (c->want == RG_PLACE_DONE) {
     memcpy(want + c->row_off + own_off, own, c->own_len);
-    memcpy(want + c->row_off + peer_off, rg->landing, c->peer_len);
+    memcpy(want + c->row_off + peer_off, landing, c->peer_len);
   }
   CHECK(cu->cuMemcpyDtoH(b->host, b->recv, total + c->row_off + 64));
   int bytes_ok = memcmp(want, b->host, total + c->row_off + 64) == 0;
@@ -225,21 +227,28 @@ int main(int argc, char** argv) {
   CHECK(cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
 
   const gcase cases[] = {
-      {"arrived-16B", 16, 16, 0, 1, 1, 0, 1000, RG_PLACE_DONE},
-      {"arrived-100B", 100, 100, 0, 1, 1, 0, 1000, RG_PLACE_DONE},
-      {"arrived-4KiB", 4096, 4096, 0, 1, 1, 0, 1000, RG_PLACE_DONE},
-      {"arrived-512KiB+16", 524304, 524304, 0, 1, 1, 0, 1000, RG_PLACE_DONE},
-      {"arrived-odd-3B", 3, 1, 0, 1, 1, 0, 1000, RG_PLACE_DONE},
-      {"arrived-4097B-offset-5", 4097, 4097, 5, 1, 1, 0, 1000, RG_PLACE_DONE},
-      {"arrived-empty-own", 64, 0, 0, 1, 1, 0, 1000, RG_PLACE_DONE},
-      {"arrived-4-lanes", 65536, 65536, 0, 4, 1, 0, 1000, RG_PLACE_DONE},
-      {"arrives-while-waiting", 65536, 65536, 0, 2, 2, 0, 5000, RG_PLACE_DONE},
-      {"never-arrives", 4096, 4096, 0, 1, 0, 0, 50, RG_PLACE_TIMED_OUT},
-      {"one-lane-of-two", 4096, 4096, 0, 2, 3, 0, 50, RG_PLACE_TIMED_OUT},
-      {"stale-seq", 4096, 4096, 0, 1, 4, 0, 50, RG_PLACE_TIMED_OUT},
-      {"arrival-without-go", 4096, 4096, 0, 2, 5, 0, 50, RG_PLACE_TIMED_OUT},
-      {"cancelled", 4096, 4096, 0, 1, 0, 30, 10000, RG_PLACE_CANCELLED},
-      {"cancel-wins-over-arrival", 4096, 4096, 0, 1, 6, 0, 1000, RG_PLACE_CANCELLED},
+      {"arrived-16B", 16, 16, 0, 1, 1, 0, 1000, RG_PLACE_DONE, 0},
+      {"arrived-100B", 100, 100, 0, 1, 1, 0, 1000, RG_PLACE_DONE, 0},
+      {"arrived-4KiB", 4096, 4096, 0, 1, 1, 0, 1000, RG_PLACE_DONE, 0},
+      {"arrived-512KiB+16", 524304, 524304, 0, 1, 1, 0, 1000, RG_PLACE_DONE, 0},
+      {"arrived-odd-3B", 3, 1, 0, 1, 1, 0, 1000, RG_PLACE_DONE, 0},
+      {"arrived-4097B-offset-5", 4097, 4097, 5, 1, 1, 0, 1000, RG_PLACE_DONE, 0},
+      {"arrived-empty-own", 64, 0, 0, 1, 1, 0, 1000, RG_PLACE_DONE, 0},
+      {"arrived-4-lanes", 65536, 65536, 0, 4, 1, 0, 1000, RG_PLACE_DONE, 0},
+      {"arrives-while-waiting", 65536, 65536, 0, 2, 2, 0, 5000, RG_PLACE_DONE, 0},
+      {"never-arrives", 4096, 4096, 0, 1, 0, 0, 50, RG_PLACE_TIMED_OUT, 0},
+      {"one-lane-of-two", 4096, 4096, 0, 2, 3, 0, 50, RG_PLACE_TIMED_OUT, 0},
+      {"stale-seq", 4096, 4096, 0, 1, 4, 0, 50, RG_PLACE_TIMED_OUT, 0},
+      {"arrival-without-go", 4096, 4096, 0, 2, 5, 0, 50, RG_PLACE_TIMED_OUT, 0},
+      {"cancelled", 4096, 4096, 0, 1, 0, 30, 10000, RG_PLACE_CANCELLED, 0},
+      {"cancel-wins-over-arrival", 4096, 4096, 0, 1, 6, 0, 1000, RG_PLACE_CANCELLED, 0},
+      /* Rows and sources off 16-byte alignment: each store width, and sources the copy must
+       * first bring to alignment (windows can start inside a shard at any byte). */
+      {"rows-offset-4", 4096, 4096, 4, 1, 1, 0, 1000, RG_PLACE_DONE, 0},
+      {"rows-offset-8", 4104, 4096, 8, 1, 1, 0, 1000, RG_PLACE_DONE, 0},
+      {"sources-offset-3", 4096, 4096, 0, 1, 1, 0, 1000, RG_PLACE_DONE, 3},
+      {"sources-3-rows-5-odd", 65537, 65531, 5, 1, 1, 0, 1000, RG_PLACE_DONE, 3},
+      {"sources-and-rows-offset-7", 70000, 70000, 7, 2, 2, 0, 5000, RG_PLACE_DONE, 7},
   };
   const int ncases = (int)(sizeof(cases) / sizeof(cases[0]));
   uint64_t first_digest = 0;
@@ -264,8 +273,9 @@ int main(int argc, char** argv) {
       printf("FAIL %s places different bytes from %s\n", image, argv[1]);
       failures++;
     }
-    time_placement(&k, s, &rg, &b, 4096, image);
-    time_placement(&k, s, &rg, &b, 65536, image);
+    /* Odd sizes put the peer's row off 16-byte alignment: the kernel's byte-copy path. */
+    const uint64_t timed[] = {4096, 4097, 65536, 65537};
+    for (size_t t = 0; t < sizeof(timed) / sizeof(timed[0]); t++) time_placement(&k, s, &rg, &b, timed[t], image);
     rg_place_unload(&k);
     free(bytes);
   }
