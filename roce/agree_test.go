@@ -152,7 +152,8 @@ func TestDirectWithoutNVSwitchNeedsBothRanks(t *testing.T) {
 	require.True(t, o0.On, "the group stays on; only the override is dropped")
 	require.False(t, o0.DirectWithoutNVSwitch)
 	require.False(t, o1.DirectWithoutNVSwitch)
-	require.Equal(t, "only rank 0 set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1; neither rank uses it", o0.Note)
+	require.Equal(t, "only rank 0 of the collNet group set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, rank 1 did not: "+
+		"CollNet Direct without NVSwitch stays off on both (set it on both ranks or neither)", o0.Note)
 	require.Equal(t, o0.Note, o1.Note)
 
 	o0, _ = both(offer(4096), offer(4096))

@@ -70,7 +70,7 @@ func TestAPeerOnAnotherProtocolVersionIsToldWhy(t *testing.T) {
 	require.NoError(t, writeHello(c, hello{version: ProtocolVersion + 1, purpose: purposeP2P, lanes: 1, token: ph.token}))
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	_, _, err = readStatus(c, magicWelcome, "welcome")
-	require.EqualError(t, err, "peer refused: 127.0.0.1:"+port(c.LocalAddr())+" speaks roce_gather protocol version 3, this library speaks version 2")
+	require.EqualError(t, err, "peer refused: 127.0.0.1:"+port(c.LocalAddr())+" speaks roce_gather protocol version 4, this library speaks version 3")
 }
 
 func port(a net.Addr) string { return strconv.Itoa(a.(*net.TCPAddr).Port) }

@@ -289,7 +289,8 @@ func Agree(handles [][]byte, rank int) Outcome {
 		if offers[1].DirectWithoutNVSwitch {
 			asked = 1
 		}
-		out.Note = fmt.Sprintf("only rank %d set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1; neither rank uses it", asked)
+		out.Note = fmt.Sprintf("only rank %d of the collNet group set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, rank %d did not: "+
+			"CollNet Direct without NVSwitch stays off on both (set it on both ranks or neither)", asked, 1-asked)
 	}
 	out.On = true
 	return out
