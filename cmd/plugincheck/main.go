@@ -147,6 +147,7 @@ type scenario struct {
 func scenarios(which string) []scenario {
 	noNVSwitch := []string{"RG_SELFTEST_NO_NVSWITCH=1"}
 	directAnyway := []string{"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1", "RG_SELFTEST_NO_NVSWITCH=1"}
+	directOnOneNode := append([]string{"RG_SELFTEST_NNODES=1"}, directAnyway...)
 	all := []scenario{
 		{name: "p2p", suite: "p2p"},
 		{name: "gather, tcp fabric defaults (one-shot path off)", suite: "gather", expect: "off", tcpDefault: true},
@@ -163,6 +164,9 @@ func scenarios(which string) []scenario {
 			env0: directAnyway, env1: directAnyway, expect: "cap:524288"},
 		{name: "gather, no NVSwitch, ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1 on rank 1 only", suite: "gather",
 			env0: noNVSwitch, env1: directAnyway, expect: "dropped"},
+		// Two ranks of one node: Direct would fan out inside the node, so the flag is not used.
+		{name: "gather, no NVSwitch, ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, two ranks on one node", suite: "gather",
+			env0: directOnOneNode, env1: directOnOneNode, expect: "dropped"},
 	}
 	if which == "all" {
 		return all

@@ -59,11 +59,13 @@ func TestSelftestGather(t *testing.T) {
 	// set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1.
 	noNVS := `(?s)== gather, no NVSwitch \(.*rank %d  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p.*on both ranks`
 	both := `(?s)on both ranks \(.*rank %d  gather paths: 51 gathers by the one-shot path, 3 by NCCL's p2p.*on rank 1 only`
-	one := `(?s)on rank 1 only \(.*rank %d  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p`
+	one := `(?s)on rank 1 only \(.*rank %d  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p.*two ranks on one node`
+	oneNode := `(?s)two ranks on one node \(.*rank %d  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p`
 	for r := 0; r < 2; r++ {
 		require.Regexp(t, fmt.Sprintf(noNVS, r), out)
 		require.Regexp(t, fmt.Sprintf(both, r), out)
 		require.Regexp(t, fmt.Sprintf(one, r), out)
+		require.Regexp(t, fmt.Sprintf(oneNode, r), out)
 	}
 }
 
