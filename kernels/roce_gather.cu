@@ -38,6 +38,10 @@ __device__ static void store16(unsigned char* d, uint4 v, unsigned int align) {
   } else if ((align & 3) == 0) {
     unsigned int* p = (unsigned int*)d;
     p[0] = v.x, p[1] = v.y, p[2] = v.z, p[3] = v.w;
+  } else if ((align & 1) == 0) {
+    unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 8; k++) ((unsigned short*)d)[k] = (unsigned short)(w[k >> 1] >> (16 * (k & 1)));
   } else {
     unsigned int w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll

@@ -249,6 +249,9 @@ int main(int argc, char** argv) {
       {"sources-offset-3", 4096, 4096, 0, 1, 1, 0, 1000, RG_PLACE_DONE, 3},
       {"sources-3-rows-5-odd", 65537, 65531, 5, 1, 1, 0, 1000, RG_PLACE_DONE, 3},
       {"sources-and-rows-offset-7", 70000, 70000, 7, 2, 2, 0, 5000, RG_PLACE_DONE, 7},
+      {"rows-offset-2", 4098, 4094, 2, 1, 1, 0, 1000, RG_PLACE_DONE, 0},
+      {"sources-offset-7-shorter-than-head", 5, 2, 3, 1, 1, 0, 1000, RG_PLACE_DONE, 7},
+      {"sources-offset-9-empty-own", 9, 0, 0, 1, 1, 0, 1000, RG_PLACE_DONE, 9},
   };
   const int ncases = (int)(sizeof(cases) / sizeof(cases[0]));
   uint64_t first_digest = 0;
@@ -273,7 +276,7 @@ int main(int argc, char** argv) {
       printf("FAIL %s places different bytes from %s\n", image, argv[1]);
       failures++;
     }
-    /* Odd sizes put the peer's row off 16-byte alignment: the kernel's byte-copy path. */
+    /* Odd sizes put the second row off 16-byte alignment, where the kernel narrows its stores. */
     const uint64_t timed[] = {4096, 4097, 65536, 65537};
     for (size_t t = 0; t < sizeof(timed) / sizeof(timed[0]); t++) time_placement(&k, s, &rg, &b, timed[t], image);
     rg_place_unload(&k);
