@@ -512,16 +512,26 @@ def step_topology(s):
         # small cases, then the full matrix staged and GPUDirect (kernel, registered buffers),
         # each judged by its ledger against ROCE_GATHER_STATS as well as by its values.
         recs["nvlink-free-direct"] = run("nvlink-free-direct", extra=DIRECT_ENV, rank_extra=nvlink_free)
-        for case, config, params in (("nvlink-free-direct-matrix", "oneshot", {}),
-                                     ("nvlink-free-direct-gdr", "oneshot-gdr", {"graph": True})):
-            recs[case] = s.pair(f"topology.{case}", config, "torch_cases.py", "matrix", 60, params,
-                                dict(TOPO_ENV, **DIRECT_ENV), rank_env_extra=nvlink_free)
     else:
         s.fail("NCCL wrote no topology dump (NCCL_TOPO_DUMP_FILE): the nvlink-free run cannot start")
     # Both ranks on GPU 0, still two "hosts" (NCCL's duplicate-GPU check compares host hashes too).
     recs["one-gpu"] = run("one-gpu", {"device": 0}, {"CUDA_VISIBLE_DEVICES": "0"}, judge=False)
     if files and s.deadline - time.time() > 30:  # evidence only: the first to go when time is short
         recs["nvlink-stripped"] = run("nvlink-stripped", rank_extra=[{"NCCL_TOPO_FILE": f} for f in files["nvlink-stripped"]])
+    if files:
+        # The full matrix, staged and GPUDirect, on the dropped Direct entry; last, as the longest.
+        for case, config, params in (("nvlink-free-direct-matrix", "oneshot", {}),
+                                     ("nvlink-free-direct-gdr", "oneshot-gdr", {"graph": True})):
+            recs[case] = s.pair(f"topology.{case}", config, "torch_cases.py", "matrix", 60, params,
+                                dict(TOPO_ENV, **DIRECT_ENV), rank_env_extra=nvlink_free)
+    # With the flag, every one-shot decision must have been made onto the dropped entry: a
+    # topology that still had an NVSwitch would pass the values and prove nothing.
+    for case in ("nvlink-free-direct", "nvlink-free-direct-matrix", "nvlink-free-direct-gdr"):
+        for r, st in enumerate((recs.get(case) or {}).get("stats") or []):
+            b = common.stats_brief(st)
+            if b is None or not (b["tuner_oneshot"] > 0 and b["unoffered"] == b["tuner_oneshot"]):
+                s.fail(f"topology.{case} rank {r}: one-shot decisions onto the dropped Direct entry "
+                       f"{b and b['unoffered']} of {b and b['tuner_oneshot']}; all of them, and more than 0, expected")
     info = {c: topo_info(rec) for c, rec in recs.items()}
     one = recs["one-gpu"]
     if one and one["failures"]:
