@@ -48,7 +48,7 @@ type Config struct {
 	StatsPath             string // "", a path (with %p for the pid, %h for the host) or "stderr"
 }
 
-// Defaults, as DESIGN.md's configuration table gives them.
+// Defaults, as README.md's configuration table gives them.
 const (
 	DefaultMaxBytes = 512 << 10
 	// MaxMaxBytes bounds the cap: the landing slots of eager mode are sized from it.
