@@ -120,6 +120,9 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
     check_stats=False leaves ROCE_GATHER_STATS unjudged, for steps that report the path
     the gathers took rather than require one.
     """
+    one_gpu = os.environ.get("ROCE_GATHER_GPU_ONE_DEVICE")
+    if one_gpu is not None and "device" not in (params or {}):
+        params = dict(params or {}, device=int(one_gpu))  # both ranks on that GPU
     logs = [os.path.join(work, "logs", f"{run}.rank{r}.log") for r in (0, 1)]
     results = [os.path.join(work, "raw", f"{run}.rank{r}.json") for r in (0, 1)]
     stats = [os.path.join(work, "raw", f"{run}.stats.rank{r}.json") for r in (0, 1)]
