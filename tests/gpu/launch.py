@@ -123,6 +123,9 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
     one_gpu = os.environ.get("ROCE_GATHER_GPU_ONE_DEVICE")
     if one_gpu is not None and "device" not in (params or {}):
         params = dict(params or {}, device=int(one_gpu))  # both ranks on that GPU
+    if os.environ.get("ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH") == "1" and uses_plugin(config):
+        # A step that sets the plugin's variable itself keeps its own value.
+        extra_env = dict({"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": "1"}, **(extra_env or {}))
     logs = [os.path.join(work, "logs", f"{run}.rank{r}.log") for r in (0, 1)]
     results = [os.path.join(work, "raw", f"{run}.rank{r}.json") for r in (0, 1)]
     stats = [os.path.join(work, "raw", f"{run}.stats.rank{r}.json") for r in (0, 1)]

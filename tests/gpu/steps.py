@@ -398,7 +398,8 @@ def step_capi(s):
 # ---- g. topology ------------------------------------------------------------------------
 
 # GRAPH: NCCL prints the topology it built, NVSwitch (NVS) nodes included.
-TOPO_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,TUNING,COLL,GRAPH"}
+TOPO_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,TUNING,COLL,GRAPH",
+            "ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": "0"}  # the plugin's default; DIRECT_ENV turns it on
 COLLNET_SETUP_RX = r"Connected CollNet|via COLLNET/"
 NVS_RX = r"- NVS/"  # a link to an NVSwitch in NCCL's topology print
 DUP_GPU_RX = r"Duplicate GPU detected"
