@@ -246,7 +246,7 @@ static int place_rows(rg_gather_comm* g, rg_gather_call* c) {
   if (!c->cuda) {
     if (c->mode == RG_MODE_EAGER && c->peer_len) memcpy(c->recv + c->peer_off, landing, c->peer_len);
     if (!own_in_place && c->my_len) memcpy(c->recv + c->my_off, c->send, c->my_len);
-    c->landed = c->own_placed = 1;
+    c->landed = 1;
     return 0;
   }
   const rg_cuda_api* cu = rg_cuda();
@@ -352,7 +352,7 @@ static ncclResult_t advance(rg_gather_comm* g, rg_gather_call* c) {
                                                      : "the gather kernel ended without a verdict");
       atomic_fetch_add_explicit(&rg_global_stats.gathers_kernel, 1, memory_order_relaxed);
     }
-    c->landed = c->own_placed = 1;
+    c->landed = 1;
   }
   return ncclSuccess;
 }
@@ -371,7 +371,7 @@ static ncclResult_t progress(rg_gather_comm* g) {
     if (c->req.kind != RG_REQ_GATHER || c->seq != s || c->req.done) continue;
     ncclResult_t r = advance(g, c);
     if (r != ncclSuccess) return r;
-    if (c->posted && c->writes_pending == 0 && c->landed && c->own_placed) {
+    if (c->posted && c->writes_pending == 0 && c->landed) {
       c->req.done = 1;
       c->finished = 1;
       uint64_t ns = rg_now_ns() - c->start_ns;

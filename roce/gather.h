@@ -66,8 +66,7 @@ typedef struct rg_gather_call {
   uint32_t lanes_posted; /* bit per lane whose stripe is posted, so a full queue resumes there */
   int finished;       /* complete; stays set until the slot is reused */
   int writes_pending; /* signaled writes not yet complete */
-  int landed;         /* the peer's part is in this rank's rows */
-  int own_placed;     /* this rank's part is in this rank's rows */
+  int landed;         /* both parts are in this rank's rows: they are placed together */
   int copying;        /* an asynchronous CUDA copy is in flight */
   int launched;       /* the gather kernel places this call (eager, CUDA memory) */
   int go_set;         /* every lane's write completed: the kernel may copy */
