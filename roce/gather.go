@@ -376,7 +376,6 @@ type GatherComm struct {
 	t    *Transport
 	side *gatherSide
 	link *fabric.Link
-	Out  Outcome
 }
 
 func (g *GatherComm) C() unsafe.Pointer     { return unsafe.Pointer(g.side.c) }
@@ -432,7 +431,7 @@ func (gl *GatherListener) Connect(handles [][]byte, rank int) (*GatherComm, Outc
 		out.On, out.Why = false, fmt.Sprintf("the link to rank %d failed: %v", out.peerRank, err)
 		return nil, out
 	}
-	return &GatherComm{t: gl.t, side: s, link: link, Out: out}, out
+	return &GatherComm{t: gl.t, side: s, link: link}, out
 }
 
 // link makes the group's link: rank 0 dials rank 1, which accepts.
@@ -458,7 +457,6 @@ type gatherSide struct {
 	landing       unsafe.Pointer
 	landingPinned C.int
 	landingMR     *fabric.MR
-	out           Outcome
 	peer          gatherRegions
 	once          sync.Once
 }
@@ -479,7 +477,7 @@ func newGatherSide(t *Transport, out Outcome, rank int) (*gatherSide, error) {
 	slots := slot * C.RG_GATHER_DEPTH
 	visible := slots + C.RG_ARRIVAL_BYTES
 	n := visible + C.RG_PLACE_STATUS_BYTES
-	s := &gatherSide{t: t, ctrl: ctrl, out: out}
+	s := &gatherSide{t: t, ctrl: ctrl}
 	s.landing = C.rg_landing_alloc(C.size_t(n), &s.landingPinned)
 	if s.landing == nil {
 		ctrl.free(t.dev)
