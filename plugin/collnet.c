@@ -83,9 +83,9 @@ ncclResult_t rg_coll_ireducescatter_v8(void* collComm, int nSendParts, ncclNetSG
                                        size_t bytesPerRank, size_t windowOffset, size_t windowBytes,
                                        ncclDataType_t dataType, ncclRedOp_t redOp, void* recvMhandle,
                                        void** request) {
-  (void)collComm, (void)nSendParts, (void)sendParts, (void)recvData, (void)bytesPerRank, (void)windowOffset,
-      (void)windowBytes, (void)dataType, (void)redOp, (void)recvMhandle;
-  return no_reductions("ireducescatter", request);
+  (void)sendParts; /* never read: reductions are refused */
+  return rg_coll_ireducescatter(collComm, nSendParts, NULL, recvData, bytesPerRank, windowOffset, windowBytes,
+                                dataType, redOp, recvMhandle, request);
 }
 
 ncclResult_t rg_coll_iallgather(void* collComm, void* sendData, int nRecvParts, ncclNetSGE_v12_t* recvParts,
@@ -98,14 +98,11 @@ ncclResult_t rg_coll_iallgather(void* collComm, void* sendData, int nRecvParts, 
 ncclResult_t rg_coll_iallgather_v8(void* collComm, void* sendData, int nRecvParts, ncclNetSGE_v8_t* recvParts,
                                    size_t bytesPerRank, size_t windowOffset, size_t windowBytes, void* sendMhandle,
                                    void** request) {
-  rg_sge parts[RG_GATHER_MAX_PARTS];
-  if (nRecvParts < 1 || nRecvParts > RG_GATHER_MAX_PARTS) {
-    RG_WARN("iallgather with %d receive parts: 1 to %d are supported", nRecvParts, RG_GATHER_MAX_PARTS);
-    return ncclInvalidArgument;
-  }
-  for (int i = 0; i < nRecvParts; i++)
-    parts[i] = (rg_sge){.mhandle = recvParts[i].mhandle, .address = recvParts[i].address, .size = recvParts[i].size};
-  return (ncclResult_t)rg_gather_iallgather(collComm, sendData, nRecvParts, parts, bytesPerRank, windowOffset,
+  /* The gather takes exactly one part and refuses any other count before it reads one. */
+  rg_sge part = {0};
+  if (nRecvParts == 1)
+    part = (rg_sge){.mhandle = recvParts[0].mhandle, .address = recvParts[0].address, .size = recvParts[0].size};
+  return (ncclResult_t)rg_gather_iallgather(collComm, sendData, nRecvParts, &part, bytesPerRank, windowOffset,
                                             windowBytes, sendMhandle, request);
 }
 

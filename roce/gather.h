@@ -21,7 +21,6 @@
 #include "../kernels/place.h"
 
 #define RG_GATHER_DEPTH 16 /* calls in flight per group; a power of two */
-#define RG_GATHER_MAX_PARTS 1
 #define RG_GATHER_FLUSH_REQS 8
 /* After the landing slots: one arrival word per slot and lane, which an eager sender
  * writes with the call's sequence number once its stripe is in place. */
