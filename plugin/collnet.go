@@ -22,7 +22,6 @@ type collListen struct {
 // collComm is a live group as the plugin tracks it.
 type collComm struct {
 	g   *roce.GatherComm
-	tr  *roce.Transport
 	seq uint64 // registry entry
 }
 
@@ -108,7 +107,7 @@ func rgGoCollConnect(handles *unsafe.Pointer, nranks C.int, rank C.int, listenCo
 		}
 		return rcSuccess
 	}
-	c := &collComm{g: g, tr: g.Transport(), seq: seq}
+	c := &collComm{g: g, seq: seq}
 	state.mu.Lock()
 	state.colls[g.C()] = c
 	state.mu.Unlock()

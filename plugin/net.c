@@ -37,7 +37,7 @@ ncclResult_t rg_net_init_v12(void** ctx, uint64_t commId, ncclNetCommConfig_v12_
 ncclResult_t rg_net_devices(int* ndev) { return (ncclResult_t)rgGoDevices(ndev); }
 
 /* Each version's properties are filled from one version-neutral set. */
-#define FILL_COMMON(p, c, dev)             \
+#define FILL_COMMON(p, c)                  \
   do {                                     \
     memset((p), 0, sizeof(*(p)));          \
     (p)->name = (char*)(c).name;           \
@@ -63,30 +63,31 @@ ncclResult_t rg_net_devices(int* ndev) { return (ncclResult_t)rgGoDevices(ndev);
     (p)->maxCollBytes = (c).maxCollBytes;  \
   } while (0)
 
-static ncclResult_t props(int dev, int coll, rg_props* c) {
+/* collNet's devices are the net's, with the same properties, or NCCL's search drops them. */
+static ncclResult_t props(int dev, rg_props* c) {
   memset(c, 0, sizeof(*c));
-  return (ncclResult_t)rgGoProperties(dev, coll, c);
+  return (ncclResult_t)rgGoProperties(dev, c);
 }
 
-#define GET_PROPERTIES(fn, v, coll, extra)                          \
+#define GET_PROPERTIES(fn, v, extra)                                 \
   ncclResult_t fn(int dev, ncclNetProperties_##v##_t* p) {          \
     rg_props c;                                                     \
-    ncclResult_t r = props(dev, coll, &c);                          \
+    ncclResult_t r = props(dev, &c);                                \
     if (r != ncclSuccess) return r;                                 \
-    FILL_COMMON(p, c, dev);                                         \
+    FILL_COMMON(p, c);                                              \
     extra;                                                          \
     return ncclSuccess;                                             \
   }
 
-GET_PROPERTIES(rg_net_get_properties_v8, v8, 0, )
-GET_PROPERTIES(rg_net_get_properties_v9, v9, 0, FILL_V9(p, c, dev))
-GET_PROPERTIES(rg_net_get_properties_v11, v11, 0, FILL_V9(p, c, dev); p->maxMultiRequestSize = 1)
-GET_PROPERTIES(rg_net_get_properties_v12, v12, 0,
+GET_PROPERTIES(rg_net_get_properties_v8, v8, )
+GET_PROPERTIES(rg_net_get_properties_v9, v9, FILL_V9(p, c, dev))
+GET_PROPERTIES(rg_net_get_properties_v11, v11, FILL_V9(p, c, dev); p->maxMultiRequestSize = 1)
+GET_PROPERTIES(rg_net_get_properties_v12, v12,
                FILL_V9(p, c, dev); p->maxMultiRequestSize = 1; p->railId = -1; p->planeId = -1)
-GET_PROPERTIES(rg_coll_get_properties_v8, v8, 1, )
-GET_PROPERTIES(rg_coll_get_properties_v9, v9, 1, FILL_V9(p, c, dev))
-GET_PROPERTIES(rg_coll_get_properties_v11, v11, 1, FILL_V9(p, c, dev); p->maxMultiRequestSize = 1)
-GET_PROPERTIES(rg_coll_get_properties_v12, v12, 1,
+GET_PROPERTIES(rg_coll_get_properties_v8, v8, )
+GET_PROPERTIES(rg_coll_get_properties_v9, v9, FILL_V9(p, c, dev))
+GET_PROPERTIES(rg_coll_get_properties_v11, v11, FILL_V9(p, c, dev); p->maxMultiRequestSize = 1)
+GET_PROPERTIES(rg_coll_get_properties_v12, v12,
                FILL_V9(p, c, dev); p->maxMultiRequestSize = 1; p->railId = -1; p->planeId = -1)
 
 ncclResult_t rg_net_listen_noctx(int dev, void* handle, void** listenComm) {

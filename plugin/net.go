@@ -82,7 +82,7 @@ const (
 )
 
 //export rgGoProperties
-func rgGoProperties(dev C.int, coll C.int, p *C.rg_props) C.int {
+func rgGoProperties(dev C.int, p *C.rg_props) C.int {
 	if _, err := state.transport(); err != nil {
 		nlog.Warnf("getProperties: %v", err)
 		return rcInvalidUsage
@@ -269,7 +269,7 @@ func commTransport(comm unsafe.Pointer, coll bool) (*roce.Transport, bool) {
 	defer state.mu.Unlock()
 	if coll {
 		if c, ok := state.colls[comm]; ok {
-			return c.tr, true
+			return c.g.Transport(), true
 		}
 		return nil, false
 	}
