@@ -39,11 +39,11 @@ func initContext(ctx *unsafe.Pointer, commID uint64, abi int, coll bool, logger 
 	if coll {
 		kind = "collNet"
 	}
-	if err := state.acquire(abi, coll); err != nil {
+	if err := state.acquire(); err != nil {
 		nlog.Warnf("%s init failed, NCCL will not use this plugin: %v", kind, err)
 		return rcSystemError
 	}
-	*ctx = newContextHandle(commID, abi, coll)
+	*ctx = newContextHandle(commID)
 	nlog.Infof(nlog.Init|nlog.Net, "%s ABI v%d initialised for communicator 0x%x", kind, abi, commID)
 	return rcSuccess
 }

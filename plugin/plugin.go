@@ -65,13 +65,11 @@ type rgProps struct {
 // context is what init returns to NCCL: one per communicator from NCCL 2.28 on.
 type context struct {
 	commID uint64
-	abi    int
-	coll   bool
-	gen    uint64
+	gen    uint64 // the fabric's generation it was made in
 }
 
 // acquire opens the fabric if this is the first live context.
-func (s *runtimeState) acquire(abi int, coll bool) error {
+func (s *runtimeState) acquire() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.contexts == 0 {
@@ -161,8 +159,8 @@ func (s *runtimeState) transport() (*roce.Transport, error) {
 	return s.tr, nil
 }
 
-func newContextHandle(commID uint64, abi int, coll bool) unsafe.Pointer {
-	return handles.add(&context{commID: commID, abi: abi, coll: coll, gen: state.gen})
+func newContextHandle(commID uint64) unsafe.Pointer {
+	return handles.add(&context{commID: commID, gen: state.gen})
 }
 
 func contextOf(p unsafe.Pointer) (*context, bool) { return handleOf[*context](p) }
