@@ -95,7 +95,7 @@ func rgGoCollConnect(handles *unsafe.Pointer, nranks C.int, rank C.int, listenCo
 		hs[i] = unsafe.Slice((*byte)(p), roce.HandleSize)
 	}
 	g, out := cl.gl.Connect(hs, int(rank))
-	seq := registry.record(cl.commID, groupOutcome{on: out.On, cap: out.Cap, localCap: out.LocalCap, peerCap: out.PeerCap, why: out.Why,
+	seq := registry.record(cl.commID, groupOutcome{on: out.On, cap: out.Cap, why: out.Why,
 		directWithoutNVSwitch: out.DirectWithoutNVSwitch})
 	if !out.On {
 		// Both ranks reach this from the same handles; NCCL then keeps every collective on
