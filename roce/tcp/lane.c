@@ -80,9 +80,6 @@ struct rg_tcp_lane {
   void* tx_bounce;
   CUcontext rx_ctx, tx_ctx;
   CUstream rx_stream, tx_stream;
-
-  atomic_uint_fast64_t st_frames_sent, st_frames_received, st_bytes_sent, st_bytes_received, st_inline_posts,
-      st_queued_posts, st_heartbeats;
 };
 
 static void lane_fail(rg_tcp_lane* l, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -160,7 +157,6 @@ static int read_full(rg_tcp_lane* l, void* buf, uint64_t n) {
       return -1;
     }
     atomic_store(&l->last_rx_ns, rg_now_ns());
-    atomic_fetch_add_explicit(&l->st_bytes_received, (uint64_t)r, memory_order_relaxed);
     p += r;
     n -= (uint64_t)r;
   }
@@ -223,7 +219,6 @@ static void* rx_main(void* arg) {
   pthread_setname_np(pthread_self(), "rg-tcp-rx");
   frame f;
   while (read_full(l, &f, sizeof(f)) == 0) {
-    atomic_fetch_add_explicit(&l->st_frames_received, 1, memory_order_relaxed);
     if ((f.magic_op & 0xffff0000u) != FRAME_MAGIC) {
       RG_WARN("refusing data from %s: not a roce_gather frame (0x%08x)", l->peer, f.magic_op);
       lane_fail(l, "%s sent bytes that are not a roce_gather frame", l->peer);
@@ -300,7 +295,6 @@ static int send_full(rg_tcp_lane* l, const void* buf, uint64_t n) {
       if (!atomic_load(&l->stopping)) lane_fail(l, "sending to %s failed: %s", l->peer, strerror(errno));
       return -1;
     }
-    atomic_fetch_add_explicit(&l->st_bytes_sent, (uint64_t)r, memory_order_relaxed);
     p += r;
     n -= (uint64_t)r;
   }
@@ -347,7 +341,7 @@ static int send_item(rg_tcp_lane* l, tx_item* it) {
 
 static void send_heartbeat(rg_tcp_lane* l) {
   frame f = {.magic_op = FRAME_MAGIC | F_HEARTBEAT};
-  if (send_full(l, &f, sizeof(f)) == 0) atomic_fetch_add_explicit(&l->st_heartbeats, 1, memory_order_relaxed);
+  send_full(l, &f, sizeof(f)); /* a failure marks the lane dead, which its users see */
 }
 
 static void* tx_main(void* arg) {
@@ -380,7 +374,6 @@ static void* tx_main(void* arg) {
     l->tx_busy = 1;
     pthread_mutex_unlock(&l->tx_mu);
     int rc = send_item(l, it);
-    atomic_fetch_add_explicit(&l->st_frames_sent, 1, memory_order_relaxed);
     pthread_mutex_lock(&l->tx_mu);
     l->tx_busy = 0;
     if (rc != 0) break;
@@ -440,7 +433,6 @@ static int send_inline(rg_tcp_lane* l, const rg_wr* wrs, int n, uint64_t* partia
       return -1;
     }
   }
-  atomic_fetch_add_explicit(&l->st_bytes_sent, (uint64_t)r, memory_order_relaxed);
   uint64_t left = (uint64_t)r;
   int whole = 0;
   while (whole < n) {
@@ -479,14 +471,11 @@ static int lane_post(void* impl, const rg_wr* wrs, int n) {
       return RG_ERR_DEAD;
     }
     for (int i = 0; i < done; i++) push_send_completion(l, &wrs[i]);
-    atomic_fetch_add_explicit(&l->st_frames_sent, (uint64_t)done, memory_order_relaxed);
-    atomic_fetch_add_explicit(&l->st_inline_posts, 1, memory_order_relaxed);
     l->last_tx_ns = rg_now_ns();
   }
   if (done < n) {
     enqueue(l, &wrs[done], partial);
     for (int i = done + 1; i < n; i++) enqueue(l, &wrs[i], 0);
-    atomic_fetch_add_explicit(&l->st_queued_posts, 1, memory_order_relaxed);
     pthread_cond_signal(&l->tx_cv);
   }
   pthread_mutex_unlock(&l->tx_mu);
@@ -625,19 +614,4 @@ void rg_tcp_lane_close(rg_tcp_lane* l) {
   unmap(l->scq, SCQ_CAP * sizeof(rg_cqe));
   unmap(l->rcq, RCQ_CAP * sizeof(rg_cqe));
   free(l);
-}
-
-void rg_tcp_lane_get_stats(rg_tcp_lane* l, rg_tcp_lane_stats* out) {
-  out->frames_sent = atomic_load(&l->st_frames_sent);
-  out->frames_received = atomic_load(&l->st_frames_received);
-  out->bytes_sent = atomic_load(&l->st_bytes_sent);
-  out->bytes_received = atomic_load(&l->st_bytes_received);
-  out->inline_posts = atomic_load(&l->st_inline_posts);
-  out->queued_posts = atomic_load(&l->st_queued_posts);
-  out->heartbeats_sent = atomic_load(&l->st_heartbeats);
-}
-
-void rg_tcp_link_stats(void* link, rg_tcp_lane_stats* out) {
-  rg_link* l = link;
-  rg_tcp_lane_get_stats((rg_tcp_lane*)l->lane[0].impl, out);
 }

@@ -229,16 +229,3 @@ func takeFD(conn *net.TCPConn) (int, error) {
 	unix.CloseOnExec(fd)
 	return fd, nil
 }
-
-// LaneStats are the counters of a link's lane, for tests and benchmarks.
-type LaneStats struct {
-	FramesSent, FramesReceived, BytesSent, BytesReceived, InlinePosts, QueuedPosts, HeartbeatsSent uint64
-}
-
-// StatsOf reads the counters of a tcp link's first lane.
-func StatsOf(link *fabric.Link) LaneStats {
-	var s C.rg_tcp_lane_stats
-	C.rg_tcp_link_stats(link.C(), &s)
-	return LaneStats{uint64(s.frames_sent), uint64(s.frames_received), uint64(s.bytes_sent), uint64(s.bytes_received),
-		uint64(s.inline_posts), uint64(s.queued_posts), uint64(s.heartbeats_sent)}
-}

@@ -38,12 +38,6 @@ rg_tcp_lane* rg_tcp_lane_start(rg_tcp_dev* dev, int fd, const char* peer, char* 
 void rg_tcp_lane_close(rg_tcp_lane* lane);
 extern const rg_lane_ops rg_tcp_lane_ops;
 
-/* Counters for tests and plugincheck bench. */
-typedef struct rg_tcp_lane_stats {
-  uint64_t frames_sent, frames_received, bytes_sent, bytes_received, inline_posts, queued_posts, heartbeats_sent;
-} rg_tcp_lane_stats;
-void rg_tcp_lane_get_stats(rg_tcp_lane* lane, rg_tcp_lane_stats* out);
-void rg_tcp_link_stats(void* link, rg_tcp_lane_stats* out);
 /* The backend state of the region under key, for rg_mr.impl. */
 void* rg_tcp_region_of(rg_tcp_dev* dev, uint32_t key);
 
