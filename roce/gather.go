@@ -237,7 +237,6 @@ type Outcome struct {
 	Note                  string
 	peer                  GatherOffer
 	peerRank              int
-	localRank             int
 }
 
 // Agree computes a group's outcome from all handles. Every input is the same bytes on
@@ -258,7 +257,7 @@ func Agree(handles [][]byte, rank int) Outcome {
 		offers[i] = o
 	}
 	peer := 1 - rank
-	out := Outcome{LocalCap: offers[rank].MaxBytes, PeerCap: offers[peer].MaxBytes, peer: offers[peer], peerRank: peer, localRank: rank}
+	out := Outcome{LocalCap: offers[rank].MaxBytes, PeerCap: offers[peer].MaxBytes, peer: offers[peer], peerRank: peer}
 	for i, o := range offers {
 		if !o.On {
 			out.Why = fmt.Sprintf("rank %d is off: %s", i, reasonText[o.Reason])
