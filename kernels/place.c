@@ -9,7 +9,6 @@
 static const char* embedded_ptx;
 
 void rg_place_set_ptx(const char* ptx) { embedded_ptx = ptx; }
-const char* rg_place_ptx(void) { return embedded_ptx; }
 
 int rg_place_load_image(rg_place_kernel* k, const void* image, char* err, int errlen) {
   memset(k, 0, sizeof(*k));

@@ -36,8 +36,6 @@ typedef struct rg_place_args {
   uint64_t timeout_ns;
 } rg_place_args;
 
-/* The embedded PTX, NUL-terminated. */
-const char* rg_place_ptx(void);
 /* Loads image (PTX or cubin) into the current context; 0 on success, else err says why. */
 int rg_place_load_image(rg_place_kernel* k, const void* image, char* err, int errlen);
 /* Loads the embedded PTX. */

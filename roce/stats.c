@@ -1,4 +1,3 @@
-#include <string.h>
 #include "stats.h"
 
 rg_stats rg_global_stats;
@@ -15,8 +14,6 @@ static int bucket_of(uint64_t ns) {
 void rg_stats_latency(uint64_t ns) {
   atomic_fetch_add_explicit(&rg_global_stats.gather_lat[bucket_of(ns)], 1, memory_order_relaxed);
 }
-
-void rg_stats_reset(void) { memset(&rg_global_stats, 0, sizeof(rg_global_stats)); }
 
 void rg_stats_read(rg_stats_snapshot* out) {
   rg_stats* g = &rg_global_stats;

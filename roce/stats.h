@@ -33,6 +33,5 @@ typedef struct rg_stats_snapshot {
 
 void rg_stats_read(rg_stats_snapshot* out);
 void rg_stats_latency(uint64_t ns);
-void rg_stats_reset(void);
 
 #endif
