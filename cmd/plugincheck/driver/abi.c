@@ -216,6 +216,23 @@ static void fill_table(float* t, int* nch) {
                : (report(T, "present", 1, "exported"),                                            \
                   check_complete(T, var, sizeof(*var), tuner_fields, nfields)))
 
+/* One tuner table: present and complete, init, one AllGather decision, extra checks, then
+ * the call that ends it (finalize, or destroy before v5). */
+#define TUNER_CHECK(T, var, nfields, init_call, coll_info_call, extra, fini)                       \
+  do {                                                                                            \
+    if (TUNER_PRESENT(T, var, nfields)) {                                                         \
+      ncclResult_t r = init_call;                                                                 \
+      report(T, "init", r == ncclSuccess, "init returned %d", r);                                 \
+      if (r == ncclSuccess) {                                                                     \
+        fill_table(table, &nch);                                                                  \
+        r = coll_info_call;                                                                       \
+        check_coll_info(T, r, table, nch);                                                        \
+        extra;                                                                                    \
+        report(T, "finalize", var->fini(tctx) == ncclSuccess, #fini "(ctx)");                     \
+      }                                                                                           \
+    }                                                                                             \
+  } while (0)
+
 int run_abi(const char* path) {
   plugin p;
   char err[512];
@@ -256,50 +273,19 @@ int run_abi(const char* path) {
   void* tctx = NULL;
   ncclNvlDomainInfo_v5_t nvl = {1, 1, 1};
   ncclTunerConstants_v5_t* constants = calloc(1, sizeof(*constants));
-  if (TUNER_PRESENT("ncclTunerPlugin_v6", p.tuner6, 4)) {
-    ncclResult_t r = p.tuner6->init(&tctx, comm, 2, 2, driver_logger, &nvl, constants);
-    report("ncclTunerPlugin_v6", "init", r == ncclSuccess, "init returned %d", r);
-    if (r == ncclSuccess) {
-      fill_table(table, &nch);
-      r = p.tuner6->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch);
-      check_coll_info("ncclTunerPlugin_v6", r, table, nch);
-      size_t chunk = 131072;
-      r = p.tuner6->getChunkSize(tctx, ncclFuncAllGather, 4096, NCCL_ALGO_RING, NCCL_PROTO_SIMPLE, 2, &chunk);
-      report("ncclTunerPlugin_v6", "getChunkSize", r == ncclSuccess && chunk == 131072,
-             "ring AllGather: returned %d, chunk %zu (NCCL's 131072 kept)", r, chunk);
-      report("ncclTunerPlugin_v6", "finalize", p.tuner6->finalize(tctx) == ncclSuccess, "finalize(ctx)");
-    }
-  }
-  if (TUNER_PRESENT("ncclTunerPlugin_v5", p.tuner5, 3)) {
-    ncclResult_t r = p.tuner5->init(&tctx, comm, 2, 2, driver_logger, &nvl, constants);
-    report("ncclTunerPlugin_v5", "init", r == ncclSuccess, "init returned %d", r);
-    if (r == ncclSuccess) {
-      fill_table(table, &nch);
-      r = p.tuner5->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch);
-      check_coll_info("ncclTunerPlugin_v5", r, table, nch);
-      report("ncclTunerPlugin_v5", "finalize", p.tuner5->finalize(tctx) == ncclSuccess, "finalize(ctx)");
-    }
-  }
-  if (TUNER_PRESENT("ncclTunerPlugin_v4", p.tuner4, 3)) {
-    ncclResult_t r = p.tuner4->init(2, 2, driver_logger, &tctx);
-    report("ncclTunerPlugin_v4", "init", r == ncclSuccess, "init returned %d", r);
-    if (r == ncclSuccess) {
-      fill_table(table, &nch);
-      r = p.tuner4->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch);
-      check_coll_info("ncclTunerPlugin_v4", r, table, nch);
-      report("ncclTunerPlugin_v4", "finalize", p.tuner4->destroy(tctx) == ncclSuccess, "destroy(ctx)");
-    }
-  }
-  if (TUNER_PRESENT("ncclTunerPlugin_v3", p.tuner3, 3)) {
-    ncclResult_t r = p.tuner3->init(2, 2, driver_logger, &tctx);
-    report("ncclTunerPlugin_v3", "init", r == ncclSuccess, "init returned %d", r);
-    if (r == ncclSuccess) {
-      fill_table(table, &nch);
-      r = p.tuner3->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, &nch);
-      check_coll_info("ncclTunerPlugin_v3", r, table, nch);
-      report("ncclTunerPlugin_v3", "finalize", p.tuner3->destroy(tctx) == ncclSuccess, "destroy(ctx)");
-    }
-  }
+  TUNER_CHECK("ncclTunerPlugin_v6", p.tuner6, 4, p.tuner6->init(&tctx, comm, 2, 2, driver_logger, &nvl, constants),
+              p.tuner6->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch),
+              size_t chunk = 131072;
+              r = p.tuner6->getChunkSize(tctx, ncclFuncAllGather, 4096, NCCL_ALGO_RING, NCCL_PROTO_SIMPLE, 2, &chunk);
+              report("ncclTunerPlugin_v6", "getChunkSize", r == ncclSuccess && chunk == 131072,
+                     "ring AllGather: returned %d, chunk %zu (NCCL's 131072 kept)", r, chunk),
+              finalize);
+  TUNER_CHECK("ncclTunerPlugin_v5", p.tuner5, 3, p.tuner5->init(&tctx, comm, 2, 2, driver_logger, &nvl, constants),
+              p.tuner5->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch), , finalize);
+  TUNER_CHECK("ncclTunerPlugin_v4", p.tuner4, 3, p.tuner4->init(2, 2, driver_logger, &tctx),
+              p.tuner4->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch), , destroy);
+  TUNER_CHECK("ncclTunerPlugin_v3", p.tuner3, 3, p.tuner3->init(2, 2, driver_logger, &tctx),
+              p.tuner3->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, &nch), , destroy);
   free(constants);
   report("library", "warnings", driver_warns == 0, "%d WARN line(s) logged during the check", driver_warns);
   return failures == 0 ? 0 : 1;
