@@ -80,14 +80,11 @@ func rgGoCollListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listen
 	return rcSuccess
 }
 
-func collListenOf(p unsafe.Pointer) (*collListen, bool) { return handleOf[*collListen](p) }
-
 //export rgGoCollConnect
 func rgGoCollConnect(handles *unsafe.Pointer, nranks C.int, rank C.int, listenComm unsafe.Pointer, collCommOut *unsafe.Pointer) C.int {
 	*collCommOut = nil
-	cl, ok := collListenOf(listenComm)
+	cl, ok := handleFor[*collListen](listenComm, "collNet connect", "listen comm")
 	if !ok {
-		nlog.Warnf("collNet connect: the listen comm is not one this plugin made")
 		return rcInvalidArgument
 	}
 	hs := make([][]byte, int(nranks))
@@ -130,9 +127,8 @@ func directNote(out roce.Outcome) string {
 
 //export rgGoCollCloseListen
 func rgGoCollCloseListen(listenComm unsafe.Pointer) C.int {
-	cl, ok := collListenOf(listenComm)
+	cl, ok := handleFor[*collListen](listenComm, "collNet closeListen", "listen comm")
 	if !ok {
-		nlog.Warnf("collNet closeListen: the listen comm is not one this plugin made")
 		return rcInvalidArgument
 	}
 	handles.remove(listenComm)

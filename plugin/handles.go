@@ -8,6 +8,8 @@ import "C"
 import (
 	"sync"
 	"unsafe"
+
+	"github.com/roce-gather/roce_gather/internal/nlog"
 )
 
 // handles maps the opaque pointers NCCL holds (contexts, listen comms) to Go objects.
@@ -50,4 +52,14 @@ func handleOf[T any](p unsafe.Pointer) (T, bool) {
 	v, ok := handles.get(p)
 	t, isT := v.(T)
 	return t, ok && isT
+}
+
+// handleFor is handleOf for a pointer NCCL hands to call: one that is not a T this
+// plugin made is refused with a WARN naming the call and what it should have been.
+func handleFor[T any](p unsafe.Pointer, call, what string) (T, bool) {
+	t, ok := handleOf[T](p)
+	if !ok {
+		nlog.Warnf("%s: the %s is not one this plugin made", call, what)
+	}
+	return t, ok
 }

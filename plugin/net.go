@@ -50,9 +50,8 @@ func initContext(ctx *unsafe.Pointer, commID uint64, abi int, coll bool, logger 
 
 //export rgGoFinalize
 func rgGoFinalize(ctx unsafe.Pointer) C.int {
-	c, ok := contextOf(ctx)
+	c, ok := handleFor[*context](ctx, "finalize", "context")
 	if !ok {
-		nlog.Warnf("finalize called with a context this plugin did not make")
 		return rcInvalidArgument
 	}
 	handles.remove(ctx)
@@ -197,14 +196,11 @@ func rgGoNetConnect(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, sendCo
 	return rcSuccess
 }
 
-func listenerOf(p unsafe.Pointer) (*roce.P2PListener, bool) { return handleOf[*roce.P2PListener](p) }
-
 //export rgGoNetAccept
 func rgGoNetAccept(listenComm unsafe.Pointer, recvComm *unsafe.Pointer) C.int {
 	*recvComm = nil
-	pl, ok := listenerOf(listenComm)
+	pl, ok := handleFor[*roce.P2PListener](listenComm, "accept", "listen comm")
 	if !ok {
-		nlog.Warnf("accept: the listen comm is not one this plugin made")
 		return rcInvalidArgument
 	}
 	comm := pl.Accept()
@@ -221,9 +217,8 @@ func rgGoNetAccept(listenComm unsafe.Pointer, recvComm *unsafe.Pointer) C.int {
 
 //export rgGoNetCloseListen
 func rgGoNetCloseListen(listenComm unsafe.Pointer) C.int {
-	pl, ok := listenerOf(listenComm)
+	pl, ok := handleFor[*roce.P2PListener](listenComm, "closeListen", "listen comm")
 	if !ok {
-		nlog.Warnf("closeListen: the listen comm is not one this plugin made")
 		return rcInvalidArgument
 	}
 	handles.remove(listenComm)
