@@ -17,8 +17,9 @@ import (
 
 // ProtocolVersion is the version of every handle and bootstrap message this library
 // writes. A peer on another version is refused with a message naming both. Version 3
-// added the gather handle's flag byte.
-const ProtocolVersion = 3
+// added the gather handle's flag byte; version 4 the tcp fabric's endpoint description,
+// channels on its connections and two-sided sends.
+const ProtocolVersion = 4
 
 // HandleSize is NCCL's handle size (NCCL_NET_HANDLE_MAXSIZE).
 const HandleSize = 128
@@ -269,6 +270,14 @@ func (h *handshakes) abort() {
 
 var errClosing = errors.New("the transport is closing")
 
+// allowPairing lets a p2p link, which carries data from its dialer only, share its
+// connection with one going the other way, where the fabric can.
+func allowPairing(ep fabric.Endpoint, purpose uint8, dialer bool) {
+	if p, ok := ep.(fabric.Pairable); ok && purpose == purposeP2P {
+		p.AllowPairing(dialer)
+	}
+}
+
 // dialLink connects to a listener, authenticates with its token and returns the link.
 func (t *Transport) dialLink(to endpointAddr, token Token, purpose uint8, lanes int, s side) (*fabric.Link, error) {
 	deadline := time.Now().Add(t.cfg.Timeout)
@@ -288,6 +297,7 @@ func (t *Transport) dialLink(to endpointAddr, token Token, purpose uint8, lanes 
 		conn.Close()
 		return nil, err
 	}
+	allowPairing(ep, purpose, true)
 	link, err := func() (*fabric.Link, error) {
 		conn.SetDeadline(deadline)
 		if err := writeHello(conn, hello{version: ProtocolVersion, purpose: purpose, lanes: uint8(lanes), token: token, proto: s.blob(), fab: ep.Describe()}); err != nil {
@@ -432,6 +442,7 @@ func (l *listener) handle(conn *net.TCPConn) {
 	var s side
 	ep, err := l.t.dev.NewEndpoint(int(h.lanes))
 	if err == nil {
+		allowPairing(ep, l.purpose, false)
 		s, err = l.decideSide(conn)
 		if err != nil {
 			ep.Close()

@@ -70,7 +70,7 @@ func TestAPeerOnAnotherProtocolVersionIsToldWhy(t *testing.T) {
 	require.NoError(t, writeHello(c, hello{version: ProtocolVersion + 1, purpose: purposeP2P, lanes: 1, token: ph.token}))
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	_, _, err = readStatus(c, magicWelcome, "welcome")
-	require.EqualError(t, err, "peer refused: 127.0.0.1:"+port(c.LocalAddr())+" speaks roce_gather protocol version 4, this library speaks version 3")
+	require.EqualError(t, err, "peer refused: 127.0.0.1:"+port(c.LocalAddr())+" speaks roce_gather protocol version 5, this library speaks version 4")
 }
 
 func port(a net.Addr) string { return strconv.Itoa(a.(*net.TCPAddr).Port) }
@@ -107,7 +107,9 @@ func TestWritesWithAWrongKeyOrOutsideTheRegionAreRefused(t *testing.T) {
 			// The handshake of a sending comm, with a made-up FIFO description.
 			fake := make([]byte, 8+4*fabric.MaxLanes)
 			binary.LittleEndian.PutUint64(fake, 0x1000)
-			require.NoError(t, writeHello(c, hello{version: ProtocolVersion, purpose: purposeP2P, lanes: 1, token: ph.token, proto: fake}))
+			// A tcp endpoint description (version 1, not pairable, a device id of its own).
+			fab := []byte{1, 0, 0xf0, 0xe1, 0xd2, 0xc3, 0xb4, 0xa5, 0x96, 0x87, 9, 0, 0, 0, 0, 0, 0, 0}
+			require.NoError(t, writeHello(c, hello{version: ProtocolVersion, purpose: purposeP2P, lanes: 1, token: ph.token, proto: fake, fab: fab}))
 			proto, _, err := readStatus(c, magicWelcome, "welcome")
 			require.NoError(t, err)
 			cmplAddr, keys, err := getRemote(proto)

@@ -24,6 +24,7 @@ const (
 	hOffPurpose     = 6
 	hOffAddr        = 8 // 20 bytes
 	hOffToken       = 32
+	hOffDevice      = 48  // the listener's fabric device id, where the fabric pairs links (tcp)
 	hOffConnectSlot = 120 // scratch NCCL lets us keep across connect retries
 )
 
@@ -52,6 +53,9 @@ func (t *Transport) ListenP2P(handle []byte) (*P2PListener, error) {
 	handle[hOffPurpose] = purposeP2P
 	putAddr(handle[hOffAddr:hOffAddr+20], l.addr)
 	copy(handle[hOffToken:hOffToken+16], l.token[:])
+	if p, ok := t.dev.(dialPairer); ok {
+		binary.LittleEndian.PutUint64(handle[hOffDevice:], p.ID())
+	}
 	return pl, nil
 }
 
@@ -73,8 +77,16 @@ func (pl *P2PListener) Close() { pl.l.close() }
 func (pl *P2PListener) Addr() string { return pl.l.addr.String() }
 
 type p2pHandle struct {
-	addr  endpointAddr
-	token Token
+	addr   endpointAddr
+	token  Token
+	device uint64 // 0 where the listener's fabric does not pair links
+}
+
+// dialPairer is a fabric device that pairs p2p links going opposite ways (tcp): a handle
+// names it, and a dial to a peer device is announced before its handshake.
+type dialPairer interface {
+	ID() uint64
+	ExpectDial(peer uint64) (done func())
 }
 
 func parseP2PHandle(h []byte) (p2pHandle, error) {
@@ -94,6 +106,7 @@ func parseP2PHandle(h []byte) (p2pHandle, error) {
 	var p p2pHandle
 	p.addr = a
 	copy(p.token[:], h[hOffToken:hOffToken+16])
+	p.device = binary.LittleEndian.Uint64(h[hOffDevice:])
 	return p, nil
 }
 
@@ -111,8 +124,16 @@ func (t *Transport) ConnectP2P(handle []byte) (*PendingSend, error) {
 		return nil, err
 	}
 	p := &PendingSend{done: make(chan struct{})}
+	pairer, pairs := t.dev.(dialPairer)
+	var dialed func()
+	if pairs && h.device != 0 {
+		dialed = pairer.ExpectDial(h.device)
+	}
 	started := t.goBackground(func() {
 		defer close(p.done)
+		if dialed != nil {
+			defer dialed()
+		}
 		s, err := newSendSide(t)
 		if err != nil {
 			p.err = err
@@ -128,6 +149,9 @@ func (t *Transport) ConnectP2P(handle []byte) (*PendingSend, error) {
 		p.comm = &SendComm{t: t, side: s, link: link}
 	})
 	if !started {
+		if dialed != nil {
+			dialed()
+		}
 		return nil, errClosing
 	}
 	return p, nil

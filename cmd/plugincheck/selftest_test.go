@@ -24,13 +24,13 @@ func selftest(t *testing.T, suite string) string {
 
 var summary = regexp.MustCompile(`(?m)^(\d+) passed, 0 failed$`)
 
-// Two processes over the tcp fabric on loopback: connect/accept retries, tag matching,
-// multi-receive, a receive larger than the send, zero-byte and 64 MiB messages, 256
-// requests outstanding, and four comms on four threads.
+// Two processes over the tcp fabric on loopback: connect/accept retries, one connection
+// for both directions, tag matching, multi-receive, a receive larger than the send,
+// zero-byte and 64 MiB messages, 256 requests outstanding, and four comms on four threads.
 func TestSelftestP2P(t *testing.T) {
 	out := selftest(t, "p2p")
 	require.Regexp(t, summary, out)
-	for _, c := range []string{"p2p/connect-accept-retries", "p2p/size-0", "p2p/size-67108864", "p2p/recv-larger-than-send",
+	for _, c := range []string{"p2p/connect-accept-retries", "p2p/one-connection-both-ways", "p2p/size-0", "p2p/size-67108864", "p2p/recv-larger-than-send",
 		"p2p/multi-recv-8-tags", "p2p/send-ahead-of-its-receive", "p2p/256-outstanding", "p2p/optional-recv-completion", "p2p/4-comms-on-4-threads"} {
 		require.Regexp(t, regexp.MustCompile(`ok   rank 0  `+regexp.QuoteMeta(c)+` `), out)
 		require.Regexp(t, regexp.MustCompile(`ok   rank 1  `+regexp.QuoteMeta(c)+` `), out)
