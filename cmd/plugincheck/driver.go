@@ -245,3 +245,17 @@ func exitErr(rank int, err error) error {
 	}
 	return nil
 }
+
+// driverEnv is the environment of the ABI check's driver: the caller's, less
+// NCCL_NET_PLUGIN. The driver loads the library by path; that variable only tells NCCL
+// where to find it, and the library's notice about NCCL 2.27-2.29 unloading it (a fact
+// about NCCL, given at the net v10/v11 init) would count as a failed check here.
+func driverEnv() []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "NCCL_NET_PLUGIN=") {
+			env = append(env, kv)
+		}
+	}
+	return env
+}
