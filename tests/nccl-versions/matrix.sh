@@ -11,7 +11,9 @@
 # (the linker's libnccl.so.2, PyTorch's wheel) and then each built release as soon as its
 # build ends, three releases at a time, under CUDA MPS when both ranks share one GPU.
 # Everything ends within NCCL_VERSIONS_BUDGET_S (570 s by default): builds stop 150 s
-# before it, runs 25 s before it. NCCL_VERSIONS="2.30.7,2.29.7" limits the releases.
+# before it, runs 25 s before it. NCCL_VERSIONS="2.30.7,2.29.7" limits the releases run
+# (and built); NCCL_VERSIONS_BUILD limits the builds alone (say, to leave a release to the
+# machine's own copy of it).
 #
 # OUTDIR gets matrix.md and matrix.json (the table), logs.tar.xz (build logs, both ranks'
 # logs and stats of every case, builds.json) and nccl-libs-N.tar.xz (the built libraries,
@@ -51,6 +53,8 @@ RUN_DEADLINE=$((START + BUDGET - 25))
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/nccl-versions.XXXXXX")"
 VERSIONS=()
 [ -n "${NCCL_VERSIONS:-}" ] && VERSIONS=(--versions "$NCCL_VERSIONS")
+BUILDS=("${VERSIONS[@]}")
+[ -n "${NCCL_VERSIONS_BUILD:-}" ] && BUILDS=(--versions "$NCCL_VERSIONS_BUILD")
 echo "matrix.sh: sources $SRC, work $WORK, results $OUTDIR, budget ${BUDGET}s"
 
 if [ -n "$LIBS" ]; then
@@ -59,7 +63,7 @@ if [ -n "$LIBS" ]; then
 	rc=${PIPESTATUS[0]}
 else
 	python3 "$HERE/build.py" --src "$SRC" --work "$WORK" --deadline "$BUILD_DEADLINE" \
-		--limit "${NCCL_VERSIONS_BUILD_LIMIT_S:-420}" --pack "$OUTDIR" "${VERSIONS[@]}" >"$WORK/build.out" 2>&1 &
+		--limit "${NCCL_VERSIONS_BUILD_LIMIT_S:-420}" --pack "$OUTDIR" "${BUILDS[@]}" >"$WORK/build.out" 2>&1 &
 	BUILD_PID=$!
 	python3 "$HERE/run.py" --out "$OUTDIR" --work "$WORK" --builds "$WORK" --follow --installed --mps \
 		--deadline "$RUN_DEADLINE" "${VERSIONS[@]}" 2>&1 | tee "$WORK/run.out"
