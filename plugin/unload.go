@@ -32,8 +32,9 @@ func (u *unloadNotice) check(netABI int, getenv func(string) string, warn func(s
 // communicator created after the last one was destroyed will find the plugin again.
 func unloadWarning(netABI int, getenv func(string) string) string {
 	plugin, ok := lookup(getenv, "NCCL_NET_PLUGIN")
-	if !ok {
-		// Loaded as libnccl-net.so, the name NCCL falls back to: it finds this library again.
+	if !ok || plugin == "libnccl-net.so" {
+		// Loaded as libnccl-net.so, the name a cleared entry falls back to: NCCL finds this
+		// library again.
 		return ""
 	}
 	raw, set := lookup(getenv, "NCCL_NET_PLUGIN_REF_COUNT")

@@ -58,6 +58,7 @@ func TestNoUnloadWarningWhereNCCLFindsThePluginAgain(t *testing.T) {
 	// Without NCCL_NET_PLUGIN the library was loaded as libnccl-net.so, the name NCCL falls back to.
 	require.Empty(t, unloadWarning(11, env(nil)))
 	require.Empty(t, unloadWarning(11, env(map[string]string{"NCCL_NET_PLUGIN": "  "})))
+	require.Empty(t, unloadWarning(11, env(map[string]string{"NCCL_NET_PLUGIN": "libnccl-net.so"})))
 }
 
 // One warning a process, however many communicators NCCL initialises.
