@@ -51,6 +51,7 @@ type runtimeState struct {
 	nextSlot uint64
 	colls    map[unsafe.Pointer]*collComm
 	warned   map[Warning]bool
+	unload   unloadNotice // NCCL 2.27-2.29's unload after the last communicator, said once
 }
 
 var state = &runtimeState{warned: map[Warning]bool{}}

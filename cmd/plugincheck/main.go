@@ -1,5 +1,5 @@
-// Command plugincheck validates roce_gather on a machine: the library's ABI against
-// every NCCL version it serves, the fabric between two ranks, and the hardware.
+// Command plugincheck validates roce_gather on a machine: every versioned table the
+// library exports, the fabric between two ranks, and the hardware.
 //
 // It never loads the library itself (a Go process must not load a second Go runtime):
 // it starts plugincheck-driver, a small C program, which loads the library as NCCL does.
@@ -56,8 +56,8 @@ func main() {
 }
 
 func commonFlags(fs *flag.FlagSet) (lib, driver *string) {
-	lib = fs.String("lib", "", "the library to check (default: libroce_gather.so beside plugincheck)")
-	driver = fs.String("driver", "", "the C driver (default: plugincheck-driver beside plugincheck)")
+	lib = fs.String("lib", "", "the library to check (default: libroce_gather.so beside plugincheck, else ../lib/libroce_gather.so as make install lays it out)")
+	driver = fs.String("driver", "", "the C driver (default: plugincheck-driver beside plugincheck, else ../libexec/roce_gather/plugincheck-driver)")
 	return
 }
 
@@ -84,6 +84,7 @@ func cmdABI(args []string) int {
 		dargs = append([]string{"-v"}, dargs...)
 	}
 	cmd := exec.Command(p.driver, dargs...)
+	cmd.Env = driverEnv()
 	cmd.Stderr = os.Stderr
 	raw, runErr := cmd.Output()
 	var checks []abiCheck
@@ -111,11 +112,12 @@ func cmdABI(args []string) int {
 		enc := json.NewEncoder(os.Stdout)
 		enc.SetIndent("", "  ")
 		enc.Encode(struct {
-			Library string     `json:"library"`
-			OK      bool       `json:"ok"`
-			Failed  int        `json:"failed"`
-			Checks  []abiCheck `json:"checks"`
-		}{p.lib, failed == 0, failed, checks})
+			Library      string     `json:"library"`
+			OK           bool       `json:"ok"`
+			Failed       int        `json:"failed"`
+			Checks       []abiCheck `json:"checks"`
+			MeasuredNCCL []string   `json:"measured_nccl"`
+		}{p.lib, failed == 0, failed, checks, measuredNCCL})
 	} else {
 		fmt.Printf("%-24s %-14s %-4s %s\n", "TABLE", "CHECK", "", "DETAIL")
 		for _, c := range checks {
@@ -125,7 +127,11 @@ func cmdABI(args []string) int {
 			}
 			fmt.Printf("%-24s %-14s %-4s %s\n", c.Table, c.Check, status, c.Detail)
 		}
-		fmt.Printf("\n%d checks, %d failed: %s\n", len(checks), failed, map[bool]string{true: "the library is ready for NCCL 2.20 to 2.30", false: "the library is NOT usable as it is"}[failed == 0])
+		verdict := "the library is NOT usable as it is"
+		if failed == 0 {
+			verdict = abiVerdict()
+		}
+		fmt.Printf("\n%d checks, %d failed: %s\n", len(checks), failed, verdict)
 	}
 	if failed > 0 {
 		return 1
