@@ -11,17 +11,18 @@ import (
 
 	"github.com/roce-gather/roce_gather/internal/nlog"
 	"github.com/roce-gather/roce_gather/roce"
+	"github.com/roce-gather/roce_gather/roce/gather"
 )
 
 // collListen is what collNet listen returns: the group's listener and its context.
 type collListen struct {
-	gl     *roce.GatherListener
+	gl     *gather.Listener
 	commID uint64
 }
 
 // collComm is a live group as the plugin tracks it.
 type collComm struct {
-	g   *roce.GatherComm
+	g   *gather.Comm
 	seq uint64 // registry entry
 }
 
@@ -30,14 +31,14 @@ func (c *collComm) close() {
 	c.g.Close()
 }
 
-func gatherMode(m Mode) roce.GatherMode {
+func gatherMode(m Mode) gather.Mode {
 	switch m {
 	case ModeRendezvous:
-		return roce.GatherRendezvous
+		return gather.ModeRendezvous
 	case ModeEager:
-		return roce.GatherEager
+		return gather.ModeEager
 	}
-	return roce.GatherAuto
+	return gather.ModeAuto
 }
 
 //export rgGoCollInit
@@ -69,7 +70,7 @@ func rgGoCollListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listen
 	state.mu.Lock()
 	cfg := state.cfg
 	state.mu.Unlock()
-	gl, err := tr.ListenGather(roce.GatherConfig{Enable: cfg.Enable, MaxBytes: cfg.MaxBytes, Explicit: cfg.MaxBytesSet, Mode: gatherMode(cfg.Mode),
+	gl, err := gather.Listen(tr, gather.Config{Enable: cfg.Enable, MaxBytes: cfg.MaxBytes, Explicit: cfg.MaxBytesSet, Mode: gatherMode(cfg.Mode),
 		DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch},
 		unsafe.Slice((*byte)(handle), roce.HandleSize))
 	if err != nil {
@@ -118,7 +119,7 @@ func rgGoCollConnect(handles *unsafe.Pointer, nranks C.int, rank C.int, listenCo
 }
 
 // directNote is the connect line's account of ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH.
-func directNote(out roce.Outcome) string {
+func directNote(out gather.Outcome) string {
 	if out.DirectWithoutNVSwitch {
 		return "; both ranks allow CollNet Direct without NVSwitch"
 	}

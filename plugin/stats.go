@@ -1,7 +1,7 @@
 package plugin
 
 /*
-#include "../roce/stats.h"
+#include "../roce/gather/stats.h"
 void rg_register_at_exit(void);
 */
 import "C"

@@ -4,7 +4,7 @@
  * outcome, which entries NCCL offers), so both ranks always take the same path. */
 #include <stdlib.h>
 #include "../internal/nlog/nlog.h"
-#include "../roce/stats.h"
+#include "../roce/gather/stats.h"
 #include "_cgo_export.h"
 #include "abi.h"
 #include "tuner.h"

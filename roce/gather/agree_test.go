@@ -1,4 +1,4 @@
-package roce
+package gather
 
 import (
 	"fmt"
@@ -6,23 +6,25 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/roce-gather/roce_gather/roce"
 )
 
-func offer(maxBytes uint64) GatherOffer {
-	return GatherOffer{
-		Version: ProtocolVersion, On: true, Fabric: 1, Mode: GatherAuto, Lanes: 1,
+func offer(maxBytes uint64) Offer {
+	return Offer{
+		Version: roce.ProtocolVersion, On: true, Fabric: 1, Mode: ModeAuto, Lanes: 1,
 		MaxBytes: maxBytes, SlotBytes: SlotBytesFor(maxBytes),
-		Addr: endpointAddr{IP: net.IPv4(10, 0, 0, 1).To4(), Port: 4000}, Token: Token{1, 2, 3},
+		Addr: roce.Addr{IP: net.IPv4(10, 0, 0, 1).To4(), Port: 4000}, Token: roce.Token{1, 2, 3},
 	}
 }
 
-func handle(o GatherOffer) []byte {
-	h := make([]byte, HandleSize)
+func handle(o Offer) []byte {
+	h := make([]byte, roce.HandleSize)
 	o.Encode(h)
 	return h
 }
 
-func both(a, b GatherOffer) (Outcome, Outcome) {
+func both(a, b Offer) (Outcome, Outcome) {
 	hs := [][]byte{handle(a), handle(b)}
 	return Agree(hs, 0), Agree(hs, 1)
 }
@@ -56,13 +58,13 @@ func TestOneRankDisabledTurnsTheGroupOffOnBoth(t *testing.T) {
 
 func TestAPeerOnAnotherProtocolVersionTurnsTheGroupOff(t *testing.T) {
 	a, b := offer(524288), offer(524288)
-	b.Version = ProtocolVersion + 1
+	b.Version = roce.ProtocolVersion + 1
 	o0, o1 := both(a, b)
 	require.False(t, o0.On)
 	require.False(t, o1.On)
 	require.Equal(t, o0.Why, o1.Why)
 	require.Contains(t, o0.Why, "rank 1's handle is not usable")
-	require.Contains(t, o0.Why, fmt.Sprintf("version %d", ProtocolVersion+1))
+	require.Contains(t, o0.Why, fmt.Sprintf("version %d", roce.ProtocolVersion+1))
 }
 
 func TestMalformedPeerHandles(t *testing.T) {
@@ -74,21 +76,21 @@ func TestMalformedPeerHandles(t *testing.T) {
 	}
 	cases := map[string][]byte{
 		"foreign magic":       corrupt(func(h []byte) { h[0] ^= 0xff }),
-		"p2p handle":          corrupt(func(h []byte) { h[hOffPurpose] = purposeP2P }),
-		"verdict byte 7":      corrupt(func(h []byte) { h[gOffVerdict] = 7 }),
+		"p2p handle":          corrupt(func(h []byte) { h[roce.HandleOffPurpose] = byte(roce.PurposeP2P) }),
+		"verdict byte 7":      corrupt(func(h []byte) { h[offVerdict] = 7 }),
 		"reserved byte set":   corrupt(func(h []byte) { h[100] = 1 }),
-		"zero cap":            corrupt(func(h []byte) { h[gOffMax] = 0; h[gOffMax+1] = 0; h[gOffMax+2] = 0 }),
-		"slot disagrees":      corrupt(func(h []byte) { h[gOffSlot+1] ^= 0x10 }),
-		"unknown fabric":      corrupt(func(h []byte) { h[gOffFabric] = 9 }),
-		"zero lanes":          corrupt(func(h []byte) { h[gOffLanes] = 0 }),
-		"bad address family":  corrupt(func(h []byte) { h[gOffAddr] = 5 }),
+		"zero cap":            corrupt(func(h []byte) { h[offMax] = 0; h[offMax+1] = 0; h[offMax+2] = 0 }),
+		"slot disagrees":      corrupt(func(h []byte) { h[offSlot+1] ^= 0x10 }),
+		"unknown fabric":      corrupt(func(h []byte) { h[offFabric] = 9 }),
+		"zero lanes":          corrupt(func(h []byte) { h[offLanes] = 0 }),
+		"bad address family":  corrupt(func(h []byte) { h[offAddr] = 5 }),
 		"truncated":           good[:64],
-		"off, unknown reason": corrupt(func(h []byte) { h[gOffVerdict] = 0; h[gOffReason] = 200 }),
-		"unknown flag bit":    corrupt(func(h []byte) { h[gOffFlags] = 0x02 }),
+		"off, unknown reason": corrupt(func(h []byte) { h[offVerdict] = 0; h[offReason] = 200 }),
+		"unknown flag bit":    corrupt(func(h []byte) { h[offFlags] = 0x02 }),
 	}
 	for name, bad := range cases {
 		t.Run(name, func(t *testing.T) {
-			_, err := DecodeGatherOffer(bad)
+			_, err := DecodeOffer(bad)
 			require.Error(t, err)
 			hs := [][]byte{good, bad}
 			o0, o1 := Agree(hs, 0), Agree(hs, 1)
@@ -108,17 +110,17 @@ func TestFabricsAndModesMustAgree(t *testing.T) {
 	require.Equal(t, "rank 0 uses the tcp fabric and rank 1 the verbs fabric", o0.Why)
 
 	a, b = offer(524288), offer(524288)
-	a.Mode, b.Mode = GatherEager, GatherRendezvous
+	a.Mode, b.Mode = ModeEager, ModeRendezvous
 	o0, _ = both(a, b)
 	require.False(t, o0.On)
 	require.Equal(t, "ROCE_GATHER_MODE differs: rank 0 eager, rank 1 rendezvous", o0.Why)
 
 	a, b = offer(524288), offer(524288)
-	a.Mode = GatherEager
+	a.Mode = ModeEager
 	o0, o1 := both(a, b)
 	require.True(t, o0.On)
-	require.Equal(t, GatherEager, o0.Mode, "auto follows the other rank's explicit mode")
-	require.Equal(t, GatherEager, o1.Mode)
+	require.Equal(t, ModeEager, o0.Mode, "auto follows the other rank's explicit mode")
+	require.Equal(t, ModeEager, o1.Mode)
 }
 
 func TestLanesAreTheSmallerCount(t *testing.T) {
@@ -163,8 +165,8 @@ func TestDirectWithoutNVSwitchNeedsBothRanks(t *testing.T) {
 
 func TestOfferRoundTrips(t *testing.T) {
 	o := offer(3 * 1000)
-	o.Mode, o.Lanes, o.Fabric, o.DirectWithoutNVSwitch = GatherRendezvous, 2, 2, true
-	got, err := DecodeGatherOffer(handle(o))
+	o.Mode, o.Lanes, o.Fabric, o.DirectWithoutNVSwitch = ModeRendezvous, 2, 2, true
+	got, err := DecodeOffer(handle(o))
 	require.NoError(t, err)
 	require.Equal(t, o, got)
 }
@@ -176,7 +178,7 @@ func FuzzAgree(f *testing.F) {
 	off := offer(4096)
 	off.On, off.Reason = false, ReasonDisabled
 	f.Add(handle(offer(4096)), handle(off))
-	f.Add(make([]byte, HandleSize), handle(offer(1)))
+	f.Add(make([]byte, roce.HandleSize), handle(offer(1)))
 	f.Fuzz(func(t *testing.T, a, b []byte) {
 		hs := [][]byte{a, b}
 		o0, o1 := Agree(hs, 0), Agree(hs, 1)

@@ -1,10 +1,15 @@
-package roce
+// Package gather is the one-shot gather behind collNet iallgather: the group's handshake
+// (the offer in NCCL's handle, the agreement both ranks reach from the same bytes, the
+// live check), the regions the peer writes into, and the protocol the hot path runs
+// (gather.c). It runs on links the transport (package roce) makes for it.
+package gather
 
 /*
+#cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter -Werror
 #include <stdlib.h>
 #include <string.h>
 #include "gather.h"
-#include "../internal/cudadrv/cudadrv.h"
+#include "../../internal/cudadrv/cudadrv.h"
 
 // Landing memory is pinned through CUDA where a driver exists, so copies out of it
 // run asynchronously and the gather kernel can read it; plain pages otherwise.
@@ -34,26 +39,28 @@ import (
 	"time"
 	"unsafe"
 
-	_ "github.com/roce-gather/roce_gather/kernels" // the gather kernel gather.c launches
+	_ "github.com/roce-gather/roce_gather/internal/cudadrv" // gather.c calls the driver through it
+	_ "github.com/roce-gather/roce_gather/kernels"          // the gather kernel gather.c launches
+	"github.com/roce-gather/roce_gather/roce"
 	"github.com/roce-gather/roce_gather/roce/fabric"
 )
 
-// GatherMode is a rank's ROCE_GATHER_MODE as it travels in the handle.
-type GatherMode uint8
+// Mode is a rank's ROCE_GATHER_MODE as it travels in the handle.
+type Mode uint8
 
 const (
-	GatherAuto       GatherMode = 0
-	GatherRendezvous GatherMode = C.RG_MODE_RENDEZVOUS
-	GatherEager      GatherMode = C.RG_MODE_EAGER
+	ModeAuto       Mode = 0
+	ModeRendezvous Mode = C.RG_MODE_RENDEZVOUS
+	ModeEager      Mode = C.RG_MODE_EAGER
 )
 
-func (m GatherMode) String() string {
+func (m Mode) String() string {
 	switch m {
-	case GatherRendezvous:
+	case ModeRendezvous:
 		return "rendezvous"
-	case GatherEager:
+	case ModeEager:
 		return "eager"
-	case GatherAuto:
+	case ModeAuto:
 		return "auto"
 	}
 	return fmt.Sprintf("mode(%d)", uint8(m))
@@ -78,36 +85,36 @@ var reasonText = map[uint8]string{
 	ReasonTCPDefault: "it runs the tcp fabric, where the one-shot path measured slower than NCCL's ring (set ROCE_GATHER_MAX_BYTES on both ranks to use it anyway)",
 }
 
-// GatherOffer is what a rank brings to a group: the fields of its collNet handle.
-type GatherOffer struct {
+// Offer is what a rank brings to a group: the fields of its collNet handle.
+type Offer struct {
 	Version   uint16
 	On        bool
 	Reason    uint8
 	Fabric    uint8 // 1 tcp, 2 verbs
-	Mode      GatherMode
+	Mode      Mode
 	Lanes     uint8
 	MaxBytes  uint64
 	SlotBytes uint64
-	Addr      endpointAddr
-	Token     Token
+	Addr      roce.Addr
+	Token     roce.Token
 	// DirectWithoutNVSwitch: this rank asks to schedule onto CollNet Direct where NCCL
 	// drops it for lack of an NVSwitch (ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1).
 	DirectWithoutNVSwitch bool
 }
 
 const (
-	gatherMagic = 0x3143_4752 // "RGC1"
-	gOffVerdict = 7
-	gOffAddr    = 8 // 20 bytes
-	gOffReason  = 28
-	gOffFabric  = 29
-	gOffMode    = 30
-	gOffLanes   = 31
-	gOffToken   = 32
-	gOffMax     = 48
-	gOffSlot    = 56
-	gOffFlags   = 64
-	gEnd        = 65 // bytes after this are zero
+	magic      = 0x3143_4752 // "RGC1"
+	offVerdict = 7
+	offAddr    = 8 // 20 bytes
+	offReason  = 28
+	offFabric  = 29
+	offMode    = 30
+	offLanes   = 31
+	offToken   = 32
+	offMax     = 48
+	offSlot    = 56
+	offFlags   = 64
+	offEnd     = 65 // bytes after this are zero
 
 	flagDirectWithoutNVSwitch = 1 << 0
 	knownFlags                = flagDirectWithoutNVSwitch
@@ -134,67 +141,67 @@ func fabricName(code uint8) string {
 func SlotBytesFor(capBytes uint64) uint64 { return (capBytes + 4095) &^ 4095 }
 
 // Encode writes the offer into a 128-byte handle.
-func (o GatherOffer) Encode(h []byte) {
-	for i := range h[:HandleSize] {
+func (o Offer) Encode(h []byte) {
+	for i := range h[:roce.HandleSize] {
 		h[i] = 0
 	}
-	binary.LittleEndian.PutUint32(h[hOffMagic:], gatherMagic)
-	binary.LittleEndian.PutUint16(h[hOffVersion:], o.Version)
-	h[hOffPurpose] = purposeGather
+	binary.LittleEndian.PutUint32(h[roce.HandleOffMagic:], magic)
+	binary.LittleEndian.PutUint16(h[roce.HandleOffVersion:], o.Version)
+	h[roce.HandleOffPurpose] = byte(roce.PurposeGather)
 	if o.On {
-		h[gOffVerdict] = 1
+		h[offVerdict] = 1
 	}
 	if o.Addr.IP != nil {
-		putAddr(h[gOffAddr:gOffAddr+20], o.Addr)
+		o.Addr.Put(h[offAddr : offAddr+roce.AddrSize])
 	}
-	h[gOffReason] = o.Reason
-	h[gOffFabric] = o.Fabric
-	h[gOffMode] = uint8(o.Mode)
-	h[gOffLanes] = o.Lanes
-	copy(h[gOffToken:gOffToken+16], o.Token[:])
-	binary.LittleEndian.PutUint64(h[gOffMax:], o.MaxBytes)
-	binary.LittleEndian.PutUint64(h[gOffSlot:], o.SlotBytes)
+	h[offReason] = o.Reason
+	h[offFabric] = o.Fabric
+	h[offMode] = uint8(o.Mode)
+	h[offLanes] = o.Lanes
+	copy(h[offToken:offToken+16], o.Token[:])
+	binary.LittleEndian.PutUint64(h[offMax:], o.MaxBytes)
+	binary.LittleEndian.PutUint64(h[offSlot:], o.SlotBytes)
 	if o.DirectWithoutNVSwitch {
-		h[gOffFlags] |= flagDirectWithoutNVSwitch
+		h[offFlags] |= flagDirectWithoutNVSwitch
 	}
 }
 
-// DecodeGatherOffer reads a handle, refusing anything malformed, foreign or from
+// DecodeOffer reads a handle, refusing anything malformed, foreign or from
 // another protocol version with an error that says which.
-func DecodeGatherOffer(h []byte) (GatherOffer, error) {
-	var o GatherOffer
-	if len(h) < HandleSize {
-		return o, fmt.Errorf("handle is %d bytes, expected %d", len(h), HandleSize)
+func DecodeOffer(h []byte) (Offer, error) {
+	var o Offer
+	if len(h) < roce.HandleSize {
+		return o, fmt.Errorf("handle is %d bytes, expected %d", len(h), roce.HandleSize)
 	}
-	if m := binary.LittleEndian.Uint32(h[hOffMagic:]); m != gatherMagic {
+	if m := binary.LittleEndian.Uint32(h[roce.HandleOffMagic:]); m != magic {
 		return o, fmt.Errorf("not a roce_gather collNet handle (magic 0x%08x)", m)
 	}
-	o.Version = binary.LittleEndian.Uint16(h[hOffVersion:])
-	if o.Version != ProtocolVersion {
-		return o, fmt.Errorf("speaks roce_gather protocol version %d, this library speaks version %d", o.Version, ProtocolVersion)
+	o.Version = binary.LittleEndian.Uint16(h[roce.HandleOffVersion:])
+	if o.Version != roce.ProtocolVersion {
+		return o, fmt.Errorf("speaks roce_gather protocol version %d, this library speaks version %d", o.Version, roce.ProtocolVersion)
 	}
-	if h[hOffPurpose] != purposeGather {
-		return o, fmt.Errorf("handle purpose %d is not a gather group", h[hOffPurpose])
+	if roce.Purpose(h[roce.HandleOffPurpose]) != roce.PurposeGather {
+		return o, fmt.Errorf("handle purpose %d is not a gather group", h[roce.HandleOffPurpose])
 	}
-	for i := gEnd; i < HandleSize; i++ {
+	for i := offEnd; i < roce.HandleSize; i++ {
 		if h[i] != 0 {
 			return o, fmt.Errorf("reserved handle byte %d is 0x%02x, not zero", i, h[i])
 		}
 	}
-	switch h[gOffVerdict] {
+	switch h[offVerdict] {
 	case 0, 1:
-		o.On = h[gOffVerdict] == 1
+		o.On = h[offVerdict] == 1
 	default:
-		return o, fmt.Errorf("verdict byte is %d, neither 0 nor 1", h[gOffVerdict])
+		return o, fmt.Errorf("verdict byte is %d, neither 0 nor 1", h[offVerdict])
 	}
-	o.Reason, o.Fabric, o.Mode, o.Lanes = h[gOffReason], h[gOffFabric], GatherMode(h[gOffMode]), h[gOffLanes]
-	copy(o.Token[:], h[gOffToken:gOffToken+16])
-	o.MaxBytes = binary.LittleEndian.Uint64(h[gOffMax:])
-	o.SlotBytes = binary.LittleEndian.Uint64(h[gOffSlot:])
-	if f := h[gOffFlags]; f&^knownFlags != 0 {
+	o.Reason, o.Fabric, o.Mode, o.Lanes = h[offReason], h[offFabric], Mode(h[offMode]), h[offLanes]
+	copy(o.Token[:], h[offToken:offToken+16])
+	o.MaxBytes = binary.LittleEndian.Uint64(h[offMax:])
+	o.SlotBytes = binary.LittleEndian.Uint64(h[offSlot:])
+	if f := h[offFlags]; f&^knownFlags != 0 {
 		return o, fmt.Errorf("flag byte 0x%02x has bits this library does not know (0x%02x)", f, f&^knownFlags)
 	}
-	o.DirectWithoutNVSwitch = h[gOffFlags]&flagDirectWithoutNVSwitch != 0
+	o.DirectWithoutNVSwitch = h[offFlags]&flagDirectWithoutNVSwitch != 0
 	if !o.On {
 		if _, ok := reasonText[o.Reason]; !ok {
 			return o, fmt.Errorf("verdict is off with unknown reason code %d", o.Reason)
@@ -204,7 +211,7 @@ func DecodeGatherOffer(h []byte) (GatherOffer, error) {
 	if o.Fabric != 1 && o.Fabric != 2 {
 		return o, fmt.Errorf("fabric code %d is neither tcp (1) nor verbs (2)", o.Fabric)
 	}
-	if o.Mode > GatherEager {
+	if o.Mode > ModeEager {
 		return o, fmt.Errorf("mode code %d is not auto, rendezvous or eager", o.Mode)
 	}
 	if o.Lanes < 1 || int(o.Lanes) > fabric.MaxLanes {
@@ -213,7 +220,7 @@ func DecodeGatherOffer(h []byte) (GatherOffer, error) {
 	if o.MaxBytes == 0 || o.SlotBytes != SlotBytesFor(o.MaxBytes) {
 		return o, fmt.Errorf("max_bytes %d and slot size %d do not agree", o.MaxBytes, o.SlotBytes)
 	}
-	a, err := getAddr(h[gOffAddr : gOffAddr+20])
+	a, err := roce.ParseAddr(h[offAddr : offAddr+roce.AddrSize])
 	if err != nil {
 		return o, fmt.Errorf("address: %w", err)
 	}
@@ -227,7 +234,7 @@ type Outcome struct {
 	Cap      uint64 // the agreed per-rank cap: the smaller usable max_bytes
 	LocalCap uint64
 	PeerCap  uint64
-	Mode     GatherMode
+	Mode     Mode
 	Lanes    int
 	Why      string // why the path is off
 	Config   bool   // off by configuration (ROCE_GATHER_ENABLE=0), not by a failure
@@ -235,7 +242,7 @@ type Outcome struct {
 	// drops it for lack of an NVSwitch; Note says so when only one rank asked.
 	DirectWithoutNVSwitch bool
 	Note                  string
-	peer                  GatherOffer
+	peer                  Offer
 	peerRank              int
 }
 
@@ -248,9 +255,9 @@ func Agree(handles [][]byte, rank int) Outcome {
 	if rank != 0 && rank != 1 {
 		return Outcome{Why: fmt.Sprintf("rank %d is outside this two-rank group", rank)}
 	}
-	var offers [2]GatherOffer
+	var offers [2]Offer
 	for i, h := range handles {
-		o, err := DecodeGatherOffer(h)
+		o, err := DecodeOffer(h)
 		if err != nil {
 			return Outcome{Why: fmt.Sprintf("rank %d's handle is not usable: %v", i, err)}
 		}
@@ -271,9 +278,9 @@ func Agree(handles [][]byte, rank int) Outcome {
 	}
 	m0, m1 := offers[0].Mode, offers[1].Mode
 	switch {
-	case m0 == m1 || m1 == GatherAuto:
+	case m0 == m1 || m1 == ModeAuto:
 		out.Mode = m0
-	case m0 == GatherAuto:
+	case m0 == ModeAuto:
 		out.Mode = m1
 	default:
 		out.Why = fmt.Sprintf("ROCE_GATHER_MODE differs: rank 0 %s, rank 1 %s", m0, m1)
@@ -295,63 +302,63 @@ func Agree(handles [][]byte, rank int) Outcome {
 	return out
 }
 
-// GatherListener is one rank's side of a collNet group between listen and connect.
-type GatherListener struct {
-	t      *Transport
-	l      *listener
-	offer  GatherOffer
+// Listener is one rank's side of a collNet group between listen and connect.
+type Listener struct {
+	t      *roce.Transport
+	l      *roce.Listener
+	offer  Offer
 	agreed chan struct{} // closed once connect has computed the outcome
 	mu     sync.Mutex
 	out    Outcome
-	side   *gatherSide
+	side   *side
 }
 
-// GatherConfig is this rank's configuration of the one-shot path.
-type GatherConfig struct {
+// Config is this rank's configuration of the one-shot path.
+type Config struct {
 	Enable   bool
 	MaxBytes uint64
 	// Explicit says MaxBytes came from ROCE_GATHER_MAX_BYTES rather than the default; the
 	// tcp fabric offers the one-shot path only then (docs/benchmarks.md).
 	Explicit bool
-	Mode     GatherMode
+	Mode     Mode
 	// DirectWithoutNVSwitch is this rank's ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH.
 	DirectWithoutNVSwitch bool
 }
 
-// ListenGather opens the group's listener and writes this rank's offer into handle.
-func (t *Transport) ListenGather(cfg GatherConfig, handle []byte) (*GatherListener, error) {
-	if len(handle) < HandleSize {
-		return nil, fmt.Errorf("handle buffer is %d bytes, need %d", len(handle), HandleSize)
+// Listen opens the group's listener on t and writes this rank's offer into handle.
+func Listen(t *roce.Transport, cfg Config, handle []byte) (*Listener, error) {
+	if len(handle) < roce.HandleSize {
+		return nil, fmt.Errorf("handle buffer is %d bytes, need %d", len(handle), roce.HandleSize)
 	}
-	gl := &GatherListener{t: t, agreed: make(chan struct{})}
-	gl.offer = GatherOffer{Version: ProtocolVersion, On: cfg.Enable, Fabric: fabricCode(t.kind), Mode: cfg.Mode,
-		Lanes: uint8(t.dev.Info().Lanes), MaxBytes: cfg.MaxBytes, SlotBytes: SlotBytesFor(cfg.MaxBytes),
+	gl := &Listener{t: t, agreed: make(chan struct{})}
+	gl.offer = Offer{Version: roce.ProtocolVersion, On: cfg.Enable, Fabric: fabricCode(t.Kind()), Mode: cfg.Mode,
+		Lanes: uint8(t.Device().Info().Lanes), MaxBytes: cfg.MaxBytes, SlotBytes: SlotBytesFor(cfg.MaxBytes),
 		DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch}
 	switch {
 	case !cfg.Enable:
 		gl.offer.On, gl.offer.Reason = false, ReasonDisabled
-	case t.kind == "tcp" && !cfg.Explicit:
+	case t.Kind() == "tcp" && !cfg.Explicit:
 		gl.offer.On, gl.offer.Reason = false, ReasonTCPDefault
 	default:
-		l, err := t.listen(purposeGather, gl.newSide, true)
+		l, err := t.Listen(roce.PurposeGather, gl.acceptSide)
 		if err != nil {
 			return nil, err
 		}
 		gl.l = l
-		gl.offer.Addr, gl.offer.Token = l.addr, l.token
+		gl.offer.Addr, gl.offer.Token = l.Addr(), l.Token()
 	}
 	gl.offer.Encode(handle)
 	return gl, nil
 }
 
-// newSide serves the accepting rank: it waits until this rank's own connect has agreed
+// acceptSide serves the accepting rank: it waits until this rank's own connect has agreed
 // the group's parameters, then hands over the side connect prepared.
-func (gl *GatherListener) newSide(stop <-chan struct{}) (side, error) {
+func (gl *Listener) acceptSide(stop <-chan struct{}) (roce.Side, error) {
 	select {
 	case <-gl.agreed:
 	case <-stop:
 		return nil, errors.New("the collNet listener closed before this rank connected")
-	case <-time.After(gl.t.cfg.Timeout):
+	case <-time.After(gl.t.Timeout()):
 		return nil, errors.New("this rank did not reach collNet connect in time")
 	}
 	gl.mu.Lock()
@@ -363,27 +370,27 @@ func (gl *GatherListener) newSide(stop <-chan struct{}) (side, error) {
 }
 
 // Close stops listening. Connect closes it too.
-func (gl *GatherListener) Close() {
+func (gl *Listener) Close() {
 	if gl.l != nil {
-		gl.l.close()
+		gl.l.Close()
 		gl.l = nil
 	}
 }
 
-// GatherComm is a live group. C is the rg_gather_comm the hot path uses.
-type GatherComm struct {
-	t    *Transport
-	side *gatherSide
+// Comm is a live group. C is the rg_gather_comm the hot path uses.
+type Comm struct {
+	t    *roce.Transport
+	side *side
 	link *fabric.Link
 }
 
-func (g *GatherComm) C() unsafe.Pointer     { return unsafe.Pointer(g.side.c) }
-func (g *GatherComm) Transport() *Transport { return g.t }
-func (g *GatherComm) Peer() string          { return g.link.Peer() }
-func (g *GatherComm) Outstanding() int      { return int(C.rg_gather_outstanding(g.side.c)) }
+func (g *Comm) C() unsafe.Pointer          { return unsafe.Pointer(g.side.c) }
+func (g *Comm) Transport() *roce.Transport { return g.t }
+func (g *Comm) Peer() string               { return g.link.Peer() }
+func (g *Comm) Outstanding() int           { return int(C.rg_gather_outstanding(g.side.c)) }
 
 // Close stops the link, then frees what the peer wrote into.
-func (g *GatherComm) Close() error {
+func (g *Comm) Close() error {
 	err := g.link.Close()
 	return errors.Join(err, g.side.Close())
 }
@@ -391,12 +398,12 @@ func (g *GatherComm) Close() error {
 // Connect forms the group from every rank's handle: it agrees the outcome, makes the
 // link, and checks it live in both directions. It returns a comm when the path is on;
 // otherwise nil and the outcome says why. Both ranks reach the same answer.
-func (gl *GatherListener) Connect(handles [][]byte, rank int) (*GatherComm, Outcome) {
+func (gl *Listener) Connect(handles [][]byte, rank int) (*Comm, Outcome) {
 	out := Agree(handles, rank)
-	var s *gatherSide
+	var s *side
 	var err error
 	if out.On {
-		if s, err = newGatherSide(gl.t, out, rank); err != nil {
+		if s, err = newSide(gl.t, out, rank); err != nil {
 			out.On, out.Why = false, err.Error()
 		}
 	}
@@ -410,14 +417,14 @@ func (gl *GatherListener) Connect(handles [][]byte, rank int) (*GatherComm, Outc
 	}
 	link, err := gl.link(out, rank, s)
 	if err == nil {
-		s.start(link, gl.t.cfg.Timeout)
+		s.start(link, gl.t.Timeout())
 		var errBuf [256]C.char
 		// Before the live check, so that a rank that cannot prepare fails it on both ranks.
 		// This runs on NCCL's thread, in its CUDA context.
-		if gl.t.dev.Info().PtrSupport&fabric.PtrCUDA != 0 &&
+		if gl.t.Device().Info().PtrSupport&fabric.PtrCUDA != 0 &&
 			C.rg_gather_cuda_prepare(s.c, &errBuf[0], C.int(len(errBuf))) != 0 {
 			err = errors.New(C.GoString(&errBuf[0]))
-		} else if C.rg_gather_probe(s.c, C.uint64_t(gl.t.cfg.Timeout.Nanoseconds()), &errBuf[0], C.int(len(errBuf))) != 0 {
+		} else if C.rg_gather_probe(s.c, C.uint64_t(gl.t.Timeout().Nanoseconds()), &errBuf[0], C.int(len(errBuf))) != 0 {
 			err = errors.New(C.GoString(&errBuf[0]))
 		}
 		if err != nil {
@@ -430,45 +437,45 @@ func (gl *GatherListener) Connect(handles [][]byte, rank int) (*GatherComm, Outc
 		out.On, out.Why = false, fmt.Sprintf("the link to rank %d failed: %v", out.peerRank, err)
 		return nil, out
 	}
-	return &GatherComm{t: gl.t, side: s, link: link}, out
+	return &Comm{t: gl.t, side: s, link: link}, out
 }
 
 // link makes the group's link: rank 0 dials rank 1, which accepts.
-func (gl *GatherListener) link(out Outcome, rank int, s *gatherSide) (*fabric.Link, error) {
+func (gl *Listener) link(out Outcome, rank int, s *side) (*fabric.Link, error) {
 	if rank == 0 {
-		return gl.t.dialLink(out.peer.Addr, out.peer.Token, purposeGather, out.Lanes, s)
+		return gl.t.DialLink(out.peer.Addr, out.peer.Token, roce.PurposeGather, out.Lanes, s)
 	}
-	deadline := time.Now().Add(gl.t.cfg.Timeout)
+	deadline := time.Now().Add(gl.t.Timeout())
 	for time.Now().Before(deadline) {
-		if a, ok := gl.l.next(); ok {
-			return a.link, nil
+		if link, ok := gl.l.Next(); ok {
+			return link, nil
 		}
 		time.Sleep(100 * time.Microsecond)
 	}
-	return nil, fmt.Errorf("rank 0 did not connect within %v", gl.t.cfg.Timeout)
+	return nil, fmt.Errorf("rank 0 did not connect within %v", gl.t.Timeout())
 }
 
-// gatherSide owns the C comm and the regions the peer writes into.
-type gatherSide struct {
-	t             *Transport
+// side owns the C comm and the regions the peer writes into.
+type side struct {
+	t             *roce.Transport
 	c             *C.rg_gather_comm
-	ctrl          *hostBuffer
+	ctrl          *roce.HostBuffer
 	landing       unsafe.Pointer
 	landingPinned C.int
 	landingMR     *fabric.MR
-	peer          gatherRegions
+	peer          regions
 	once          sync.Once
 }
 
-type gatherRegions struct {
+type regions struct {
 	ctrlAddr, landingAddr uint64
 	ctrlKeys, landingKeys [fabric.MaxLanes]uint32
 	slotBytes, depth      uint64
 }
 
-func newGatherSide(t *Transport, out Outcome, rank int) (*gatherSide, error) {
+func newSide(t *roce.Transport, out Outcome, rank int) (*side, error) {
 	slot := SlotBytesFor(out.Cap)
-	ctrl, err := newHostBuffer(t.dev, uint64(C.sizeof_rg_gather_ctrl))
+	ctrl, err := roce.NewHostBuffer(t.Device(), uint64(C.sizeof_rg_gather_ctrl))
 	if err != nil {
 		return nil, fmt.Errorf("gather control region: %w", err)
 	}
@@ -476,24 +483,24 @@ func newGatherSide(t *Transport, out Outcome, rank int) (*gatherSide, error) {
 	slots := slot * C.RG_GATHER_DEPTH
 	visible := slots + C.RG_ARRIVAL_BYTES
 	n := visible + C.RG_PLACE_STATUS_BYTES
-	s := &gatherSide{t: t, ctrl: ctrl}
+	s := &side{t: t, ctrl: ctrl}
 	s.landing = C.rg_landing_alloc(C.size_t(n), &s.landingPinned)
 	if s.landing == nil {
-		ctrl.free(t.dev)
+		ctrl.Free(t.Device())
 		return nil, fmt.Errorf("allocating %d bytes of landing slots", n)
 	}
 	C.memset(unsafe.Add(s.landing, slots), 0, C.RG_ARRIVAL_BYTES+C.RG_PLACE_STATUS_BYTES) // no word names a call yet
-	s.landingMR, err = t.dev.Register(uintptr(s.landing), visible, fabric.Host, nil)
+	s.landingMR, err = t.Device().Register(uintptr(s.landing), visible, fabric.Host, nil)
 	if err != nil {
 		C.rg_landing_free(s.landing, s.landingPinned)
-		ctrl.free(t.dev)
+		ctrl.Free(t.Device())
 		return nil, fmt.Errorf("registering the landing slots: %w", err)
 	}
 	c := (*C.rg_gather_comm)(C.calloc(1, C.sizeof_rg_gather_comm))
 	if c == nil {
-		t.dev.Deregister(s.landingMR)
+		t.Device().Deregister(s.landingMR)
 		C.rg_landing_free(s.landing, s.landingPinned)
-		ctrl.free(t.dev)
+		ctrl.Free(t.Device())
 		return nil, errors.New("out of memory for a gather comm")
 	}
 	C.rg_gather_init(c)
@@ -501,7 +508,7 @@ func newGatherSide(t *Transport, out Outcome, rank int) (*gatherSide, error) {
 	c.mode = C.int(out.Mode)
 	c.eager_max = EagerMaxAuto
 	c.slot_bytes = C.uint64_t(slot)
-	c.ctrl = (*C.rg_gather_ctrl)(ctrl.ptr)
+	c.ctrl = (*C.rg_gather_ctrl)(ctrl.Ptr())
 	c.landing = (*C.uint8_t)(s.landing)
 	c.arrival = (*C.uint64_t)(unsafe.Add(s.landing, slots))
 	c.place_status = (*C.uint32_t)(unsafe.Add(s.landing, visible))
@@ -510,12 +517,12 @@ func newGatherSide(t *Transport, out Outcome, rank int) (*gatherSide, error) {
 	return s, nil
 }
 
-func (s *gatherSide) blob() []byte {
+func (s *side) Blob() []byte {
 	b := make([]byte, 0, 64)
-	b = binary.LittleEndian.AppendUint64(b, s.ctrl.addr())
+	b = binary.LittleEndian.AppendUint64(b, s.ctrl.Addr())
 	b = binary.LittleEndian.AppendUint64(b, uint64(uintptr(s.landing)))
 	for i := 0; i < fabric.MaxLanes; i++ {
-		b = binary.LittleEndian.AppendUint32(b, s.ctrl.mr.RKey(i))
+		b = binary.LittleEndian.AppendUint32(b, s.ctrl.MR().RKey(i))
 	}
 	for i := 0; i < fabric.MaxLanes; i++ {
 		b = binary.LittleEndian.AppendUint32(b, s.landingMR.RKey(i))
@@ -525,7 +532,7 @@ func (s *gatherSide) blob() []byte {
 	return b
 }
 
-func (s *gatherSide) peerBlob(b []byte) error {
+func (s *side) PeerBlob(b []byte) error {
 	want := 16 + 8*fabric.MaxLanes + 16
 	if len(b) != want {
 		return fmt.Errorf("the peer's gather regions are described in %d bytes, expected %d", len(b), want)
@@ -546,7 +553,7 @@ func (s *gatherSide) peerBlob(b []byte) error {
 	return nil
 }
 
-func (s *gatherSide) start(link *fabric.Link, timeout time.Duration) {
+func (s *side) start(link *fabric.Link, timeout time.Duration) {
 	s.c.link = (*C.rg_link)(link.C())
 	s.c.timeout_ns = C.uint64_t(timeout.Nanoseconds())
 	s.c.peer_ctrl_addr = C.uint64_t(s.peer.ctrlAddr)
@@ -558,11 +565,11 @@ func (s *gatherSide) start(link *fabric.Link, timeout time.Duration) {
 	}
 }
 
-func (s *gatherSide) Close() error {
+func (s *side) Close() error {
 	var err error
 	s.once.Do(func() {
 		C.rg_gather_fini(s.c)
-		err = errors.Join(s.t.dev.Deregister(s.landingMR), s.ctrl.free(s.t.dev))
+		err = errors.Join(s.t.Device().Deregister(s.landingMR), s.ctrl.Free(s.t.Device()))
 		C.rg_landing_free(s.landing, s.landingPinned)
 		C.free(unsafe.Pointer(s.c))
 	})

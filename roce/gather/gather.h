@@ -15,10 +15,10 @@
 #ifndef RG_GATHER_H
 #define RG_GATHER_H
 
-#include "fabric/fabric.h"
-#include "request.h"
-#include "../include/cuda_subset.h"
-#include "../kernels/place.h"
+#include "../../include/cuda_subset.h"
+#include "../../kernels/place.h"
+#include "../fabric/fabric.h"
+#include "../request.h"
 
 #define RG_GATHER_DEPTH 16 /* calls in flight per group; a power of two */
 #define RG_GATHER_FLUSH_REQS 8

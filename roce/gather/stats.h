@@ -1,5 +1,6 @@
-/* Process-wide counters written at finalize (ROCE_GATHER_STATS). Updated with relaxed
- * atomics from the hot path; read by Go. */
+/* Process-wide counters written at finalize (ROCE_GATHER_STATS): the tuner's decisions
+ * (plugin/tuner.c) and the one-shot calls (gather.c). Updated with relaxed atomics from
+ * the hot path; read by Go. */
 #ifndef RG_STATS_H
 #define RG_STATS_H
 

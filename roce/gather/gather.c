@@ -2,10 +2,10 @@
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
-#include "../internal/cudadrv/cudadrv.h"
-#include "../internal/nlog/nlog.h"
+#include "../../internal/cudadrv/cudadrv.h"
+#include "../../internal/nlog/nlog.h"
+#include "../p2p.h" /* the immediate classes every link shares */
 #include "gather.h"
-#include "p2p.h"
 #include "stats.h"
 
 #define POLL_BATCH 32
