@@ -1,0 +1,245 @@
+package gather
+
+// The group's handshake: the offer a rank writes into NCCL's collNet handle, and the
+// outcome both ranks compute from the same handles.
+
+import (
+	"encoding/binary"
+	"fmt"
+
+	"github.com/roce-gather/roce_gather/roce"
+	"github.com/roce-gather/roce_gather/roce/fabric"
+)
+
+// Reasons a rank brings its verdict "off".
+const (
+	ReasonNone = iota
+	ReasonDisabled
+	ReasonNoMemory
+	ReasonLocalError
+	ReasonTCPDefault
+)
+
+var reasonText = map[uint8]string{
+	ReasonDisabled:   "ROCE_GATHER_ENABLE=0",
+	ReasonNoMemory:   "its landing slots could not be allocated",
+	ReasonLocalError: "a local set-up error (see its log)",
+	ReasonTCPDefault: "it runs the tcp fabric, where the one-shot path measured slower than NCCL's ring (set ROCE_GATHER_MAX_BYTES on both ranks to use it anyway)",
+}
+
+// Offer is what a rank brings to a group: the fields of its collNet handle.
+type Offer struct {
+	Version   uint16
+	On        bool
+	Reason    uint8
+	Fabric    uint8 // 1 tcp, 2 verbs
+	Mode      Mode
+	Lanes     uint8
+	MaxBytes  uint64
+	SlotBytes uint64
+	Addr      roce.Addr
+	Token     roce.Token
+	// DirectWithoutNVSwitch: this rank asks to schedule onto CollNet Direct where NCCL
+	// drops it for lack of an NVSwitch (ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1).
+	DirectWithoutNVSwitch bool
+}
+
+const (
+	magic      = 0x3143_4752 // "RGC1"
+	offVerdict = 7
+	offAddr    = 8 // 20 bytes
+	offReason  = 28
+	offFabric  = 29
+	offMode    = 30
+	offLanes   = 31
+	offToken   = 32
+	offMax     = 48
+	offSlot    = 56
+	offFlags   = 64
+	offEnd     = 65 // bytes after this are zero
+
+	flagDirectWithoutNVSwitch = 1 << 0
+	knownFlags                = flagDirectWithoutNVSwitch
+)
+
+func fabricCode(kind string) uint8 {
+	if kind == "verbs" {
+		return 2
+	}
+	return 1
+}
+
+func fabricName(code uint8) string {
+	switch code {
+	case 1:
+		return "tcp"
+	case 2:
+		return "verbs"
+	}
+	return fmt.Sprintf("fabric(%d)", code)
+}
+
+// SlotBytesFor rounds a shard cap up to whole pages, the landing slot size.
+func SlotBytesFor(capBytes uint64) uint64 { return (capBytes + 4095) &^ 4095 }
+
+// Encode writes the offer into a 128-byte handle.
+func (o Offer) Encode(h []byte) {
+	for i := range h[:roce.HandleSize] {
+		h[i] = 0
+	}
+	binary.LittleEndian.PutUint32(h[roce.HandleOffMagic:], magic)
+	binary.LittleEndian.PutUint16(h[roce.HandleOffVersion:], o.Version)
+	h[roce.HandleOffPurpose] = byte(roce.PurposeGather)
+	if o.On {
+		h[offVerdict] = 1
+	}
+	if o.Addr.IP != nil {
+		o.Addr.Put(h[offAddr : offAddr+roce.AddrSize])
+	}
+	h[offReason] = o.Reason
+	h[offFabric] = o.Fabric
+	h[offMode] = uint8(o.Mode)
+	h[offLanes] = o.Lanes
+	copy(h[offToken:offToken+16], o.Token[:])
+	binary.LittleEndian.PutUint64(h[offMax:], o.MaxBytes)
+	binary.LittleEndian.PutUint64(h[offSlot:], o.SlotBytes)
+	if o.DirectWithoutNVSwitch {
+		h[offFlags] |= flagDirectWithoutNVSwitch
+	}
+}
+
+// DecodeOffer reads a handle, refusing anything malformed, foreign or from
+// another protocol version with an error that says which.
+func DecodeOffer(h []byte) (Offer, error) {
+	var o Offer
+	if len(h) < roce.HandleSize {
+		return o, fmt.Errorf("handle is %d bytes, expected %d", len(h), roce.HandleSize)
+	}
+	if m := binary.LittleEndian.Uint32(h[roce.HandleOffMagic:]); m != magic {
+		return o, fmt.Errorf("not a roce_gather collNet handle (magic 0x%08x)", m)
+	}
+	o.Version = binary.LittleEndian.Uint16(h[roce.HandleOffVersion:])
+	if o.Version != roce.ProtocolVersion {
+		return o, fmt.Errorf("speaks roce_gather protocol version %d, this library speaks version %d", o.Version, roce.ProtocolVersion)
+	}
+	if roce.Purpose(h[roce.HandleOffPurpose]) != roce.PurposeGather {
+		return o, fmt.Errorf("handle purpose %d is not a gather group", h[roce.HandleOffPurpose])
+	}
+	for i := offEnd; i < roce.HandleSize; i++ {
+		if h[i] != 0 {
+			return o, fmt.Errorf("reserved handle byte %d is 0x%02x, not zero", i, h[i])
+		}
+	}
+	switch h[offVerdict] {
+	case 0, 1:
+		o.On = h[offVerdict] == 1
+	default:
+		return o, fmt.Errorf("verdict byte is %d, neither 0 nor 1", h[offVerdict])
+	}
+	o.Reason, o.Fabric, o.Mode, o.Lanes = h[offReason], h[offFabric], Mode(h[offMode]), h[offLanes]
+	copy(o.Token[:], h[offToken:offToken+16])
+	o.MaxBytes = binary.LittleEndian.Uint64(h[offMax:])
+	o.SlotBytes = binary.LittleEndian.Uint64(h[offSlot:])
+	if f := h[offFlags]; f&^knownFlags != 0 {
+		return o, fmt.Errorf("flag byte 0x%02x has bits this library does not know (0x%02x)", f, f&^knownFlags)
+	}
+	o.DirectWithoutNVSwitch = h[offFlags]&flagDirectWithoutNVSwitch != 0
+	if !o.On {
+		if _, ok := reasonText[o.Reason]; !ok {
+			return o, fmt.Errorf("verdict is off with unknown reason code %d", o.Reason)
+		}
+		return o, nil
+	}
+	if o.Fabric != 1 && o.Fabric != 2 {
+		return o, fmt.Errorf("fabric code %d is neither tcp (1) nor verbs (2)", o.Fabric)
+	}
+	if o.Mode > ModeEager {
+		return o, fmt.Errorf("mode code %d is not auto, rendezvous or eager", o.Mode)
+	}
+	if o.Lanes < 1 || int(o.Lanes) > fabric.MaxLanes {
+		return o, fmt.Errorf("lane count %d is outside 1..%d", o.Lanes, fabric.MaxLanes)
+	}
+	if o.MaxBytes == 0 || o.SlotBytes != SlotBytesFor(o.MaxBytes) {
+		return o, fmt.Errorf("max_bytes %d and slot size %d do not agree", o.MaxBytes, o.SlotBytes)
+	}
+	a, err := roce.ParseAddr(h[offAddr : offAddr+roce.AddrSize])
+	if err != nil {
+		return o, fmt.Errorf("address: %w", err)
+	}
+	o.Addr = a
+	return o, nil
+}
+
+// Outcome is what both ranks of a group conclude from the same handles.
+type Outcome struct {
+	On       bool
+	Cap      uint64 // the agreed per-rank cap: the smaller usable max_bytes
+	LocalCap uint64
+	PeerCap  uint64
+	Mode     Mode
+	Lanes    int
+	Why      string // why the path is off
+	Config   bool   // off by configuration (ROCE_GATHER_ENABLE=0), not by a failure
+	// DirectWithoutNVSwitch: both ranks asked to schedule onto CollNet Direct where NCCL
+	// drops it for lack of an NVSwitch; Note says so when only one rank asked.
+	DirectWithoutNVSwitch bool
+	Note                  string
+	peer                  Offer
+	peerRank              int
+}
+
+// Agree computes a group's outcome from all handles. Every input is the same bytes on
+// both ranks, so both reach the same verdict and the same cap.
+func Agree(handles [][]byte, rank int) Outcome {
+	if len(handles) != 2 {
+		return Outcome{Why: fmt.Sprintf("the one-shot gather serves two ranks; this group has %d", len(handles))}
+	}
+	if rank != 0 && rank != 1 {
+		return Outcome{Why: fmt.Sprintf("rank %d is outside this two-rank group", rank)}
+	}
+	var offers [2]Offer
+	for i, h := range handles {
+		o, err := DecodeOffer(h)
+		if err != nil {
+			return Outcome{Why: fmt.Sprintf("rank %d's handle is not usable: %v", i, err)}
+		}
+		offers[i] = o
+	}
+	peer := 1 - rank
+	out := Outcome{LocalCap: offers[rank].MaxBytes, PeerCap: offers[peer].MaxBytes, peer: offers[peer], peerRank: peer}
+	for i, o := range offers {
+		if !o.On {
+			out.Why = fmt.Sprintf("rank %d is off: %s", i, reasonText[o.Reason])
+			out.Config = o.Reason == ReasonDisabled || o.Reason == ReasonTCPDefault
+			return out
+		}
+	}
+	if offers[0].Fabric != offers[1].Fabric {
+		out.Why = fmt.Sprintf("rank 0 uses the %s fabric and rank 1 the %s fabric", fabricName(offers[0].Fabric), fabricName(offers[1].Fabric))
+		return out
+	}
+	m0, m1 := offers[0].Mode, offers[1].Mode
+	switch {
+	case m0 == m1 || m1 == ModeAuto:
+		out.Mode = m0
+	case m0 == ModeAuto:
+		out.Mode = m1
+	default:
+		out.Why = fmt.Sprintf("ROCE_GATHER_MODE differs: rank 0 %s, rank 1 %s", m0, m1)
+		out.Config = true
+		return out
+	}
+	out.Cap = min(offers[0].MaxBytes, offers[1].MaxBytes)
+	out.Lanes = int(min(offers[0].Lanes, offers[1].Lanes))
+	out.DirectWithoutNVSwitch = offers[0].DirectWithoutNVSwitch && offers[1].DirectWithoutNVSwitch
+	if offers[0].DirectWithoutNVSwitch != offers[1].DirectWithoutNVSwitch {
+		asked := 0
+		if offers[1].DirectWithoutNVSwitch {
+			asked = 1
+		}
+		out.Note = fmt.Sprintf("only rank %d of the collNet group set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, rank %d did not: "+
+			"CollNet Direct without NVSwitch stays off on both (set it on both ranks or neither)", asked, 1-asked)
+	}
+	out.On = true
+	return out
+}
