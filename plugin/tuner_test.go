@@ -30,7 +30,7 @@ func offered() []float32 {
 
 func TestTunerSteersAGatherAtTheCapToCollNetDirectOnOneChannel(t *testing.T) {
 	table := offered()
-	d, nch := TunePolicy(2, true, 524288, allGather, 2*524288, table, 7, 3)
+	d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 524288}, allGather, 2*524288, table, 7, 3)
 	require.Equal(t, TuneOneShot, d)
 	require.Equal(t, 1, nch)
 	require.Equal(t, float32(0), table[algoCollNetDirect*3+protoSimple])
@@ -39,7 +39,7 @@ func TestTunerSteersAGatherAtTheCapToCollNetDirectOnOneChannel(t *testing.T) {
 
 func TestTunerHandsAGatherOneByteOverTheCapToNCCL(t *testing.T) {
 	table := offered()
-	d, nch := TunePolicy(2, true, 524288, allGather, 2*524288+1, table, 7, 3)
+	d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 524288}, allGather, 2*524288+1, table, 7, 3)
 	require.Equal(t, TuneNCCL, d)
 	require.Equal(t, 0, nch)
 	for p := 0; p < 3; p++ {
@@ -52,16 +52,16 @@ func TestTunerHandsAGatherOneByteOverTheCapToNCCL(t *testing.T) {
 // nBytes is the total of both ranks: a cap of 511 KiB a rank takes gathers up to 1022 KiB.
 func TestTunerCapIsPerRankAndNBytesIsTheTotal(t *testing.T) {
 	capBytes := uint64(511 * 1024)
-	d, _ := TunePolicy(2, true, capBytes, allGather, 2*capBytes, offered(), 7, 3)
+	d, _ := TunePolicy(2, TunerGroup{On: true, Cap: capBytes}, allGather, 2*capBytes, offered(), 7, 3)
 	require.Equal(t, TuneOneShot, d)
-	d, _ = TunePolicy(2, true, capBytes, allGather, 2*524288, offered(), 7, 3)
+	d, _ = TunePolicy(2, TunerGroup{On: true, Cap: capBytes}, allGather, 2*524288, offered(), 7, 3)
 	require.Equal(t, TuneNCCL, d, "a 512 KiB shard is over a 511 KiB cap")
 }
 
 func TestTunerNeverSchedulesOntoAnEntryNCCLIgnored(t *testing.T) {
 	table := offered()
 	table[algoCollNetDirect*3+protoSimple] = ignore // as NCCL >= 2.24 does without NVSwitch
-	d, nch := TunePolicy(2, true, 524288, allGather, 4096, table, 7, 3)
+	d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 524288}, allGather, 4096, table, 7, 3)
 	require.Equal(t, TuneNCCLNotOffered, d)
 	require.Equal(t, 0, nch)
 	require.Equal(t, float32(ignore), table[algoCollNetDirect*3+protoSimple])
@@ -74,7 +74,7 @@ func TestTunerUsesTheDroppedDirectEntryOnlyWhenAllowed(t *testing.T) {
 	for p := 0; p < 3; p++ {
 		table[algoCollNetDirect*3+p] = ignore
 	}
-	d, nch := TunePolicyDirectWithoutNVSwitch(524288, allGather, 2*524288, table, 7, 3)
+	d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 524288, DirectWithoutNVSwitch: true}, allGather, 2*524288, table, 7, 3)
 	require.Equal(t, TuneOneShotUnoffered, d)
 	require.Equal(t, 1, nch)
 	require.Equal(t, float32(0), table[algoCollNetDirect*3+protoSimple])
@@ -82,12 +82,12 @@ func TestTunerUsesTheDroppedDirectEntryOnlyWhenAllowed(t *testing.T) {
 
 	table = offered()
 	table[algoCollNetDirect*3+protoSimple] = ignore
-	d, _ = TunePolicyDirectWithoutNVSwitch(524288, allGather, 2*524288+2, table, 7, 3)
+	d, _ = TunePolicy(2, TunerGroup{On: true, Cap: 524288, DirectWithoutNVSwitch: true}, allGather, 2*524288+2, table, 7, 3)
 	require.Equal(t, TuneNCCL, d)
 	require.Equal(t, float32(ignore), table[algoCollNetDirect*3+protoSimple])
 
 	table = offered()
-	d, _ = TunePolicyDirectWithoutNVSwitch(524288, allGather, 4096, table, 7, 3)
+	d, _ = TunePolicy(2, TunerGroup{On: true, Cap: 524288, DirectWithoutNVSwitch: true}, allGather, 4096, table, 7, 3)
 	require.Equal(t, TuneOneShot, d, "an offered entry is an ordinary one-shot decision")
 }
 
@@ -102,7 +102,7 @@ func TestTunerLeavesEverythingElseAlone(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			table := offered()
-			d, nch := TunePolicy(tc.nRanks, tc.on, 524288, tc.coll, 4096, table, 7, 3)
+			d, nch := TunePolicy(tc.nRanks, TunerGroup{On: tc.on, Cap: 524288}, tc.coll, 4096, table, 7, 3)
 			require.Equal(t, TuneNotOurs, d)
 			require.Equal(t, 0, nch)
 			require.Equal(t, offered(), table)
@@ -112,7 +112,7 @@ func TestTunerLeavesEverythingElseAlone(t *testing.T) {
 
 func TestTunerWithTheGroupOffKeepsGathersOffCollNet(t *testing.T) {
 	table := offered()
-	d, _ := TunePolicy(2, false, 0, allGather, 4096, table, 7, 3)
+	d, _ := TunePolicy(2, TunerGroup{}, allGather, 4096, table, 7, 3)
 	require.Equal(t, TuneNCCL, d)
 	require.Equal(t, float32(ignore), table[algoCollNetDirect*3+protoSimple])
 }
@@ -124,7 +124,7 @@ func TestTunerKeepsCollNetWhenNCCLOffersNothingElse(t *testing.T) {
 		table[i] = ignore
 	}
 	table[algoCollNetDirect*3+protoSimple] = 10
-	d, _ := TunePolicy(2, true, 1024, allGather, 1<<20, table, 7, 3)
+	d, _ := TunePolicy(2, TunerGroup{On: true, Cap: 1024}, allGather, 1<<20, table, 7, 3)
 	require.Equal(t, TuneNCCL, d)
 	require.Equal(t, float32(10), table[algoCollNetDirect*3+protoSimple])
 }
@@ -132,7 +132,7 @@ func TestTunerKeepsCollNetWhenNCCLOffersNothingElse(t *testing.T) {
 // NCCL 2.19-2.22 has 6 algorithms (no PAT): the table is indexed with numAlgo as passed.
 func TestTunerIndexesWithTheTableShapeNCCLPasses(t *testing.T) {
 	table := offered()[:6*3]
-	d, nch := TunePolicy(2, true, 65536, allGather, 65536, table, 6, 3)
+	d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 65536}, allGather, 65536, table, 6, 3)
 	require.Equal(t, TuneOneShot, d)
 	require.Equal(t, 1, nch)
 	require.Equal(t, float32(0), table[algoCollNetDirect*3+protoSimple])
@@ -140,8 +140,8 @@ func TestTunerIndexesWithTheTableShapeNCCLPasses(t *testing.T) {
 
 // Tuner v6 asks for the whole one-shot gather as one window; NCCL clamps it to its buffer.
 func TestChunkSizeCoversAOneShotGatherInOneWindow(t *testing.T) {
-	require.Equal(t, uint64(2*65536), ChunkPolicy(2, true, 524288, allGather, 2*65536, algoCollNetDirect, protoSimple, 32768))
-	require.Equal(t, uint64(2*524288), ChunkPolicy(2, true, 524288, allGather, 2*524288, algoCollNetDirect, protoSimple, 131072))
+	require.Equal(t, uint64(2*65536), ChunkPolicy(2, TunerGroup{On: true, Cap: 524288}, allGather, 2*65536, algoCollNetDirect, protoSimple, 32768))
+	require.Equal(t, uint64(2*524288), ChunkPolicy(2, TunerGroup{On: true, Cap: 524288}, allGather, 2*524288, algoCollNetDirect, protoSimple, 131072))
 }
 
 func TestChunkSizeUntouchedOutsideTheOneShotPath(t *testing.T) {
@@ -158,7 +158,7 @@ func TestChunkSizeUntouchedOutsideTheOneShotPath(t *testing.T) {
 		{"already larger", true, allGather, algoCollNetDirect, 1024},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			require.Equal(t, uint64(32768), ChunkPolicy(2, tc.on, 524288, tc.coll, tc.nBytes, tc.algo, protoSimple, 32768))
+			require.Equal(t, uint64(32768), ChunkPolicy(2, TunerGroup{On: tc.on, Cap: 524288}, tc.coll, tc.nBytes, tc.algo, protoSimple, 32768))
 		})
 	}
 }

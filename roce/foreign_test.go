@@ -3,6 +3,7 @@ package roce
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"io"
 	"net"
 	"strconv"
@@ -70,7 +71,8 @@ func TestAPeerOnAnotherProtocolVersionIsToldWhy(t *testing.T) {
 	require.NoError(t, writeHello(c, hello{version: ProtocolVersion + 1, purpose: PurposeP2P, lanes: 1, token: ph.token}))
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	_, _, err = readStatus(c, magicWelcome, "welcome")
-	require.EqualError(t, err, "peer refused: 127.0.0.1:"+port(c.LocalAddr())+" speaks roce_gather protocol version 4, this library speaks version 3")
+	require.EqualError(t, err, fmt.Sprintf("peer refused: 127.0.0.1:%s speaks roce_gather protocol version %d, this library speaks version %d",
+		port(c.LocalAddr()), ProtocolVersion+1, ProtocolVersion))
 }
 
 func port(a net.Addr) string { return strconv.Itoa(a.(*net.TCPAddr).Port) }

@@ -153,7 +153,8 @@ func TestABICatchesPropertiesOfTheWrongVersion(t *testing.T) {
 func TestBadEnvironmentValuesAreRefusedWithAWarning(t *testing.T) {
 	bad := map[string]string{
 		"ROCE_GATHER_ENABLE":     `ROCE_GATHER_ENABLE="maybe" is not 0 or 1; using 1`,
-		"ROCE_GATHER_MAX_BYTES":  `ROCE_GATHER_MAX_BYTES="lots" is not a byte count (want digits with an optional K, M or G suffix); using 524288`,
+		"ROCE_GATHER_MAX_BYTES":  `ROCE_GATHER_MAX_BYTES="lots" is not a byte count (want digits with an optional K, M or G suffix); using the fabric's default window`,
+		"ROCE_GATHER_MIN_BYTES":  `ROCE_GATHER_MIN_BYTES="65M" is outside 0..67108864; using the fabric's default window`,
 		"ROCE_GATHER_FABRIC":     `ROCE_GATHER_FABRIC="rdma" is not auto, verbs or tcp; using auto`,
 		"ROCE_GATHER_HCAS":       `ROCE_GATHER_HCAS="mlx5_0,,mlx5_1" has an empty item; using all active ports`,
 		"ROCE_GATHER_GID_INDEX":  `ROCE_GATHER_GID_INDEX="third" is not auto or an index from 0 to 255; using auto`,
@@ -162,7 +163,7 @@ func TestBadEnvironmentValuesAreRefusedWithAWarning(t *testing.T) {
 		"ROCE_GATHER_MODE":       `ROCE_GATHER_MODE="turbo" is not rendezvous, eager or auto; using auto`,
 		"ROCE_GATHER_TCP_CUDA":   `ROCE_GATHER_TCP_CUDA="yes" is not 0 or 1; using 0`,
 	}
-	values := map[string]string{"ROCE_GATHER_ENABLE": "maybe", "ROCE_GATHER_MAX_BYTES": "lots", "ROCE_GATHER_FABRIC": "rdma",
+	values := map[string]string{"ROCE_GATHER_ENABLE": "maybe", "ROCE_GATHER_MAX_BYTES": "lots", "ROCE_GATHER_MIN_BYTES": "65M", "ROCE_GATHER_FABRIC": "rdma",
 		"ROCE_GATHER_HCAS": "mlx5_0,,mlx5_1", "ROCE_GATHER_GID_INDEX": "third", "ROCE_GATHER_TCP_IF": "eth0,eth1",
 		"ROCE_GATHER_TIMEOUT_MS": "0", "ROCE_GATHER_MODE": "turbo", "ROCE_GATHER_TCP_CUDA": "yes"}
 	var env []string
@@ -177,7 +178,7 @@ func TestBadEnvironmentValuesAreRefusedWithAWarning(t *testing.T) {
 	}
 	for _, c := range r.Checks {
 		if c.Check == "warnings" {
-			require.Equal(t, "9 WARN line(s) logged during the check", c.Detail)
+			require.Equal(t, "10 WARN line(s) logged during the check", c.Detail)
 		} else {
 			require.True(t, c.OK, "%s %s: the defaults keep everything else working", c.Table, c.Check)
 		}

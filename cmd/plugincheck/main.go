@@ -138,7 +138,7 @@ type scenario struct {
 	name       string
 	suite      string
 	env0, env1 []string
-	expect     string // what the gather suite must see: "cap:N", "off" or "dropped"
+	expect     string // what the gather suite must see: "cap:N", "window:F:N", "off" or "dropped"
 	// tcpDefault runs without ROCE_GATHER_MAX_BYTES: the tcp fabric then keeps the one-shot
 	// path off. Every other gather scenario sets the cap, which turns it on over tcp.
 	tcpDefault bool
@@ -154,6 +154,9 @@ func scenarios(which string) []scenario {
 		{name: "gather", suite: "gather", expect: "cap:524288"},
 		{name: "gather, caps 511 KiB and 512 KiB", suite: "gather",
 			env0: []string{"ROCE_GATHER_MAX_BYTES=523264"}, env1: []string{"ROCE_GATHER_MAX_BYTES=524288"}, expect: "cap:523264"},
+		{name: "gather, floors 16 KiB and 32 KiB, caps 512 KiB and 128 KiB", suite: "gather",
+			env0: []string{"ROCE_GATHER_MIN_BYTES=16384", "ROCE_GATHER_MAX_BYTES=524288"},
+			env1: []string{"ROCE_GATHER_MIN_BYTES=32768", "ROCE_GATHER_MAX_BYTES=131072"}, expect: "window:32768:131072"},
 		{name: "gather, ROCE_GATHER_ENABLE=0 on rank 1 only", suite: "gather",
 			env1: []string{"ROCE_GATHER_ENABLE=0"}, expect: "off"},
 		{name: "gather, eager mode", suite: "gather", env0: []string{"ROCE_GATHER_MODE=eager"}, env1: []string{"ROCE_GATHER_MODE=eager"}, expect: "cap:524288"},

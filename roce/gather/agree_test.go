@@ -75,18 +75,21 @@ func TestMalformedPeerHandles(t *testing.T) {
 		return h
 	}
 	cases := map[string][]byte{
-		"foreign magic":       corrupt(func(h []byte) { h[0] ^= 0xff }),
-		"p2p handle":          corrupt(func(h []byte) { h[roce.HandleOffPurpose] = byte(roce.PurposeP2P) }),
-		"verdict byte 7":      corrupt(func(h []byte) { h[offVerdict] = 7 }),
-		"reserved byte set":   corrupt(func(h []byte) { h[100] = 1 }),
-		"zero cap":            corrupt(func(h []byte) { h[offMax] = 0; h[offMax+1] = 0; h[offMax+2] = 0 }),
-		"slot disagrees":      corrupt(func(h []byte) { h[offSlot+1] ^= 0x10 }),
-		"unknown fabric":      corrupt(func(h []byte) { h[offFabric] = 9 }),
-		"zero lanes":          corrupt(func(h []byte) { h[offLanes] = 0 }),
-		"bad address family":  corrupt(func(h []byte) { h[offAddr] = 5 }),
-		"truncated":           good[:64],
-		"off, unknown reason": corrupt(func(h []byte) { h[offVerdict] = 0; h[offReason] = 200 }),
-		"unknown flag bit":    corrupt(func(h []byte) { h[offFlags] = 0x02 }),
+		"foreign magic":         corrupt(func(h []byte) { h[0] ^= 0xff }),
+		"p2p handle":            corrupt(func(h []byte) { h[roce.HandleOffPurpose] = byte(roce.PurposeP2P) }),
+		"verdict byte 7":        corrupt(func(h []byte) { h[offVerdict] = 7 }),
+		"reserved byte set":     corrupt(func(h []byte) { h[100] = 1 }),
+		"zero cap":              corrupt(func(h []byte) { h[offMax] = 0; h[offMax+1] = 0; h[offMax+2] = 0 }),
+		"slot disagrees":        corrupt(func(h []byte) { h[offSlot+1] ^= 0x10 }),
+		"unknown fabric":        corrupt(func(h []byte) { h[offFabric] = 9 }),
+		"zero lanes":            corrupt(func(h []byte) { h[offLanes] = 0 }),
+		"bad address family":    corrupt(func(h []byte) { h[offAddr] = 5 }),
+		"truncated":             good[:64],
+		"off, unknown reason":   corrupt(func(h []byte) { h[offVerdict] = 0; h[offReason] = 200 }),
+		"unknown flag bit":      corrupt(func(h []byte) { h[offFlags] = 0x02 }),
+		"byte after the flags":  corrupt(func(h []byte) { h[offFlags+1] = 1 }),
+		"byte before the floor": corrupt(func(h []byte) { h[offMin-1] = 1 }),
+		"byte after the floor":  corrupt(func(h []byte) { h[offEnd] = 1 }),
 	}
 	for name, bad := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -165,7 +168,7 @@ func TestDirectWithoutNVSwitchNeedsBothRanks(t *testing.T) {
 
 func TestOfferRoundTrips(t *testing.T) {
 	o := offer(3 * 1000)
-	o.Mode, o.Lanes, o.Fabric, o.DirectWithoutNVSwitch = ModeRendezvous, 2, 2, true
+	o.Mode, o.Lanes, o.Fabric, o.DirectWithoutNVSwitch, o.MinBytes = ModeRendezvous, 2, 2, true, 1500
 	got, err := DecodeOffer(handle(o))
 	require.NoError(t, err)
 	require.Equal(t, o, got)
@@ -179,15 +182,79 @@ func FuzzAgree(f *testing.F) {
 	off.On, off.Reason = false, ReasonDisabled
 	f.Add(handle(offer(4096)), handle(off))
 	f.Add(make([]byte, roce.HandleSize), handle(offer(1)))
+	f.Add(handle(window(32<<10, 524288)), handle(window(16<<10, 65536)))
+	f.Add(handle(window(1<<20, 524288)), handle(offer(65536)))
 	f.Fuzz(func(t *testing.T, a, b []byte) {
 		hs := [][]byte{a, b}
 		o0, o1 := Agree(hs, 0), Agree(hs, 1)
-		if o0.On != o1.On || o0.Cap != o1.Cap || o0.Why != o1.Why || o0.Mode != o1.Mode || o0.Lanes != o1.Lanes ||
+		if o0.On != o1.On || o0.Floor != o1.Floor || o0.Cap != o1.Cap || o0.Why != o1.Why || o0.Mode != o1.Mode || o0.Lanes != o1.Lanes ||
 			o0.DirectWithoutNVSwitch != o1.DirectWithoutNVSwitch || o0.Note != o1.Note {
 			t.Fatalf("ranks disagree: %+v vs %+v", o0, o1)
 		}
 		if o0.On && (o0.Cap == 0 || o0.Cap != min(o0.LocalCap, o0.PeerCap)) {
 			t.Fatalf("on with cap %d from %d and %d", o0.Cap, o0.LocalCap, o0.PeerCap)
 		}
+		if o0.On && (o0.Floor != max(o0.LocalFloor, o0.PeerFloor) || o0.Floor > o0.Cap) {
+			t.Fatalf("on with floor %d from %d and %d, cap %d", o0.Floor, o0.LocalFloor, o0.PeerFloor, o0.Cap)
+		}
 	})
+}
+
+func window(floor, capBytes uint64) Offer {
+	o := offer(capBytes)
+	o.MinBytes = floor
+	return o
+}
+
+func TestWindowAgreementTakesTheLargerFloorAndTheSmallerCap(t *testing.T) {
+	o0, o1 := both(window(16<<10, 512<<10), window(32<<10, 256<<10))
+	for _, o := range []Outcome{o0, o1} {
+		require.True(t, o.On)
+		require.Equal(t, uint64(32<<10), o.Floor)
+		require.Equal(t, uint64(256<<10), o.Cap)
+	}
+	require.Equal(t, uint64(16<<10), o0.LocalFloor)
+	require.Equal(t, uint64(32<<10), o0.PeerFloor)
+	require.Equal(t, uint64(32<<10), o1.LocalFloor)
+	require.Equal(t, uint64(16<<10), o1.PeerFloor)
+}
+
+// A floor and a cap that meet leave a window of one size: still on.
+func TestWindowOfOneSizeIsOn(t *testing.T) {
+	o0, o1 := both(window(64<<10, 512<<10), window(0, 64<<10))
+	require.True(t, o0.On)
+	require.True(t, o1.On)
+	require.Equal(t, uint64(64<<10), o0.Floor)
+	require.Equal(t, uint64(64<<10), o0.Cap)
+}
+
+func TestWindowFloorAboveThePeersCapTurnsThePathOffOnBoth(t *testing.T) {
+	o0, o1 := both(window(64<<10, 512<<10), window(0, 32<<10))
+	require.False(t, o0.On)
+	require.False(t, o1.On)
+	require.Equal(t, "the agreed one-shot window is empty: floor 65536 (the larger of rank 0's 65536 and rank 1's 0) "+
+		"is above cap 32768 (the smaller of rank 0's 524288 and rank 1's 32768)", o0.Why)
+	require.Equal(t, o0.Why, o1.Why)
+	require.False(t, o0.Config, "both ranks asked for the path: a misconfiguration, said as a WARN")
+	require.Zero(t, o0.Cap)
+}
+
+// One rank's own floor above its own cap empties the group's window too.
+func TestWindowEmptyOnOneRankTurnsThePathOffOnBoth(t *testing.T) {
+	o0, o1 := both(window(0, 512<<10), window(128<<10, 64<<10))
+	require.False(t, o0.On)
+	require.False(t, o1.On)
+	require.Contains(t, o0.Why, "floor 131072 (the larger of rank 0's 0 and rank 1's 131072) is above cap 65536")
+	require.Equal(t, o0.Why, o1.Why)
+}
+
+func TestFabricDefaultOffNamesTheFabric(t *testing.T) {
+	a, b := offer(524288), offer(524288)
+	b.On, b.Reason = false, ReasonFabricDefault
+	o0, o1 := both(a, b)
+	require.False(t, o0.On)
+	require.Equal(t, "rank 1 is off: the one-shot path is off by default on the tcp fabric and ROCE_GATHER_MAX_BYTES "+
+		"is unset (set it on both ranks to use the path)", o0.Why)
+	require.Equal(t, o0.Why, o1.Why)
+	require.True(t, o0.Config)
 }

@@ -82,12 +82,13 @@ type Listener struct {
 
 // Config is this rank's configuration of the one-shot path.
 type Config struct {
-	Enable   bool
-	MaxBytes uint64
-	// Explicit says MaxBytes came from ROCE_GATHER_MAX_BYTES rather than the default; the
-	// tcp fabric offers the one-shot path only then (docs/benchmarks.md).
-	Explicit bool
-	Mode     Mode
+	Enable bool
+	// MinBytes and MaxBytes are this rank's window, bytes a rank: its floor and its cap.
+	MinBytes, MaxBytes uint64
+	// OffByDefault: this rank's fabric keeps the path off unless ROCE_GATHER_MAX_BYTES is
+	// set, and it is not.
+	OffByDefault bool
+	Mode         Mode
 	// DirectWithoutNVSwitch is this rank's ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH.
 	DirectWithoutNVSwitch bool
 }
@@ -99,13 +100,13 @@ func Listen(t *roce.Transport, cfg Config, handle []byte) (*Listener, error) {
 	}
 	gl := &Listener{t: t, agreed: make(chan struct{})}
 	gl.offer = Offer{Version: roce.ProtocolVersion, On: cfg.Enable, Fabric: fabricCode(t.Kind()), Mode: cfg.Mode,
-		Lanes: uint8(t.Device().Info().Lanes), MaxBytes: cfg.MaxBytes, SlotBytes: SlotBytesFor(cfg.MaxBytes),
+		Lanes: uint8(t.Device().Info().Lanes), MinBytes: cfg.MinBytes, MaxBytes: cfg.MaxBytes, SlotBytes: SlotBytesFor(cfg.MaxBytes),
 		DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch}
 	switch {
 	case !cfg.Enable:
 		gl.offer.On, gl.offer.Reason = false, ReasonDisabled
-	case t.Kind() == "tcp" && !cfg.Explicit:
-		gl.offer.On, gl.offer.Reason = false, ReasonTCPDefault
+	case cfg.OffByDefault:
+		gl.offer.On, gl.offer.Reason = false, ReasonFabricDefault
 	default:
 		l, err := t.Listen(roce.PurposeGather, gl.acceptSide)
 		if err != nil {

@@ -17,14 +17,24 @@ const (
 	ReasonDisabled
 	ReasonNoMemory
 	ReasonLocalError
-	ReasonTCPDefault
+	// ReasonFabricDefault: the rank's fabric keeps the path off by default and
+	// ROCE_GATHER_MAX_BYTES is unset (the per-fabric defaults are plugin.DefaultWindows).
+	ReasonFabricDefault
 )
 
 var reasonText = map[uint8]string{
-	ReasonDisabled:   "ROCE_GATHER_ENABLE=0",
-	ReasonNoMemory:   "its landing slots could not be allocated",
-	ReasonLocalError: "a local set-up error (see its log)",
-	ReasonTCPDefault: "it runs the tcp fabric, where the one-shot path measured slower than NCCL's ring (set ROCE_GATHER_MAX_BYTES on both ranks to use it anyway)",
+	ReasonDisabled:      "ROCE_GATHER_ENABLE=0",
+	ReasonNoMemory:      "its landing slots could not be allocated",
+	ReasonLocalError:    "a local set-up error (see its log)",
+	ReasonFabricDefault: "the one-shot path is off by default on the %s fabric and ROCE_GATHER_MAX_BYTES is unset (set it on both ranks to use the path)",
+}
+
+// reason says why an offer is off, the same words on both ranks.
+func reason(o Offer) string {
+	if o.Reason == ReasonFabricDefault {
+		return fmt.Sprintf(reasonText[o.Reason], fabricName(o.Fabric))
+	}
+	return reasonText[o.Reason]
 }
 
 // Offer is what a rank brings to a group: the fields of its collNet handle.
@@ -35,7 +45,8 @@ type Offer struct {
 	Fabric    uint8 // 1 tcp, 2 verbs
 	Mode      Mode
 	Lanes     uint8
-	MaxBytes  uint64
+	MinBytes  uint64 // this rank's floor, bytes a rank: smaller gathers stay on NCCL
+	MaxBytes  uint64 // this rank's cap, bytes a rank
 	SlotBytes uint64
 	Addr      roce.Addr
 	Token     roce.Token
@@ -56,7 +67,8 @@ const (
 	offMax     = 48
 	offSlot    = 56
 	offFlags   = 64
-	offEnd     = 65 // bytes after this are zero
+	offMin     = 72 // bytes 65-71 are zero
+	offEnd     = 80 // bytes from here on are zero
 
 	flagDirectWithoutNVSwitch = 1 << 0
 	knownFlags                = flagDirectWithoutNVSwitch
@@ -106,7 +118,11 @@ func (o Offer) Encode(h []byte) {
 	if o.DirectWithoutNVSwitch {
 		h[offFlags] |= flagDirectWithoutNVSwitch
 	}
+	binary.LittleEndian.PutUint64(h[offMin:], o.MinBytes)
 }
+
+// reserved says whether byte i of a handle belongs to no field and must be zero.
+func reserved(i int) bool { return (i > offFlags && i < offMin) || i >= offEnd }
 
 // DecodeOffer reads a handle, refusing anything malformed, foreign or from
 // another protocol version with an error that says which.
@@ -125,8 +141,8 @@ func DecodeOffer(h []byte) (Offer, error) {
 	if roce.Purpose(h[roce.HandleOffPurpose]) != roce.PurposeGather {
 		return o, fmt.Errorf("handle purpose %d is not a gather group", h[roce.HandleOffPurpose])
 	}
-	for i := offEnd; i < roce.HandleSize; i++ {
-		if h[i] != 0 {
+	for i := 0; i < roce.HandleSize; i++ {
+		if reserved(i) && h[i] != 0 {
 			return o, fmt.Errorf("reserved handle byte %d is 0x%02x, not zero", i, h[i])
 		}
 	}
@@ -138,6 +154,7 @@ func DecodeOffer(h []byte) (Offer, error) {
 	}
 	o.Reason, o.Fabric, o.Mode, o.Lanes = h[offReason], h[offFabric], Mode(h[offMode]), h[offLanes]
 	copy(o.Token[:], h[offToken:offToken+16])
+	o.MinBytes = binary.LittleEndian.Uint64(h[offMin:])
 	o.MaxBytes = binary.LittleEndian.Uint64(h[offMax:])
 	o.SlotBytes = binary.LittleEndian.Uint64(h[offSlot:])
 	if f := h[offFlags]; f&^knownFlags != 0 {
@@ -172,14 +189,16 @@ func DecodeOffer(h []byte) (Offer, error) {
 
 // Outcome is what both ranks of a group conclude from the same handles.
 type Outcome struct {
-	On       bool
-	Cap      uint64 // the agreed per-rank cap: the smaller usable max_bytes
-	LocalCap uint64
-	PeerCap  uint64
-	Mode     Mode
-	Lanes    int
-	Why      string // why the path is off
-	Config   bool   // off by configuration (ROCE_GATHER_ENABLE=0), not by a failure
+	On bool
+	// The agreed window, bytes a rank: a gather goes one-shot when Floor <= bytes a rank
+	// <= Cap. Floor is the larger of the two floors, Cap the smaller of the two caps.
+	Floor, Cap            uint64
+	LocalFloor, PeerFloor uint64
+	LocalCap, PeerCap     uint64
+	Mode                  Mode
+	Lanes                 int
+	Why                   string // why the path is off
+	Config                bool   // off by configuration (ROCE_GATHER_ENABLE=0), not by a failure
 	// DirectWithoutNVSwitch: both ranks asked to schedule onto CollNet Direct where NCCL
 	// drops it for lack of an NVSwitch; Note says so when only one rank asked.
 	DirectWithoutNVSwitch bool
@@ -206,11 +225,12 @@ func Agree(handles [][]byte, rank int) Outcome {
 		offers[i] = o
 	}
 	peer := 1 - rank
-	out := Outcome{LocalCap: offers[rank].MaxBytes, PeerCap: offers[peer].MaxBytes, peer: offers[peer], peerRank: peer}
+	out := Outcome{LocalFloor: offers[rank].MinBytes, PeerFloor: offers[peer].MinBytes,
+		LocalCap: offers[rank].MaxBytes, PeerCap: offers[peer].MaxBytes, peer: offers[peer], peerRank: peer}
 	for i, o := range offers {
 		if !o.On {
-			out.Why = fmt.Sprintf("rank %d is off: %s", i, reasonText[o.Reason])
-			out.Config = o.Reason == ReasonDisabled || o.Reason == ReasonTCPDefault
+			out.Why = fmt.Sprintf("rank %d is off: %s", i, reason(o))
+			out.Config = o.Reason == ReasonDisabled || o.Reason == ReasonFabricDefault
 			return out
 		}
 	}
@@ -229,7 +249,16 @@ func Agree(handles [][]byte, rank int) Outcome {
 		out.Config = true
 		return out
 	}
+	out.Floor = max(offers[0].MinBytes, offers[1].MinBytes)
 	out.Cap = min(offers[0].MaxBytes, offers[1].MaxBytes)
+	if out.Floor > out.Cap {
+		// Both ranks asked for the path and their windows do not meet: a WARN, not Config.
+		out.Why = fmt.Sprintf("the agreed one-shot window is empty: floor %d (the larger of rank 0's %d and rank 1's %d) "+
+			"is above cap %d (the smaller of rank 0's %d and rank 1's %d)", out.Floor, offers[0].MinBytes, offers[1].MinBytes,
+			out.Cap, offers[0].MaxBytes, offers[1].MaxBytes)
+		out.Floor, out.Cap = 0, 0
+		return out
+	}
 	out.Lanes = int(min(offers[0].Lanes, offers[1].Lanes))
 	out.DirectWithoutNVSwitch = offers[0].DirectWithoutNVSwitch && offers[1].DirectWithoutNVSwitch
 	if offers[0].DirectWithoutNVSwitch != offers[1].DirectWithoutNVSwitch {

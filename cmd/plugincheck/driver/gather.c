@@ -170,23 +170,37 @@ int suite_gather(void) {
     return 1;
   }
 
-  /* plugincheck says what this scenario must produce: "cap:N" (on, agreed cap N), "off", or
-   * "dropped" (on, but CollNet Direct dropped: every gather goes to NCCL). */
+  /* plugincheck says what this scenario must produce: "cap:N" (on, agreed window 0 to N),
+   * "window:F:N" (on, agreed window F to N), "off", or "dropped" (on, but CollNet Direct
+   * dropped: every gather goes to NCCL). */
   const char* expect = getenv("RG_SELFTEST_EXPECT");
   const char* nvs = getenv("RG_SELFTEST_NO_NVSWITCH");
   int no_nvswitch = nvs != NULL && strcmp(nvs, "1") == 0;
-  long long expect_cap = -1;
+  long long expect_cap = -1, expect_floor = 0;
   if (expect != NULL && strncmp(expect, "cap:", 4) == 0) expect_cap = atoll(expect + 4);
+  if (expect != NULL && strncmp(expect, "window:", 7) == 0 &&
+      sscanf(expect + 7, "%lld:%lld", &expect_floor, &expect_cap) != 2) {
+    case_result("gather/expectation", 0, "RG_SELFTEST_EXPECT=%s is not window:FLOOR:CAP", expect);
+    return 1;
+  }
   if (expect != NULL) {
     int want_on = expect_cap > 0 || strcmp(expect, "dropped") == 0;
     case_result("gather/expected-outcome", on == want_on, "expected the path %s, it is %s", want_on ? "on" : "off",
                 on ? "on" : "off");
   }
-  size_t sizes[24];
+  size_t sizes[32];
   int nsizes = 0;
   for (size_t s = 16; s <= (512 << 10); s *= 2) sizes[nsizes++] = s;
   sizes[nsizes++] = (512 << 10) + 16;
   sizes[nsizes++] = 100;
+  if (expect_floor > 0) { /* both edges of the window, where they are not there already */
+    long long edges[] = {expect_floor - 1, expect_floor, expect_floor + 1, expect_cap, expect_cap + 1};
+    for (size_t e = 0; e < sizeof(edges) / sizeof(edges[0]); e++) {
+      int seen = edges[e] <= 0;
+      for (int i = 0; i < nsizes && !seen; i++) seen = sizes[i] == (size_t)edges[e];
+      if (!seen) sizes[nsizes++] = (size_t)edges[e];
+    }
+  }
   int oneshot_cases = 0, nccl_cases = 0;
   for (int i = 0; i < nsizes; i++) {
     for (int seed = 1; seed <= 3; seed++) {
@@ -218,7 +232,9 @@ int suite_gather(void) {
       }
       long bad0 = check_pattern(result, S, (uint64_t)seed * 1000003 + S * 2);
       long bad1 = check_pattern(result + S, S, (uint64_t)seed * 1000003 + S * 2 + 1);
-      int want = expect == NULL ? path : (expect_cap > 0 && (long long)S <= expect_cap ? PATH_ONESHOT : PATH_NCCL);
+      int want = expect == NULL ? path
+                 : expect_cap > 0 && (long long)S >= expect_floor && (long long)S <= expect_cap ? PATH_ONESHOT
+                                                                                                 : PATH_NCCL;
       int ok = r == 0 && bad0 < 0 && bad1 < 0 && (path != PATH_ONESHOT || nch == 1) && path == want;
       case_result(name, ok, "path %s%s%s%s%s", how, r != 0 ? ", the collective failed" : "",
                   bad0 >= 0 ? ", rank 0's row is wrong" : "", bad1 >= 0 ? ", rank 1's row is wrong" : "",
