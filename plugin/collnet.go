@@ -73,7 +73,8 @@ func rgGoCollListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listen
 	state.mu.Unlock()
 	floor, capBytes, offByDefault := cfg.Window(tr.Kind())
 	gl, err := gather.Listen(tr, gather.Config{Enable: cfg.Enable, MinBytes: floor, MaxBytes: capBytes, OffByDefault: offByDefault,
-		Mode: gatherMode(cfg.Mode), DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch},
+		Mode: gatherMode(cfg.Mode), DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch,
+		Channels: cfg.OneShotChannels, Chunk: cfg.OneShotChunk},
 		unsafe.Slice((*byte)(handle), roce.HandleSize))
 	if err != nil {
 		nlog.Warnf("collNet listen: %v", err)
@@ -96,7 +97,7 @@ func rgGoCollConnect(handles *unsafe.Pointer, nranks C.int, rank C.int, listenCo
 	}
 	g, out := cl.gl.Connect(hs, int(rank))
 	seq := registry.record(cl.commID, groupOutcome{on: out.On, floor: out.Floor, cap: out.Cap, why: out.Why,
-		directWithoutNVSwitch: out.DirectWithoutNVSwitch})
+		directWithoutNVSwitch: out.DirectWithoutNVSwitch, channels: out.Channels, chunk: out.Chunk})
 	if !out.On {
 		// Both ranks reach this from the same handles; NCCL then keeps every collective on
 		// its own algorithms and says "Cannot initialize CollNet".
@@ -111,10 +112,10 @@ func rgGoCollConnect(handles *unsafe.Pointer, nranks C.int, rank C.int, listenCo
 	state.mu.Lock()
 	state.colls[g.C()] = c
 	state.mu.Unlock()
-	nlog.Infof(nlog.Init|nlog.Net, "one-shot gather on for communicator 0x%x with %s: agreed window %d to %d bytes a rank (%s), mode %s, %d lane(s)%s",
-		cl.commID, g.Peer(), out.Floor, out.Cap, windows(out), out.Mode, out.Lanes, directNote(out))
-	if out.Note != "" {
-		nlog.Warnf("communicator 0x%x: %s", cl.commID, out.Note)
+	nlog.Infof(nlog.Init|nlog.Net, "one-shot gather on for communicator 0x%x with %s: agreed window %d to %d bytes a rank (%s), mode %s, %d lane(s), %d channel(s), chunk %s%s",
+		cl.commID, g.Peer(), out.Floor, out.Cap, windows(out), out.Mode, out.Lanes, out.Channels, gather.ChunkName(out.Chunk), directNote(out))
+	for _, n := range out.Notes {
+		nlog.Warnf("communicator 0x%x: %s", cl.commID, n)
 	}
 	*collCommOut = g.C()
 	return rcSuccess

@@ -5,6 +5,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/roce-gather/roce_gather/roce/gather"
 )
 
 // Mode is how a one-shot gather moves a shard (docs/roce-gather.md, "Modes").
@@ -47,6 +49,11 @@ type Config struct {
 	Timeout               time.Duration
 	Mode                  Mode
 	StatsPath             string // "", a path (with %p for the pid, %h for the host) or "stderr"
+	// OneShotChannels is ROCE_GATHER_ONESHOT_CHANNELS, the nChannels the tuner sets for a
+	// one-shot gather (1, 2, 4 or 8); OneShotChunk is ROCE_GATHER_ONESHOT_CHUNK, the chunk
+	// size tuner v6 returns for it, 0 leaving NCCL's choice. Both are agreed at connect.
+	OneShotChannels int
+	OneShotChunk    uint64
 }
 
 // Defaults, as README.md's configuration table gives them.
@@ -55,6 +62,8 @@ const (
 	// from the cap.
 	MaxMaxBytes      = 64 << 20
 	DefaultTimeoutMS = 30000
+	// DefaultOneShotChannels is the nChannels of a one-shot gather.
+	DefaultOneShotChannels = 1
 )
 
 // FabricWindow is a fabric's one-shot window when the environment gives none, in bytes a
@@ -124,6 +133,8 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		GIDIndex: -1,
 		Timeout:  DefaultTimeoutMS * time.Millisecond,
 		Mode:     ModeAuto,
+
+		OneShotChannels: DefaultOneShotChannels,
 	}
 	var warns []Warning
 	refuse := func(name, value, used, why string) {
@@ -217,6 +228,26 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 	}
 	if v, ok := lookup(getenv, "ROCE_GATHER_STATS"); ok {
 		c.StatsPath = v
+	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_ONESHOT_CHANNELS"); ok {
+		n, err := strconv.Atoi(v)
+		if err != nil || !gather.ValidChannels(n) {
+			refuse("ROCE_GATHER_ONESHOT_CHANNELS", v, fmt.Sprint(DefaultOneShotChannels), "is not 1, 2, 4 or 8")
+		} else {
+			c.OneShotChannels = n
+		}
+	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_ONESHOT_CHUNK"); ok {
+		n, err := ParseBytes(v)
+		switch {
+		case err != nil:
+			refuse("ROCE_GATHER_ONESHOT_CHUNK", v, "NCCL's choice", "is not a byte count ("+err.Error()+")")
+		case n == 0 || !gather.ValidChunk(n):
+			refuse("ROCE_GATHER_ONESHOT_CHUNK", v, "NCCL's choice",
+				fmt.Sprintf("is not a multiple of %d bytes (NCCL's Simple grain) from %d to %d", gather.ChunkGrain, gather.ChunkGrain, gather.MaxChunk))
+		default:
+			c.OneShotChunk = n
+		}
 	}
 	return c, warns
 }

@@ -22,6 +22,8 @@ func TestConfigDefaultsMatchTheDesignTable(t *testing.T) {
 	require.False(t, c.MaxBytesSet)
 	require.False(t, c.TCPCUDA)
 	require.False(t, c.DirectWithoutNVSwitch)
+	require.Equal(t, 1, c.OneShotChannels)
+	require.Zero(t, c.OneShotChunk, "NCCL's choice")
 }
 
 func TestConfigReadsEveryVariable(t *testing.T) {
@@ -38,6 +40,8 @@ func TestConfigReadsEveryVariable(t *testing.T) {
 		"ROCE_GATHER_STATS":                   "/tmp/s.%p.json",
 		"ROCE_GATHER_TCP_CUDA":                "1",
 		"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": "1",
+		"ROCE_GATHER_ONESHOT_CHANNELS":        "4",
+		"ROCE_GATHER_ONESHOT_CHUNK":           "128K",
 		"NCCL_SOCKET_IFNAME":                  "^docker",
 	}))
 	require.Empty(t, warns)
@@ -56,6 +60,8 @@ func TestConfigReadsEveryVariable(t *testing.T) {
 	require.Equal(t, 2500*time.Millisecond, c.Timeout)
 	require.Equal(t, ModeEager, c.Mode)
 	require.Equal(t, "/tmp/s.%p.json", c.StatsPath)
+	require.Equal(t, 4, c.OneShotChannels)
+	require.Equal(t, uint64(128<<10), c.OneShotChunk)
 }
 
 // Every bad value is refused with a warning naming the variable, the value and the default used.
@@ -81,6 +87,15 @@ func TestConfigRefusesEveryBadValueAndKeepsTheDefault(t *testing.T) {
 		{"ROCE_GATHER_MODE", "fast", "auto"},
 		{"ROCE_GATHER_TCP_CUDA", "yes", "0"},
 		{"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH", "true", "0"},
+		{"ROCE_GATHER_ONESHOT_CHANNELS", "3", "1"},
+		{"ROCE_GATHER_ONESHOT_CHANNELS", "16", "1"},
+		{"ROCE_GATHER_ONESHOT_CHANNELS", "0", "1"},
+		{"ROCE_GATHER_ONESHOT_CHANNELS", "two", "1"},
+		{"ROCE_GATHER_ONESHOT_CHUNK", "0", "NCCL's choice"},
+		{"ROCE_GATHER_ONESHOT_CHUNK", "1000", "NCCL's choice"},
+		{"ROCE_GATHER_ONESHOT_CHUNK", "256", "NCCL's choice"},
+		{"ROCE_GATHER_ONESHOT_CHUNK", "65M", "NCCL's choice"},
+		{"ROCE_GATHER_ONESHOT_CHUNK", "big", "NCCL's choice"},
 	}
 	def, _ := ParseConfig(env(nil))
 	for _, tc := range cases {

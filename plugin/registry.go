@@ -10,6 +10,9 @@ type groupOutcome struct {
 	// directWithoutNVSwitch: both ranks allow scheduling onto a CollNet Direct entry NCCL
 	// dropped for lack of an NVSwitch.
 	directWithoutNVSwitch bool
+	// channels and chunk schedule a one-shot gather (chunk 0: NCCL's choice).
+	channels int
+	chunk    uint64
 }
 
 // groupRegistry ties a communicator's collNet group to its tuner: collNet connect

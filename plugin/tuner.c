@@ -1,5 +1,5 @@
 /* The tuner: steer a two-rank AllGather within the agreed window to CollNet Direct /
- * Simple on one channel, and keep every other AllGather off CollNet. The decision reads
+ * Simple on the agreed channels, and keep every other AllGather off CollNet. The decision reads
  * only inputs that are identical on both ranks (collective, total bytes, the group's
  * agreed outcome, which entries NCCL offers), so both ranks always take the same path. */
 #include <stdlib.h>
@@ -32,7 +32,7 @@ int rg_tuner_policy(const rg_tuner* t, int collType, size_t nBytes, float** tabl
     int unoffered = !offered(*direct);
     if (unoffered && !t->direct_without_nvswitch) return RG_TUNE_NCCL_NOT_OFFERED;
     *direct = 0.0f;
-    *nChannels = 1;
+    *nChannels = t->oneshot_channels;
     return unoffered ? RG_TUNE_ONESHOT_UNOFFERED : RG_TUNE_ONESHOT;
   }
   /* Outside the window (or with the group off) the gather belongs to NCCL's own
@@ -96,11 +96,11 @@ ncclResult_t rg_tuner_get_coll_info_v3(void* ctx, ncclFunc_t collType, size_t nB
 
 int rg_tuner_chunk_policy(const rg_tuner* t, int collType, size_t nBytes, int algo, int proto, size_t* chunkSize) {
   if (collType != ncclFuncAllGather || t->nranks != 2 || algo != NCCL_ALGO_COLLNET_DIRECT ||
-      proto != NCCL_PROTO_SIMPLE || !rg_tuner_in_window(t, nBytes) || nBytes <= *chunkSize)
+      proto != NCCL_PROTO_SIMPLE || !rg_tuner_in_window(t, nBytes) || t->oneshot_chunk == 0)
     return 0;
-  /* NCCL cuts small CollNet gathers into 32-128 KiB windows, one iallgather each; ask for
-   * the whole gather in one (NCCL clamps this to its buffer). */
-  *chunkSize = nBytes;
+  /* NCCL cuts CollNet gathers into windows of its chunk, one iallgather each, and clamps
+   * what a tuner returns to its buffer's step. Both ranks return the same agreed value. */
+  *chunkSize = t->oneshot_chunk;
   return 1;
 }
 

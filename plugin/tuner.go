@@ -10,6 +10,7 @@ import (
 	"unsafe"
 
 	"github.com/roce-gather/roce_gather/internal/nlog"
+	"github.com/roce-gather/roce_gather/roce/gather"
 )
 
 //export rgGoTunerInit
@@ -37,7 +38,14 @@ func rgGoTunerInit(t *C.rg_tuner, hasCommID C.int, logger unsafe.Pointer, abi C.
 		t.group_on = 1
 		t.agreed_floor = C.uint64_t(g.floor)
 		t.agreed_cap = C.uint64_t(g.cap)
-		nlog.Infof(nlog.Tuning, "tuner v%d, communicator 0x%x: AllGathers of %d to %d bytes a rank (%d to %d in total) go to the one-shot path", int(abi), commID, g.floor, g.cap, 2*g.floor, 2*g.cap)
+		t.oneshot_channels = C.int(g.channels)
+		t.oneshot_chunk = C.uint64_t(g.chunk)
+		nlog.Infof(nlog.Tuning, "tuner v%d, communicator 0x%x: AllGathers of %d to %d bytes a rank (%d to %d in total) go to the one-shot path, on %d channel(s), chunk %s",
+			int(abi), commID, g.floor, g.cap, 2*g.floor, 2*g.cap, g.channels, gather.ChunkName(g.chunk))
+		if g.chunk != 0 && abi < 6 {
+			nlog.Infof(nlog.Tuning, "tuner v%d, communicator 0x%x: ROCE_GATHER_ONESHOT_CHUNK=%d has no effect: tuner v%d has no getChunkSize (NCCL 2.30 and later have it)",
+				int(abi), commID, g.chunk, int(abi))
+		}
 		switch {
 		case !g.directWithoutNVSwitch:
 		case t.nnodes != t.nranks:
@@ -67,10 +75,17 @@ type TunerGroup struct {
 	// DirectWithoutNVSwitch: both ranks set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, one
 	// rank a node.
 	DirectWithoutNVSwitch bool
+	// Channels (0: the default, 1) and Chunk (0: NCCL's choice) schedule a one-shot gather.
+	Channels int
+	Chunk    uint64
 }
 
 func (g TunerGroup) c(nRanks int) C.rg_tuner {
-	t := C.rg_tuner{nranks: C.size_t(nRanks), nnodes: C.size_t(nRanks), agreed_floor: C.uint64_t(g.Floor), agreed_cap: C.uint64_t(g.Cap)}
+	if g.Channels == 0 {
+		g.Channels = DefaultOneShotChannels
+	}
+	t := C.rg_tuner{nranks: C.size_t(nRanks), nnodes: C.size_t(nRanks), agreed_floor: C.uint64_t(g.Floor), agreed_cap: C.uint64_t(g.Cap),
+		oneshot_channels: C.int(g.Channels), oneshot_chunk: C.uint64_t(g.Chunk)}
 	if g.On {
 		t.group_on = 1
 	}

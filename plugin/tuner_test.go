@@ -138,10 +138,32 @@ func TestTunerIndexesWithTheTableShapeNCCLPasses(t *testing.T) {
 	require.Equal(t, float32(0), table[algoCollNetDirect*3+protoSimple])
 }
 
-// Tuner v6 asks for the whole one-shot gather as one window; NCCL clamps it to its buffer.
-func TestChunkSizeCoversAOneShotGatherInOneWindow(t *testing.T) {
-	require.Equal(t, uint64(2*65536), ChunkPolicy(2, TunerGroup{On: true, Cap: 524288}, allGather, 2*65536, algoCollNetDirect, protoSimple, 32768))
-	require.Equal(t, uint64(2*524288), ChunkPolicy(2, TunerGroup{On: true, Cap: 524288}, allGather, 2*524288, algoCollNetDirect, protoSimple, 131072))
+// ROCE_GATHER_ONESHOT_CHANNELS reaches NCCL as the nChannels of one-shot gathers only.
+func TestTunerSetsTheAgreedChannelsForOneShotGathers(t *testing.T) {
+	for _, n := range []int{1, 2, 4, 8} {
+		d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 524288, Channels: n}, allGather, 65536, offered(), 7, 3)
+		require.Equal(t, TuneOneShot, d)
+		require.Equal(t, n, nch)
+	}
+	d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 524288, Channels: 4}, allGather, 2*524288+2, offered(), 7, 3)
+	require.Equal(t, TuneNCCL, d)
+	require.Equal(t, 0, nch, "NCCL's own gathers keep NCCL's channel count")
+}
+
+// Tuner v6 without ROCE_GATHER_ONESHOT_CHUNK leaves NCCL's chunk.
+func TestChunkSizeUnsetLeavesNCCLsChoice(t *testing.T) {
+	g := TunerGroup{On: true, Cap: 524288}
+	require.Equal(t, uint64(32768), ChunkPolicy(2, g, allGather, 2*65536, algoCollNetDirect, protoSimple, 32768))
+	require.Equal(t, uint64(65536), ChunkPolicy(2, g, allGather, 2*524288, algoCollNetDirect, protoSimple, 65536))
+}
+
+// With it, tuner v6 returns the agreed chunk for a one-shot gather, smaller or larger than
+// NCCL's (NCCL clamps it to its buffer's step).
+func TestChunkSizeSetIsReturnedForOneShotGathers(t *testing.T) {
+	g := TunerGroup{On: true, Cap: 524288, Chunk: 256 << 10}
+	require.Equal(t, uint64(256<<10), ChunkPolicy(2, g, allGather, 2*65536, algoCollNetDirect, protoSimple, 32768))
+	g.Chunk = 8 << 10
+	require.Equal(t, uint64(8<<10), ChunkPolicy(2, g, allGather, 2*524288, algoCollNetDirect, protoSimple, 65536))
 }
 
 func TestChunkSizeUntouchedOutsideTheOneShotPath(t *testing.T) {
@@ -155,10 +177,11 @@ func TestChunkSizeUntouchedOutsideTheOneShotPath(t *testing.T) {
 		{"ring", true, allGather, algoRing, 4096},
 		{"all-reduce", true, allReduce, algoCollNetDirect, 4096},
 		{"above the cap", true, allGather, algoCollNetDirect, 2*524288 + 2},
-		{"already larger", true, allGather, algoCollNetDirect, 1024},
+		{"below the floor", true, allGather, algoCollNetDirect, 2*1024 - 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			require.Equal(t, uint64(32768), ChunkPolicy(2, TunerGroup{On: tc.on, Cap: 524288}, tc.coll, tc.nBytes, tc.algo, protoSimple, 32768))
+			g := TunerGroup{On: tc.on, Floor: 1024, Cap: 524288, Chunk: 128 << 10}
+			require.Equal(t, uint64(32768), ChunkPolicy(2, g, tc.coll, tc.nBytes, tc.algo, protoSimple, 32768))
 		})
 	}
 }

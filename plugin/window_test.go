@@ -18,7 +18,7 @@ func groupOf(t *testing.T, floors, caps [2]uint64) [2]TunerGroup {
 	hs := make([][]byte, 2)
 	for r := range hs {
 		hs[r] = make([]byte, roce.HandleSize)
-		gather.Offer{Version: roce.ProtocolVersion, On: true, Fabric: 1, Lanes: 1, MinBytes: floors[r], MaxBytes: caps[r],
+		gather.Offer{Version: roce.ProtocolVersion, On: true, Fabric: 1, Lanes: 1, Channels: 1, MinBytes: floors[r], MaxBytes: caps[r],
 			SlotBytes: gather.SlotBytesFor(caps[r]), Addr: roce.Addr{IP: net.IPv4(10, 0, 0, byte(r+1)).To4(), Port: 4000},
 			Token: roce.Token{byte(r + 1)}}.Encode(hs[r])
 	}
@@ -91,8 +91,8 @@ func TestWindowWithoutAFloorTakesOneByteButNotZero(t *testing.T) {
 }
 
 // The v6 chunk policy serves one-shot gathers only: below the floor NCCL's chunk stays.
-func TestChunkSizeUntouchedBelowTheFloor(t *testing.T) {
-	g := TunerGroup{On: true, Floor: 32 << 10, Cap: 512 << 10}
-	require.Equal(t, uint64(2*(32<<10)), ChunkPolicy(2, g, allGather, 2*(32<<10), algoCollNetDirect, protoSimple, 32768/2))
-	require.Equal(t, uint64(32768/2), ChunkPolicy(2, g, allGather, 2*(32<<10-1), algoCollNetDirect, protoSimple, 32768/2))
+func TestChunkSizeFloor32KiBExcludes32KiBMinusOne(t *testing.T) {
+	g := TunerGroup{On: true, Floor: 32 << 10, Cap: 512 << 10, Chunk: 64 << 10}
+	require.Equal(t, uint64(64<<10), ChunkPolicy(2, g, allGather, 2*(32<<10), algoCollNetDirect, protoSimple, 32768))
+	require.Equal(t, uint64(32768), ChunkPolicy(2, g, allGather, 2*(32<<10-1), algoCollNetDirect, protoSimple, 32768))
 }

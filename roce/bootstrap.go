@@ -17,8 +17,9 @@ import (
 
 // ProtocolVersion is the version of every handle and bootstrap message this library
 // writes. A peer on another version is refused with a message naming both. Version 3
-// added the gather handle's flag byte, version 4 its floor (ROCE_GATHER_MIN_BYTES).
-const ProtocolVersion = 4
+// added the gather handle's flag byte, version 4 its floor (ROCE_GATHER_MIN_BYTES),
+// version 5 its one-shot channels and chunk size.
+const ProtocolVersion = 5
 
 // HandleSize is NCCL's handle size (NCCL_NET_HANDLE_MAXSIZE).
 const HandleSize = 128

@@ -3,6 +3,7 @@ package gather
 import (
 	"fmt"
 	"net"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -12,7 +13,7 @@ import (
 
 func offer(maxBytes uint64) Offer {
 	return Offer{
-		Version: roce.ProtocolVersion, On: true, Fabric: 1, Mode: ModeAuto, Lanes: 1,
+		Version: roce.ProtocolVersion, On: true, Fabric: 1, Mode: ModeAuto, Lanes: 1, Channels: 1,
 		MaxBytes: maxBytes, SlotBytes: SlotBytesFor(maxBytes),
 		Addr: roce.Addr{IP: net.IPv4(10, 0, 0, 1).To4(), Port: 4000}, Token: roce.Token{1, 2, 3},
 	}
@@ -75,21 +76,25 @@ func TestMalformedPeerHandles(t *testing.T) {
 		return h
 	}
 	cases := map[string][]byte{
-		"foreign magic":         corrupt(func(h []byte) { h[0] ^= 0xff }),
-		"p2p handle":            corrupt(func(h []byte) { h[roce.HandleOffPurpose] = byte(roce.PurposeP2P) }),
-		"verdict byte 7":        corrupt(func(h []byte) { h[offVerdict] = 7 }),
-		"reserved byte set":     corrupt(func(h []byte) { h[100] = 1 }),
-		"zero cap":              corrupt(func(h []byte) { h[offMax] = 0; h[offMax+1] = 0; h[offMax+2] = 0 }),
-		"slot disagrees":        corrupt(func(h []byte) { h[offSlot+1] ^= 0x10 }),
-		"unknown fabric":        corrupt(func(h []byte) { h[offFabric] = 9 }),
-		"zero lanes":            corrupt(func(h []byte) { h[offLanes] = 0 }),
-		"bad address family":    corrupt(func(h []byte) { h[offAddr] = 5 }),
-		"truncated":             good[:64],
-		"off, unknown reason":   corrupt(func(h []byte) { h[offVerdict] = 0; h[offReason] = 200 }),
-		"unknown flag bit":      corrupt(func(h []byte) { h[offFlags] = 0x02 }),
-		"byte after the flags":  corrupt(func(h []byte) { h[offFlags+1] = 1 }),
-		"byte before the floor": corrupt(func(h []byte) { h[offMin-1] = 1 }),
-		"byte after the floor":  corrupt(func(h []byte) { h[offEnd] = 1 }),
+		"foreign magic":           corrupt(func(h []byte) { h[0] ^= 0xff }),
+		"p2p handle":              corrupt(func(h []byte) { h[roce.HandleOffPurpose] = byte(roce.PurposeP2P) }),
+		"verdict byte 7":          corrupt(func(h []byte) { h[offVerdict] = 7 }),
+		"reserved byte set":       corrupt(func(h []byte) { h[100] = 1 }),
+		"zero cap":                corrupt(func(h []byte) { h[offMax] = 0; h[offMax+1] = 0; h[offMax+2] = 0 }),
+		"slot disagrees":          corrupt(func(h []byte) { h[offSlot+1] ^= 0x10 }),
+		"unknown fabric":          corrupt(func(h []byte) { h[offFabric] = 9 }),
+		"zero lanes":              corrupt(func(h []byte) { h[offLanes] = 0 }),
+		"bad address family":      corrupt(func(h []byte) { h[offAddr] = 5 }),
+		"truncated":               good[:64],
+		"off, unknown reason":     corrupt(func(h []byte) { h[offVerdict] = 0; h[offReason] = 200 }),
+		"unknown flag bit":        corrupt(func(h []byte) { h[offFlags] = 0x02 }),
+		"byte after the channels": corrupt(func(h []byte) { h[offChannels+1] = 1 }),
+		"3 channels":              corrupt(func(h []byte) { h[offChannels] = 3 }),
+		"0 channels":              corrupt(func(h []byte) { h[offChannels] = 0 }),
+		"chunk not of grains":     corrupt(func(h []byte) { h[offChunk] = 0x10 }),
+		"chunk above 64 MiB":      corrupt(func(h []byte) { h[offChunk+3] = 0x05 }),
+		"byte before the floor":   corrupt(func(h []byte) { h[offMin-1] = 1 }),
+		"byte after the floor":    corrupt(func(h []byte) { h[offEnd] = 1 }),
 	}
 	for name, bad := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -150,25 +155,26 @@ func TestDirectWithoutNVSwitchNeedsBothRanks(t *testing.T) {
 	require.True(t, o0.On)
 	require.True(t, o0.DirectWithoutNVSwitch)
 	require.True(t, o1.DirectWithoutNVSwitch)
-	require.Empty(t, o0.Note)
+	require.Empty(t, o0.Notes)
 
 	b.DirectWithoutNVSwitch = false
 	o0, o1 = both(a, b)
 	require.True(t, o0.On, "the group stays on; only the override is dropped")
 	require.False(t, o0.DirectWithoutNVSwitch)
 	require.False(t, o1.DirectWithoutNVSwitch)
-	require.Equal(t, "only rank 0 of the collNet group set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, rank 1 did not: "+
-		"CollNet Direct without NVSwitch stays off on both (set it on both ranks or neither)", o0.Note)
-	require.Equal(t, o0.Note, o1.Note)
+	require.Equal(t, []string{"only rank 0 of the collNet group set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, rank 1 did not: " +
+		"CollNet Direct without NVSwitch stays off on both (set it on both ranks or neither)"}, o0.Notes)
+	require.Equal(t, o0.Notes, o1.Notes)
 
 	o0, _ = both(offer(4096), offer(4096))
 	require.False(t, o0.DirectWithoutNVSwitch)
-	require.Empty(t, o0.Note)
+	require.Empty(t, o0.Notes)
 }
 
 func TestOfferRoundTrips(t *testing.T) {
 	o := offer(3 * 1000)
 	o.Mode, o.Lanes, o.Fabric, o.DirectWithoutNVSwitch, o.MinBytes = ModeRendezvous, 2, 2, true, 1500
+	o.Channels, o.Chunk = 8, 128<<10
 	got, err := DecodeOffer(handle(o))
 	require.NoError(t, err)
 	require.Equal(t, o, got)
@@ -188,7 +194,8 @@ func FuzzAgree(f *testing.F) {
 		hs := [][]byte{a, b}
 		o0, o1 := Agree(hs, 0), Agree(hs, 1)
 		if o0.On != o1.On || o0.Floor != o1.Floor || o0.Cap != o1.Cap || o0.Why != o1.Why || o0.Mode != o1.Mode || o0.Lanes != o1.Lanes ||
-			o0.DirectWithoutNVSwitch != o1.DirectWithoutNVSwitch || o0.Note != o1.Note {
+			o0.DirectWithoutNVSwitch != o1.DirectWithoutNVSwitch || !slices.Equal(o0.Notes, o1.Notes) ||
+			o0.Channels != o1.Channels || o0.Chunk != o1.Chunk {
 			t.Fatalf("ranks disagree: %+v vs %+v", o0, o1)
 		}
 		if o0.On && (o0.Cap == 0 || o0.Cap != min(o0.LocalCap, o0.PeerCap)) {
@@ -257,4 +264,69 @@ func TestFabricDefaultOffNamesTheFabric(t *testing.T) {
 		"is unset (set it on both ranks to use the path)", o0.Why)
 	require.Equal(t, o0.Why, o1.Why)
 	require.True(t, o0.Config)
+}
+
+func tuned(channels uint8, chunk uint64) Offer {
+	o := offer(524288)
+	o.Channels, o.Chunk = channels, chunk
+	return o
+}
+
+func TestOneShotChannelsAndChunkEqualOnBothRanksAreUsedAsGiven(t *testing.T) {
+	o0, o1 := both(tuned(4, 64<<10), tuned(4, 64<<10))
+	for _, o := range []Outcome{o0, o1} {
+		require.True(t, o.On)
+		require.Equal(t, 4, o.Channels)
+		require.Equal(t, uint64(64<<10), o.Chunk)
+		require.Empty(t, o.Notes)
+	}
+}
+
+// The channel count decides how NCCL cuts a gather into iallgather calls: ranks that gave
+// different counts both use the smaller, and a note on both names the two.
+func TestOneShotChannelsDifferingUseTheSmallerOnBoth(t *testing.T) {
+	o0, o1 := both(tuned(8, 0), tuned(2, 0))
+	require.Equal(t, 2, o0.Channels)
+	require.Equal(t, 2, o1.Channels)
+	require.Equal(t, []string{"ROCE_GATHER_ONESHOT_CHANNELS differs: rank 0 8, rank 1 2; both ranks use 2"}, o0.Notes)
+	require.Equal(t, o0.Notes, o1.Notes)
+	require.True(t, o0.On, "the group stays on")
+}
+
+func TestOneShotChunkDifferingUseTheSmallerOnBoth(t *testing.T) {
+	o0, o1 := both(tuned(1, 256<<10), tuned(1, 64<<10))
+	require.Equal(t, uint64(64<<10), o0.Chunk)
+	require.Equal(t, uint64(64<<10), o1.Chunk)
+	require.Equal(t, []string{"ROCE_GATHER_ONESHOT_CHUNK differs: rank 0 262144, rank 1 65536; both ranks use 65536"}, o0.Notes)
+	require.Equal(t, o0.Notes, o1.Notes)
+}
+
+// A chunk set on one rank only is used on both: the other rank asked for nothing.
+func TestOneShotChunkSetOnOneRankIsUsedOnBoth(t *testing.T) {
+	o0, o1 := both(tuned(1, 0), tuned(1, 128<<10))
+	require.Equal(t, uint64(128<<10), o0.Chunk)
+	require.Equal(t, uint64(128<<10), o1.Chunk)
+	require.Equal(t, []string{"ROCE_GATHER_ONESHOT_CHUNK differs: rank 0 NCCL's choice, rank 1 131072; both ranks use 131072"}, o0.Notes)
+}
+
+func TestOneShotChunkUnsetOnBothIsNCCLsChoice(t *testing.T) {
+	o0, o1 := both(tuned(1, 0), tuned(1, 0))
+	require.Zero(t, o0.Chunk)
+	require.Zero(t, o1.Chunk)
+	require.Empty(t, o0.Notes)
+}
+
+func TestChunkAndChannelRanges(t *testing.T) {
+	for _, n := range []int{1, 2, 4, 8} {
+		require.True(t, ValidChannels(n), n)
+	}
+	for _, n := range []int{0, 3, 5, 6, 7, 9, 16} {
+		require.False(t, ValidChannels(n), n)
+	}
+	for _, n := range []uint64{0, 512, 32 << 10, 64 << 20} {
+		require.True(t, ValidChunk(n), n)
+	}
+	for _, n := range []uint64{1, 511, 513, 1000, 64<<20 + 512} {
+		require.False(t, ValidChunk(n), n)
+	}
 }

@@ -34,7 +34,7 @@ func waitClosed(t *testing.T, what string, f func()) {
 }
 
 func TestAGatherListenerClosedBeforeConnectRefusesThePeer(t *testing.T) {
-	cfg := Config{Enable: true, MaxBytes: 1 << 16, Mode: ModeEager}
+	cfg := Config{Enable: true, MaxBytes: 1 << 16, Mode: ModeEager, Channels: 1}
 	var trs [2]*roce.Transport
 	var gls [2]*Listener
 	handles := make([][]byte, 2)

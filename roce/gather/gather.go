@@ -91,6 +91,10 @@ type Config struct {
 	Mode         Mode
 	// DirectWithoutNVSwitch is this rank's ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH.
 	DirectWithoutNVSwitch bool
+	// Channels and Chunk are this rank's ROCE_GATHER_ONESHOT_CHANNELS and
+	// ROCE_GATHER_ONESHOT_CHUNK (0: NCCL's choice).
+	Channels int
+	Chunk    uint64
 }
 
 // Listen opens the group's listener on t and writes this rank's offer into handle.
@@ -98,10 +102,13 @@ func Listen(t *roce.Transport, cfg Config, handle []byte) (*Listener, error) {
 	if len(handle) < roce.HandleSize {
 		return nil, fmt.Errorf("handle buffer is %d bytes, need %d", len(handle), roce.HandleSize)
 	}
+	if !ValidChannels(cfg.Channels) || !ValidChunk(cfg.Chunk) {
+		return nil, fmt.Errorf("one-shot channels %d or chunk %d out of range", cfg.Channels, cfg.Chunk)
+	}
 	gl := &Listener{t: t, agreed: make(chan struct{})}
 	gl.offer = Offer{Version: roce.ProtocolVersion, On: cfg.Enable, Fabric: fabricCode(t.Kind()), Mode: cfg.Mode,
 		Lanes: uint8(t.Device().Info().Lanes), MinBytes: cfg.MinBytes, MaxBytes: cfg.MaxBytes, SlotBytes: SlotBytesFor(cfg.MaxBytes),
-		DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch}
+		DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch, Channels: uint8(cfg.Channels), Chunk: cfg.Chunk}
 	switch {
 	case !cfg.Enable:
 		gl.offer.On, gl.offer.Reason = false, ReasonDisabled

@@ -53,22 +53,43 @@ type Offer struct {
 	// DirectWithoutNVSwitch: this rank asks to schedule onto CollNet Direct where NCCL
 	// drops it for lack of an NVSwitch (ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1).
 	DirectWithoutNVSwitch bool
+	// Channels and Chunk are how this rank's tuner would schedule a one-shot gather
+	// (ROCE_GATHER_ONESHOT_CHANNELS, ROCE_GATHER_ONESHOT_CHUNK; Chunk 0: NCCL's choice).
+	// They decide the iallgather calls NCCL makes of a gather, so both ranks use one value.
+	Channels uint8
+	Chunk    uint64
 }
 
+// ValidChannels says whether n is a channel count the tuner may set for a one-shot gather.
+func ValidChannels(n int) bool { return n == 1 || n == 2 || n == 4 || n == 8 }
+
+// ChunkGrain is NCCL's Simple protocol grain: NCCL rounds a tuner's chunk size down to a
+// multiple of it, so a smaller one would be 0.
+const ChunkGrain = 512
+
+// ValidChunk says whether n is a chunk size the tuner may return for a one-shot gather:
+// 0 (NCCL's choice) or a whole number of grains up to MaxChunk.
+func ValidChunk(n uint64) bool { return n == 0 || (n%ChunkGrain == 0 && n <= MaxChunk) }
+
+// MaxChunk bounds a one-shot chunk; NCCL clamps any chunk to its buffer's step anyway.
+const MaxChunk = 64 << 20
+
 const (
-	magic      = 0x3143_4752 // "RGC1"
-	offVerdict = 7
-	offAddr    = 8 // 20 bytes
-	offReason  = 28
-	offFabric  = 29
-	offMode    = 30
-	offLanes   = 31
-	offToken   = 32
-	offMax     = 48
-	offSlot    = 56
-	offFlags   = 64
-	offMin     = 72 // bytes 65-71 are zero
-	offEnd     = 80 // bytes from here on are zero
+	magic       = 0x3143_4752 // "RGC1"
+	offVerdict  = 7
+	offAddr     = 8 // 20 bytes
+	offReason   = 28
+	offFabric   = 29
+	offMode     = 30
+	offLanes    = 31
+	offToken    = 32
+	offMax      = 48
+	offSlot     = 56
+	offFlags    = 64
+	offChannels = 65
+	offMin      = 72 // bytes 66-71 are zero
+	offChunk    = 80
+	offEnd      = 88 // bytes from here on are zero
 
 	flagDirectWithoutNVSwitch = 1 << 0
 	knownFlags                = flagDirectWithoutNVSwitch
@@ -118,11 +139,13 @@ func (o Offer) Encode(h []byte) {
 	if o.DirectWithoutNVSwitch {
 		h[offFlags] |= flagDirectWithoutNVSwitch
 	}
+	h[offChannels] = o.Channels
 	binary.LittleEndian.PutUint64(h[offMin:], o.MinBytes)
+	binary.LittleEndian.PutUint64(h[offChunk:], o.Chunk)
 }
 
 // reserved says whether byte i of a handle belongs to no field and must be zero.
-func reserved(i int) bool { return (i > offFlags && i < offMin) || i >= offEnd }
+func reserved(i int) bool { return (i > offChannels && i < offMin) || i >= offEnd }
 
 // DecodeOffer reads a handle, refusing anything malformed, foreign or from
 // another protocol version with an error that says which.
@@ -155,6 +178,8 @@ func DecodeOffer(h []byte) (Offer, error) {
 	o.Reason, o.Fabric, o.Mode, o.Lanes = h[offReason], h[offFabric], Mode(h[offMode]), h[offLanes]
 	copy(o.Token[:], h[offToken:offToken+16])
 	o.MinBytes = binary.LittleEndian.Uint64(h[offMin:])
+	o.Channels = h[offChannels]
+	o.Chunk = binary.LittleEndian.Uint64(h[offChunk:])
 	o.MaxBytes = binary.LittleEndian.Uint64(h[offMax:])
 	o.SlotBytes = binary.LittleEndian.Uint64(h[offSlot:])
 	if f := h[offFlags]; f&^knownFlags != 0 {
@@ -179,6 +204,12 @@ func DecodeOffer(h []byte) (Offer, error) {
 	if o.MaxBytes == 0 || o.SlotBytes != SlotBytesFor(o.MaxBytes) {
 		return o, fmt.Errorf("max_bytes %d and slot size %d do not agree", o.MaxBytes, o.SlotBytes)
 	}
+	if !ValidChannels(int(o.Channels)) {
+		return o, fmt.Errorf("one-shot channel count %d is not 1, 2, 4 or 8", o.Channels)
+	}
+	if !ValidChunk(o.Chunk) {
+		return o, fmt.Errorf("one-shot chunk size %d is not 0 or a multiple of %d up to %d", o.Chunk, ChunkGrain, MaxChunk)
+	}
 	a, err := roce.ParseAddr(h[offAddr : offAddr+roce.AddrSize])
 	if err != nil {
 		return o, fmt.Errorf("address: %w", err)
@@ -200,11 +231,25 @@ type Outcome struct {
 	Why                   string // why the path is off
 	Config                bool   // off by configuration (ROCE_GATHER_ENABLE=0), not by a failure
 	// DirectWithoutNVSwitch: both ranks asked to schedule onto CollNet Direct where NCCL
-	// drops it for lack of an NVSwitch; Note says so when only one rank asked.
+	// drops it for lack of an NVSwitch.
 	DirectWithoutNVSwitch bool
-	Note                  string
-	peer                  Offer
-	peerRank              int
+	// Channels and Chunk schedule a one-shot gather: the smaller channel count, and the
+	// smaller chunk size of those set (0: NCCL's choice).
+	Channels int
+	Chunk    uint64
+	// Notes name settings the ranks gave differently and what both use instead; the
+	// group stays on.
+	Notes    []string
+	peer     Offer
+	peerRank int
+}
+
+// ChunkName is a one-shot chunk size as the log lines give it.
+func ChunkName(n uint64) string {
+	if n == 0 {
+		return "NCCL's choice"
+	}
+	return fmt.Sprint(n)
 }
 
 // Agree computes a group's outcome from all handles. Every input is the same bytes on
@@ -266,8 +311,24 @@ func Agree(handles [][]byte, rank int) Outcome {
 		if offers[1].DirectWithoutNVSwitch {
 			asked = 1
 		}
-		out.Note = fmt.Sprintf("only rank %d of the collNet group set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, rank %d did not: "+
-			"CollNet Direct without NVSwitch stays off on both (set it on both ranks or neither)", asked, 1-asked)
+		out.Notes = append(out.Notes, fmt.Sprintf("only rank %d of the collNet group set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, rank %d did not: "+
+			"CollNet Direct without NVSwitch stays off on both (set it on both ranks or neither)", asked, 1-asked))
+	}
+	c0, c1 := offers[0].Channels, offers[1].Channels
+	out.Channels = int(min(c0, c1))
+	if c0 != c1 {
+		out.Notes = append(out.Notes, fmt.Sprintf("ROCE_GATHER_ONESHOT_CHANNELS differs: rank 0 %d, rank 1 %d; both ranks use %d", c0, c1, out.Channels))
+	}
+	k0, k1 := offers[0].Chunk, offers[1].Chunk
+	switch {
+	case k0 == 0 || k1 == 0:
+		out.Chunk = max(k0, k1)
+	default:
+		out.Chunk = min(k0, k1)
+	}
+	if k0 != k1 {
+		out.Notes = append(out.Notes, fmt.Sprintf("ROCE_GATHER_ONESHOT_CHUNK differs: rank 0 %s, rank 1 %s; both ranks use %s",
+			ChunkName(k0), ChunkName(k1), ChunkName(out.Chunk)))
 	}
 	out.On = true
 	return out

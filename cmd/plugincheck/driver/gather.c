@@ -8,6 +8,10 @@
 
 enum path { PATH_NCCL = 0, PATH_ONESHOT = 1 };
 
+/* The chunk NCCL picks for these staged gathers, and the step its buffer holds. */
+#define NCCL_CHUNK ((size_t)32 << 10)
+#define NCCL_STEP_BYTES ((size_t)512 << 10)
+
 static const ncclCollNet_v12_t* CN;
 static void* coll;
 
@@ -183,6 +187,15 @@ int suite_gather(void) {
     case_result("gather/expectation", 0, "RG_SELFTEST_EXPECT=%s is not window:FLOOR:CAP", expect);
     return 1;
   }
+  /* And how the tuner must schedule a one-shot gather: "CHANNELS:CHUNK", CHUNK 0 leaving
+   * NCCL's chunk (the default: one channel, NCCL's chunk). */
+  const char* tuning = getenv("RG_SELFTEST_EXPECT_TUNING");
+  int expect_channels = 1;
+  long long expect_chunk = 0;
+  if (tuning != NULL && sscanf(tuning, "%d:%lld", &expect_channels, &expect_chunk) != 2) {
+    case_result("gather/expectation", 0, "RG_SELFTEST_EXPECT_TUNING=%s is not CHANNELS:CHUNK", tuning);
+    return 1;
+  }
   if (expect != NULL) {
     int want_on = expect_cap > 0 || strcmp(expect, "dropped") == 0;
     case_result("gather/expected-outcome", on == want_on, "expected the path %s, it is %s", want_on ? "on" : "off",
@@ -221,11 +234,23 @@ int suite_gather(void) {
       memset(result, 0xEE, 2 * S);
       const char* how;
       int r;
+      size_t chunk = 0, want_chunk = 0;
       if (path == PATH_ONESHOT) {
         oneshot_cases++;
         if (seed == 1) how = "oneshot-direct", r = oneshot_direct(result, shard, S, 0);
-        else if (seed == 2) how = "oneshot-staged", r = oneshot_staged(result, shard, S, 32 << 10);
-        else how = "oneshot-inplace", r = oneshot_direct(result, shard, S, 1);
+        else if (seed == 2) {
+          /* NCCL's staging windows: its chunk (32 KiB here), which tuner v6 may replace;
+           * NCCL clamps that to its buffer's step (512 KiB) and rounds it to 512 bytes. */
+          chunk = NCCL_CHUNK;
+          if (T->getChunkSize(tctx, ncclFuncAllGather, 2 * S, NCCL_ALGO_COLLNET_DIRECT, NCCL_PROTO_SIMPLE, nch, &chunk) !=
+              ncclSuccess)
+            chunk = 0;
+          if (chunk > NCCL_STEP_BYTES) chunk = NCCL_STEP_BYTES;
+          chunk = chunk / 512 * 512;
+          want_chunk = expect_chunk > 0 ? (size_t)expect_chunk : NCCL_CHUNK;
+          if (want_chunk > NCCL_STEP_BYTES) want_chunk = NCCL_STEP_BYTES;
+          how = "oneshot-staged", r = chunk > 0 ? oneshot_staged(result, shard, S, chunk) : -1;
+        } else how = "oneshot-inplace", r = oneshot_direct(result, shard, S, 1);
       } else {
         nccl_cases++;
         how = "nccl-p2p", r = via_p2p(&cp, result, shard, S);
@@ -235,10 +260,17 @@ int suite_gather(void) {
       int want = expect == NULL ? path
                  : expect_cap > 0 && (long long)S >= expect_floor && (long long)S <= expect_cap ? PATH_ONESHOT
                                                                                                  : PATH_NCCL;
-      int ok = r == 0 && bad0 < 0 && bad1 < 0 && (path != PATH_ONESHOT || nch == 1) && path == want;
-      case_result(name, ok, "path %s%s%s%s%s", how, r != 0 ? ", the collective failed" : "",
+      int ok = r == 0 && bad0 < 0 && bad1 < 0 && (path != PATH_ONESHOT || nch == expect_channels) &&
+               chunk == want_chunk && path == want;
+      char sched[96] = "";
+      if (path == PATH_ONESHOT) snprintf(sched, sizeof(sched), ", %d channel(s)", nch);
+      if (chunk > 0) snprintf(sched + strlen(sched), sizeof(sched) - strlen(sched), ", chunk %zu", chunk);
+      case_result(name, ok, "path %s%s%s%s%s%s%s", how, sched, r != 0 ? ", the collective failed" : "",
                   bad0 >= 0 ? ", rank 0's row is wrong" : "", bad1 >= 0 ? ", rank 1's row is wrong" : "",
-                  path != want ? ", but this scenario expects the other path" : "");
+                  path != want ? ", but this scenario expects the other path" : "",
+                  path == PATH_ONESHOT && nch != expect_channels ? ", but not on the channels it expects"
+                  : chunk != want_chunk                          ? ", but not in the chunk it expects"
+                                                                 : "");
       free(shard);
       free(result);
     }
