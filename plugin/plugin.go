@@ -95,9 +95,7 @@ func (s *runtimeState) acquire() error {
 		s.pending = map[uint64]*roce.PendingSend{}
 		s.colls = map[unsafe.Pointer]*collComm{}
 		s.setProps(tr.Device().Info())
-		if cfg.StatsPath != "" {
-			armStatsAtExit()
-		}
+		openStats(cfg.StatsPath)
 		nlog.Infof(nlog.Init|nlog.Net, "roce_gather %s: %s fabric, device %s (%s); one-shot gather %s, mode %s, timeout %v",
 			Version, tr.Kind(), tr.Device().Info().Name, tr.Device().Info().Detail, cfg.describeWindow(tr.Kind()), cfg.Mode, cfg.Timeout)
 		if floor, capBytes, off := cfg.Window(tr.Kind()); !off && floor > capBytes {
@@ -134,7 +132,7 @@ func (s *runtimeState) release() {
 	if s.contexts > 0 {
 		return
 	}
-	writeStats(s.cfg.StatsPath)
+	closeStats(s.cfg.StatsPath)
 	for p, c := range s.colls {
 		c.close()
 		delete(s.colls, p)

@@ -57,7 +57,7 @@ ncclResult_t rg_tuner_get_coll_info(void* ctx, ncclFunc_t collType, size_t nByte
   int d = rg_tuner_policy(t, collType, nBytes, collCostTable, numAlgo, numProto, nChannels);
   switch (d) {
   case RG_TUNE_ONESHOT_UNOFFERED:
-    atomic_fetch_add_explicit(&rg_global_stats.tuner_oneshot_unoffered, 1, memory_order_relaxed);
+    rg_stats_add(RG_STAT_TUNER_ONESHOT_UNOFFERED, 1);
     if (!t->warned_unoffered_used) {
       t->warned_unoffered_used = 1;
       RG_INFO(NCCL_TUNING, "communicator 0x%llx: NCCL does not offer CollNet Direct for AllGather here; scheduling "
@@ -66,11 +66,11 @@ ncclResult_t rg_tuner_get_coll_info(void* ctx, ncclFunc_t collType, size_t nByte
     }
     __attribute__((fallthrough)); /* counted as one-shot too */
   case RG_TUNE_ONESHOT:
-    atomic_fetch_add_explicit(&rg_global_stats.tuner_oneshot, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&rg_global_stats.tuner_oneshot_bytes, nBytes, memory_order_relaxed);
+    rg_stats_add(RG_STAT_TUNER_ONESHOT, 1);
+    rg_stats_add(RG_STAT_TUNER_ONESHOT_BYTES, nBytes);
     break;
   case RG_TUNE_NCCL_NOT_OFFERED:
-    atomic_fetch_add_explicit(&rg_global_stats.tuner_nccl_ignored, 1, memory_order_relaxed);
+    rg_stats_add(RG_STAT_TUNER_NCCL_IGNORED, 1);
     if (!t->warned_not_offered) {
       t->warned_not_offered = 1;
       RG_INFO(NCCL_TUNING, "communicator 0x%llx: NCCL does not offer CollNet Direct for AllGather here (it drops it "
@@ -80,8 +80,8 @@ ncclResult_t rg_tuner_get_coll_info(void* ctx, ncclFunc_t collType, size_t nByte
     }
     __attribute__((fallthrough)); /* counted as handed to NCCL too */
   case RG_TUNE_NCCL:
-    atomic_fetch_add_explicit(&rg_global_stats.tuner_nccl, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&rg_global_stats.tuner_nccl_bytes, nBytes, memory_order_relaxed);
+    rg_stats_add(RG_STAT_TUNER_NCCL, 1);
+    rg_stats_add(RG_STAT_TUNER_NCCL_BYTES, nBytes);
     break;
   default:
     break;

@@ -2,6 +2,7 @@ package plugin
 
 /*
 #include <stdlib.h>
+#include "abi.h"
 #include "tuner.h"
 */
 import "C"
@@ -116,4 +117,19 @@ func ChunkPolicy(nRanks int, g TunerGroup, collType int, nBytes uint64, algo, pr
 	c := C.size_t(chunk)
 	C.rg_tuner_chunk_policy(&t, C.int(collType), C.size_t(nBytes), C.int(algo), C.int(proto), &c)
 	return uint64(c)
+}
+
+// GetCollInfo runs the tuner's getCollInfo entry for a group as NCCL calls it, counting
+// the decision in the stats, and returns the nChannels it set.
+func GetCollInfo(nRanks int, g TunerGroup, collType int, nBytes uint64, table []float32, numAlgo, numProto int) int {
+	t := g.c(nRanks)
+	ct := (*C.float)(C.malloc(C.size_t(len(table) * 4)))
+	defer C.free(unsafe.Pointer(ct))
+	cs := unsafe.Slice((*float32)(unsafe.Pointer(ct)), len(table))
+	copy(cs, table)
+	var nch C.int
+	C.rg_tuner_get_coll_info(unsafe.Pointer(&t), C.ncclFunc_t(collType), C.size_t(nBytes), 1, (**C.float)(unsafe.Pointer(ct)),
+		C.int(numAlgo), C.int(numProto), 0, &nch)
+	copy(table, cs)
+	return int(nch)
 }

@@ -72,7 +72,7 @@ static ncclResult_t fail(rg_gather_comm* g, rg_gather_call* c, const char* what)
   /* The group is finished: every gather kernel still queued or waiting gives up, and the
    * rows of the calls it served stay untouched. */
   cancel_kernels(g);
-  atomic_fetch_add_explicit(&rg_global_stats.gather_errors, 1, memory_order_relaxed);
+  rg_stats_add(RG_STAT_GATHER_ERRORS, 1);
   if (!g->warned) {
     g->warned = 1;
     const char* why = "";
@@ -350,7 +350,7 @@ static ncclResult_t advance(rg_gather_comm* g, rg_gather_call* c) {
         return fail(g, c, st == RG_PLACE_TIMED_OUT ? "the gather kernel saw no arrival within its timeout"
                           : st == RG_PLACE_CANCELLED ? "the gather kernel was cancelled"
                                                      : "the gather kernel ended without a verdict");
-      atomic_fetch_add_explicit(&rg_global_stats.gathers_kernel, 1, memory_order_relaxed);
+      rg_stats_add(RG_STAT_GATHERS_KERNEL, 1);
     }
     c->landed = 1;
   }
@@ -376,11 +376,9 @@ static ncclResult_t progress(rg_gather_comm* g) {
       c->finished = 1;
       uint64_t ns = rg_now_ns() - c->start_ns;
       rg_stats_latency(ns);
-      atomic_fetch_add_explicit(&rg_global_stats.gathers, 1, memory_order_relaxed);
-      atomic_fetch_add_explicit(&rg_global_stats.gather_bytes, c->bytes, memory_order_relaxed);
-      atomic_fetch_add_explicit(c->mode == RG_MODE_EAGER ? &rg_global_stats.gathers_eager
-                                                         : &rg_global_stats.gathers_rendezvous,
-                                1, memory_order_relaxed);
+      rg_stats_add(RG_STAT_GATHERS, 1);
+      rg_stats_add(RG_STAT_GATHER_BYTES, c->bytes);
+      rg_stats_add(c->mode == RG_MODE_EAGER ? RG_STAT_GATHERS_EAGER : RG_STAT_GATHERS_RENDEZVOUS, 1);
     }
   }
   if (link_failed)

@@ -2,8 +2,10 @@
  * group, asks the tuner, then runs each gather through collNet iallgather (NCCL's
  * registered-buffer call or its staging windows) or through the p2p net, and checks
  * every byte and that both ranks took the same path. */
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "rank.h"
 
 enum path { PATH_NCCL = 0, PATH_ONESHOT = 1 };
@@ -14,6 +16,9 @@ enum path { PATH_NCCL = 0, PATH_ONESHOT = 1 };
 
 static const ncclCollNet_v12_t* CN;
 static void* coll;
+/* The iallgather calls this rank made and the window bytes they moved, for the stats. */
+static long long iag_calls;
+static unsigned long long iag_bytes;
 
 static int coll_test(void* req, int* done, int* size) { return CN->test(req, done, size); }
 static int net_test(void* req, int* done, int* sizes) { return R.net->test(req, done, sizes); }
@@ -37,6 +42,7 @@ static int oneshot_direct(uint8_t* result, const uint8_t* shard, size_t S, int i
     rc = CN->iallgather(coll, (void*)send, 1, &part, S, 0, 2 * S, smh, &req);
     if (now_ns() - start > (uint64_t)R.timeout_s * 1000000000ull) rc = -1;
   }
+  if (rc == 0) iag_calls++, iag_bytes += 2 * S;
   if (rc == 0) rc = test_until_done("iallgather", req, NULL, coll_test);
   if (!in_place) CN->deregMr(coll, smh);
   CN->deregMr(coll, rmh);
@@ -67,7 +73,7 @@ static int oneshot_staged(uint8_t* result, const uint8_t* shard, size_t S, size_
       if (hi > lo) memcpy(send, shard + (lo - mb), hi - lo);
       ncclNetSGE_v12_t part = {.mhandle = mh, .address = recv, .size = wb};
       rc = CN->iallgather(coll, send, 1, &part, S, off, wb, mh, &reqs[slot]);
-      if (rc == 0 && reqs[slot] != NULL) issued++;
+      if (rc == 0 && reqs[slot] != NULL) issued++, iag_calls++, iag_bytes += wb;
     }
     if (completed < issued) {
       size_t w = completed, slot = w % STEPS, off = w * chunk, wb = total - off < chunk ? total - off : chunk;
@@ -215,6 +221,7 @@ int suite_gather(void) {
     }
   }
   int oneshot_cases = 0, nccl_cases = 0;
+  unsigned long long oneshot_bytes = 0, nccl_bytes = 0;
   for (int i = 0; i < nsizes; i++) {
     for (int seed = 1; seed <= 3; seed++) {
       size_t S = sizes[i];
@@ -237,6 +244,7 @@ int suite_gather(void) {
       size_t chunk = 0, want_chunk = 0;
       if (path == PATH_ONESHOT) {
         oneshot_cases++;
+        oneshot_bytes += 2 * S;
         if (seed == 1) how = "oneshot-direct", r = oneshot_direct(result, shard, S, 0);
         else if (seed == 2) {
           /* NCCL's staging windows: its chunk (32 KiB here), which tuner v6 may replace;
@@ -253,6 +261,7 @@ int suite_gather(void) {
         } else how = "oneshot-inplace", r = oneshot_direct(result, shard, S, 1);
       } else {
         nccl_cases++;
+        nccl_bytes += 2 * S;
         how = "nccl-p2p", r = via_p2p(&cp, result, shard, S);
       }
       long bad0 = check_pattern(result, S, (uint64_t)seed * 1000003 + S * 2);
@@ -276,7 +285,22 @@ int suite_gather(void) {
     }
   }
   printf("NOTE gather paths: %d gathers by the one-shot path, %d by NCCL's p2p\n", oneshot_cases, nccl_cases);
+  printf("NOTE gather totals: tuner oneshot=%d oneshot_bytes=%llu nccl=%d nccl_bytes=%llu; iallgather calls=%lld bytes=%llu\n",
+         oneshot_cases, oneshot_bytes, nccl_cases, nccl_bytes, iag_calls, iag_bytes);
   fflush(stdout);
+  /* RG_SELFTEST_EXIT ends the process right after its last gather, as jobs do that never
+   * finalize NCCL: "_exit" (no atexit handler, no destructor runs) or "sigterm"; or, with
+   * "finalize", goes on to close and finalize once both ranks are done. */
+  const char* how_exit = getenv("RG_SELFTEST_EXIT");
+  if (how_exit != NULL) {
+    barrier("exit"); /* the peer's last gather is done too */
+    if (strcmp(how_exit, "finalize") != 0) {
+      printf("NOTE leaving by %s, without finalize\n", how_exit);
+      fflush(stdout);
+      if (strcmp(how_exit, "sigterm") == 0) kill(getpid(), SIGTERM);
+      _exit(0);
+    }
+  }
   close_pair(&cp);
   T->finalize(tctx);
   free(constants);
