@@ -54,6 +54,12 @@ type Config struct {
 	// size tuner v6 returns for it, 0 leaving NCCL's choice. Both are agreed at connect.
 	OneShotChannels int
 	OneShotChunk    uint64
+	// TracePath is ROCE_GATHER_TRACE, the timeline's file ("" for none; %p and %h as in
+	// StatsPath); TraceEvery samples one call in that many (ROCE_GATHER_TRACE_EVERY), and
+	// TraceRecords is the ring's size (ROCE_GATHER_TRACE_RECORDS).
+	TracePath    string
+	TraceEvery   uint64
+	TraceRecords uint64
 }
 
 // Defaults, as README.md's configuration table gives them.
@@ -64,6 +70,10 @@ const (
 	DefaultTimeoutMS = 30000
 	// DefaultOneShotChannels is the nChannels of a one-shot gather.
 	DefaultOneShotChannels = 1
+	// The timeline samples every call by default, into a ring of 16384 records (4 MiB).
+	DefaultTraceEvery   = 1
+	DefaultTraceRecords = 16384
+	MaxTraceRecords     = 1 << 20
 )
 
 // FabricWindow is a fabric's one-shot window when the environment gives none, in bytes a
@@ -135,6 +145,8 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		Mode:     ModeAuto,
 
 		OneShotChannels: DefaultOneShotChannels,
+		TraceEvery:      DefaultTraceEvery,
+		TraceRecords:    DefaultTraceRecords,
 	}
 	var warns []Warning
 	refuse := func(name, value, used, why string) {
@@ -249,6 +261,23 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 			c.OneShotChunk = n
 		}
 	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_TRACE"); ok {
+		c.TracePath = v
+	}
+	count := func(name string, hi uint64, dst *uint64) {
+		v, ok := lookup(getenv, name)
+		if !ok {
+			return
+		}
+		n, err := strconv.ParseUint(v, 10, 64)
+		if err != nil || n == 0 || n > hi {
+			refuse(name, v, fmt.Sprint(*dst), fmt.Sprintf("is not a whole number from 1 to %d", hi))
+			return
+		}
+		*dst = n
+	}
+	count("ROCE_GATHER_TRACE_EVERY", 1<<32, &c.TraceEvery)
+	count("ROCE_GATHER_TRACE_RECORDS", MaxTraceRecords, &c.TraceRecords)
 	return c, warns
 }
 

@@ -24,6 +24,9 @@ func TestConfigDefaultsMatchTheDesignTable(t *testing.T) {
 	require.False(t, c.DirectWithoutNVSwitch)
 	require.Equal(t, 1, c.OneShotChannels)
 	require.Zero(t, c.OneShotChunk, "NCCL's choice")
+	require.Equal(t, "", c.TracePath)
+	require.Equal(t, uint64(1), c.TraceEvery)
+	require.Equal(t, uint64(16384), c.TraceRecords)
 }
 
 func TestConfigReadsEveryVariable(t *testing.T) {
@@ -42,6 +45,9 @@ func TestConfigReadsEveryVariable(t *testing.T) {
 		"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": "1",
 		"ROCE_GATHER_ONESHOT_CHANNELS":        "4",
 		"ROCE_GATHER_ONESHOT_CHUNK":           "128K",
+		"ROCE_GATHER_TRACE":                   "/tmp/t.%p",
+		"ROCE_GATHER_TRACE_EVERY":             "10",
+		"ROCE_GATHER_TRACE_RECORDS":           "1024",
 		"NCCL_SOCKET_IFNAME":                  "^docker",
 	}))
 	require.Empty(t, warns)
@@ -62,6 +68,9 @@ func TestConfigReadsEveryVariable(t *testing.T) {
 	require.Equal(t, "/tmp/s.%p.json", c.StatsPath)
 	require.Equal(t, 4, c.OneShotChannels)
 	require.Equal(t, uint64(128<<10), c.OneShotChunk)
+	require.Equal(t, "/tmp/t.%p", c.TracePath)
+	require.Equal(t, uint64(10), c.TraceEvery)
+	require.Equal(t, uint64(1024), c.TraceRecords)
 }
 
 // Every bad value is refused with a warning naming the variable, the value and the default used.
@@ -96,6 +105,10 @@ func TestConfigRefusesEveryBadValueAndKeepsTheDefault(t *testing.T) {
 		{"ROCE_GATHER_ONESHOT_CHUNK", "256", "NCCL's choice"},
 		{"ROCE_GATHER_ONESHOT_CHUNK", "65M", "NCCL's choice"},
 		{"ROCE_GATHER_ONESHOT_CHUNK", "big", "NCCL's choice"},
+		{"ROCE_GATHER_TRACE_EVERY", "0", "1"},
+		{"ROCE_GATHER_TRACE_EVERY", "-3", "1"},
+		{"ROCE_GATHER_TRACE_RECORDS", "0", "16384"},
+		{"ROCE_GATHER_TRACE_RECORDS", "2000000", "16384"},
 	}
 	def, _ := ParseConfig(env(nil))
 	for _, tc := range cases {

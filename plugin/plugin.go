@@ -96,6 +96,7 @@ func (s *runtimeState) acquire() error {
 		s.colls = map[unsafe.Pointer]*collComm{}
 		s.setProps(tr.Device().Info())
 		openStats(cfg.StatsPath)
+		openTrace(cfg)
 		nlog.Infof(nlog.Init|nlog.Net, "roce_gather %s: %s fabric, device %s (%s); one-shot gather %s, mode %s, timeout %v",
 			Version, tr.Kind(), tr.Device().Info().Name, tr.Device().Info().Detail, cfg.describeWindow(tr.Kind()), cfg.Mode, cfg.Timeout)
 		if floor, capBytes, off := cfg.Window(tr.Kind()); !off && floor > capBytes {

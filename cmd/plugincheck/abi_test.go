@@ -164,11 +164,14 @@ func TestBadEnvironmentValuesAreRefusedWithAWarning(t *testing.T) {
 		"ROCE_GATHER_TCP_CUDA":         `ROCE_GATHER_TCP_CUDA="yes" is not 0 or 1; using 0`,
 		"ROCE_GATHER_ONESHOT_CHANNELS": `ROCE_GATHER_ONESHOT_CHANNELS="3" is not 1, 2, 4 or 8; using 1`,
 		"ROCE_GATHER_ONESHOT_CHUNK":    `ROCE_GATHER_ONESHOT_CHUNK="1000" is not a multiple of 512 bytes (NCCL's Simple grain) from 512 to 67108864; using NCCL's choice`,
+		"ROCE_GATHER_TRACE_EVERY":      `ROCE_GATHER_TRACE_EVERY="0" is not a whole number from 1 to 4294967296; using 1`,
+		"ROCE_GATHER_TRACE_RECORDS":    `ROCE_GATHER_TRACE_RECORDS="many" is not a whole number from 1 to 1048576; using 16384`,
 	}
 	values := map[string]string{"ROCE_GATHER_ENABLE": "maybe", "ROCE_GATHER_MAX_BYTES": "lots", "ROCE_GATHER_MIN_BYTES": "65M", "ROCE_GATHER_FABRIC": "rdma",
 		"ROCE_GATHER_HCAS": "mlx5_0,,mlx5_1", "ROCE_GATHER_GID_INDEX": "third", "ROCE_GATHER_TCP_IF": "eth0,eth1",
 		"ROCE_GATHER_TIMEOUT_MS": "0", "ROCE_GATHER_MODE": "turbo", "ROCE_GATHER_TCP_CUDA": "yes",
-		"ROCE_GATHER_ONESHOT_CHANNELS": "3", "ROCE_GATHER_ONESHOT_CHUNK": "1000"}
+		"ROCE_GATHER_ONESHOT_CHANNELS": "3", "ROCE_GATHER_ONESHOT_CHUNK": "1000",
+		"ROCE_GATHER_TRACE_EVERY": "0", "ROCE_GATHER_TRACE_RECORDS": "many"}
 	var env []string
 	for k, v := range values {
 		env = append(env, k+"="+v)
@@ -181,7 +184,7 @@ func TestBadEnvironmentValuesAreRefusedWithAWarning(t *testing.T) {
 	}
 	for _, c := range r.Checks {
 		if c.Check == "warnings" {
-			require.Equal(t, "12 WARN line(s) logged during the check", c.Detail)
+			require.Equal(t, "14 WARN line(s) logged during the check", c.Detail)
 		} else {
 			require.True(t, c.OK, "%s %s: the defaults keep everything else working", c.Table, c.Check)
 		}

@@ -26,6 +26,7 @@ commands:
   selftest  run two ranks over the fabric: the p2p net and the one-shot gather
   bench     cost of the hot-path calls and p2p bandwidth over the local fabric
   hw        RDMA devices, ports, GIDs, MTUs and GPUDirect support of this host
+  trace     where the microseconds of traced one-shot gathers go (ROCE_GATHER_TRACE files)
 
 Run "plugincheck <command> -h" for a command's flags.
 `
@@ -46,6 +47,8 @@ func main() {
 		code = cmdBench(args)
 	case "hw":
 		code = cmdHW(args)
+	case "trace":
+		code = cmdTrace(args)
 	case "help", "-h", "--help":
 		fmt.Print(usage)
 	default:

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -37,14 +38,17 @@ var gatherTotals = regexp.MustCompile(`^rank (\d): gather totals: tuner oneshot=
 
 // runGatherSuiteEndingBy runs the gather suite on two ranks that end right after their
 // last gather as how says, and returns each rank's totals as it counted them and its
-// stats file.
-func runGatherSuiteEndingBy(t *testing.T, how string) ([2][6]uint64, [2]statsFile, *result) {
+// stats file. The ranks' extra environment may name files in dir with %d for the rank.
+func runGatherSuiteEndingBy(t *testing.T, how string, dir string, extra ...string) ([2][6]uint64, [2]statsFile, *result) {
 	t.Helper()
 	_, lib, driver := built(t)
-	dir := t.TempDir()
 	env := func(r int) []string {
-		return []string{"ROCE_GATHER_FABRIC=tcp", "ROCE_GATHER_TCP_IF=lo", "NCCL_COLLNET_ENABLE=1", "ROCE_GATHER_MAX_BYTES=262144",
+		e := []string{"ROCE_GATHER_FABRIC=tcp", "ROCE_GATHER_TCP_IF=lo", "NCCL_COLLNET_ENABLE=1", "ROCE_GATHER_MAX_BYTES=262144",
 			"RG_SELFTEST_EXIT=" + how, fmt.Sprintf("ROCE_GATHER_STATS=%s/stats.%d.json", dir, r)}
+		for _, x := range extra {
+			e = append(e, strings.ReplaceAll(x, "%d", fmt.Sprint(r)))
+		}
+		return e
 	}
 	res := &result{}
 	out.res, out.echo = res, false
@@ -108,19 +112,19 @@ func requireStatsMatch(t *testing.T, counted [2][6]uint64, files [2]statsFile) {
 // children do, communicators not finalized) runs no atexit handler and no destructor:
 // its stats file still holds every decision and every call, exactly.
 func TestStatsFileIsExactAfterExitWithoutFinalize(t *testing.T) {
-	counted, files, _ := runGatherSuiteEndingBy(t, "_exit")
+	counted, files, _ := runGatherSuiteEndingBy(t, "_exit", t.TempDir())
 	requireStatsMatch(t, counted, files)
 }
 
 // The same for a process ended by SIGTERM's default action.
 func TestStatsFileIsExactAfterSIGTERMWithoutFinalize(t *testing.T) {
-	counted, files, _ := runGatherSuiteEndingBy(t, "sigterm")
+	counted, files, _ := runGatherSuiteEndingBy(t, "sigterm", t.TempDir())
 	requireStatsMatch(t, counted, files)
 }
 
 // A run that finalizes brings the percentiles up to date: they cover every call.
 func TestStatsFileAfterFinalizeCoversEveryCallWithPercentiles(t *testing.T) {
-	counted, files, _ := runGatherSuiteEndingBy(t, "finalize")
+	counted, files, _ := runGatherSuiteEndingBy(t, "finalize", t.TempDir())
 	requireStatsMatch(t, counted, files)
 	for _, st := range files {
 		require.Equal(t, st.OneShot.Calls, st.OneShot.LatencyCalls)

@@ -78,6 +78,7 @@ type Listener struct {
 	mu     sync.Mutex
 	out    Outcome
 	side   *side
+	commID uint64
 }
 
 // Config is this rank's configuration of the one-shot path.
@@ -95,6 +96,8 @@ type Config struct {
 	// ROCE_GATHER_ONESHOT_CHUNK (0: NCCL's choice).
 	Channels int
 	Chunk    uint64
+	// CommID is NCCL's id of the communicator, which the timeline's records carry.
+	CommID uint64
 }
 
 // Listen opens the group's listener on t and writes this rank's offer into handle.
@@ -105,7 +108,7 @@ func Listen(t *roce.Transport, cfg Config, handle []byte) (*Listener, error) {
 	if !ValidChannels(cfg.Channels) || !ValidChunk(cfg.Chunk) {
 		return nil, fmt.Errorf("one-shot channels %d or chunk %d out of range", cfg.Channels, cfg.Chunk)
 	}
-	gl := &Listener{t: t, agreed: make(chan struct{})}
+	gl := &Listener{t: t, agreed: make(chan struct{}), commID: cfg.CommID}
 	gl.offer = Offer{Version: roce.ProtocolVersion, On: cfg.Enable, Fabric: fabricCode(t.Kind()), Mode: cfg.Mode,
 		Lanes: uint8(t.Device().Info().Lanes), MinBytes: cfg.MinBytes, MaxBytes: cfg.MaxBytes, SlotBytes: SlotBytesFor(cfg.MaxBytes),
 		DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch, Channels: uint8(cfg.Channels), Chunk: cfg.Chunk}
@@ -178,7 +181,7 @@ func (gl *Listener) Connect(handles [][]byte, rank int) (*Comm, Outcome) {
 	var s *side
 	var err error
 	if out.On {
-		if s, err = newSide(gl.t, out, rank); err != nil {
+		if s, err = newSide(gl.t, out, rank, gl.commID); err != nil {
 			out.On, out.Why = false, err.Error()
 		}
 	}
@@ -248,7 +251,7 @@ type regions struct {
 	slotBytes, depth      uint64
 }
 
-func newSide(t *roce.Transport, out Outcome, rank int) (*side, error) {
+func newSide(t *roce.Transport, out Outcome, rank int, commID uint64) (*side, error) {
 	slot := SlotBytesFor(out.Cap)
 	ctrl, err := roce.NewHostBuffer(t.Device(), uint64(C.sizeof_rg_gather_ctrl))
 	if err != nil {
@@ -288,6 +291,8 @@ func newSide(t *roce.Transport, out Outcome, rank int) (*side, error) {
 	c.arrival = (*C.uint64_t)(unsafe.Add(s.landing, slots))
 	c.place_status = (*C.uint32_t)(unsafe.Add(s.landing, visible))
 	c.landing_mapped = s.landingPinned
+	c.trace = C.rg_trace_current() // NULL unless ROCE_GATHER_TRACE is on
+	c.comm_id = C.uint64_t(commID)
 	s.c = c
 	return s, nil
 }
