@@ -26,6 +26,7 @@ commands:
   selftest  run two ranks over the fabric: the p2p net and the one-shot gather
   bench     cost of the hot-path calls and p2p bandwidth over the local fabric
   hw        RDMA devices, ports, GIDs, MTUs and GPUDirect support of this host
+  trace     where the microseconds of traced one-shot gathers go (ROCE_GATHER_TRACE files)
 
 Run "plugincheck <command> -h" for a command's flags.
 `
@@ -46,6 +47,8 @@ func main() {
 		code = cmdBench(args)
 	case "hw":
 		code = cmdHW(args)
+	case "trace":
+		code = cmdTrace(args)
 	case "help", "-h", "--help":
 		fmt.Print(usage)
 	default:
@@ -144,7 +147,7 @@ type scenario struct {
 	name       string
 	suite      string
 	env0, env1 []string
-	expect     string // what the gather suite must see: "cap:N", "off" or "dropped"
+	expect     string // what the gather suite must see: "cap:N", "window:F:N", "off" or "dropped"
 	// tcpDefault runs without ROCE_GATHER_MAX_BYTES: the tcp fabric then keeps the one-shot
 	// path off. Every other gather scenario sets the cap, which turns it on over tcp.
 	tcpDefault bool
@@ -160,6 +163,12 @@ func scenarios(which string) []scenario {
 		{name: "gather", suite: "gather", expect: "cap:524288"},
 		{name: "gather, caps 511 KiB and 512 KiB", suite: "gather",
 			env0: []string{"ROCE_GATHER_MAX_BYTES=523264"}, env1: []string{"ROCE_GATHER_MAX_BYTES=524288"}, expect: "cap:523264"},
+		{name: "gather, floors 16 KiB and 32 KiB, caps 512 KiB and 128 KiB", suite: "gather",
+			env0: []string{"ROCE_GATHER_MIN_BYTES=16384", "ROCE_GATHER_MAX_BYTES=524288"},
+			env1: []string{"ROCE_GATHER_MIN_BYTES=32768", "ROCE_GATHER_MAX_BYTES=131072"}, expect: "window:32768:131072"},
+		{name: "gather, one-shot channels 4 and 2, chunk 64 KiB on rank 0 only", suite: "gather",
+			env0: []string{"ROCE_GATHER_ONESHOT_CHANNELS=4", "ROCE_GATHER_ONESHOT_CHUNK=65536", "RG_SELFTEST_EXPECT_TUNING=2:65536"},
+			env1: []string{"ROCE_GATHER_ONESHOT_CHANNELS=2", "RG_SELFTEST_EXPECT_TUNING=2:65536"}, expect: "cap:524288"},
 		{name: "gather, ROCE_GATHER_ENABLE=0 on rank 1 only", suite: "gather",
 			env1: []string{"ROCE_GATHER_ENABLE=0"}, expect: "off"},
 		{name: "gather, eager mode", suite: "gather", env0: []string{"ROCE_GATHER_MODE=eager"}, env1: []string{"ROCE_GATHER_MODE=eager"}, expect: "cap:524288"},
