@@ -279,8 +279,8 @@ static int post_part(rg_gather_comm* g, rg_gather_call* c, uint64_t remote, cons
     uint64_t b = (uint64_t)l * per, e = b + per;
     if (b > c->my_len) b = c->my_len;
     if (e > c->my_len) e = c->my_len;
-    rg_wr wr[2];
-    int n = 0;
+    rg_wr wr[3];
+    int n = 0, credit = 0;
     if (e > b)
       wr[n++] = (rg_wr){.local = c->send + b, .mr = c->send_mr, .len = e - b, .remote = remote + b,
                         .rkey = rkeys[lane->peer_hca], .op = RG_OP_WRITE};
@@ -295,8 +295,15 @@ static int post_part(rg_gather_comm* g, rg_gather_call* c, uint64_t remote, cons
       wr[n].flags |= RG_WR_INLINE;
     }
     n++;
+    if (l == 0 && g->mode != RG_MODE_RENDEZVOUS && g->credit_sent != g->consumed) {
+      /* Returned landing slots ride with this rank's part: no post of their own between a
+       * call's completion and NCCL hearing of it. */
+      wr[n++] = (rg_wr){.imm = RG_GIMM(RG_GIMM_CREDIT, g->consumed), .op = RG_OP_WRITE_IMM};
+      credit = 1;
+    }
     int rc = rg_post(lane, wr, n);
     if (rc != RG_OK) return rc; /* RG_ERR_FULL: the retry starts at this lane */
+    if (credit) g->credit_sent = g->consumed;
     c->lanes_posted |= 1u << l;
     c->writes_pending++;
   }
@@ -432,8 +439,10 @@ static ncclResult_t advance(rg_gather_comm* g, rg_gather_call* c) {
   return ncclSuccess;
 }
 
+/* Credits normally ride with the next call's part (post_part); they go alone only once half
+ * the landing slots wait to be returned, so a peer running ahead never stalls on them. */
 static void send_credit(rg_gather_comm* g) {
-  if (g->mode == RG_MODE_RENDEZVOUS || g->credit_sent == g->consumed) return;
+  if (g->mode == RG_MODE_RENDEZVOUS || g->consumed - g->credit_sent < RG_GATHER_DEPTH / 2) return;
   rg_wr wr = {.imm = RG_GIMM(RG_GIMM_CREDIT, g->consumed), .op = RG_OP_WRITE_IMM};
   if (rg_post(&g->link->lane[0], &wr, 1) == RG_OK) g->credit_sent = g->consumed;
 }
