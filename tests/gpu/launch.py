@@ -131,6 +131,10 @@ def rank_env(config, rank, stats_path, extra=None, nccl_lib=""):
     env.update(CONFIGS[config])
     if uses_plugin(config):
         env["ROCE_GATHER_STATS"] = stats_path
+    if oneshot_on(config) and stats_path:
+        # A timeline of every fourth one-shot call, beside the stats (plugincheck trace reads it).
+        env.update(ROCE_GATHER_TRACE=stats_path + ".trace", ROCE_GATHER_TRACE_EVERY="4",
+                   ROCE_GATHER_TRACE_RECORDS="8192")
     env.update(extra or {})
     if nccl_lib:
         env["LD_PRELOAD"] = ":".join([nccl_lib] + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
