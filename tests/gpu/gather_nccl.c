@@ -52,6 +52,13 @@ static void record(const char* name, uint64_t bytes, int ok) {
 
 static void sync_stream(const char* what) { die_if(cu->cuStreamSynchronize(s) != CUDA_SUCCESS, what); }
 
+/* A copy on the collectives' own stream: cuMemcpyHtoD from pageable memory may return
+ * before its DMA is done, and a non-blocking stream does not wait for it. */
+static void to_device(CUdeviceptr dst, const void* src, size_t n) {
+  die_if(cu->cuMemcpyHtoDAsync(dst, src, n, s) != CUDA_SUCCESS, "cuMemcpyHtoDAsync");
+  sync_stream("the copy to the device failed");
+}
+
 /* Device buffers of one run: send and recv, recv with GUARD poison bytes on each side of
  * the largest output; host mirrors of recv. */
 typedef struct {
@@ -86,8 +93,8 @@ static int one_gather(nccl_comm_t comm, buffers* b, int rank, uint64_t n, int se
   memset(b->want + GUARD + 2 * n, POISON, b->recv_bytes - GUARD - 2 * n);
   /* In place, this rank's shard already sits in its row of the output. */
   if (inplace) memcpy(b->host + GUARD + rank * n, b->want + GUARD + rank * n, n);
-  die_if(cu->cuMemcpyHtoD(b->recv, b->host, b->recv_bytes) != CUDA_SUCCESS, "cuMemcpyHtoD");
-  die_if(cu->cuMemcpyHtoD(b->send, b->want + GUARD + rank * n, n) != CUDA_SUCCESS, "cuMemcpyHtoD");
+  to_device(b->recv, b->host, b->recv_bytes);
+  to_device(b->send, b->want + GUARD + rank * n, n);
   const void* src = inplace ? (const void*)(uintptr_t)(b->recv + GUARD + rank * n) : (const void*)(uintptr_t)b->send;
   int rc = nccl.all_gather(src, (void*)(uintptr_t)(b->recv + GUARD), n, NCCL_UINT8, comm, s);
   if (rc != NCCL_SUCCESS) printf("FAIL ncclAllGather: %s\n", nccl.get_error_string(rc));
@@ -127,9 +134,9 @@ static void gathers(nccl_comm_t comm, int rank, int registered) {
   /* The burst: gather i takes send bytes [i*BURST_SHARD, ...) and output i of 2*BURST_SHARD. */
   for (int i = 0; i < BURST; i++)
     for (uint64_t j = 0; j < BURST_SHARD; j++) b.host[i * BURST_SHARD + j] = byte_of(rank, 100 + i, j);
-  die_if(cu->cuMemcpyHtoD(b.send, b.host, (size_t)BURST * BURST_SHARD) != CUDA_SUCCESS, "cuMemcpyHtoD");
+  to_device(b.send, b.host, (size_t)BURST * BURST_SHARD);
   memset(b.host, POISON, b.recv_bytes);
-  die_if(cu->cuMemcpyHtoD(b.recv, b.host, b.recv_bytes) != CUDA_SUCCESS, "cuMemcpyHtoD");
+  to_device(b.recv, b.host, b.recv_bytes);
   for (int i = 0; i < BURST; i++) {
     int rc = nccl.all_gather((const void*)(uintptr_t)(b.send + (CUdeviceptr)i * BURST_SHARD),
                              (void*)(uintptr_t)(b.recv + (CUdeviceptr)i * 2 * BURST_SHARD), BURST_SHARD, NCCL_UINT8, comm, s);
@@ -165,9 +172,9 @@ static void p2p_case(nccl_comm_t comm, buffers* b, int rank, uint64_t n, int see
   int peer = 1 - rank;
   int sending = both || rank == from, receiving = both || rank != from;
   for (uint64_t j = 0; j < n; j++) b->want[j] = byte_of(rank, seed, j);
-  die_if(cu->cuMemcpyHtoD(b->send, b->want, n) != CUDA_SUCCESS, "cuMemcpyHtoD");
+  to_device(b->send, b->want, n);
   memset(b->host, POISON, b->recv_bytes);
-  die_if(cu->cuMemcpyHtoD(b->recv, b->host, b->recv_bytes) != CUDA_SUCCESS, "cuMemcpyHtoD");
+  to_device(b->recv, b->host, b->recv_bytes);
   int rc = nccl.group_start();
   if (rc == NCCL_SUCCESS && sending) rc = nccl.send((const void*)(uintptr_t)b->send, n, NCCL_UINT8, peer, comm, s);
   if (rc == NCCL_SUCCESS && receiving) rc = nccl.recv((void*)(uintptr_t)(b->recv + GUARD), n, NCCL_UINT8, peer, comm, s);
@@ -197,9 +204,9 @@ static void p2p(nccl_comm_t comm, int rank) {
   int peer = 1 - rank;
   for (int k = 0; k < P2P_INFLIGHT; k++)
     for (uint64_t j = 0; j < P2P_INFLIGHT_BYTES; j++) b.want[k * P2P_INFLIGHT_BYTES + j] = byte_of(rank, 50 + k, j);
-  die_if(cu->cuMemcpyHtoD(b.send, b.want, P2P_INFLIGHT * P2P_INFLIGHT_BYTES) != CUDA_SUCCESS, "cuMemcpyHtoD");
+  to_device(b.send, b.want, P2P_INFLIGHT * P2P_INFLIGHT_BYTES);
   memset(b.host, POISON, b.recv_bytes);
-  die_if(cu->cuMemcpyHtoD(b.recv, b.host, b.recv_bytes) != CUDA_SUCCESS, "cuMemcpyHtoD");
+  to_device(b.recv, b.host, b.recv_bytes);
   int rc = nccl.group_start();
   for (int k = 0; k < P2P_INFLIGHT && rc == NCCL_SUCCESS; k++) {
     rc = nccl.send((const void*)(uintptr_t)(b.send + (CUdeviceptr)k * P2P_INFLIGHT_BYTES), P2P_INFLIGHT_BYTES, NCCL_UINT8,
