@@ -10,9 +10,12 @@
  * once is queued and pushed by later posts and polls. Incoming frames are read, checked,
  * placed and completed by the thread that polls a lane of the connection. One helper
  * thread per connection does only what must go on while nobody polls: heartbeats,
- * noticing a silent peer, reading and pushing when no poll came for IDLE_NS, and the CUDA
- * staging copies of ROCE_GATHER_TCP_CUDA, which stay off NCCL's threads
- * (docs/roce-gather.md, "CUDA calls on NCCL's threads"). */
+ * noticing a silent peer, reading and pushing when no poll came for IDLE_NS, and placing
+ * writes into CUDA memory through a staging buffer. Where CUDA memory is offered
+ * (ROCE_GATHER_TCP_CUDA), a second thread sends the writes whose source is CUDA memory:
+ * both stay off NCCL's threads (docs/roce-gather.md, "CUDA calls on NCCL's threads"), and
+ * apart, since a send that waits for the peer to read must not hold up this side's reading
+ * of the peer's own sends. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -109,8 +112,9 @@ struct rg_tcp_conn {
   uint64_t timeout_ns;
   uint64_t heartbeat_ns;
 
-  pthread_t helper;
-  int helper_started;
+  pthread_t helper, cuda_tx;
+  int helper_started, cuda_tx_started;
+  int cwfd; /* eventfd that wakes the CUDA sender */
   atomic_int dead;
   atomic_int stopping;
   atomic_int refs; /* open lanes, and set-up code holding it */
@@ -164,11 +168,13 @@ static uint64_t since(uint64_t now, const atomic_uint_fast64_t* stamp) {
   return now > t ? now - t : 0;
 }
 
-static void wake_helper(rg_tcp_conn* c) {
+static void wake_fd(int fd) {
   uint64_t one = 1;
-  ssize_t r = write(c->wfd, &one, sizeof(one));
-  (void)r; /* a full counter already wakes it */
+  ssize_t r = write(fd, &one, sizeof(one));
+  (void)r; /* a full counter already wakes its reader */
 }
+
+static void wake_helper(rg_tcp_conn* c) { wake_fd(c->wfd); }
 
 static void conn_fail(rg_tcp_conn* c, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 static void conn_fail(rg_tcp_conn* c, const char* fmt, ...) {
@@ -184,6 +190,7 @@ static void conn_fail(rg_tcp_conn* c, const char* fmt, ...) {
   /* The helper releases what a half-placed write holds; the peer sees the end at once. */
   shutdown(c->fd, SHUT_RDWR);
   wake_helper(c);
+  if (c->cwfd >= 0) wake_fd(c->cwfd);
 }
 
 static int lane_dead(const rg_tcp_lane* l) { return atomic_load(&l->conn->dead) || atomic_load(&l->ended); }
@@ -419,8 +426,8 @@ static int send_cuda_item(rg_tcp_conn* c, tx_item* it) {
   return 0;
 }
 
-/* The helper takes the queue's head while it is a CUDA write, then pushes what follows. */
-static void helper_send_cuda(rg_tcp_conn* c) {
+/* The CUDA sender takes the queue's head while it is a CUDA write, then pushes what follows. */
+static void send_cuda_writes(rg_tcp_conn* c) {
   pthread_mutex_lock(&c->tx_mu);
   while (!c->tx_owner && !atomic_load(&c->dead) && head_is_cuda(c)) {
     uint64_t head = atomic_load_explicit(&c->txq_head, memory_order_relaxed);
@@ -504,7 +511,10 @@ static int lane_post(void* impl, const rg_wr* wrs, int n) {
     int v = validate(&wrs[i]);
     if (v != RG_OK) return v;
     if (wrs[i].flags & RG_WR_SIGNALED) signaled++;
-    if (is_cuda_source(&wrs[i])) all_host = 0;
+    if (is_cuda_source(&wrs[i])) {
+      if (c->cwfd < 0) return RG_ERR_INVALID; /* no CUDA sender: the device offers host memory only */
+      all_host = 0;
+    }
   }
   pthread_mutex_lock(&c->tx_mu);
   uint64_t head = atomic_load_explicit(&c->txq_head, memory_order_relaxed);
@@ -532,9 +542,9 @@ static int lane_post(void* impl, const rg_wr* wrs, int n) {
   }
   for (int i = done; i < n; i++) enqueue(c, l, frame_op(&wrs[i]), l->id, &wrs[i], i == done ? partial : 0);
   if (!c->tx_owner && !full && done < n) push_queue(c); /* a long batch, or one a CUDA write stops */
-  int helper_needed = head_is_cuda(c) && !c->tx_owner;
+  int sender_needed = head_is_cuda(c) && !c->tx_owner;
   pthread_mutex_unlock(&c->tx_mu);
-  if (helper_needed) wake_helper(c);
+  if (sender_needed && c->cwfd >= 0) wake_fd(c->cwfd);
   return RG_OK;
 }
 
@@ -955,7 +965,6 @@ static void* helper_main(void* arg) {
       timeout_ms = -1; /* nothing left to do but stop */
     } else {
       if (atomic_load(&c->rx_cuda)) helper_land_cuda(c);
-      if (head_is_cuda(c)) helper_send_cuda(c);
       if (idle) {
         pthread_mutex_lock(&c->rx_mu);
         if (!atomic_load(&c->rx_cuda)) rx_progress_locked(c, now);
@@ -987,8 +996,25 @@ static void* helper_main(void* arg) {
     }
   }
   free_staging(c->rx_bounce, c->rx_ctx, c->rx_stream);
+  c->rx_bounce = NULL;
+  return NULL;
+}
+
+/* Sends the writes whose source is CUDA memory, through the staging buffer. */
+static void* cuda_tx_main(void* arg) {
+  rg_tcp_conn* c = arg;
+  pthread_setname_np(pthread_self(), "rg-tcp-cuda-tx");
+  while (!atomic_load(&c->stopping)) {
+    if (!atomic_load(&c->dead) && head_is_cuda(c)) send_cuda_writes(c);
+    struct pollfd p = {.fd = c->cwfd, .events = POLLIN};
+    if (poll(&p, 1, HELPER_SLICE_MS) > 0) {
+      uint64_t v;
+      ssize_t r = read(c->cwfd, &v, sizeof(v));
+      (void)r;
+    }
+  }
   free_staging(c->tx_bounce, c->tx_ctx, c->tx_stream);
-  c->rx_bounce = c->tx_bounce = NULL;
+  c->tx_bounce = NULL;
   return NULL;
 }
 
@@ -1032,10 +1058,12 @@ rg_tcp_conn* rg_tcp_conn_start(rg_tcp_dev* dev, int fd, const char* peer, char* 
     return NULL;
   }
   c->wfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  c->cwfd = dev->cuda ? eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC) : -1;
   int flags = fcntl(fd, F_GETFL);
-  if (c->wfd < 0 || flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) {
+  if (c->wfd < 0 || (dev->cuda && c->cwfd < 0) || flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) {
     snprintf(err, errlen, "cannot set the connection's descriptors up: %s", strerror(errno));
     if (c->wfd >= 0) close(c->wfd);
+    if (c->cwfd >= 0) close(c->cwfd);
     close(fd);
     free_conn(c);
     return NULL;
@@ -1067,6 +1095,14 @@ rg_tcp_conn* rg_tcp_conn_start(rg_tcp_dev* dev, int fd, const char* peer, char* 
     return NULL;
   }
   c->helper_started = 1;
+  if (dev->cuda) {
+    if (pthread_create(&c->cuda_tx, NULL, cuda_tx_main, c) != 0) {
+      snprintf(err, errlen, "cannot start the connection's CUDA sender: %s", strerror(errno));
+      rg_tcp_conn_release(c);
+      return NULL;
+    }
+    c->cuda_tx_started = 1;
+  }
   return c;
 }
 
@@ -1137,13 +1173,16 @@ void rg_tcp_conn_release(rg_tcp_conn* c) {
   atomic_store(&c->stopping, 1);
   pthread_mutex_unlock(&c->tx_mu);
   wake_helper(c);
+  if (c->cwfd >= 0) wake_fd(c->cwfd);
   shutdown(c->fd, SHUT_RDWR);
   if (c->helper_started) pthread_join(c->helper, NULL);
+  if (c->cuda_tx_started) pthread_join(c->cuda_tx, NULL);
   pthread_mutex_lock(&c->rx_mu);
   drop_frame(c);
   pthread_mutex_unlock(&c->rx_mu);
   close(c->fd);
   close(c->wfd);
+  if (c->cwfd >= 0) close(c->cwfd);
   pthread_mutex_destroy(&c->rx_mu);
   pthread_mutex_destroy(&c->tx_mu);
   pthread_mutex_destroy(&c->why_mu);
@@ -1186,7 +1225,7 @@ void rg_tcp_lane_close(rg_tcp_lane* l) {
   rg_tcp_conn* c = l->conn;
   /* Sending first, without holding the reader back: the peer may be closing too. */
   pthread_mutex_lock(&c->tx_mu);
-  while (c->tx_owner) { /* the helper is sending a CUDA write, maybe this lane's */
+  while (c->tx_owner) { /* the CUDA sender is sending a write, maybe this lane's */
     pthread_mutex_unlock(&c->tx_mu);
     struct timespec ts = {0, 100000};
     nanosleep(&ts, NULL);

@@ -82,7 +82,7 @@ func Open(cfg Config) (*Device, error) {
 	}
 	d := &Device{
 		iface:   iface,
-		c:       C.rg_tcp_dev_new(C.uint64_t(cfg.Timeout.Nanoseconds())),
+		c:       C.rg_tcp_dev_new(C.uint64_t(cfg.Timeout.Nanoseconds()), boolInt(ptr&fabric.PtrCUDA != 0)),
 		id:      id,
 		timeout: cfg.Timeout,
 		links:   map[*fabric.Link]struct{}{},
@@ -99,6 +99,13 @@ func Open(cfg Config) (*Device, error) {
 		Detail:     fmt.Sprintf("tcp on %s (%s), %s, %s", iface.Name, iface.IP, speedNote, cudaNote),
 	}
 	return d, nil
+}
+
+func boolInt(b bool) C.int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 func errString(err error) string {

@@ -20,12 +20,13 @@ typedef struct rg_tcp_dev {
   uint32_t nslots;
   uint32_t generation;
   uint64_t timeout_ns;
+  int cuda; /* CUDA memory is offered: connections get a thread for CUDA sends */
 } rg_tcp_dev;
 
 #define RG_TCP_KEY_SLOT_BITS 16
 #define RG_TCP_KEY_SLOT_MASK ((1u << RG_TCP_KEY_SLOT_BITS) - 1)
 
-rg_tcp_dev* rg_tcp_dev_new(uint64_t timeout_ns);
+rg_tcp_dev* rg_tcp_dev_new(uint64_t timeout_ns, int cuda);
 void rg_tcp_dev_free(rg_tcp_dev* dev);
 /* Returns the key, or 0 with err filled. */
 uint32_t rg_tcp_register(rg_tcp_dev* dev, uint64_t addr, uint64_t len, int mem, rg_mr* mr, char* err, int errlen);
