@@ -127,9 +127,10 @@ class Build:
         self.status_path = os.path.join(work, "status", f"{version}.json")
         self.lib_dir = os.path.join(work, "libs", version)
         self.proc, self.start, self.limit = None, None, None
-        self.make_args = ["src.build", f"CUDA_HOME={args.cuda_home}", f"NVCC_GENCODE={args.gencode}",
-                          # The Blackwell-only fp8 symmetric kernels (2.27+) compile as empty units.
-                          "NVCC_GENCODE_LDMC_FP8="]
+        # NVCC_GENCODE_LDMC_FP8 stays NCCL's own: emptied, the fp8 symmetric kernels of 2.30
+        # compile to nothing while the host code still names them, and the link fails
+        # (undefined ncclSymkDevKernel_AllReduce_RSxLDMC_AGxSTMC_sum_f8e5m2, seen on 2.30.7).
+        self.make_args = ["src.build", f"CUDA_HOME={args.cuda_home}", f"NVCC_GENCODE={args.gencode}"]
         if args.only_funcs:
             self.make_args.append(f"ONLY_FUNCS={args.only_funcs}")
 
