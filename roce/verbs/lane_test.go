@@ -271,13 +271,28 @@ func TestLaneFailedProbeMakesLaneDead(t *testing.T) {
 	require.Contains(t, l.why(), "liveness probe to 10.0.0.2:5000 over fake0:1 (qp 0x1234) failed: transport retry counter exceeded")
 }
 
-func TestLaneProbeThatNeverCompletesMakesLaneDead(t *testing.T) {
+// A probe goes out after a quarter of the timeout without progress and has the rest of it:
+// a peer that went silent is declared dead within the timeout, not a quarter past it.
+func TestLaneProbeThatNeverCompletesMakesLaneDeadWithinTheTimeout(t *testing.T) {
 	l, _, start := newTestLane(t, 64)
-	probed := start + uint64(testTimeout/2)
+	probed := start + uint64(testTimeout/4) + 1
 	require.Equal(t, rgOK, l.check(probed))
-	require.Equal(t, rgOK, l.check(probed+uint64(testTimeout)))
-	require.Equal(t, rgErrDead, l.check(probed+uint64(testTimeout)+1))
-	require.Contains(t, l.why(), "the liveness probe to 10.0.0.2:5000 over fake0:1 has not completed in 400 ms (1 requests outstanding)")
+	require.Equal(t, rgOK, l.check(probed+uint64(testTimeout*3/4)))
+	require.Equal(t, rgErrDead, l.check(probed+uint64(testTimeout*3/4)+1))
+	require.Contains(t, l.why(), "the liveness probe to 10.0.0.2:5000 over fake0:1 has not completed in 300 ms (1 requests outstanding)")
+}
+
+// A request that fails moves the queue pair to the error state, which flushes the posted
+// receives; a caller that polls receives first still learns the request's cause.
+func TestLaneFlushedReceiveReportsTheFailedRequest(t *testing.T) {
+	l, nic, _ := newTestLane(t, 64)
+	require.Equal(t, rgOK, l.post(laneWR{WRID: 1, Data: []byte{1}, Len: 1, Op: opWriteImm, Flags: wrSignaled | wrInline}))
+	nic.Fail(fakenic.StatusRetryExceeded, 0)
+	require.True(t, nic.ArriveOther(fakenic.WCRecv, fakenic.StatusFlushed))
+	_, n := l.pollRecv(16)
+	require.Equal(t, rgErrDead, n)
+	require.Equal(t, "RDMA request to 10.0.0.2:5000 over fake0:1 (qp 0x1234) failed: transport retry counter exceeded "+
+		"(status 12, vendor error 0x0): the peer stopped answering (link down, cable cut, or its process died)", l.why())
 }
 
 func TestLaneFullQueueThatNeverCompletesMakesLaneDead(t *testing.T) {
