@@ -3,10 +3,48 @@
  * within ROCE_GATHER_TIMEOUT_MS plus a second, nothing written into a failed gather's
  * rows, and every close prompt. */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #include "rank.h"
+
+/* What this process's descriptors point at: "\nfd:target" for each. */
+static void fd_targets(char* out, size_t n) {
+  snprintf(out, n, "\n");
+  DIR* d = opendir("/proc/self/fd");
+  if (d == NULL) return;
+  size_t used = 1;
+  for (struct dirent* e; (e = readdir(d)) != NULL;) {
+    if (e->d_name[0] == '.' || atoi(e->d_name) == dirfd(d)) continue;
+    char path[300], target[256];
+    snprintf(path, sizeof(path), "/proc/self/fd/%s", e->d_name);
+    ssize_t k = readlink(path, target, sizeof(target) - 1);
+    target[k > 0 ? k : 0] = '\0';
+    int w = snprintf(out + used, n - used, "%s:%s\n", e->d_name, target);
+    if (w < 0 || (size_t)w >= n - used) break;
+    used += (size_t)w;
+  }
+  closedir(d);
+}
+
+/* The entries of after that before lacks, joined by ", " into out. */
+static void fd_new(const char* before, const char* after, char* out, size_t n) {
+  out[0] = '\0';
+  size_t used = 0;
+  for (const char* l = after + 1; *l;) {
+    const char* end = strchr(l, '\n');
+    int len = (int)(end - l);
+    char entry[320];
+    snprintf(entry, sizeof(entry), "\n%.*s\n", len, l);
+    if (strstr(before, entry) == NULL) {
+      int w = snprintf(out + used, n - used, "%s%.*s", used ? ", " : "", len, l);
+      if (w < 0 || (size_t)w >= n - used) break;
+      used += (size_t)w;
+    }
+    l = end + 1;
+  }
+}
 
 static uint64_t timeout_ns(void) {
   const char* v = getenv("ROCE_GATHER_TIMEOUT_MS");
@@ -154,10 +192,20 @@ static int fault_gather(int stall) {
   return 0;
 }
 
-/* Close with requests in flight: prompt, and nothing left behind. */
+/* Close with requests in flight: prompt, and nothing left behind that the process did not
+ * already hold after its first connection. */
 static int fault_abort(void) {
-  int fds0 = count_fds();
+  static char fd0[8192], fd1[8192], added[400];
   conn_pair cp;
+  /* The first connection brings up what a process keeps for good: Go's network poller
+   * (an epoll and an eventfd descriptor, made on the library's first listen). */
+  if (connect_pair("fault-abort-warmup", &cp) != 0) {
+    case_result("fault/abort-connect", 0, "could not connect");
+    return 1;
+  }
+  close_pair(&cp);
+  fd_targets(fd0, sizeof(fd0));
+  int fds0 = count_fds();
   if (connect_pair("fault-abort", &cp) != 0) {
     case_result("fault/abort-connect", 0, "could not connect");
     return 1;
@@ -186,9 +234,11 @@ static int fault_abort(void) {
   double ms = (double)(now_ns() - t0) / 1e6;
   barrier("abort-closed");
   int fds1 = count_fds();
+  fd_targets(fd1, sizeof(fd1));
+  fd_new(fd0, fd1, added, sizeof(added));
   case_result("fault/abort-with-requests-in-flight", ms < 1000 && fds1 == fds0,
-              "%d receives in flight, closed in %.1f ms; descriptors %d before connecting, %d after closing", posted,
-              ms, fds0, fds1);
+              "%d receives in flight, closed in %.1f ms; descriptors %d before connecting, %d after closing%s%s",
+              posted, ms, fds0, fds1, added[0] ? ": new " : "", added);
   free(buf);
   return 0;
 }
