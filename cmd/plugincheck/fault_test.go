@@ -325,3 +325,14 @@ func TestThousandConnectCloseCyclesLeaveNothingBehind(t *testing.T) {
 		require.Less(t, v["last"][2], v["mid"][2]+4*1024, "rank %d: resident memory kept growing", r)
 	}
 }
+
+// Nine connections at once hold no more threads than one: on verbs, a write leaves from
+// the thread that posts it and completions are taken by the thread that polls.
+func TestNoThreadPerConnection(t *testing.T) {
+	if !onVerbs() {
+		t.Skip("the tcp fabric runs a send and a receive thread per lane")
+	}
+	r0, r1 := runFault(t, "fault-threads", loopback, [2][]string{}, nil)
+	requireCases(t, r0, "threads/none-per-connection")
+	requireCases(t, r1, "threads/none-per-connection")
+}

@@ -243,7 +243,65 @@ static int fault_abort(void) {
   return 0;
 }
 
+static long count_threads(void) {
+  DIR* d = opendir("/proc/self/task");
+  long n = 0;
+  if (d == NULL) return -1;
+  for (struct dirent* e; (e = readdir(d)) != NULL;) n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+/* One message each way on a connected pair. */
+static int ping(conn_pair* cp, uint8_t* sbuf, uint8_t* rbuf, void* smh, void* rmh, int tag) {
+  void *sreq = NULL, *rreq = NULL;
+  void* data[1] = {rbuf};
+  size_t sizes[1] = {64};
+  int tags[1] = {tag};
+  void* mhs[1] = {rmh};
+  uint64_t t0 = now_ns();
+  while (rreq == NULL && now_ns() - t0 < 10000000000ull)
+    if (R.net->irecv(cp->recv, 1, data, sizes, tags, mhs, NULL, &rreq) != ncclSuccess) return -1;
+  while (sreq == NULL && now_ns() - t0 < 10000000000ull)
+    if (R.net->isend(cp->send, sbuf, 64, tag, smh, NULL, &sreq) != ncclSuccess) return -1;
+  if (rreq == NULL || sreq == NULL) return -1;
+  return test_until_done("isend", sreq, NULL, net_test) || test_until_done("irecv", rreq, NULL, net_test);
+}
+
+/* Nine connections at once hold no more threads than one: a fabric with a thread per
+ * connection or per lane shows eight or more new ones. */
+static int threads_per_connection(void) {
+  enum { N = 9 };
+  static uint8_t sbuf[N][64], rbuf[N][64];
+  conn_pair cp[N];
+  void *smh[N], *rmh[N];
+  long one = -1;
+  int ok = 1, made = 0;
+  for (int i = 0; i < N && ok; i++) {
+    char tag[32];
+    snprintf(tag, sizeof(tag), "threads-%d", i);
+    ok = connect_pair(tag, &cp[i]) == 0;
+    if (!ok) break;
+    made++;
+    ok = R.net->regMr(cp[i].send, sbuf[i], 64, NCCL_PTR_HOST, &smh[i]) == ncclSuccess &&
+         R.net->regMr(cp[i].recv, rbuf[i], 64, NCCL_PTR_HOST, &rmh[i]) == ncclSuccess &&
+         ping(&cp[i], sbuf[i], rbuf[i], smh[i], rmh[i], i) == 0;
+    if (i == 0) one = count_threads();
+  }
+  long nine = count_threads();
+  case_result("threads/none-per-connection", ok && nine <= one + 2,
+              "%ld threads with one connection, %ld with %d (messages %s)", one, nine, made, ok ? "delivered" : "failed");
+  barrier("threads-counted");
+  for (int i = 0; i < made; i++) {
+    R.net->deregMr(cp[i].send, smh[i]);
+    R.net->deregMr(cp[i].recv, rmh[i]);
+    close_pair(&cp[i]);
+  }
+  return ok ? 0 : 1;
+}
+
 int suite_fault(const char* which) {
+  if (strcmp(which, "fault-threads") == 0) return threads_per_connection();
   if (strcmp(which, "fault-p2p") == 0) return fault_p2p();
   if (strcmp(which, "fault-gather") == 0) return fault_gather(0);
   if (strcmp(which, "fault-stall") == 0) return fault_gather(1);
