@@ -37,7 +37,7 @@ func runFault(t *testing.T, suite string, env [2][]string, wrap [2][]string, act
 	for r := 0; r < 2; r++ {
 		args := append(append([]string{}, wrap[r]...), driver, "rank", fmt.Sprint(r), lib, suite)
 		cmd := exec.Command(args[0], args[1:]...)
-		cmd.Env = append(os.Environ(), append([]string{"ROCE_GATHER_FABRIC=" + testFabric(), "ROCE_GATHER_TIMEOUT_MS=2000", "NCCL_COLLNET_ENABLE=1"}, env[r]...)...)
+		cmd.Env = append(os.Environ(), append([]string{"ROCE_GATHER_FABRIC=" + testFabric(), fmt.Sprintf("ROCE_GATHER_TIMEOUT_MS=%d", faultTimeoutMS()), "NCCL_COLLNET_ENABLE=1"}, env[r]...)...)
 		cmd.Stderr = &lockedWriter{mu: &mu, b: &ranks[r].errOut}
 		stdin, err := cmd.StdinPipe()
 		require.NoError(t, err)
@@ -114,6 +114,17 @@ func testFabric() string {
 
 func onVerbs() bool { return testFabric() == "verbs" }
 
+// faultTimeoutMS is the ROCE_GATHER_TIMEOUT_MS of the fault runs. A verbs lane learns of a
+// dead peer from its probe, sent after a quarter of the timeout, failing its retries: on
+// emulated soft-RoCE that takes up to a second or two, which 4 s leaves room for before a
+// gather's own timeout would end the wait without naming the cause.
+func faultTimeoutMS() int {
+	if onVerbs() {
+		return 4000
+	}
+	return 2000
+}
+
 // What a killed peer's kernel does to its connections: a FIN, or a reset when it held
 // unread bytes.
 const peerGoneTCP = `(127\.0\.0\.1:\d+ closed the connection|receiving from 127\.0\.0\.1:\d+ failed: Connection reset by peer)`
@@ -180,7 +191,7 @@ func TestFaultPeerKilledInTheMiddleOfAGather(t *testing.T) {
 func TestFaultPeerThatNeverJoinsAGatherTimesOut(t *testing.T) {
 	r0, _ := runFault(t, "fault-stall", withEnv(loopback, "ROCE_GATHER_MAX_BYTES=524288"), [2][]string{}, nil)
 	requireCases(t, r0, "fault/gather-peer-never-comes", "fault/gather-rows-untouched-after-timeout")
-	require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather with 127\.0\.0\.1:\d+ failed at call 1: no data from the peer arrived within 2000 ms`, r0.errOut.String())
+	require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather with 127\.0\.0\.1:\d+ failed at call 1: no data from the peer arrived within `+fmt.Sprint(faultTimeoutMS())+` ms`, r0.errOut.String())
 }
 
 // Closing comms with receives still posted returns promptly and leaves no descriptor.
