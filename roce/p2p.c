@@ -96,8 +96,41 @@ static ncclResult_t send_retry(rg_p2p_send* s, const char* waiting_for) {
   return ncclSuccess;
 }
 
+/* Marks send request ri in flight for a message of size bytes. */
+static rg_request* start_send(rg_p2p_send* s, int ri, uint64_t size) {
+  rg_request* req = &s->reqs[ri];
+  s->nfree--;
+  req->kind = RG_REQ_SEND;
+  req->done = 0;
+  req->n = 1;
+  req->id = s->sends++;
+  req->sizes[0] = size;
+  return req;
+}
+
+/* Over a lane with two-sided sends the message leaves at once, tagged; the receiver's
+ * lane puts it into the receive it belongs to. */
+static int isend_two_sided(rg_p2p_send* s, void* data, uint64_t size, int tag, const rg_mr* mr, void** request) {
+  if (s->nfree == 0) return send_retry(s, "waiting for a free send request");
+  int ri = s->free_reqs[s->nfree - 1];
+  rg_wr wr = {.wr_id = (uint64_t)ri + 1, .local = data, .mr = mr, .len = size, .imm = (uint32_t)tag,
+              .op = RG_OP_SEND, .flags = RG_WR_SIGNALED};
+  int rc = rg_post(s->lane, &wr, 1);
+  if (rc == RG_ERR_FULL) return send_retry(s, "waiting for room to post the message");
+  if (rc == RG_ERR_INVALID) {
+    RG_WARN("send of %llu bytes to %s: the buffer %p is not inside its registration", (unsigned long long)size,
+            s->link->peer, data);
+    return ncclInvalidArgument;
+  }
+  if (rc != RG_OK) return send_failed(s, "posting the message", s->sends);
+  *request = start_send(s, ri, size);
+  LOG_FIRST(s, 1, "first send to %s: %llu bytes, tag %d", s->link->peer, (unsigned long long)size, tag);
+  return ncclSuccess;
+}
+
 int rg_p2p_isend(rg_p2p_send* s, void* data, uint64_t size, int tag, const rg_mr* mr, void** request) {
   *request = NULL;
+  if (rg_has_sends(s->lane)) return isend_two_sided(s, data, size, tag, mr, request);
   if (send_progress_cts(s) != 0) return send_failed(s, "waiting for the receiver's clear-to-send", s->sends);
   uint32_t slot = (uint32_t)(s->head & (RG_P2P_SLOTS - 1));
   if (!s->cts_ready[slot]) return send_retry(s, "waiting for the receiver's clear-to-send");
@@ -117,7 +150,6 @@ int rg_p2p_isend(rg_p2p_send* s, void* data, uint64_t size, int tag, const rg_mr
     return ncclInvalidUsage;
   }
   int ri = s->free_reqs[s->nfree - 1];
-  rg_request* req = &s->reqs[ri];
   uint64_t record = size;
   rg_wr wr[2];
   int nwr = 0;
@@ -136,12 +168,7 @@ int rg_p2p_isend(rg_p2p_send* s, void* data, uint64_t size, int tag, const rg_mr
   int rc = rg_post(s->lane, wr, nwr);
   if (rc == RG_ERR_FULL) return send_retry(s, "waiting for room to post the write");
   if (rc != RG_OK) return send_failed(s, "posting the write", s->sends);
-  s->nfree--;
-  req->kind = RG_REQ_SEND;
-  req->done = 0;
-  req->n = 1;
-  req->id = s->sends++;
-  req->sizes[0] = size;
+  rg_request* req = start_send(s, ri, size);
   s->matched[i] = 1;
   if (++s->nmatched == (int)nreqs) {
     memset(s->matched, 0, sizeof(s->matched));
@@ -165,31 +192,47 @@ int rg_p2p_irecv(rg_p2p_recv* r, int n, void** data, const uint64_t* sizes, cons
   uint32_t slot = (uint32_t)(r->head & (RG_P2P_SLOTS - 1));
   rg_request* req = &r->reqs[slot];
   if (req->kind != RG_REQ_FREE) return ncclSuccess; /* RG_P2P_SLOTS receives outstanding */
-  rg_cts_entry* e = &r->cts[slot * RG_P2P_MAX_RECVS];
-  int hca = r->lane->hca;
-  for (int i = 0; i < n; i++) {
+  for (int i = 0; i < n; i++)
     if (sizes[i] > 0 && mrs[i] == NULL) {
       RG_WARN("irecv buffer %d from %s (%llu bytes) has no registration", i, r->link->peer,
               (unsigned long long)sizes[i]);
       return ncclInvalidArgument;
     }
-    e[i] = (rg_cts_entry){.addr = (uint64_t)(uintptr_t)data[i],
-                          .size = sizes[i],
-                          .rkey = mrs[i] ? mrs[i]->rkey[hca] : 0,
-                          .tag = tags[i],
-                          .nreqs = (uint32_t)n,
-                          .id = r->head};
+  int rc;
+  if (rg_has_sends(r->lane)) { /* the lane places the sends itself: nothing crosses the wire */
+    rg_recv_wr rw = {.wr_id = slot, .n = n};
+    for (int i = 0; i < n; i++) {
+      rw.addr[i] = data[i];
+      rw.size[i] = sizes[i];
+      rw.tag[i] = (uint32_t)tags[i];
+      rw.mr[i] = mrs[i];
+    }
+    rc = rg_post_recv(r->lane, &rw);
+  } else {
+    rg_cts_entry* e = &r->cts[slot * RG_P2P_MAX_RECVS];
+    int hca = r->lane->hca;
+    for (int i = 0; i < n; i++)
+      e[i] = (rg_cts_entry){.addr = (uint64_t)(uintptr_t)data[i],
+                            .size = sizes[i],
+                            .rkey = mrs[i] ? mrs[i]->rkey[hca] : 0,
+                            .tag = tags[i],
+                            .nreqs = (uint32_t)n,
+                            .id = r->head};
+    rg_wr wr = {.local = e,
+                .mr = r->cts_mr,
+                .len = sizeof(rg_cts_entry) * (uint64_t)n,
+                .remote = r->peer_fifo_addr + (uint64_t)slot * RG_P2P_MAX_RECVS * sizeof(rg_cts_entry),
+                .rkey = r->peer_fifo_rkey,
+                .imm = (RG_IMM_CTS << 28) | slot,
+                .op = RG_OP_WRITE_IMM};
+    rc = rg_post(r->lane, &wr, 1);
   }
-  rg_wr wr = {.local = e,
-              .mr = r->cts_mr,
-              .len = sizeof(rg_cts_entry) * (uint64_t)n,
-              .remote = r->peer_fifo_addr + (uint64_t)slot * RG_P2P_MAX_RECVS * sizeof(rg_cts_entry),
-              .rkey = r->peer_fifo_rkey,
-              .imm = (RG_IMM_CTS << 28) | slot,
-              .op = RG_OP_WRITE_IMM};
-  int rc = rg_post(r->lane, &wr, 1);
   if (rc == RG_ERR_FULL) return ncclSuccess;
-  if (rc != RG_OK) return recv_failed(r, "posting the clear-to-send", r->head);
+  if (rc == RG_ERR_INVALID) {
+    RG_WARN("irecv from %s: a buffer is not inside its registration", r->link->peer);
+    return ncclInvalidArgument;
+  }
+  if (rc != RG_OK) return recv_failed(r, "posting the receive", r->head);
   req->kind = RG_REQ_RECV;
   req->done = 0;
   req->n = n;
@@ -206,13 +249,20 @@ static int recv_progress(rg_p2p_recv* r) {
   rg_cqe c[POLL_BATCH];
   int n = rg_poll_recv(r->lane, c, POLL_BATCH);
   if (n < 0) return n;
+  int two_sided = rg_has_sends(r->lane);
   for (int i = 0; i < n; i++) {
-    uint32_t imm = c[i].imm;
-    if (RG_IMM_CLASS(imm) != RG_IMM_DATA || c[i].status != 0) return RG_ERR_INVALID;
-    uint32_t slot = (imm >> 3) & (RG_P2P_SLOTS - 1), entry = imm & 7;
+    uint32_t imm = c[i].imm, slot, entry;
+    if (c[i].status != 0) return RG_ERR_INVALID;
+    if (two_sided) { /* the receive's slot, and the buffer the send filled */
+      if (c[i].wr_id >= RG_P2P_SLOTS) return RG_ERR_INVALID;
+      slot = (uint32_t)c[i].wr_id, entry = imm;
+    } else {
+      if (RG_IMM_CLASS(imm) != RG_IMM_DATA) return RG_ERR_INVALID;
+      slot = (imm >> 3) & (RG_P2P_SLOTS - 1), entry = imm & 7;
+    }
     rg_request* q = &r->reqs[slot];
-    if (q->kind != RG_REQ_RECV || (int)entry >= q->n) return RG_ERR_INVALID;
-    q->sizes[entry] = r->cmpl[slot * RG_P2P_MAX_RECVS + entry];
+    if (q->kind != RG_REQ_RECV || entry >= (uint32_t)q->n) return RG_ERR_INVALID;
+    q->sizes[entry] = two_sided ? c[i].len : r->cmpl[slot * RG_P2P_MAX_RECVS + entry];
     if (--q->waiting == 0) q->done = 1;
   }
   return 0;
@@ -275,7 +325,7 @@ static ncclResult_t test_send(rg_request* req, int* done, uint64_t* sizes) {
   rg_p2p_send* s = req->comm;
   if (!req->done) {
     int rc = send_progress_completions(s);
-    if (rc == 0) rc = send_progress_cts(s);
+    if (rc == 0 && !rg_has_sends(s->lane)) rc = send_progress_cts(s);
     if (rc != 0 && !req->done) return send_failed(s, "waiting for the write to complete", req->id);
     if (!req->done && ++s->polls % CHECK_EVERY == 0 && rg_check(s->lane, rg_now_ns()) != RG_OK) {
       send_progress_completions(s); /* completions that came before the failure still count */

@@ -1,10 +1,17 @@
-/* The p2p message protocol NCCL's net runs on: receiver-driven, like NCCL's IB transport.
+/* The p2p message protocol NCCL's net runs on. Two forms, by what the lane offers:
  *
- * irecv writes a clear-to-send (CTS) entry per buffer into the sender's FIFO with a
- * WRITE_IMM. isend waits for the CTS of its slot, matches its tag, writes the payload
- * straight into the receiver's buffer, then writes the size into the receiver's
- * completion records with a WRITE_IMM that names slot and entry. Nothing is written into
- * a receiver's buffer before its irecv was posted. */
+ * Receiver-driven (verbs), like NCCL's IB transport: irecv writes a clear-to-send (CTS)
+ * entry per buffer into the sender's FIFO with a WRITE_IMM. isend waits for the CTS of its
+ * slot, matches its tag, writes the payload straight into the receiver's buffer, then
+ * writes the size into the receiver's completion records with a WRITE_IMM that names slot
+ * and entry.
+ *
+ * Two-sided (tcp, lanes with post_recv): isend posts the tagged message at once; irecv
+ * posts its buffers to the local lane, which places each message into the receive it
+ * belongs to as it reads it. One write and one read a message, as NCCL's socket
+ * transport, where the receiver-driven form costs a second of each on a TCP lane.
+ *
+ * Either way nothing is written into a receiver's buffer before its irecv was posted. */
 #ifndef RG_P2P_H
 #define RG_P2P_H
 
@@ -12,6 +19,7 @@
 #include "request.h"
 
 #define RG_P2P_SLOTS 256    /* CTS FIFO depth: outstanding irecvs per comm */
+_Static_assert(RG_P2P_SLOTS <= RG_LANE_RECVS, "a two-sided lane takes every outstanding irecv");
 #define RG_P2P_MAX_RECVS 8  /* buffers per irecv (NCCL's maxRecvs) */
 #define RG_P2P_SEND_REQS 256
 #define RG_P2P_FLUSH_REQS 32

@@ -271,11 +271,50 @@ func runRemote(p paths, suite string, rank int, env []string, addr string, isLis
 	return errors.Join(err, exitErr(rank, rp.cmd.Wait()))
 }
 
+// benchRow is one figure of plugincheck bench, with the wire's floor from the same run.
+type benchRow struct {
+	Name  string  `json:"name"`
+	Value float64 `json:"value"`
+	Unit  string  `json:"unit"`
+	Floor float64 `json:"floor,omitempty"` // the same figure for the raw wire; 0 where none applies
+	Ratio float64 `json:"ratio,omitempty"` // value / floor
+	How   string  `json:"how"`
+}
+
+func parseBenchRows(lines []string) ([]benchRow, error) {
+	rows := make([]benchRow, 0, len(lines))
+	for _, l := range lines {
+		var r benchRow
+		if err := json.Unmarshal([]byte(l), &r); err != nil {
+			return nil, fmt.Errorf("unreadable bench line %q: %w", l, err)
+		}
+		if r.Floor > 0 {
+			r.Ratio = r.Value / r.Floor
+		}
+		rows = append(rows, r)
+	}
+	sort.Slice(rows, func(i, j int) bool { return rows[i].Name < rows[j].Name })
+	return rows, nil
+}
+
+func printBenchRows(rows []benchRow) {
+	fmt.Printf("%-24s %12s %-8s %12s %8s  %s\n", "MEASURE", "PLUGIN", "UNIT", "FLOOR", "RATIO", "HOW")
+	for _, r := range rows {
+		floor, ratio := "-", "-"
+		if r.Floor > 0 {
+			floor, ratio = fmt.Sprintf("%.3f", r.Floor), fmt.Sprintf("%.2f", r.Ratio)
+		}
+		fmt.Printf("%-24s %12.3f %-8s %12s %8s  %s\n", r.Name, r.Value, r.Unit, floor, ratio, r.How)
+	}
+	fmt.Println("\nRATIO is the plugin's figure over the raw wire's, both measured in this run (latency: lower is better; bandwidth: higher).")
+}
+
 func cmdBench(args []string) int {
 	fs := flag.NewFlagSet("bench", flag.ExitOnError)
 	lib, driver := commonFlags(fs)
 	fab := fs.String("fabric", "tcp", "fabric: tcp or verbs")
 	load := fs.Int("load", 0, "instead: run two communicators on two threads, gathers and p2p, for `SECONDS`")
+	asJSON := fs.Bool("json", false, "print the rows as JSON")
 	fs.Parse(args)
 	p, err := defaultPaths(*lib, *driver)
 	if err != nil {
@@ -295,16 +334,28 @@ func cmdBench(args []string) int {
 		fmt.Fprintln(os.Stderr, "plugincheck:", err)
 		return 1
 	}
-	sort.Strings(res.benches)
-	fmt.Printf("%-26s %12s  %-11s %s\n", "MEASURE", "VALUE", "UNIT", "HOW")
-	for _, b := range res.benches {
-		f := strings.SplitN(b, " ", 4)
-		for len(f) < 4 {
-			f = append(f, "")
-		}
-		fmt.Printf("%-26s %12s  %-11s %s\n", f[0], f[1], f[2], f[3])
+	rows, err := parseBenchRows(res.benches)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "plugincheck:", err)
+		return 1
 	}
-	if res.failed > 0 || len(res.benches) == 0 {
+	for _, c := range res.cases {
+		if !c.ok {
+			fmt.Fprintf(os.Stderr, "plugincheck: rank %d: %s failed: %s\n", c.rank, c.name, c.detail)
+		}
+	}
+	if *asJSON {
+		enc := json.NewEncoder(os.Stdout)
+		enc.SetIndent("", "  ")
+		enc.Encode(struct {
+			Fabric string     `json:"fabric"`
+			OK     bool       `json:"ok"`
+			Rows   []benchRow `json:"rows"`
+		}{*fab, res.failed == 0 && len(rows) > 0, rows})
+	} else {
+		printBenchRows(rows)
+	}
+	if res.failed > 0 || len(rows) == 0 {
 		return 1
 	}
 	return 0

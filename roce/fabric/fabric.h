@@ -7,6 +7,10 @@
  *    write of that lane are in place in the peer's memory;
  *  - a SIGNALED work request yields exactly one send completion; others yield none;
  *  - a dead peer or a cut link makes post and poll return RG_ERR_DEAD, and why() says why.
+ * Lanes that offer post_recv (tcp) also carry two-sided sends: an RG_OP_SEND lands in the
+ * peer's oldest posted receive, in its first unfilled buffer whose tag is the send's imm,
+ * and yields a receive completion naming that receive and buffer. Over TCP this spares
+ * the receiver-driven protocol a write and a read per message; verbs has no post_recv.
  * Lane functions never block and never allocate. */
 #ifndef RG_FABRIC_H
 #define RG_FABRIC_H
@@ -30,7 +34,7 @@ typedef struct rg_mr {
   void* impl;
 } rg_mr;
 
-enum rg_op { RG_OP_WRITE = 1, RG_OP_WRITE_IMM = 2, RG_OP_READ = 3 };
+enum rg_op { RG_OP_WRITE = 1, RG_OP_WRITE_IMM = 2, RG_OP_READ = 3, RG_OP_SEND = 4 };
 enum rg_wr_flag { RG_WR_SIGNALED = 1, RG_WR_INLINE = 2 };
 
 /* Longest payload a lane copies at post time for RG_WR_INLINE. */
@@ -43,15 +47,26 @@ typedef struct rg_wr {
   uint64_t len;
   uint64_t remote; /* address in the peer's registered memory */
   uint32_t rkey;   /* the peer's key for this lane */
-  uint32_t imm;
+  uint32_t imm;    /* RG_OP_SEND: the tag */
   uint8_t op;
   uint8_t flags;
 } rg_wr;
 
+/* A receive of up to RG_RECV_BUFS buffers for two-sided sends, each taking one send. */
+#define RG_RECV_BUFS 8
+typedef struct rg_recv_wr {
+  uint64_t wr_id;
+  int n;
+  void* addr[RG_RECV_BUFS];
+  uint64_t size[RG_RECV_BUFS];
+  uint32_t tag[RG_RECV_BUFS];
+  const rg_mr* mr[RG_RECV_BUFS]; /* covers the buffer; may be NULL for size 0 */
+} rg_recv_wr;
+
 typedef struct rg_cqe {
-  uint64_t wr_id; /* send completions: the work request's id */
-  uint64_t len;   /* receive completions: bytes of the write that carried imm */
-  uint32_t imm;
+  uint64_t wr_id; /* send completions: the work request's id; of a send's receive: the rg_recv_wr's */
+  uint64_t len;   /* receive completions: bytes of the write that carried imm, or of the send */
+  uint32_t imm;   /* of a send's receive: the index of the buffer it filled */
   int32_t status; /* 0, or an RG_ERR_ code */
 } rg_cqe;
 
@@ -71,7 +86,12 @@ typedef struct rg_lane_ops {
    * check (verbs) probe the peer here. Returns 0 or RG_ERR_DEAD. */
   int (*check)(void* impl, uint64_t now_ns);
   const char* (*why)(void* impl);
+  /* Two-sided sends: queues a receive; RG_ERR_FULL when RG_LANE_RECVS are posted. NULL
+   * where the lane has no two-sided sends. */
+  int (*post_recv)(void* impl, const rg_recv_wr* r);
 } rg_lane_ops;
+
+#define RG_LANE_RECVS 256
 
 typedef struct rg_lane {
   const rg_lane_ops* ops;
@@ -96,6 +116,8 @@ static inline int rg_poll_send(rg_lane* l, rg_cqe* c, int max) { return l->ops->
 static inline int rg_poll_recv(rg_lane* l, rg_cqe* c, int max) { return l->ops->poll_recv(l->impl, c, max); }
 static inline int rg_check(rg_lane* l, uint64_t now) { return l->ops->check(l->impl, now); }
 static inline const char* rg_why(rg_lane* l) { return l->ops->why(l->impl); }
+static inline int rg_has_sends(const rg_lane* l) { return l->ops->post_recv != NULL; }
+static inline int rg_post_recv(rg_lane* l, const rg_recv_wr* r) { return l->ops->post_recv(l->impl, r); }
 
 uint64_t rg_now_ns(void);
 

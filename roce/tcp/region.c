@@ -107,7 +107,7 @@ int rg_tcp_deregister(rg_tcp_dev* dev, uint32_t key, char* err, int errlen) {
   }
   dev->slots[slot] = NULL;
   pthread_mutex_unlock(&dev->mu);
-  /* A receive thread may still be placing bytes into it; wait for that to finish. One
+  /* A lane may still be placing bytes into it; wait for that to finish. One
    * stalled mid-write keeps it until its lane's own timeout ends the lane, so wait longer. */
   uint64_t start = rg_now_ns(), limit = 2 * dev->timeout_ns + 1000000000ull;
   while (atomic_load(&reg->refs) > 0) {

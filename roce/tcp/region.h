@@ -1,4 +1,4 @@
-/* Internal to the tcp fabric: registered regions as the receive thread looks them up. */
+/* Internal to the tcp fabric: registered regions as a lane looks them up. */
 #ifndef RG_TCP_REGION_H
 #define RG_TCP_REGION_H
 

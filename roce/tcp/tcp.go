@@ -171,7 +171,7 @@ func (e *endpoint) Prepare(peer []byte) error {
 }
 func (e *endpoint) Close() error { return nil }
 
-// Start hands the socket to the lane's threads.
+// Start hands the socket to the lane.
 func (e *endpoint) Start(conn *net.TCPConn) (*fabric.Link, error) {
 	peer := conn.RemoteAddr().String()
 	fd, err := takeFD(conn)
@@ -207,7 +207,7 @@ func (e *endpoint) Start(conn *net.TCPConn) (*fabric.Link, error) {
 	return link, nil
 }
 
-// takeFD detaches a blocking descriptor from conn, which is closed.
+// takeFD detaches the descriptor from conn, which is closed; the lane makes it non-blocking.
 func takeFD(conn *net.TCPConn) (int, error) {
 	raw, err := conn.SyscallConn()
 	if err != nil {
@@ -222,10 +222,6 @@ func takeFD(conn *net.TCPConn) (int, error) {
 		return -1, fmt.Errorf("duplicating the socket: %w", dupErr)
 	}
 	conn.Close()
-	if err := unix.SetNonblock(fd, false); err != nil {
-		unix.Close(fd)
-		return -1, fmt.Errorf("making the socket blocking: %w", err)
-	}
 	unix.CloseOnExec(fd)
 	return fd, nil
 }

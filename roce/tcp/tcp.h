@@ -1,9 +1,9 @@
 /* The tcp fabric: one-sided writes carried over TCP by this library.
  *
- * Each lane is one TCP connection with a receive thread, which places incoming writes
- * into registered memory after checking key and bounds, and a send thread, which finishes
- * writes the posting thread could not push without blocking and sends heartbeats.
- * CUDA memory is reached through staging buffers and the CUDA driver. */
+ * Each lane is one TCP connection. Writes leave from the thread that posts them; the
+ * thread that polls reads incoming frames and places them into registered memory after
+ * checking key and bounds. A helper thread per lane sends heartbeats, watches for a silent
+ * peer, moves data while nobody polls, and makes the CUDA staging copies (lane.c). */
 #ifndef RG_TCP_H
 #define RG_TCP_H
 
@@ -32,9 +32,9 @@ int rg_tcp_deregister(rg_tcp_dev* dev, uint32_t key, char* err, int errlen);
 
 typedef struct rg_tcp_lane rg_tcp_lane;
 
-/* Takes ownership of fd (a connected, authenticated socket) and starts the lane's threads. */
+/* Takes ownership of fd (a connected, authenticated socket) and starts the lane's helper. */
 rg_tcp_lane* rg_tcp_lane_start(rg_tcp_dev* dev, int fd, const char* peer, char* err, int errlen);
-/* Says goodbye to the peer, stops both threads and frees the lane. */
+/* Says goodbye to the peer, stops the helper and frees the lane. */
 void rg_tcp_lane_close(rg_tcp_lane* lane);
 extern const rg_lane_ops rg_tcp_lane_ops;
 

@@ -6,8 +6,10 @@ finalize and at exit. A worker keeps a Ledger of the gathers it asked for; the p
 compares the two (stats_check), so the path each case took is read, not assumed.
 """
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import zlib
 
 # ROCE_GATHER_MAX_BYTES' default: the per-rank shard cap both ranks agree on.
@@ -125,6 +127,41 @@ def compare_digests(ref_name, ref, name, other):
     return F, n
 
 
+def decode_nccl_version(v):
+    """ncclGetVersion's integer as '2.30.7' (major*10000 + minor*100 + patch from 2.9 on,
+    major*1000 + minor*100 + patch before)."""
+    if v >= 10000:
+        return f"{v // 10000}.{v % 10000 // 100}.{v % 100}"
+    return f"{v // 1000}.{v % 1000 // 100}.{v % 100}"
+
+
+def nccl_runtime():
+    """The NCCL this process has loaded, asked with ncclGetVersion from the libnccl.so mapped
+    into it (/proc/self/maps): {"version", "path", "loaded": every libnccl.so mapped}, without
+    "version" when none answers. torch.cuda.nccl.version() is the version of the headers
+    PyTorch was built with, whatever LD_PRELOAD put in."""
+    import ctypes
+    paths = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                p = parts[5].strip() if len(parts) == 6 else ""
+                if os.path.basename(p).startswith("libnccl.so") and p not in paths:
+                    paths.append(p)
+    except OSError:
+        return {"loaded": paths}
+    for p in paths:
+        try:
+            lib = ctypes.CDLL(p)
+            v = ctypes.c_int()
+            if lib.ncclGetVersion(ctypes.byref(v)) == 0:
+                return {"version": decode_nccl_version(v.value), "path": p, "loaded": paths}
+        except (OSError, AttributeError):
+            continue
+    return {"loaded": paths}
+
+
 def md_table(headers, rows):
     out = ["| " + " | ".join(str(h) for h in headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join("" if c is None else str(c) for c in row) + " |" for row in rows]
@@ -146,6 +183,9 @@ def worker_args():
     p.add_argument("--params", default="{}")
     a = p.parse_args()
     a.params = json.loads(a.params)
+    # launch.stop_hung sends SIGUSR1 before it kills a pair past its limit: every thread's
+    # Python stack then goes into the log, showing where the rank waited.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if a.rank is None:
         a.rank = int(os.environ["RANK"])
     # The GPU: cuda:<rank> on the one-host testbed, cuda:$LOCAL_RANK under torchrun, or the

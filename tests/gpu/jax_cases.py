@@ -2,8 +2,9 @@
 
     python jax_cases.py --task gather --rank R --port P --result FILE
 
-Two processes, one GPU each (local_device_ids=[rank]), a 2-device mesh over both, and a
-jitted shard_map whose body is jax.lax.all_gather (XLA issues it as ncclAllGather). The
+Two processes, one GPU each (local_device_ids=[the rank's GPU]: cuda:<rank>, or the params'
+"device" when both ranks share one GPU), a 2-device mesh over both, and a jitted shard_map
+whose body is jax.lax.all_gather (XLA issues it as ncclAllGather). The
 gathered array is checked byte for byte against both ranks' shards, regenerated here
 from the seeds. The parent reads ROCE_GATHER_STATS as for PyTorch.
 """
@@ -80,8 +81,11 @@ def main():
     t0, rc = time.time(), 0
     try:
         import jax
+        # The GPU this rank uses, as for PyTorch (common.worker_args): with both ranks on one
+        # GPU, rank 1 asking for local device 1 finds none ("no supported devices found for
+        # platform CUDA").
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
-                                   process_id=args.rank, local_device_ids=[args.rank])
+                                   process_id=args.rank, local_device_ids=[args.local])
         run(jax, args.rank, res, ledger)
         res.d["ledger"] = ledger.n
         jax.distributed.shutdown()

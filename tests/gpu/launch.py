@@ -1,13 +1,21 @@
 """Starts the two ranks of one run (one GPU each, each its own "host") and collects them.
 
 run_pair starts `python <worker> --rank r ...` twice with per-rank environments, waits
-under one wall-clock limit, kills both process groups at expiry (or 15 s after one rank
-failed, since its peer then waits inside NCCL), and returns what the ranks wrote: their
-result JSON, their ROCE_GATHER_STATS files, when each exited, and the failures found (exit
-status, the workers' own checks, the stats against the workers' ledgers).
+under one wall-clock limit, and at expiry has both ranks print every thread's Python stack
+(SIGUSR1, see common.worker_args), then sends SIGTERM and, 2 s later, SIGKILL to both process
+groups (also 15 s after one rank failed, since its peer then waits inside NCCL). It returns
+what the ranks wrote: their result JSON (a rank that rewrites it as it goes leaves what it
+measured before the kill), their ROCE_GATHER_STATS files, when each exited, the NCCL version
+each reported, and the failures found (exit status, the workers' own checks, the stats
+against the workers' ledgers, an NCCL other than the one put in with LD_PRELOAD).
+
+ROCE_GATHER_GPU_NCCL_LIB=/path/to/libnccl.so.2 puts that NCCL under every rank (LD_PRELOAD),
+unless a step asks for PyTorch's own (nccl_lib=""). Under CUDA MPS (mps.managed()), a pair in
+which a rank was killed or died of a signal is followed by a restart of MPS.
 """
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +23,7 @@ import sys
 import time
 
 import common
+import mps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -25,9 +34,18 @@ PEER_GRACE_S = 15
 # Never multicast: set in every process, last, so nothing overrides it.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Over the tcp fabric the one-shot path is off unless the cap is given (docs/benchmarks.md).
+# ROCE_GATHER_MIN_BYTES=1 opens the floor: every gather within the cap goes one-shot, whatever
+# the plugin's default floor, which is what every step's ledger assumes.
 PLUGIN = {"NCCL_NET_PLUGIN": LIB, "NCCL_NET": "roce_gather", "NCCL_COLLNET_ENABLE": "1",
-          "ROCE_GATHER_FABRIC": "tcp", "ROCE_GATHER_TCP_IF": "lo", "ROCE_GATHER_MAX_BYTES": "524288"}
+          "ROCE_GATHER_FABRIC": "tcp", "ROCE_GATHER_TCP_IF": "lo", "ROCE_GATHER_MAX_BYTES": "524288",
+          "ROCE_GATHER_MIN_BYTES": "1"}
 GDR = dict(PLUGIN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1")
+RING = dict(PLUGIN, ROCE_GATHER_ENABLE="0")
+# The sweep and the calibration open the cap to 1 MiB, so that every size they measure (16 B
+# to 1 MiB) goes one-shot in the one-shot configs.
+OPEN_CAP = 1 << 20
+OPEN = dict(PLUGIN, ROCE_GATHER_MAX_BYTES=str(OPEN_CAP))
+OPEN_GDR = dict(OPEN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1")
 CONFIGS = {
     "oneshot": dict(PLUGIN),
     "oneshot-mode-eager": dict(PLUGIN, ROCE_GATHER_MODE="eager"),
@@ -38,14 +56,43 @@ CONFIGS = {
     # the workers wait for the device before they copy anything to the host.
     "oneshot-gdr": dict(GDR),
     "oneshot-gdr-rendezvous": dict(GDR, ROCE_GATHER_MODE="rendezvous"),
-    "ring-over-plugin": dict(PLUGIN, ROCE_GATHER_ENABLE="0"),
+    "ring-over-plugin": dict(RING),
     "nccl-socket": {"NCCL_NET_PLUGIN": "none"},
+    # Step sweep (and calibrate: os-staged). One factor changed at a time from os-staged.
+    "os-staged": dict(OPEN),
+    "os-eager": dict(OPEN, ROCE_GATHER_MODE="eager"),
+    "os-rendezvous": dict(OPEN, ROCE_GATHER_MODE="rendezvous"),
+    "os-ch1": dict(OPEN, ROCE_GATHER_ONESHOT_CHANNELS="1"),
+    "os-ch2": dict(OPEN, ROCE_GATHER_ONESHOT_CHANNELS="2"),
+    # A tuner cannot give a collective more channels than the communicator has (2 here by
+    # default): NCCL_MIN_NCHANNELS makes NCCL build as many as the tuner is asked for.
+    "os-ch4": dict(OPEN, ROCE_GATHER_ONESHOT_CHANNELS="4", NCCL_MIN_NCHANNELS="4"),
+    "os-ch8": dict(OPEN, ROCE_GATHER_ONESHOT_CHANNELS="8", NCCL_MIN_NCHANNELS="8"),
+    "os-chunk-128k": dict(OPEN, ROCE_GATHER_ONESHOT_CHUNK="131072"),  # the tuner's getChunkSize: NCCL 2.30
+    "os-chunk-512k": dict(OPEN, ROCE_GATHER_ONESHOT_CHUNK="524288"),
+    # Registered buffers with GPUDirect declared: graph capture registers them (NCCL_GRAPH_REGISTER=1,
+    # NCCL's default); or ncclCommRegister, which PyTorch calls on every segment of its caching
+    # allocator with TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1, with graph registration
+    # off so that it is the only one; or neither (GPUDirect on NCCL's own buffers).
+    "os-gdr": dict(OPEN_GDR),
+    "os-gdr-eager": dict(OPEN_GDR, ROCE_GATHER_MODE="eager"),
+    "os-gdr-rendezvous": dict(OPEN_GDR, ROCE_GATHER_MODE="rendezvous"),
+    "os-gdr-commreg": dict(OPEN_GDR, NCCL_GRAPH_REGISTER="0", TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1"),
+    "os-gdr-unreg": dict(OPEN_GDR, NCCL_GRAPH_REGISTER="0"),
+    # NCCL's own choice for two ranks over this plugin, one knob at a time.
+    "ring-ll": dict(RING, NCCL_PROTO="LL"),
+    "ring-ll128": dict(RING, NCCL_PROTO="LL128"),
+    "ring-simple": dict(RING, NCCL_PROTO="Simple"),
+    "ring-ch1": dict(RING, NCCL_MIN_NCHANNELS="1", NCCL_MAX_NCHANNELS="1"),
+    "ring-ch2": dict(RING, NCCL_MIN_NCHANNELS="2", NCCL_MAX_NCHANNELS="2"),
+    "ring-ch4": dict(RING, NCCL_MIN_NCHANNELS="4", NCCL_MAX_NCHANNELS="4"),
 }
 # Cleared from the inherited environment so that nothing outside changes what a config means.
 OWNED = {"NCCL_NET_PLUGIN", "NCCL_NET", "NCCL_COLLNET_ENABLE", "NCCL_NET_GDR_LEVEL", "NCCL_TUNER_PLUGIN",
          "NCCL_GRAPH_REGISTER", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE", "NCCL_HOSTID",
          "NCCL_SOCKET_IFNAME", "NCCL_ALGO", "NCCL_PROTO", "NCCL_TOPO_FILE", "NCCL_TOPO_DUMP_FILE",
-         "NCCL_TOPO_DUMP_FILE_RANK"}
+         "NCCL_TOPO_DUMP_FILE_RANK", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_NET_PLUGIN_REF_COUNT",
+         "NCCL_LOCAL_REGISTER", "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"}
 
 
 def uses_plugin(config):
@@ -60,7 +107,24 @@ def gather_mode(config):
     return CONFIGS[config].get("ROCE_GATHER_MODE")
 
 
-def rank_env(config, rank, stats_path, extra=None):
+def cap_of(config):
+    """The per-rank cap of a config (bytes): where its ledger splits one-shot from NCCL."""
+    return int(CONFIGS[config].get("ROCE_GATHER_MAX_BYTES", common.CAP))
+
+
+def nccl_lib_default():
+    """ROCE_GATHER_GPU_NCCL_LIB as an absolute path ('' when unset); relative to the repository."""
+    p = os.environ.get("ROCE_GATHER_GPU_NCCL_LIB", "")
+    return p if not p or os.path.isabs(p) else os.path.join(REPO, p)
+
+
+def lib_version(path):
+    """'2.30.7' from a libnccl.so.2.30.7 (after links), None when the name does not say."""
+    m = re.search(r"libnccl\.so\.(\d+\.\d+\.\d+)$", os.path.realpath(path or ""))
+    return m.group(1) if m else None
+
+
+def rank_env(config, rank, stats_path, extra=None, nccl_lib=""):
     env = {k: v for k, v in os.environ.items() if k not in OWNED and not k.startswith("ROCE_GATHER_")}
     env.update(NCCL_HOSTID=f"testhost-{rank}", NCCL_MNNVL_ENABLE="0", NCCL_SOCKET_IFNAME="lo",
                NCCL_DEBUG="WARN", PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
@@ -68,6 +132,8 @@ def rank_env(config, rank, stats_path, extra=None):
     if uses_plugin(config):
         env["ROCE_GATHER_STATS"] = stats_path
     env.update(extra or {})
+    if nccl_lib:
+        env["LD_PRELOAD"] = ":".join([nccl_lib] + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
     env.update(NO_MULTICAST)
     return env
 
@@ -95,6 +161,27 @@ def kill_live():
     _live.clear()
 
 
+def stop_hung(procs):
+    """A pair past its limit: every thread's Python stack into each rank's log (SIGUSR1 to the
+    rank itself), then SIGTERM to both process groups (a process that handles it can still
+    write what it holds), then kill_live's SIGKILL."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except (ProcessLookupError, PermissionError):
+                pass
+    time.sleep(1.0)
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+
+
 def tail(path, n=25):
     try:
         with open(path, errors="replace") as f:
@@ -112,14 +199,16 @@ def _load(path):
 
 
 def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=None, rank_env_extra=None,
-             expect_rcs=(0, 0), check_stats=True):
+             expect_rcs=(0, 0), check_stats=True, nccl_lib=None):
     """Runs `worker --task task` as ranks 0 and 1 under config; returns a record (dict).
 
     rank_env_extra: [dict for rank 0, dict for rank 1], on top of extra_env. expect_rcs: the
     exit status that means success, per rank (step abort's rank 1 ends itself with SIGKILL).
     check_stats=False leaves ROCE_GATHER_STATS unjudged, for steps that report the path
-    the gathers took rather than require one.
+    the gathers took rather than require one. nccl_lib: the libnccl.so.2 to put in with
+    LD_PRELOAD; None takes ROCE_GATHER_GPU_NCCL_LIB, "" PyTorch's own NCCL.
     """
+    nccl_lib = nccl_lib_default() if nccl_lib is None else nccl_lib
     one_gpu = os.environ.get("ROCE_GATHER_GPU_ONE_DEVICE")
     if one_gpu is not None and "device" not in (params or {}):
         params = dict(params or {}, device=int(one_gpu))  # both ranks on that GPU
@@ -137,11 +226,11 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
     procs = []
     for r in (0, 1):
         extra = dict(extra_env or {}, **(rank_env_extra[r] if rank_env_extra else {}))
-        env = rank_env(config, r, stats[r], extra)
+        env = rank_env(config, r, stats[r], extra, nccl_lib)
         cmd = [sys.executable, "-u", os.path.join(HERE, worker), "--task", task, "--rank", str(r),
                "--port", str(port), "--result", results[r], "--params", json.dumps(params or {})]
         shown = {k: v for k, v in env.items() if k.startswith(("NCCL_", "ROCE_GATHER_", "XLA_", "TORCH_", "NVSHMEM_",
-                                                                 "CUDA_VISIBLE_DEVICES"))}
+                                                                 "CUDA_VISIBLE_DEVICES", "CUDA_MPS_", "LD_PRELOAD"))}
         with open(logs[r], "w") as log:
             log.write(f"# run {run}, config {config}, rank {r}\n# {' '.join(cmd)}\n")
             log.write("".join(f"# {k}={v}\n" for k, v in sorted(shown.items())))
@@ -170,13 +259,30 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
             cut_short = True
             break
         time.sleep(0.2)
+    seconds = round(time.monotonic() - t0, 1)
+    if timed_out or cut_short:
+        stop_hung(procs)
     kill_live()
     rcs = [p.returncode for p in procs]
 
-    rec = {"run": run, "config": config, "seconds": round(time.monotonic() - t0, 1), "rcs": rcs,
-           "exit_times": exit_times, "timed_out": timed_out, "results": [_load(f) for f in results],
-           "stats": [_load(f) for f in stats], "logs": logs, "failures": [], "notes": [], "tails": []}
+    rec = {"run": run, "config": config, "seconds": seconds, "rcs": rcs, "limit": round(timeout),
+           "exit_times": exit_times, "timed_out": timed_out, "cut_short": cut_short,
+           "results": [_load(f) for f in results], "stats": [_load(f) for f in stats], "logs": logs,
+           "failures": [], "notes": [], "tails": [], "nccl_lib": nccl_lib or None, "mps_restart": None}
+    rec["nccl"] = [(res or {}).get("numbers", {}).get("nccl") for res in rec["results"]]
     fail = rec["failures"].append
+    if mps.managed() and (timed_out or cut_short or any(rc is not None and rc < 0 for rc in rcs)):
+        # A killed client can leave MPS refusing every later one: start it afresh.
+        why = "timed out" if timed_out else "cut short" if cut_short else f"exit status {rcs}"
+        t1 = time.monotonic()
+        ok = mps.restart(work, f"{run} ({why})")
+        rec["mps_restart"] = {"ok": ok, "seconds": round(time.monotonic() - t1, 1)}
+        rec["notes"].append(f"{run}: CUDA MPS restarted after the pair ({why}): "
+                            f"{'ok' if ok else 'FAILED'} in {rec['mps_restart']['seconds']}s")
+    want = lib_version(nccl_lib) if nccl_lib else None
+    for r, v in enumerate(rec["nccl"]):
+        if want and v and v != want:
+            fail(f"{run} rank {r}: NCCL {v} ran, not {want} from LD_PRELOAD={nccl_lib}")
     if timed_out:
         fail(f"{run}: still running after {timeout:.0f}s; both ranks killed")
     if cut_short:
@@ -201,5 +307,6 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
             if info.get("list_form"):
                 rec["notes"].append(f"{run} rank {r}: the list form dist.all_gather was {info['list_form']}")
     if rec["failures"]:
-        rec["tails"] = [f"--- {os.path.basename(l)} (last lines)\n{tail(l)}" for l in logs]
+        n = 60 if timed_out or cut_short else 25  # the stacks SIGUSR1 printed come last
+        rec["tails"] = [f"--- {os.path.basename(l)} (last lines)\n{tail(l, n)}" for l in logs]
     return rec

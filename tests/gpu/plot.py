@@ -1,13 +1,15 @@
-"""latency.png from latency.csv: microseconds per gather against bytes per rank, log-log;
-left panel CUDA graph replay, right panel eager PyTorch calls.
+"""latency.png from latency.csv (one row a sample): the median microseconds per gather against
+bytes per rank, log-log, with the min-max of the samples shaded; left panel CUDA graph replay,
+right panel eager PyTorch calls.
 
     python3 plot.py latency.csv latency.png
 """
-import csv
 import sys
 
 import matplotlib
 import matplotlib.ticker
+
+import measure
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -22,19 +24,18 @@ def label(b):
 
 
 def plot(src, dst):
-    data = {}
-    with open(src) as f:
-        for row in csv.DictReader(f):
-            data.setdefault(row["mode"], {}).setdefault(row["config"], []).append(
-                (int(row["bytes_per_rank"]), float(row["us_per_gather"])))
+    data = {mode: {c: sorted((b, s) for b, s in by.items() if s) for c, by in cs.items()}
+            for mode, cs in measure.read_latency_csv(src).items()}
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for ax, mode, title in zip(axes, ("graph", "eager"), ("CUDA graph replay (4 gathers a graph)", "eager PyTorch calls")):
         sizes = set()
         for config, (color, ls, lw) in STYLE.items():
-            pts = sorted(data.get(mode, {}).get(config, []))
+            pts = data.get(mode, {}).get(config, [])
             if pts:
-                sizes.update(b for b, _ in pts)
-                ax.plot([b for b, _ in pts], [u for _, u in pts], ls, color=color, lw=lw, marker="o", ms=3, label=config)
+                xs = [b for b, _ in pts]
+                sizes.update(xs)
+                ax.plot(xs, [s["median"] for _, s in pts], ls, color=color, lw=lw, marker="o", ms=3, label=config)
+                ax.fill_between(xs, [s["min"] for _, s in pts], [s["max"] for _, s in pts], color=color, alpha=0.15)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ticks = sorted(sizes)

@@ -1,5 +1,6 @@
 """Gathers the steps' results: OUT/summary.json, OUT/summary.md, OUT/latency.png,
-OUT/latency.csv and OUT/results.tar.gz (every log and raw file); prints a short table.
+OUT/latency.csv, OUT/sweep.csv, OUT/sweep.md and OUT/results.tar.gz (every log and raw file);
+prints a short table. The summary's second line says whether CUDA MPS ran (mps.summary).
 
     python3 report.py --work DIR --out OUTDIR --steps "env kernels ..." --start EPOCH
 
@@ -12,6 +13,8 @@ import shutil
 import tarfile
 import time
 
+import measure
+import mps
 from common import md_table
 
 TRUNCATE = 4 << 20  # a file bigger than this goes into the tarball as its head and tail
@@ -64,14 +67,16 @@ def main():
     steps = [load_step(a.work, n) for n in names]
     failed = [s["name"] for s in steps if s["status"] == "fail"]
     total = round(time.time() - a.start)
+    m = mps.summary(a.work)
 
     summary = {"ok": not failed, "failed_steps": failed, "total_seconds": total,
+               "mps": {k: m.get(k) for k in ("used", "line", "restarts", "failed_events", "final")},
                "steps": {s["name"]: {k: s.get(k) for k in ("status", "rc", "seconds", "headline", "numbers", "notes")}
                          | {"failures": s["failures"][:30], "n_failures": len(s["failures"]),
                             "runs": [{k: r[k] for k in ("run", "config", "ok", "seconds", "rcs", "stats")} for r in s["runs"]]}
                          for s in steps}}
     md = [f"# roce_gather GPU testbed run: {'PASS' if not failed else 'FAIL (' + ', '.join(failed) + ')'}",
-          f"{total} s in all. Logs and raw results: results.tar.gz.", "",
+          f"{total} s in all. Logs and raw results: results.tar.gz.", "", m["line"], "",
           md_table(["step", "status", "seconds", "summary"],
                    [[s["name"], s["status"], s["seconds"], s["headline"]] for s in steps])]
     for s in steps:
@@ -95,7 +100,7 @@ def main():
     with open(os.path.join(a.work, "summary.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     os.makedirs(a.out, exist_ok=True)
-    for name in ("summary.json", "summary.md", "latency.png", "latency.csv"):
+    for name in ("summary.json", "summary.md", "latency.png", "latency.csv", "sweep.csv", "sweep.md"):
         if os.path.exists(os.path.join(a.work, name)):
             shutil.copy(os.path.join(a.work, name), os.path.join(a.out, name))
     with tarfile.open(os.path.join(a.out, "results.tar.gz"), "w:gz") as tar:
@@ -113,16 +118,17 @@ def main():
             print(f"{'':<23}- {' | '.join(f.split(chr(10)))[:150]}")
         if len(s["failures"]) > 4:
             print(f"{'':<23}- ... {len(s['failures']) - 4} more in summary.md")
+    print("\n" + m["line"][:300])
     lat = next((s for s in steps if s["name"] == "latency"), None)
-    if lat and lat["numbers"].get("latency"):
+    if lat and lat["numbers"].get("ring_vs_socket"):
         L = lat["numbers"]["latency"]
-        cols = [c for c in ("oneshot", "ring-over-plugin", "nccl-socket") if c in L]
-        print("\nus per gather under CUDA graph replay (rank 0):")
-        print(f"{'bytes':>8} " + " ".join(f"{c:>17}" for c in cols) + f" {'os/socket':>9} {'os/ring':>8}")
-        num = lambda x, w, d: f"{x:>{w}.{d}f}" if x else f"{'-':>{w}}"
-        for b, r in lat["numbers"]["ratios"].get("graph", {}).items():
-            print(f"{b:>8} " + " ".join(num(L[c]["graph"].get(b), 17, 1) for c in cols)
-                  + f" {num(r['oneshot/nccl-socket'], 9, 2)} {num(r['oneshot/ring-over-plugin'], 8, 2)}")
+        cols = [c for c in ("ring-over-plugin", "nccl-socket", "oneshot") if L.get(c, {}).get("graph")]
+        print("\nus per gather under CUDA graph replay, median (min-max):")
+        print(f"{'bytes':>8} " + " ".join(f"{c:>20}" for c in cols) + f" {'ring/socket':>18} verdict")
+        for row in lat["numbers"]["ring_vs_socket"]:
+            b = str(row["bytes"])
+            print(f"{b:>8} " + " ".join(f"{measure.fmt_range(L[c]['graph'].get(b)):>20}" for c in cols)
+                  + f" {measure.fmt_ratio(row['ratio']):>18} {row['verdict'] or '-'}")
     present = ", ".join(sorted(os.listdir(a.out)))
     print(f"\nRESULT: {'PASS' if not failed else 'FAIL: ' + ', '.join(failed)} ({total} s); {a.out}: {present}")
     raise SystemExit(1 if failed else 0)

@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# The GPU testbed run (DESIGN.md, testing ladder item 4): two GPUs of one host, two
-# processes made to look like two nodes, real NCCL through PyTorch and JAX.
+# The GPU testbed run (DESIGN.md, testing ladder item 4): two processes made to look like two
+# nodes, one GPU each or both on one GPU under CUDA MPS, real NCCL through PyTorch and JAX.
 #
 #   bash tests/gpu/run_all.sh [OUTDIR]      # OUTDIR defaults to $OUT
 #
 # Runs the steps in order, each under its own time limit and all under one budget
-# (ROCE_GATHER_GPU_BUDGET_S, 480 s by default: with the last step's 10 s kill grace and the
-# report's 45 s, the whole run stays within 540 s), goes on after a failed step, and exits
-# non-zero if any step failed. OUTDIR gets summary.md, summary.json, latency.png,
-# latency.csv and results.tar.gz (every log and raw result). tests/gpu/README.md says
-# what each step checks. ROCE_GATHER_GPU_STEPS="kernels jax" runs only the steps named.
+# (ROCE_GATHER_GPU_BUDGET_S, 480 s by default, MPS's start included: with the last step's 10 s
+# kill grace, MPS's stop (25 s at most) and the report's 45 s, the whole run stays within 560 s),
+# goes on after a failed step, and exits non-zero if any step failed. OUTDIR gets summary.md,
+# summary.json, latency.png, latency.csv, sweep.csv, sweep.md and results.tar.gz (every log and
+# raw result).
+# tests/gpu/README.md says what each step checks.
+#
+# ROCE_GATHER_GPU_STEPS: the steps to run, by name or group (default: check):
+#   check  = env kernels p2p gather graphs capi jax abort topology recreate
+#   timing = env latency plot calibrate
+#   sweep  = env sweep
+# ROCE_GATHER_GPU_ONE_DEVICE=0: both ranks of every pair on GPU 0, under CUDA MPS (started
+# here before the first pair, stopped at the end; ROCE_GATHER_GPU_MPS=0 leaves it off), and
+# ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH defaults to 1 (one GPU has no NVSwitch).
+# ROCE_GATHER_GPU_NCCL_LIB=/path/to/libnccl.so.2: every pair runs that NCCL (LD_PRELOAD).
 set -u -o pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -28,13 +38,44 @@ START=$(date +%s)
 BUDGET=${ROCE_GATHER_GPU_BUDGET_S:-480}
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/roce_gather_gpu.XXXXXX")"
 mkdir -p "$WORK/logs" "$WORK/steps" "$WORK/raw"
-STEPS=""
-echo "roce_gather GPU tests: work dir $WORK, results to $OUTDIR, budget ${BUDGET}s"
 
+WANT=""
+for w in ${ROCE_GATHER_GPU_STEPS:-check}; do
+	case $w in
+	check) WANT="$WANT env kernels p2p gather graphs capi jax abort topology recreate" ;;
+	timing) WANT="$WANT env latency plot calibrate" ;;
+	sweep) WANT="$WANT env sweep" ;;
+	*) WANT="$WANT $w" ;;
+	esac
+done
+echo "roce_gather GPU tests: work dir $WORK, results to $OUTDIR, budget ${BUDGET}s, steps:$WANT"
+
+# One GPU for both ranks: CUDA MPS, so that their kernels run side by side.
+if [ -n "${ROCE_GATHER_GPU_ONE_DEVICE:-}" ]; then
+	export ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH="${ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH:-1}"
+	if [ "${ROCE_GATHER_GPU_MPS:-1}" != 0 ]; then
+		export CUDA_MPS_PIPE_DIRECTORY="$WORK/mps/pipe" CUDA_MPS_LOG_DIRECTORY="$WORK/mps/log"
+		mps() { timeout -k 5 "$1" python3 "$HERE/mps.py" "$2" --work "$WORK" "${@:3}" >>"$WORK/logs/mps.log" 2>&1; }
+		if mps 60 start; then
+			export ROCE_GATHER_GPU_MPS_ON=1
+			echo "CUDA MPS: started ($(tail -n 1 "$WORK/logs/mps.log" | cut -c1-160))"
+		else
+			mps 30 stop # whatever did start: the ranks then time-share the GPU
+			echo "CUDA MPS: did not start; both ranks time-share the GPU ($(grep -m1 FAILED "$WORK/logs/mps.log" | cut -c1-200))"
+		fi
+		# Stopped however this script ends (a daemon would outlive it and hold the GPU).
+		trap 'if [ -n "${ROCE_GATHER_GPU_MPS_ON:-}" ]; then ROCE_GATHER_GPU_MPS_ON=; mps 25 stop; fi' EXIT
+		trap 'exit 143' TERM
+		trap 'exit 130' INT
+	fi
+fi
+
+STEPS=""
 # step NAME LIMIT_S: python3 steps.py NAME under min(LIMIT_S, what the budget has left).
 step() {
 	local name=$1 limit=$2 now left t0 rc
-	case " ${ROCE_GATHER_GPU_STEPS:-$name} " in *" $name "*) ;; *) return ;; esac
+	case " $WANT " in *" $name "*) ;; *) return ;; esac
+	case " $STEPS " in *" $name "*) return ;; esac # named twice (env in two groups): once
 	STEPS="$STEPS $name"
 	now=$(date +%s)
 	left=$((START + BUDGET - now))
@@ -51,6 +92,10 @@ step() {
 	rc=$?
 	echo "$rc $(($(date +%s) - t0))" >"$WORK/steps/$name.meta"
 	tail -n 1 "$WORK/logs/$name.log" | cut -c1-200
+	# A step killed at its limit took its ranks with it: MPS may now refuse every client.
+	if [ -n "${ROCE_GATHER_GPU_MPS_ON:-}" ] && { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; }; then
+		mps 60 restart --reason "step $name (killed at its limit)" || echo "CUDA MPS: restart after step $name failed"
+	fi
 }
 
 step env 45
@@ -62,9 +107,16 @@ step capi 260
 step jax 120
 step latency 240
 step plot 30
+step calibrate 150
+step recreate 150
 step abort 200
 step topology 150
+step sweep 450 # last: it fits its pairs into whatever the budget has left
 
+if [ -n "${ROCE_GATHER_GPU_MPS_ON:-}" ]; then
+	mps 25 stop || echo "CUDA MPS: stop needed a kill (logs/mps.log)"
+	ROCE_GATHER_GPU_MPS_ON=
+fi
 timeout -k 5 40 python3 "$HERE/report.py" --work "$WORK" --out "$OUTDIR" --steps "$STEPS" --start "$START"
 rc=$?
 if [ ! -f "$OUTDIR/results.tar.gz" ]; then # report.py itself failed: keep the raw material anyway

@@ -7,7 +7,6 @@ one-line headline, numbers, markdown sections for summary.md, and one entry per
 process-pair run. Exit status 0 unless the step failed.
 """
 import argparse
-import csv
 import hashlib
 import json
 import os
@@ -20,8 +19,12 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
+import calibrate
 import common
 import launch
+import measure
+import mps
+import plans
 from common import fmt, md_table
 
 REPO = launch.REPO
@@ -42,11 +45,11 @@ class Step:
         self.d["notes"].append(msg)
         print(msg, flush=True)
 
-    def pair(self, run, config, worker, task, limit, params=None, extra_env=None, judge=True, **opts):
+    def pair(self, run, config, worker, task, limit, params=None, extra_env=None, judge=True, min_left=20, **opts):
         """One process-pair run, its wall-clock limit cut to what the step has left. opts go to
         launch.run_pair; judge=False leaves the run's failures for the caller to judge."""
-        left = self.deadline - time.time() - 3
-        if left < 20:
+        left = self.deadline - time.time() - 6  # a kill takes 3 s, an MPS restart a few more
+        if left < min_left:
             self.fail(f"{run}: not started, only {left:.0f}s left in the step")
             return None
         print(f"-- {run}: config {config}, limit {min(limit, left):.0f}s", flush=True)
@@ -63,7 +66,8 @@ class Step:
             print(t, flush=True)
         self.d["runs"].append({"run": run, "config": config, "ok": not rec["failures"], "seconds": rec["seconds"],
                                "rcs": rec["rcs"], "stats": [common.stats_brief(s) for s in rec["stats"]],
-                               "tails": rec["tails"]})
+                               "tails": rec["tails"], "nccl": rec["nccl"], "timed_out": rec["timed_out"],
+                               "mps_restart": rec["mps_restart"]})
         return rec
 
     def finish(self):
@@ -72,11 +76,11 @@ class Step:
         return self.d
 
 
-def sh(cmd, timeout=30):
+def sh(cmd, timeout=30, env=None):
     """Runs cmd, prints its output into the step log, returns (rc, output)."""
     print(f"$ {' '.join(cmd)}", flush=True)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
         out = p.stdout + p.stderr
         rc = p.returncode
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -120,9 +124,11 @@ def runs_table(step, recs):
 
 # ---- a. environment --------------------------------------------------------------------
 
-TORCH_INFO = ("import json, torch; v = torch.cuda.nccl.version(); print(json.dumps({'torch': torch.__version__, "
-              "'cuda': torch.version.cuda, 'nccl': '.'.join(map(str, v)) if isinstance(v, tuple) else str(v), "
-              "'gpus': torch.cuda.device_count()}))")
+# torch's versions; "nccl" is the NCCL loaded (common.nccl_runtime), "nccl_built" the headers'.
+TORCH_INFO = ("import json, sys, torch; sys.path.insert(0, %r); import common; v = torch.cuda.nccl.version(); "
+              "b = '.'.join(map(str, v)) if isinstance(v, tuple) else str(v); r = common.nccl_runtime(); "
+              "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, 'nccl': r.get('version') or b, "
+              "'nccl_built': b, 'nccl_path': r.get('path'), 'gpus': torch.cuda.device_count()}))" % launch.HERE)
 JAX_INFO = ("import glob, importlib.util, os, jax, jaxlib; s = importlib.util.find_spec('nvidia'); "
             "d = list(s.submodule_search_locations) if s else []; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, "
             "'nccl libs', [p for x in d for p in glob.glob(os.path.join(x, 'nccl', 'lib', 'libnccl*'))])")
@@ -145,10 +151,38 @@ def step_env(s):
         t = {}
         s.fail("could not read torch's versions: " + out.strip()[-300:])
     s.d["numbers"].update(nvidia_smi=gpus, torch_info=t)
-    if len(gpus) < 2:
-        s.fail(f"nvidia-smi shows {len(gpus)} GPUs; two are needed")
-    if t and t.get("gpus", 0) < 2:
-        s.fail(f"torch sees {t.get('gpus')} GPUs; two are needed")
+    one = os.environ.get("ROCE_GATHER_GPU_ONE_DEVICE")
+    need = 1 if one is not None else 2
+    what = f"ROCE_GATHER_GPU_ONE_DEVICE={one}: both ranks on one GPU" if one is not None else "one GPU a rank"
+    if len(gpus) < need:
+        s.fail(f"nvidia-smi shows {len(gpus)} GPUs; {what} needs {need}")
+    if t and t.get("gpus", 0) < need:
+        s.fail(f"torch sees {t.get('gpus')} GPUs; {what} needs {need}")
+    if one is not None and t and not 0 <= int(one) < t.get("gpus", 0):
+        s.fail(f"ROCE_GATHER_GPU_ONE_DEVICE={one}, but torch sees {t.get('gpus')} GPUs")
+    m = mps.summary(s.work)
+    s.d["numbers"]["mps"] = m["line"]
+    s.note(m["line"])
+    if one is not None and not m["used"]:
+        s.note("both ranks time-share one GPU without MPS: correctness holds, timings do not compare")
+    lib = launch.nccl_lib_default()
+    if lib:
+        want = launch.lib_version(lib)
+        env = dict(os.environ, LD_PRELOAD=lib)
+        rc, out = sh([sys.executable, "-c", TORCH_INFO], timeout=60, env=env)
+        try:
+            got = json.loads(out.strip().splitlines()[-1]).get("nccl")
+        except (ValueError, IndexError):
+            got = None
+        s.d["numbers"]["nccl_lib"] = {"path": lib, "file_version": want, "torch_reports": got}
+        if not os.path.exists(lib):
+            s.fail(f"ROCE_GATHER_GPU_NCCL_LIB={lib} does not exist")
+        elif got is None:
+            s.fail(f"torch with LD_PRELOAD={lib} did not start: {out.strip()[-300:]}")
+        elif want and got != want:
+            s.fail(f"torch with LD_PRELOAD={lib} reports NCCL {got}, not {want}")
+        else:
+            s.note(f"ROCE_GATHER_GPU_NCCL_LIB: every pair runs NCCL {got} ({lib}) unless a step asks for PyTorch's own")
     if not os.path.exists(launch.LIB):
         s.fail(f"{launch.LIB} does not exist: build it first (make all)")
     else:
@@ -158,8 +192,11 @@ def step_env(s):
         rc, _ = sh([plugincheck, "abi"], timeout=20)
         s.note(f"build/plugincheck abi: exit {rc}")
     g = gpus[0].split(",") if gpus else ["?", "?"]
+    nccl_lib = s.d["numbers"].get("nccl_lib", {}).get("torch_reports")
     s.d["headline"] = (f"{len(gpus)}x {g[0].strip()}, driver {g[1].strip() if len(g) > 1 else '?'}, "
-                       f"torch {t.get('torch', '?')} (NCCL {t.get('nccl', '?')})")
+                       f"torch {t.get('torch', '?')} (NCCL {t.get('nccl', '?')}"
+                       + (f"; runs on NCCL {nccl_lib} by LD_PRELOAD" if nccl_lib else "") + ")"
+                       + (f"; both ranks on GPU {one}, MPS {'on' if m['used'] else 'OFF'}" if one is not None else ""))
 
 
 # ---- b. kernels -------------------------------------------------------------------------
@@ -588,40 +625,295 @@ def step_jax(s):
 
 # ---- i. latency -------------------------------------------------------------------------
 
-LAT_CONFIGS = ["oneshot", "oneshot-mode-eager", "oneshot-mode-rendezvous", "ring-over-plugin", "nccl-socket"]
+LAT_CONFIGS = ["ring-over-plugin", "nccl-socket", "oneshot"]
+LAT_PARAMS = {"modes": ["graph", "eager"], "reps": 3, "target_ms": 10, "budget_s": 25}
+
+
+def complete_samples(rec):
+    """Rank 0's samples of a pair that finished them (both ranks agreed), else None."""
+    res = rec and rec["results"][0]
+    n = (res or {}).get("numbers", {})
+    return n.get("samples") if n.get("agreed") else None
+
+
+def latency_tables(runs, sizes):
+    """runs: [(config, round, samples)]. Per mode: the pooled table and the rows of ring over
+    this plugin against NCCL socket, and of the one-shot path against the ring."""
+    out = {}
+    for mode in ("graph", "eager"):
+        table = measure.pooled([(c, smp) for c, _, smp in runs], mode)
+        if not table:
+            continue
+        out[mode] = {"table": table,
+                     "ring_vs_socket": measure.comparison_rows(table, sizes, "ring-over-plugin", "nccl-socket"),
+                     "oneshot_vs_ring": measure.comparison_rows(table, sizes, "oneshot", "ring-over-plugin"),
+                     "spread": measure.worst_spread(table, LAT_CONFIGS, sizes)}
+    return out
+
+
+def latency_markdown(mode, t, sizes, rounds, reps):
+    rows = []
+    for a, b in zip(t["ring_vs_socket"], t["oneshot_vs_ring"]):
+        rows.append([measure.size_label(a["bytes"]), measure.fmt_range(a["ring-over-plugin"]),
+                     measure.fmt_range(a["nccl-socket"]), measure.fmt_range(b["oneshot"]),
+                     measure.fmt_ratio(a["ratio"]), a["verdict"] or "-", measure.fmt_ratio(b["ratio"]), b["verdict"] or "-"])
+    spread = ", ".join(f"{c} {fmt(v)} %" for c, v in t["spread"].items() if v is not None)
+    how = "4 gathers captured in a CUDA graph, replayed" if mode == "graph" else "back-to-back PyTorch calls"
+    return (f"Latency, {mode} ({how}), µs a gather: median (min-max) over {rounds} rounds x {reps} samples; each "
+            "sample is one timed batch (10-250 replays of 4 gathers), the larger of the two ranks' values; the "
+            "rounds interleave the configs (each round in a rotated order). A is slower than B beyond the spread "
+            "when A's fastest sample is slower than B's slowest (min(A) > max(B)), faster when max(A) < min(B), "
+            f"else within. This run's spread, the widest (max-min)/median over the sizes: {spread}. The one-shot "
+            "config keeps the default cap (512 KiB): 1 MiB runs on NCCL's ring there.\n\n"
+            + md_table(["bytes a rank", "ring-over-plugin", "nccl-socket", "oneshot", "ring/socket", "ring vs socket",
+                        "oneshot/ring", "oneshot vs ring"], rows))
 
 
 def step_latency(s):
-    recs, lat = [], {}
-    for c in LAT_CONFIGS:
-        rec = s.pair(f"latency.{c}", c, "bench.py", "latency", 75)
-        recs.append(rec)
-        if rec and rec["results"][0] and "latency" in rec["results"][0]["numbers"]:
-            lat[c] = rec["results"][0]["numbers"]["latency"]
-    with open(os.path.join(s.work, "latency.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["config", "mode", "bytes_per_rank", "us_per_gather"])
-        for c, v in lat.items():
-            for mode in ("graph", "eager"):
-                for b in common.LATENCY_SHARDS:
-                    if str(b) in v[mode]:
-                        w.writerow([c, mode, b, f"{v[mode][str(b)]:.2f}"])
-    ratios = {}
+    rounds = int(os.environ.get("ROCE_GATHER_GPU_LATENCY_ROUNDS", "3"))
+    sizes = common.LATENCY_SHARDS
+    m = mps.summary(s.work)
+    if os.environ.get("ROCE_GATHER_GPU_ONE_DEVICE") is not None and not m["used"]:
+        s.note("no MPS on one GPU: the ranks time-share it, these timings say little about the transports")
+    recs, runs = [], []
+    for r, order in enumerate(measure.round_orders(LAT_CONFIGS, rounds)):
+        for c in order:
+            rec = s.pair(f"latency.r{r}.{c}", c, "bench.py", "latency", 60, dict(LAT_PARAMS, cap=launch.cap_of(c)))
+            recs.append(rec)
+            smp = complete_samples(rec)
+            if smp:
+                runs.append((c, r, smp))
+            elif rec:
+                s.note(f"latency.r{r}.{c}: no complete samples (its partial ones are left out)")
+    rows = [[c, mode, b, r, i, f"{us:.3f}"] for c, r, smp in runs for mode, by in smp.items()
+            for b, xs in sorted(by.items(), key=lambda kv: int(kv[0])) for i, us in enumerate(xs)]
+    measure.write_csv(os.path.join(s.work, "latency.csv"), ["config", "mode", "bytes_per_rank", "round", "rep",
+                                                            "us_per_gather"], rows)
+    tabs = latency_tables(runs, sizes)
     for mode in ("graph", "eager"):
-        rows = []
-        for b in common.LATENCY_SHARDS:
-            us = {c: lat[c][mode].get(str(b)) if c in lat else None for c in LAT_CONFIGS}
-            r_sock = us["oneshot"] / us["nccl-socket"] if us["oneshot"] and us["nccl-socket"] else None
-            r_ring = us["oneshot"] / us["ring-over-plugin"] if us["oneshot"] and us["ring-over-plugin"] else None
-            ratios.setdefault(mode, {})[str(b)] = {"oneshot/nccl-socket": r_sock, "oneshot/ring-over-plugin": r_ring}
-            rows.append([b] + [fmt(us[c]) for c in LAT_CONFIGS] + [fmt(r_sock, 2), fmt(r_ring, 2)])
-        s.d["md"].append(f"Latency, {mode} ({'4 gathers captured in a CUDA graph, replayed' if mode == 'graph' else 'back-to-back PyTorch calls'}), "
-                         "us per gather, rank 0\n\n" + md_table(["bytes/rank"] + LAT_CONFIGS + ["oneshot/socket", "oneshot/ring"], rows))
-    s.d["numbers"].update(latency=lat, ratios=ratios)
+        if mode in tabs:
+            s.d["md"].append(latency_markdown(mode, tabs[mode], sizes, rounds, LAT_PARAMS["reps"]))
     runs_table(s, recs)
-    g = ratios.get("graph", {})
-    pick = [b for b in ("16", "65536", "524288") if g.get(b, {}).get("oneshot/nccl-socket")]
-    s.d["headline"] = "graph oneshot/socket: " + ", ".join(f"{b}B {g[b]['oneshot/nccl-socket']:.2f}" for b in pick) if pick else "no ratios"
+    num = s.d["numbers"]
+    num.update(rounds=rounds, mps=m["line"], configs=LAT_CONFIGS, csv="latency.csv")
+    num["latency"] = {c: {mode: {str(b): measure.summarize(xs) for b, xs in t["table"].get(c, {}).items()}
+                          for mode, t in tabs.items()} for c in LAT_CONFIGS}
+    g = tabs.get("graph")
+    if not g:
+        s.fail("no graph-replay samples: nothing measured")
+        s.d["headline"] = "no latency measured"
+        return
+    num["ring_vs_socket"] = [{"bytes": x["bytes"], "ratio": x["ratio"], "verdict": x["verdict"]} for x in g["ring_vs_socket"]]
+    num["oneshot_vs_ring"] = [{"bytes": x["bytes"], "ratio": x["ratio"], "verdict": x["verdict"]} for x in g["oneshot_vs_ring"]]
+    num["spread_pct"] = g["spread"]
+    missing = [x["bytes"] for x in g["ring_vs_socket"] if x["verdict"] is None]
+    slower = [x["bytes"] for x in g["ring_vs_socket"] if x["verdict"] == "slower"]
+    num["ring_slower_than_socket_beyond_spread"] = slower
+    if missing:
+        s.fail(f"ring-over-plugin or nccl-socket not measured at {', '.join(measure.size_label(b) for b in missing)}")
+    if slower and s.d["status"] != "fail":
+        s.d["status"] = "warn"
+    if slower:
+        s.note("NCCL's ring over this plugin is slower than NCCL socket beyond this run's spread at "
+               + ", ".join(measure.size_label(b) for b in slower))
+    r = {x["bytes"]: x["ratio"] for x in g["ring_vs_socket"]}
+    pick = [b for b in (16, 4096, 65536, 1048576) if r.get(b)]
+    s.d["headline"] = ("graph ring/socket " + ", ".join(f"{measure.size_label(b)} {measure.fmt_ratio(r[b])}" for b in pick)
+                       + f"; slower beyond the spread at {len(slower)}/{len(sizes)} sizes"
+                       + (f" ({', '.join(measure.size_label(b) for b in slower)})" if slower else ""))
+
+
+# ---- sweep: every one-shot configuration beside NCCL's ring and socket -------------------
+
+REG_RX = r"(?i)NCCL INFO.*regist"
+CHANNELS_RX = re.compile(r"(\d+) coll channels, (\d+) collnet channels")
+SWEEP_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,REG"}  # set-up lines only: what NCCL built
+
+
+def sweep_evidence(rec):
+    """From rank 0's NCCL INFO lines: the NCCL version, channel counts, registration lines."""
+    out = {}
+    lines, _ = evidence(rec["logs"][:1], r"NCCL version", 1)
+    mv = re.search(r"NCCL version (\S+)", lines[0]) if lines else None
+    out["nccl_seen"] = mv.group(1) if mv else None
+    lines, _ = evidence(rec["logs"][:1], CHANNELS_RX.pattern, 1)
+    mc = CHANNELS_RX.search(lines[0]) if lines else None
+    if mc:
+        out["coll_channels"], out["collnet_channels"] = int(mc.group(1)), int(mc.group(2))
+    lines, n = evidence(rec["logs"][:1], REG_RX, 3)
+    out["reg_lines"], out["reg_examples"] = n, lines
+    return out
+
+
+def step_sweep(s):
+    configs, unknown = plans.sweep_plan(os.environ.get("ROCE_GATHER_GPU_SWEEP", ""), launch.CONFIGS)
+    for w in unknown:
+        s.fail(f"ROCE_GATHER_GPU_SWEEP names {w!r}, which is neither a family ({', '.join(f for f, _ in plans.SWEEP_FAMILIES)}) "
+               "nor a config")
+    m = mps.summary(s.work)
+    if os.environ.get("ROCE_GATHER_GPU_ONE_DEVICE") is not None and not m["used"]:
+        s.note("no MPS on one GPU: the ranks time-share it, these timings say little about the transports")
+    sizes = plans.SWEEP_SIZES
+    results, recs, version = {}, [], None
+    for c in configs:
+        fam = plans.family_of(c)
+        v = plans.version_tuple(version)
+        if fam == "chunk" and (v is None or v[:2] < plans.CHUNK_NEEDS):
+            results[c] = {"status": "skipped", "note": f"the chunk size needs NCCL >= 2.30 (tuner v6 getChunkSize); "
+                                                       f"this run's NCCL is {version or 'unknown'}"}
+            continue
+        left = s.deadline - time.time() - 6
+        if left < plans.SWEEP_MIN_START_S:
+            results[c] = {"status": "not run", "note": f"the step's time ran out ({left:.0f}s left)"}
+            continue
+        limit = plans.SWEEP_GDR_LIMIT_S if "gdr" in c else plans.SWEEP_LIMIT_S
+        rec = s.pair(f"sweep.{c}", c, "bench.py", "latency", limit, dict(plans.SWEEP_PARAMS, cap=launch.cap_of(c)),
+                     SWEEP_ENV, judge=False, min_left=plans.SWEEP_MIN_START_S)
+        recs.append(rec)
+        if rec is None:
+            results[c] = {"status": "not run", "note": "not started: the step's time ran out"}
+            continue
+        status, why = plans.pair_status(rec)
+        res = rec["results"][0] or {}
+        n = res.get("numbers", {})
+        smp = (n.get("samples") or {}).get("graph", {})
+        r = {"status": status, "seconds": rec["seconds"], "samples": {int(b): xs for b, xs in smp.items() if xs},
+             "stats": common.stats_brief(rec["stats"][0]), "agreed": n.get("agreed", False),
+             "note": why + (f"; last progress: {n.get('progress')}" if status == "killed" else "")}
+        r.update(sweep_evidence(rec))
+        if rec["limit"] < limit:
+            r["note"] += f"; its limit was cut from {limit}s to the {rec['limit']}s the step had left"
+        if rec["mps_restart"]:
+            r["note"] += f"; MPS restarted ({'ok' if rec['mps_restart']['ok'] else 'FAILED'})"
+        results[c] = r
+        version = version or next((x for x in rec["nccl"] if x), None)
+        if status in ("killed", "failed"):
+            for f in rec["failures"]:
+                s.fail(f)
+        elif status == "path differs":
+            s.note(f"sweep.{c}: {why}")
+            if s.d["status"] != "fail":
+                s.d["status"] = "warn"
+    summ, rows = plans.sweep_rows({c: r for c, r in results.items()}, sizes)
+    nccl = version or "?"
+    measure.write_csv(os.path.join(s.work, "sweep.csv"), plans.SWEEP_CSV_HEADER, plans.sweep_csv_rows(nccl, results, rows))
+    md = plans.sweep_markdown(nccl, results, sizes, summ) + "\n\nThe pairs:\n\n" + plans.sweep_runs_table(results)
+    md = f"{m['line']}\n\n{md}"
+    with open(os.path.join(s.work, "sweep.md"), "w") as f:
+        f.write(f"# Sweep of the one-shot configurations, NCCL {nccl}\n\n{md}\n")
+    s.d["md"].append(md)
+    for c, r in results.items():
+        if r.get("reg_examples"):
+            s.d["md"].append(f"sweep.{c}, rank 0: {r['reg_lines']} NCCL INFO lines on registration, the first:\n\n```\n"
+                             + "\n".join(r["reg_examples"]) + "\n```")
+    runs_table(s, recs)
+    s.d["numbers"].update(nccl=nccl, configs=configs, csv="sweep.csv", results={
+        c: {k: v for k, v in r.items() if k != "samples"} | {"summaries": {str(b): measure.summarize(xs)
+                                                                          for b, xs in r.get("samples", {}).items()}}
+        for c, r in results.items()})
+    counts = {}
+    for r in results.values():
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    best_os = measure.cheapest({c: summ[c] for c in results if plans.is_oneshot(c) and results[c]["status"] in ("ok", "killed")},
+                               sizes)
+    ring = summ.get("ring-over-plugin", {})
+    wins = [x["bytes"] for x in best_os if x["best"] and measure.compare(x["best_s"], ring.get(x["bytes"])) == "faster"]
+    s.d["headline"] = (f"NCCL {nccl}, {len(configs)} configs: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+                       + "; the cheapest one-shot config beats ring-over-plugin beyond the spread at "
+                       + (", ".join(measure.size_label(b) for b in wins) if wins else "no size"))
+
+
+# ---- calibrate: the window a user would set -----------------------------------------------
+
+CAL_CONFIGS = {"ring": "ring-over-plugin", "oneshot": "os-staged"}
+
+
+def step_calibrate(s):
+    rounds = int(os.environ.get("ROCE_GATHER_GPU_CAL_ROUNDS", "2"))
+    runs, recs = [], []
+    for i, role in calibrate.plan(rounds):
+        c = CAL_CONFIGS[role]
+        rec = s.pair(f"calibrate.{i}.{role}", c, "calibrate.py", "calibrate", 60,
+                     {"role": role, "cap": launch.cap_of(c), "budget_s": 25}, check_stats=False)
+        recs.append(rec)
+        if rec is None:
+            continue
+        runs.append({"name": f"calibrate.{i}.{role}", "role": role, "result": rec["results"][0], "stats": rec["stats"][0]})
+        res1 = rec["results"][1]
+        if res1 and res1.get("completed") and res1.get("ledger"):  # rank 1 took the same path too
+            F, _ = common.stats_check(rec["stats"][1], res1["ledger"], role == "oneshot")
+            for f in F:
+                s.fail(f"calibrate.{i}.{role} rank 1 stats: {f}")
+    a = calibrate.analyse(runs)
+    for f in a["failures"]:
+        s.fail(f)
+    s.d["md"].append("The calibration (calibrate.py, the same analysis a user's run gets), ring-over-plugin against "
+                     "the one-shot path on host staging with its window opened over every size (os-staged):\n\n"
+                     + calibrate.report(a))
+    runs_table(s, recs)
+    w = a["window"]
+    s.d["numbers"].update(window={"floor": w["floor"], "cap": w["cap"], "notes": w["notes"], "runs": w["runs"]},
+                          env=a["env"], rounds=rounds)
+    s.d["headline"] = (("no answer: checks failed" if a["failures"] else
+                        f"one-shot never wins beyond the spread: {a['env']}" if w["floor"] is None else
+                        f"window {measure.size_label(w['floor'])} to {measure.size_label(w['cap'])}: {a['env']}"))
+
+
+# ---- recreate: the default process group destroyed and created again ----------------------
+
+RECREATE_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+ADVICE_RX = r"(?i)(?=.*roce_gather)(?=.*NCCL_NET_PLUGIN_REF_COUNT)"
+
+
+def step_recreate(s):
+    lib = launch.nccl_lib_default()
+    cases = [("plugin", "oneshot", {}, ""), ("plugin-refcount", "oneshot", {plans.REF_COUNT: "1"}, ""),
+             ("plugin-nccl-lib", "oneshot", {}, lib), ("nccl-socket", "nccl-socket", {}, "")]
+    rows, good = [], 0
+    for case, c, env, nccl_lib in cases:
+        run = f"recreate.{case}"
+        if case == "plugin-nccl-lib" and not lib:
+            s.note(f"{run}: skipped: no NCCL build given (ROCE_GATHER_GPU_NCCL_LIB=/path/to/libnccl.so.2 of NCCL 2.30)")
+            rows.append([case, "-", "-", "-", "skipped: no ROCE_GATHER_GPU_NCCL_LIB", "-", "-"])
+            continue
+        rec = s.pair(run, c, "recreate_cases.py", "recreate", 60, {"port2": launch.free_port()},
+                     dict(RECREATE_ENV, **env), judge=False, check_stats=False, nccl_lib=nccl_lib)
+        if rec is None:
+            rows.append([case, "-", "-", "-", "not run: the step's time ran out", "-", "-"])
+            continue
+        version = next((x for x in rec["nccl"] if x), None)
+        expected, why = plans.recreate_expectation(version, launch.uses_plugin(c), env)
+        observed = plans.recreate_observed(rec["results"])
+        errors = [((res or {}).get("numbers", {}).get("second_error") or "") for res in rec["results"]]
+        lines, n = evidence(rec["logs"], re.escape(plans.NET_PLUGIN_FAIL), 2)
+        seen = n > 0 or any(plans.NET_PLUGIN_FAIL in e for e in errors)
+        ok, verdict = plans.recreate_verdict(expected, observed, seen)
+        values = [f for res in rec["results"] if res for f in res.get("failures", [])]
+        if values:
+            ok, verdict = False, f"wrong values: {values[0]}"
+        if rec["timed_out"]:
+            ok, verdict = False, f"still running after {rec['limit']}s: killed"
+        advice, _ = evidence(rec["logs"][:1], ADVICE_RX, 1)
+        rows.append([case, version or "?", f"{expected or '-'} ({why})", observed, ("PASS: " if ok else "FAIL: ") + verdict,
+                     (lines[0] if lines else next((e[:200] for e in errors if e), "-")),
+                     advice[0][:160] if advice else "none"])
+        s.d["numbers"][case] = {"nccl": version, "expected": expected, "observed": observed, "ok": ok, "verdict": verdict,
+                                "second_error": next((e for e in errors if e), None)}
+        if ok:
+            good += 1
+        else:
+            s.fail(f"{run}: {verdict}")
+            for t in rec["tails"]:
+                print(t, flush=True)
+    s.d["md"].append("The default process group destroyed (dist.destroy_process_group()) and created again in one "
+                     "process, a 4 KiB gather checked byte for byte in each; over the plugin (config oneshot) on "
+                     "PyTorch's own NCCL without and with NCCL_NET_PLUGIN_REF_COUNT=1, on the NCCL of "
+                     "ROCE_GATHER_GPU_NCCL_LIB (LD_PRELOAD), and over NCCL's socket transport as the control. "
+                     "Expected: the NCCL version decides (2.28 and 2.29 forget the plugin's name when they unload "
+                     "it; 2.30 keeps it).\n\n"
+                     + md_table(["case", "NCCL", "expected", "observed", "verdict", "evidence", "plugin's advice line"], rows))
+    s.d["headline"] = f"{good}/{sum(1 for r in rows if r[1] != '-')} cases as expected" + (
+        "" if lib else "; the NCCL 2.30 case skipped (no ROCE_GATHER_GPU_NCCL_LIB)")
 
 
 # ---- j. plot ----------------------------------------------------------------------------

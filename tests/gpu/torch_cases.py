@@ -292,6 +292,16 @@ def task_p2p(ctx):
 TASKS = {"p2p": task_p2p, "matrix": task_matrix, "graphs": task_graphs, "small": task_small}
 
 
+def record_nccl(res):
+    """numbers.nccl: the NCCL that runs (common.nccl_runtime); nccl_built: the one PyTorch was
+    built against (torch.cuda.nccl.version(), the headers' version)."""
+    v = torch.cuda.nccl.version()
+    built = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    rt = common.nccl_runtime()
+    res.d["numbers"].update(nccl=rt.get("version") or built, nccl_built=built, nccl_path=rt.get("path"),
+                            nccl_loaded=rt.get("loaded"))
+
+
 def worker_main(tasks):
     """Joins the two-rank process group, runs one task, writes the result, destroys the
     group (the plugin writes ROCE_GATHER_STATS then). Exit status 1 on an exception."""
@@ -305,8 +315,7 @@ def worker_main(tasks):
         dist.init_process_group(backend="nccl", init_method=init, rank=args.rank, world_size=2,
                                 device_id=torch.device("cuda", args.local), timeout=timedelta(seconds=120))
         res.d["numbers"]["torch"] = torch.__version__
-        v = torch.cuda.nccl.version()
-        res.d["numbers"]["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        record_nccl(res)
         ctx = Ctx(args, res)
         tasks[args.task](ctx)
         torch.cuda.synchronize()

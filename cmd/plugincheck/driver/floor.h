@@ -8,6 +8,8 @@
 /* One-way message sizes of the latency rows: 8 B, 4 KiB, 64 KiB. */
 enum { FLOOR_SIZES = 3 };
 extern const size_t floor_sizes[FLOOR_SIZES];
+/* Timed round trips per size, the same for the floor and the plugin. */
+extern const int floor_rounds[FLOOR_SIZES];
 /* Size of each message of the bandwidth row. */
 #define FLOOR_STREAM_BYTES ((size_t)64 << 20)
 

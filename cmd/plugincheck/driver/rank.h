@@ -26,6 +26,8 @@ void case_result(const char* name, int ok, const char* fmt, ...) __attribute__((
 void fill_pattern(uint8_t* b, size_t n, uint64_t seed);
 long check_pattern(const uint8_t* b, size_t n, uint64_t seed);
 int test_until_done(const char* what, void* req, int* sizes, int (*test)(void*, int*, int*));
+/* The tcp fabric's net: sends are two-sided, so an early send is taken at once. */
+int two_sided_net(void);
 /* Each rank listens, swaps handles with the peer and connects a send and a recv comm. */
 int connect_pair(const char* tag, conn_pair* cp);
 void close_pair(conn_pair* cp);

@@ -1,0 +1,226 @@
+"""Finds the size window in which the one-shot path beats NCCL's ring over this plugin, under
+CUDA graph replay, and prints the ROCE_GATHER_MIN_BYTES / ROCE_GATHER_MAX_BYTES to set.
+
+On each of two hosts, one GPU each, with the plugin's environment exported as for any job
+(README.md, "Using it in a NCCL job"); host A gives --node-rank 0, host B --node-rank 1:
+
+    python3 tests/gpu/calibrate.py run --node-rank 0 --master-addr hostA [--master-port 29510]
+        [--rounds 2] [--sizes 16,32,...,1048576] [--out roce_gather_calibration]
+
+`run` starts torchrun 2 x ROUNDS times, one process a host, alternating NCCL's ring over this
+plugin (ROCE_GATHER_ENABLE=0) and the one-shot path with the window opened over every size
+measured (ROCE_GATHER_MIN_BYTES=1, ROCE_GATHER_MAX_BYTES=the largest size); each run is
+`calibrate.py --task calibrate` (bench.py's sampler: per size, GRAPH_GATHERS gathers in one
+CUDA graph, replayed; REPS samples a size). Then it reads what the runs wrote, checks that
+every gather was byte-exact and took the path its run asked for (ROCE_GATHER_STATS against
+the worker's ledger), and prints a table and the window (measure.window: README.md,
+"Calibration", gives the rule). Both hosts print the same answer: every sample is the larger
+of the two ranks' values. `python3 tests/gpu/calibrate.py window DIR` prints it again from DIR.
+
+The testbed runs the same worker and the same analysis as step calibrate (steps.py), with its
+pairs started by launch.py on one host.
+"""
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import common
+import measure
+from common import md_table
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Powers of two from 16 B to 1 MiB a rank.
+SIZES = [1 << k for k in range(4, 21)]
+REPS = 3
+ROLES = ("ring", "oneshot")
+
+
+def task_calibrate(ctx):
+    """The rank worker's task: bench.py's sampler, graph replay only, over the calibration sizes."""
+    from bench import task_latency
+    p = ctx.params
+    ctx.params = dict({"sizes": SIZES, "modes": ["graph"], "reps": REPS, "target_ms": 10, "budget_s": 90,
+                       "cap": max(p.get("sizes", SIZES))}, **p)
+    task_latency(ctx)
+
+
+# ---- the analysis, shared with step calibrate ------------------------------------------------
+
+def analyse(runs):
+    """runs: [{"name", "role" ("ring"|"oneshot"), "result" (a worker's JSON), "stats"}]. Checks
+    each run (completed, byte-exact, the path taken) and pools its graph samples by role.
+    Returns {"failures", "sizes", "summaries", "window", "env" (None when a check failed)}."""
+    failures, pooled = [], {r: {} for r in ROLES}
+    for run in runs:
+        name, role, res = run["name"], run["role"], run.get("result")
+        if res is None:
+            failures.append(f"{name}: no result file")
+            continue
+        failures += [f"{name}: {f}" for f in res.get("failures", [])]
+        if not res.get("completed"):
+            failures.append(f"{name}: did not complete")
+        elif res.get("ledger") is not None:
+            F, _ = common.stats_check(run.get("stats"), res["ledger"], role == "oneshot")
+            failures += [f"{name} stats: {f}" for f in F]
+        for b, xs in ((res.get("numbers") or {}).get("samples") or {}).get("graph", {}).items():
+            pooled[role].setdefault(int(b), []).extend(xs)
+    sizes = sorted(set(pooled["ring"]) | set(pooled["oneshot"]))
+    summ = {r: {b: measure.summarize(xs) for b, xs in pooled[r].items()} for r in ROLES}
+    w = measure.window(sizes, summ["oneshot"], summ["ring"])
+    return {"failures": failures, "sizes": sizes, "summaries": summ, "window": w,
+            "env": None if failures else measure.window_env(w)}
+
+
+def table(a):
+    rows = []
+    fl, cap = a["window"]["floor"], a["window"]["cap"]
+    for p in a["window"]["per_size"]:
+        b = p["bytes"]
+        rows.append([measure.size_label(b), measure.fmt_range(p["oneshot"]), measure.fmt_range(p["ring"]),
+                     measure.fmt_ratio(p["ratio"]), p["faster"] or "-",
+                     "yes" if p["win"] else "no", "yes" if fl is not None and fl <= b <= cap else "no"])
+    return md_table(["bytes a rank", "one-shot us: median (min-max)", "ring over this plugin us", "one-shot/ring",
+                     "faster (median)", "one-shot faster beyond the spread", "in the window"], rows)
+
+
+def report(a):
+    """The answer as markdown: the table, the rule's outcome, the line to set."""
+    w = a["window"]
+    n = {r: max((s["n"] for s in a["summaries"][r].values() if s), default=0) for r in ROLES}
+    out = [f"Per size, µs a gather under CUDA graph replay; {n['oneshot']} one-shot and {n['ring']} ring samples "
+           "a size (each the mean of one timed batch of replays, the larger of the two ranks' values); "
+           "spread = min-max of the samples.", "", table(a), ""]
+    if a["failures"]:
+        out += ["NO ANSWER: the runs failed their checks:", ""] + [f"- {f}" for f in a["failures"][:20]]
+        return "\n".join(out)
+    if w["floor"] is None:
+        out.append("Window: none.")
+    else:
+        out.append(f"Window: {measure.size_label(w['floor'])} to {measure.size_label(w['cap'])} a rank "
+                   f"({w['floor']} to {w['cap']} bytes).")
+    out += [f"- {x}" for x in w["notes"]]
+    out += ["", "Set on both hosts:", "", f"    {a['env']}"]
+    return "\n".join(out)
+
+
+def load_dir(d):
+    """The runs `run` left in d: cal.<i>.<role>.json and stats.<i>.<role>.json."""
+    runs = []
+    for path in sorted(glob.glob(os.path.join(d, "cal.*.json"))):
+        _, i, role, _ = os.path.basename(path).split(".")
+        stats = os.path.join(d, f"stats.{i}.{role}.json")
+        runs.append({"name": f"run {i} ({role})", "role": role, "result": _load(path),
+                     "stats": _load(stats) if os.path.exists(stats) else None})
+    return runs
+
+
+def _load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_answer(d, a):
+    with open(os.path.join(d, "calibration.json"), "w") as f:
+        json.dump({k: a[k] for k in ("failures", "sizes", "window", "env")}, f, indent=1)
+    text = report(a)
+    with open(os.path.join(d, "calibration.md"), "w") as f:
+        f.write(text + "\n")
+    return text
+
+
+# ---- the driver on two hosts -------------------------------------------------------------
+
+def plan(rounds):
+    """[(index, role)]: the torchrun runs in order, roles alternating (measure.round_orders)."""
+    return list(enumerate(role for order in measure.round_orders(list(ROLES), rounds) for role in order))
+
+
+def torchrun_command(a, i, role, out):
+    params = {"role": role, "sizes": a.sizes, "reps": a.reps, "cap": max(a.sizes)}
+    return a.torchrun + ["--nnodes", str(a.nnodes), "--nproc-per-node", "1", "--node-rank", str(a.node_rank),
+                         "--master-addr", a.master_addr, "--master-port", str(a.master_port + i),
+                         os.path.join(HERE, "calibrate.py"), "--task", "calibrate",
+                         "--result", os.path.join(out, f"cal.{i}.{role}.json"), "--params", json.dumps(params)]
+
+
+def run_env(base, role, stats, cap, lib):
+    """The environment of one torchrun: the user's, with the plugin named (this checkout's
+    library unless NCCL_NET_PLUGIN is set), the one-shot path off (ring) or opened over every
+    size measured (oneshot), stats to a file, multicast off."""
+    import launch
+    env = dict(base)
+    if not env.get("NCCL_NET_PLUGIN"):
+        env["NCCL_NET_PLUGIN"] = lib
+    env.setdefault("NCCL_NET", "roce_gather")
+    env.update(NCCL_COLLNET_ENABLE="1", ROCE_GATHER_STATS=stats)
+    if role == "ring":
+        env["ROCE_GATHER_ENABLE"] = "0"
+    else:
+        env.update(ROCE_GATHER_ENABLE="1", ROCE_GATHER_MIN_BYTES="1", ROCE_GATHER_MAX_BYTES=str(cap))
+    env.update(launch.NO_MULTICAST)
+    return env
+
+
+def drive(a):
+    import launch
+    if not os.environ.get("NCCL_NET_PLUGIN") and not os.path.exists(launch.LIB):
+        raise SystemExit(f"NCCL_NET_PLUGIN is not set and {launch.LIB} does not exist: run make all, or export "
+                         "NCCL_NET_PLUGIN=/path/to/libroce_gather.so")
+    out = os.path.abspath(a.out)
+    os.makedirs(out, exist_ok=True)
+    for old in glob.glob(os.path.join(out, "cal.*.json")) + glob.glob(os.path.join(out, "stats.*.json")):
+        os.remove(old)
+    for i, role in plan(a.rounds):
+        env = run_env(os.environ, role, os.path.join(out, f"stats.{i}.{role}.json"), max(a.sizes), launch.LIB)
+        cmd = torchrun_command(a, i, role, out)
+        print(f"== run {i}: {role}\n$ {' '.join(cmd)}", flush=True)
+        try:
+            rc = subprocess.run(cmd, env=env, timeout=a.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = f"still running after {a.timeout}s"
+        if rc != 0:
+            print(f"run {i} ({role}) failed: {rc}; stopping (the other host's run fails with it)", flush=True)
+            break
+    a_ = analyse(load_dir(out))
+    print("\n" + write_answer(out, a_))
+    print(f"\n(calibration.md and calibration.json in {out})")
+    return 1 if a_["failures"] else 0
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] in ("run", "window"):
+        p = argparse.ArgumentParser(prog="calibrate.py")
+        sub = p.add_subparsers(dest="cmd", required=True)
+        r = sub.add_parser("run", help="measure on two hosts under torchrun (run it on both)")
+        r.add_argument("--node-rank", type=int, required=True)
+        r.add_argument("--master-addr", required=True)
+        r.add_argument("--master-port", type=int, default=29510, help="run i uses this port + i")
+        r.add_argument("--nnodes", type=int, default=2)
+        r.add_argument("--rounds", type=int, default=2, help="ring and one-shot runs each")
+        r.add_argument("--reps", type=int, default=REPS, help="samples a size in each run")
+        r.add_argument("--sizes", default=",".join(map(str, SIZES)), help="bytes a rank, comma-separated")
+        r.add_argument("--out", default="roce_gather_calibration")
+        r.add_argument("--timeout", type=int, default=300, help="seconds for one torchrun")
+        r.add_argument("--torchrun", default=f"{sys.executable} -m torch.distributed.run")
+        w = sub.add_parser("window", help="print the answer again from a run's folder")
+        w.add_argument("dir")
+        a = p.parse_args()
+        if a.cmd == "window":
+            an = analyse(load_dir(a.dir))
+            print(report(an))
+            sys.exit(1 if an["failures"] else 0)
+        a.sizes = sorted(int(x) for x in a.sizes.split(","))
+        a.torchrun = a.torchrun.split()
+        sys.exit(drive(a))
+    from torch_cases import worker_main
+    worker_main({"calibrate": task_calibrate})
+
+
+if __name__ == "__main__":
+    main()

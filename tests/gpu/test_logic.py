@@ -1,0 +1,1038 @@
+"""The testbed's logic that needs no GPU, checked on any machine with python3 (and gcc and bash
+for the MPS cases): tables, ratios, spreads and verdicts; the calibration window; the sweep's
+grid; the re-create case's expectations; the ranks' environments; CUDA MPS start, stop and
+restart (against a stand-in nvidia-cuda-mps-control and a stand-in libcuda.so.1); a pair killed
+at its limit; the steps latency, sweep, calibrate and recreate and the report, from canned
+records; run_all.sh's MPS handling.
+
+    python3 tests/gpu/test_logic.py [-v]
+"""
+import contextlib
+import csv
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from unittest import mock
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import calibrate  # noqa: E402
+import common  # noqa: E402
+import launch  # noqa: E402
+import measure  # noqa: E402
+import mps  # noqa: E402
+import plans  # noqa: E402
+import report  # noqa: E402
+import steps  # noqa: E402
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def S(*xs):
+    return measure.summarize(xs)
+
+
+# ---- measure --------------------------------------------------------------------------------
+
+class MeasureTest(unittest.TestCase):
+    def test_summarize(self):
+        s = S(3, 1, 2, 10)
+        self.assertEqual((s["n"], s["median"], s["min"], s["max"]), (4, 2.5, 1.0, 10.0))
+        self.assertAlmostEqual(s["spread_pct"], 360.0)
+        self.assertIsNone(measure.summarize([]))
+        self.assertIsNone(measure.summarize(None))
+
+    def test_compare_and_ratio(self):
+        a, b = S(10, 11, 12), S(5, 6, 7)
+        self.assertEqual(measure.compare(a, b), "slower")
+        self.assertEqual(measure.compare(b, a), "faster")
+        self.assertEqual(measure.compare(S(10, 11), S(10.5, 20)), "within")
+        self.assertEqual(measure.compare(S(10), S(10)), "within")  # equal: not beyond the spread
+        self.assertIsNone(measure.compare(a, None))
+        r = measure.ratio(a, b)
+        self.assertAlmostEqual(r["median"], 11 / 6)
+        self.assertAlmostEqual(r["low"], 10 / 7)
+        self.assertAlmostEqual(r["high"], 12 / 5)
+        self.assertEqual(measure.fmt_ratio(r), "1.83 (1.43-2.40)")
+        self.assertEqual(measure.fmt_range(S(1, 2, 3)), "2.0 (1.0-3.0)")
+
+    def test_round_orders(self):
+        o = measure.round_orders(["a", "b", "c"], 3)
+        self.assertEqual(o, [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]])
+        for c in "abc":  # every position once
+            self.assertEqual(sorted(r.index(c) for r in o), [0, 1, 2])
+
+    def test_replays_for(self):
+        self.assertEqual(measure.replays_for(25, 4, 10, 10, 250), 100)
+        self.assertEqual(measure.replays_for(2500, 4, 10, 10, 250), 10)
+        self.assertEqual(measure.replays_for(0.1, 4, 10, 10, 250), 250)
+        self.assertEqual(measure.replays_for(None, 4, 10, 10, 250), 250)
+
+    def test_size_label(self):
+        self.assertEqual([measure.size_label(b) for b in (16, 4096, 1 << 20, 524304)],
+                         ["16 B", "4 KiB", "1 MiB", "524304 B"])
+
+    def test_pooled_and_comparison(self):
+        runs = [("ring", {"graph": {"16": [30, 31]}}), ("ring", {"graph": {"16": [32]}}),
+                ("sock", {"graph": {"16": [20, 21, 22]}, "eager": {"16": [50]}})]
+        t = measure.pooled(runs, "graph")
+        self.assertEqual(t, {"ring": {16: [30, 31, 32]}, "sock": {16: [20, 21, 22]}})
+        rows = measure.comparison_rows(t, [16, 64], "ring", "sock")
+        self.assertEqual(rows[0]["verdict"], "slower")
+        self.assertAlmostEqual(rows[0]["ratio"]["median"], 31 / 21)
+        self.assertIsNone(rows[1]["verdict"])
+        self.assertAlmostEqual(measure.worst_spread(t, ["ring"], [16])["ring"], 100 * 2 / 31)
+
+    def test_cheapest(self):
+        table = {"a": {16: S(10, 11), 64: S(30, 31)}, "b": {16: S(12, 13), 64: S(20, 40)}, "c": {16: None}}
+        best = measure.cheapest(table, [16, 64, 256])
+        self.assertEqual((best[0]["best"], best[0]["second"], best[0]["beyond_spread"]), ("a", "b", True))
+        self.assertEqual((best[1]["best"], best[1]["second"], best[1]["beyond_spread"]), ("b", "a", False))
+        self.assertIsNone(best[2]["best"])
+
+    def test_latency_csv_roundtrip(self):
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "l.csv")
+            measure.write_csv(p, ["config", "mode", "bytes_per_rank", "round", "rep", "us_per_gather"],
+                              [["a", "graph", 16, 0, 0, "1.0"], ["a", "graph", 16, 1, 0, "3.0"], ["a", "eager", 16, 0, 0, "9"]])
+            t = measure.read_latency_csv(p)
+            self.assertEqual(t["graph"]["a"][16]["median"], 2.0)
+            self.assertEqual(t["eager"]["a"][16]["n"], 1)
+
+
+class WindowTest(unittest.TestCase):
+    SIZES = [16, 256, 4096, 16384, 65536, 262144, 1048576]
+
+    def make(self, os_, ring):
+        return ({b: S(*x) for b, x in zip(self.SIZES, os_)}, {b: S(*x) for b, x in zip(self.SIZES, ring)})
+
+    def test_contiguous_window(self):
+        o, r = self.make([(50, 51), (50, 52), (40, 41), (42, 43), (60, 61), (200, 210), (500, 510)],
+                         [(30, 31), (35, 36), (45, 46), (50, 51), (70, 72), (150, 160), (400, 420)])
+        w = measure.window(self.SIZES, o, r)
+        self.assertEqual((w["floor"], w["cap"]), (4096, 65536))
+        self.assertEqual(measure.window_env(w), "export ROCE_GATHER_MIN_BYTES=4096 ROCE_GATHER_MAX_BYTES=65536")
+        self.assertEqual(w["notes"], [])
+
+    def test_noise_inside_kept_at_edges_trimmed(self):
+        # 16 KiB: one-shot leads on the median but the ranges overlap (noise): kept inside the
+        # window; 256 B leads only within the spread at the low edge: trimmed.
+        o, r = self.make([(50, 51), (34, 35.5), (40, 41), (44, 52), (60, 61), (200, 210), (500, 510)],
+                         [(30, 31), (35, 36), (45, 46), (48, 51), (70, 72), (150, 160), (400, 420)])
+        w = measure.window(self.SIZES, o, r)
+        self.assertTrue(w["per_size"][1]["lead"] and not w["per_size"][1]["win"])
+        self.assertTrue(w["per_size"][3]["lead"] and not w["per_size"][3]["win"])
+        self.assertEqual((w["floor"], w["cap"]), (4096, 65536))
+
+    def test_break_and_longest_run(self):
+        # Two runs: 256 B alone, and 16 KiB..256 KiB: the longer wins; the other is noted.
+        o, r = self.make([(50, 51), (20, 21), (60, 61), (40, 41), (50, 51), (100, 101), (500, 510)],
+                         [(30, 31), (35, 36), (45, 46), (50, 51), (70, 72), (150, 160), (400, 420)])
+        w = measure.window(self.SIZES, o, r)
+        self.assertEqual((w["floor"], w["cap"]), (16384, 262144))
+        self.assertEqual(w["runs"], [(256, 256), (16384, 262144)])
+        self.assertTrue(any("also wins from 256 B to 256 B" in n for n in w["notes"]))
+
+    def test_tie_goes_to_larger_saving(self):
+        o, r = self.make([(10, 11), (10, 11), (60, 61), (10, 11), (10, 11), (300, 301), (500, 510)],
+                         [(20, 21), (20, 21), (45, 46), (50, 51), (50, 51), (150, 160), (400, 420)])
+        w = measure.window(self.SIZES, o, r)
+        self.assertEqual((w["floor"], w["cap"]), (16384, 65536))
+
+    def test_never_wins(self):
+        o, r = self.make([(50, 51)] * 7, [(30, 31)] * 7)
+        w = measure.window(self.SIZES, o, r)
+        self.assertIsNone(w["floor"])
+        self.assertEqual(measure.window_env(w), "export ROCE_GATHER_ENABLE=0")
+        # Leads on every median, but never beyond the spread: still off.
+        o, r = self.make([(30, 40)] * 7, [(31, 41)] * 7)
+        self.assertIsNone(measure.window(self.SIZES, o, r)["floor"])
+
+    def test_edges_noted_and_gaps_break(self):
+        o, r = self.make([(10, 11)] * 7, [(20, 21)] * 7)
+        w = measure.window(self.SIZES, o, r)
+        self.assertEqual((w["floor"], w["cap"]), (16, 1048576))
+        self.assertEqual(len(w["notes"]), 2)  # the cap and the floor may lie beyond what was measured
+        del o[4096]  # a size measured on one path only breaks the run
+        w = measure.window(self.SIZES, o, r)
+        self.assertEqual((w["floor"], w["cap"]), (16384, 1048576))
+
+
+# ---- plans -----------------------------------------------------------------------------------
+
+class SweepPlanTest(unittest.TestCase):
+    def test_every_config_exists(self):
+        for _, cs in plans.SWEEP_FAMILIES:
+            for c in cs:
+                self.assertIn(c, launch.CONFIGS)
+        for c in plans.SWEEP_OPT_IN:
+            self.assertIn(c, launch.CONFIGS)
+        for c in launch.CONFIGS:
+            if c.startswith("os-"):
+                self.assertEqual(launch.cap_of(c), 1 << 20)
+                self.assertTrue(launch.oneshot_on(c))
+            if "gdr" in c:
+                self.assertEqual(launch.CONFIGS[c]["ROCE_GATHER_TCP_CUDA"], "1")
+                self.assertEqual(launch.CONFIGS[c]["NCCL_NET_GDR_LEVEL"], "SYS")
+            if c.startswith("ring-"):
+                self.assertFalse(launch.oneshot_on(c))
+        self.assertEqual(launch.cap_of("oneshot"), 524288)
+
+    def test_plan(self):
+        all_, unknown = plans.sweep_plan("", launch.CONFIGS)
+        self.assertEqual(all_[:3], ["nccl-socket", "ring-over-plugin", "os-staged"])
+        self.assertEqual(len(all_), 19)
+        self.assertEqual(unknown, [])
+        sel, unknown = plans.sweep_plan("gdr, os-gdr-unreg bogus", launch.CONFIGS)
+        self.assertEqual(sel, ["nccl-socket", "ring-over-plugin", "os-gdr", "os-gdr-commreg", "os-gdr-rendezvous",
+                               "os-gdr-unreg"])
+        self.assertEqual(unknown, ["bogus"])
+        self.assertEqual(plans.family_of("os-ch4"), "channels")
+        self.assertEqual(plans.family_of("ring-ch2"), "ring-channels")
+        self.assertEqual(plans.version_tuple("2.30.7"), (2, 30, 7))
+        self.assertIsNone(plans.version_tuple(None))
+
+    def test_pair_status(self):
+        base = {"timed_out": False, "limit": 45, "failures": []}
+        self.assertEqual(plans.pair_status(base)[0], "ok")
+        self.assertEqual(plans.pair_status(dict(base, failures=["x rank 0 stats: oneshot.calls=0"]))[0], "path differs")
+        self.assertEqual(plans.pair_status(dict(base, failures=["x rank 0: wrong output", "x rank 0 stats: y"]))[0],
+                         "failed")
+        self.assertEqual(plans.pair_status(dict(base, timed_out=True, failures=["t"]))[0], "killed")
+        self.assertEqual(plans.pair_status(None)[0], "not run")
+
+
+class RecreatePlanTest(unittest.TestCase):
+    def test_expectations(self):
+        e = plans.recreate_expectation
+        self.assertEqual(e("2.28.9", True, {})[0], "fail")
+        self.assertEqual(e("2.29.7", True, {})[0], "fail")
+        self.assertEqual(e("2.28.9", True, {"NCCL_NET_PLUGIN_REF_COUNT": "1"})[0], "pass")
+        self.assertEqual(e("2.30.7", True, {})[0], "pass")
+        self.assertEqual(e("2.28.9", False, {})[0], "pass")
+        self.assertIsNone(e("2.26.6", True, {})[0])
+        self.assertIsNone(e(None, True, {})[0])
+
+    def test_observed_and_verdict(self):
+        ok = {"numbers": {"first": "ok", "second": "ok"}}
+        bad = {"numbers": {"first": "ok", "second": "error", "second_error": "x"}}
+        self.assertEqual(plans.recreate_observed([ok, ok]), "pass")
+        self.assertEqual(plans.recreate_observed([ok, bad]), "fail")
+        self.assertEqual(plans.recreate_observed([bad, None]), "error")
+        self.assertEqual(plans.recreate_observed([{"numbers": {"first": "error"}}, ok]), "error")
+        v = plans.recreate_verdict
+        self.assertTrue(v("fail", "fail", True)[0])
+        self.assertFalse(v("fail", "fail", False)[0])
+        self.assertFalse(v("fail", "pass", False)[0])
+        self.assertTrue(v("pass", "pass", False)[0])
+        self.assertFalse(v("pass", "fail", True)[0])
+        self.assertFalse(v("pass", "error", False)[0])
+        self.assertTrue(v(None, "fail", False)[0])
+
+
+# ---- launch ----------------------------------------------------------------------------------
+
+class LaunchEnvTest(unittest.TestCase):
+    def test_rank_env(self):
+        outer = {"NCCL_PROTO": "LL", "NCCL_MAX_NCHANNELS": "9", "ROCE_GATHER_MODE": "eager", "NCCL_NVLS_ENABLE": "1",
+                 "CUDA_MPS_PIPE_DIRECTORY": "/p", "CUDA_MPS_LOG_DIRECTORY": "/l", "LD_PRELOAD": "/x.so",
+                 "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1", "PATH": "/bin"}
+        with mock.patch.dict(os.environ, outer, clear=True):
+            e = launch.rank_env("ring-ll", 1, "/s.json", {"NCCL_DEBUG": "INFO"}, "/n/libnccl.so.2")
+            self.assertEqual(e["NCCL_PROTO"], "LL")  # the config's, not the outer one
+            self.assertNotIn("NCCL_MAX_NCHANNELS", e)
+            self.assertNotIn("ROCE_GATHER_MODE", e)
+            self.assertNotIn("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", e)
+            self.assertEqual(e["ROCE_GATHER_ENABLE"], "0")
+            self.assertEqual(e["ROCE_GATHER_STATS"], "/s.json")
+            self.assertEqual(e["NCCL_HOSTID"], "testhost-1")
+            self.assertEqual(e["NCCL_DEBUG"], "INFO")
+            self.assertEqual((e["NCCL_NVLS_ENABLE"], e["TORCH_SYMM_MEM_DISABLE_MULTICAST"], e["NVSHMEM_DISABLE_NVLS"],
+                              e["NCCL_MNNVL_ENABLE"]), ("0", "1", "1", "0"))
+            self.assertEqual((e["CUDA_MPS_PIPE_DIRECTORY"], e["CUDA_MPS_LOG_DIRECTORY"]), ("/p", "/l"))
+            self.assertEqual(e["LD_PRELOAD"], "/n/libnccl.so.2:/x.so")
+            e = launch.rank_env("nccl-socket", 0, "/s.json", {"NCCL_NVLS_ENABLE": "1"}, "")
+            self.assertEqual(e["LD_PRELOAD"], "/x.so")
+            self.assertNotIn("ROCE_GATHER_STATS", e)
+            self.assertEqual(e["NCCL_NVLS_ENABLE"], "0")  # multicast stays off whatever a step asks
+            e = launch.rank_env("os-gdr-commreg", 0, "/s", None)
+            self.assertEqual((e["NCCL_GRAPH_REGISTER"], e["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"]), ("0", "1"))
+            self.assertEqual(e["ROCE_GATHER_MIN_BYTES"], "1")
+
+    def test_lib_version(self):
+        with tempfile.TemporaryDirectory() as d:
+            real = os.path.join(d, "libnccl.so.2.30.7")
+            open(real, "w").close()
+            os.symlink(real, os.path.join(d, "libnccl.so.2"))
+            self.assertEqual(launch.lib_version(os.path.join(d, "libnccl.so.2")), "2.30.7")
+            self.assertIsNone(launch.lib_version(os.path.join(d, "nothing")))
+        with mock.patch.dict(os.environ, {"ROCE_GATHER_GPU_NCCL_LIB": "x/lib/libnccl.so.2"}):
+            self.assertEqual(launch.nccl_lib_default(), os.path.join(launch.REPO, "x/lib/libnccl.so.2"))
+        with mock.patch.dict(os.environ, {"ROCE_GATHER_GPU_NCCL_LIB": ""}):
+            self.assertEqual(launch.nccl_lib_default(), "")
+
+
+class NcclRuntimeTest(unittest.TestCase):
+    def test_decode(self):
+        self.assertEqual(common.decode_nccl_version(22809), "2.28.9")
+        self.assertEqual(common.decode_nccl_version(23007), "2.30.7")
+        self.assertEqual(common.decode_nccl_version(2708), "2.7.8")
+
+    @unittest.skipUnless(shutil.which("gcc"), "needs gcc")
+    def test_preloaded_library_answers(self):
+        """The version comes from the library LD_PRELOAD put in, not from PyTorch's headers."""
+        with tempfile.TemporaryDirectory() as d:
+            src, lib = os.path.join(d, "v.c"), os.path.join(d, "libnccl.so.2.30.7")
+            with open(src, "w") as f:
+                f.write("int ncclGetVersion(int *v) { *v = 23007; return 0; }\n")
+            subprocess.run(["gcc", "-shared", "-fPIC", "-o", lib, src], check=True)
+            code = f"import sys, json; sys.path.insert(0, {HERE!r}); import common; print(json.dumps(common.nccl_runtime()))"
+            p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               env=dict(os.environ, LD_PRELOAD=lib))
+            r = json.loads(p.stdout)
+            self.assertEqual((r["version"], r["path"]), ("2.30.7", lib))
+            p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            self.assertNotIn("version", json.loads(p.stdout))
+
+
+FAKE_WORKER = r'''
+import json, os, sys, time
+sys.path.insert(0, os.environ["TESTBED_DIR"])
+import common
+a = common.worker_args()
+res = common.Result(a)
+res.d["numbers"]["nccl"] = a.params.get("nccl", "2.28.9")
+res.d["numbers"]["progress"] = "round 0 16B graph"
+res.write()
+print("rank", a.rank, "LD_PRELOAD", os.environ.get("LD_PRELOAD"), flush=True)
+if a.params.get("hang"):
+    def waiting_in_nccl():
+        time.sleep(600)
+    waiting_in_nccl()
+res.d["completed"] = True
+res.d["ledger"] = common.Ledger().n
+res.write()
+'''
+
+
+class RunPairTest(unittest.TestCase):
+    """launch.run_pair with a stand-in worker that needs no torch."""
+
+    def setUp(self):
+        self.work = tempfile.mkdtemp()
+        for d in ("logs", "raw"):
+            os.makedirs(os.path.join(self.work, d))
+        self.worker = os.path.join(self.work, "fake_worker.py")
+        with open(self.worker, "w") as f:
+            f.write(FAKE_WORKER)
+        self.env = mock.patch.dict(os.environ, {"TESTBED_DIR": HERE})
+        self.env.start()
+
+    def tearDown(self):
+        self.env.stop()
+        shutil.rmtree(self.work)
+
+    def test_killed_pair(self):
+        restarts = []
+        with mock.patch.object(mps, "managed", return_value=True), \
+                mock.patch.object(mps, "restart", side_effect=lambda w, why: restarts.append(why) or True):
+            t0 = time.monotonic()
+            rec = launch.run_pair(self.work, "t.hang", "nccl-socket", self.worker, "x", 3, {"hang": True}, nccl_lib="")
+        self.assertTrue(rec["timed_out"])
+        self.assertLess(time.monotonic() - t0, 15)
+        self.assertIn("t.hang: still running after 3s; both ranks killed", rec["failures"])
+        self.assertEqual(rec["results"][0]["numbers"]["progress"], "round 0 16B graph")  # what it wrote before
+        self.assertFalse(rec["results"][0]["completed"])
+        self.assertEqual(restarts, ["t.hang (timed out)"])
+        self.assertEqual(rec["mps_restart"]["ok"], True)
+        log = read(rec["logs"][0])
+        self.assertIn("waiting_in_nccl", log)  # the stack SIGUSR1 printed
+        self.assertTrue(any("waiting_in_nccl" in t for t in rec["tails"]))
+
+    def test_clean_pair_and_nccl_check(self):
+        with tempfile.TemporaryDirectory() as d:
+            lib = os.path.join(d, "libnccl.so.2.30.7")
+            open(lib, "w").close()
+            with mock.patch.object(mps, "managed", return_value=True), mock.patch.object(mps, "restart") as r:
+                rec = launch.run_pair(self.work, "t.ok", "nccl-socket", self.worker, "x", 30, {"nccl": "2.28.9"},
+                                      nccl_lib=lib)
+                r.assert_not_called()  # nothing was killed: MPS stays as it is
+        self.assertEqual(rec["nccl"], ["2.28.9", "2.28.9"])
+        self.assertEqual(len([f for f in rec["failures"] if "not 2.30.7 from LD_PRELOAD" in f]), 2)
+        self.assertIn(f"LD_PRELOAD {lib}", read(rec["logs"][1]))
+        rec = launch.run_pair(self.work, "t.ok2", "nccl-socket", self.worker, "x", 30, {"nccl": "2.30.7"}, nccl_lib="")
+        self.assertEqual(rec["failures"], [])
+        self.assertIn("LD_PRELOAD None", read(rec["logs"][0]))
+
+
+# ---- MPS ----------------------------------------------------------------------------------
+
+FAKE_CTL = r'''#!/bin/bash
+# A stand-in for nvidia-cuda-mps-control: -d starts a "daemon" and a "server" (sleeps);
+# commands come on stdin, one a call.
+P=$CUDA_MPS_PIPE_DIRECTORY
+echo "$(date +%s) $*" >>"$CUDA_MPS_LOG_DIRECTORY/calls"
+if [ "${1:-}" = -d ]; then
+	[ -n "${FAKE_MPS_NO_START:-}" ] && { echo "cannot start"; exit 1; }
+	sleep 300 >/dev/null 2>&1 </dev/null &
+	echo $! >"$P/nvidia-cuda-mps-control.pid"
+	sleep 300 >/dev/null 2>&1 </dev/null &
+	echo $! >"$P/fake_server.pid"
+	echo "[control] started" >>"$CUDA_MPS_LOG_DIRECTORY/control.log"
+	exit 0
+fi
+read -r cmd arg
+pid=$(cat "$P/nvidia-cuda-mps-control.pid" 2>/dev/null)
+if [ -z "$pid" ] || ! kill -0 "$pid" 2>/dev/null; then echo "Cannot find MPS control daemon process"; exit 1; fi
+srv=$(cat "$P/fake_server.pid" 2>/dev/null)
+case "$cmd" in
+get_server_list) [ -n "$srv" ] && kill -0 "$srv" 2>/dev/null && echo "$srv" ;;
+get_server_status) echo "ACTIVE" ;;
+get_client_list) echo "" ;;
+quit) [ -n "${FAKE_MPS_STUCK:-}" ] || { kill "$pid" "$srv" 2>/dev/null; rm -f "$P/nvidia-cuda-mps-control.pid"; } ;;
+*) echo "unknown command"; exit 1 ;;
+esac
+'''
+
+FAKE_LIBCUDA = r'''
+#include <stdlib.h>
+#include <stddef.h>
+static int fail(const char *name) { const char *f = getenv("FAKE_CUDA_FAIL"); return f && f[0] ? atoi(f) : 0; }
+int cuInit(unsigned f) { (void)f; return 0; }
+int cuDeviceGet(int *d, int o) { *d = o; return 0; }
+int cuDevicePrimaryCtxRetain(void **c, int d) { (void)d; *c = (void *)1; return fail("retain"); }
+int cuCtxSetCurrent(void *c) { (void)c; return 0; }
+int cuMemAlloc_v2(unsigned long long *p, size_t n) { (void)n; *p = 4096; return 0; }
+int cuMemFree_v2(unsigned long long p) { (void)p; return 0; }
+int cuDevicePrimaryCtxRelease_v2(int d) { (void)d; return 0; }
+int cuGetErrorString(int rc, const char **s) { *s = rc == 46 ? "CUDA-capable device(s) is/are busy or unavailable" : "error"; return 0; }
+'''
+
+
+class FakeNvidia:
+    """A folder with the stand-in control binary, and a stand-in libcuda.so.1 when gcc exists."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp()
+        self.bin = os.path.join(self.dir, "bin")
+        os.makedirs(self.bin)
+        ctl = os.path.join(self.bin, mps.CONTROL)
+        with open(ctl, "w") as f:
+            f.write(FAKE_CTL)
+        os.chmod(ctl, 0o755)
+        self.lib = os.path.join(self.dir, "lib")
+        os.makedirs(self.lib)
+        src = os.path.join(self.lib, "fake.c")
+        with open(src, "w") as f:
+            f.write(FAKE_LIBCUDA)
+        self.has_cuda = subprocess.run(["gcc", "-shared", "-fPIC", "-o", os.path.join(self.lib, "libcuda.so.1"), src],
+                                       capture_output=True).returncode == 0 if shutil.which("gcc") else False
+
+    def env(self, work):
+        return {"PATH": self.bin + os.pathsep + os.environ["PATH"],
+                "LD_LIBRARY_PATH": self.lib + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""),
+                "CUDA_MPS_PIPE_DIRECTORY": os.path.join(work, "mps", "pipe"),
+                "CUDA_MPS_LOG_DIRECTORY": os.path.join(work, "mps", "log")}
+
+    def close(self):
+        shutil.rmtree(self.dir)
+
+
+def live_fake_pids(work):
+    out = []
+    for name in ("nvidia-cuda-mps-control.pid", "fake_server.pid"):
+        try:
+            pid = int(read(os.path.join(work, "mps", "pipe", name)))
+        except (OSError, ValueError):
+            continue
+        if mps.alive(pid):
+            out.append(pid)
+    return out
+
+
+@unittest.skipUnless(shutil.which("bash"), "needs bash")
+class MpsTest(unittest.TestCase):
+    def setUp(self):
+        self.fake = FakeNvidia()
+        if not self.fake.has_cuda:
+            self.skipTest("needs gcc for the stand-in libcuda")
+        self.work = tempfile.mkdtemp()
+        self.last = os.path.join(self.work, "last")
+        self.patches = [mock.patch.dict(os.environ, self.fake.env(self.work)), mock.patch.object(mps, "LAST", self.last),
+                        mock.patch.object(mps, "NVIDIA_BIN", os.path.join(self.work, "no-such-dir"))]
+        for p in self.patches:
+            p.start()
+
+    def tearDown(self):
+        for pid in live_fake_pids(self.work):
+            os.kill(pid, signal.SIGKILL)
+        for p in reversed(self.patches):
+            p.stop()
+        shutil.rmtree(self.work)
+        self.fake.close()
+
+    def test_commands(self):
+        self.assertEqual(mps.start_command("/x/ctl"), ["/x/ctl", "-d"])
+        self.assertEqual(mps.query_command("/x/ctl", "quit"), (["/x/ctl"], "quit\n"))
+        e = mps.control_env("/x/ctl", "/p", "/l", {"PATH": "/bin"})
+        self.assertEqual((e["PATH"], e["CUDA_MPS_PIPE_DIRECTORY"], e["CUDA_MPS_LOG_DIRECTORY"]), ("/x:/bin", "/p", "/l"))
+        self.assertEqual(mps.find_control(), os.path.join(self.fake.bin, mps.CONTROL))
+        with mock.patch.object(mps, "NVIDIA_BIN", self.fake.bin):  # /usr/local/nvidia/bin comes first
+            self.assertEqual(mps.find_control(path="/nonexistent"), os.path.join(self.fake.bin, mps.CONTROL))
+        self.assertIsNone(mps.find_control(path="/nonexistent"))
+        self.assertEqual(mps.parse_pids("123\n 456 \nfoo 7\n"), [123, 456])
+
+    def test_start_status_stop(self):
+        self.assertTrue(mps.start(self.work))
+        st = mps.load(self.work)
+        self.assertTrue(st["running"])
+        self.assertEqual(st["events"][-1]["what"], "start")
+        self.assertIn("probe: context and 1 MiB on GPU 0", st["events"][-1]["detail"])
+        self.assertEqual(read(self.last).split("\n")[0], os.environ["CUDA_MPS_PIPE_DIRECTORY"])
+        pids = live_fake_pids(self.work)
+        self.assertEqual(len(pids), 2)
+        snap = mps.status(st["binary"], st["pipe_dir"], st["log_dir"])
+        self.assertTrue(snap["daemon_answers"])
+        self.assertEqual(snap["servers"][0]["status"], "ACTIVE")
+        self.assertTrue(mps.stop(self.work))
+        self.assertEqual(live_fake_pids(self.work), [])
+        self.assertFalse(os.path.exists(self.last))
+        s = mps.summary(self.work)
+        self.assertTrue(s["used"])
+        self.assertIn("CUDA MPS: ran", s["line"])
+        self.assertIn(f"server {pids[1]} status ACTIVE", s["line"])
+        self.assertIn("restarted 0 times", s["line"])
+        calls = read(os.path.join(self.work, "mps", "log", "calls"))
+        self.assertIn(" -d\n", calls)
+
+    def test_stuck_quit_is_killed_and_restart(self):
+        self.assertTrue(mps.start(self.work))
+        pids = live_fake_pids(self.work)
+        with mock.patch.dict(os.environ, {"FAKE_MPS_STUCK": "1"}):
+            self.assertTrue(mps.restart(self.work, "p.x (timed out)"))
+        for pid in pids:
+            self.assertFalse(mps.alive(pid))
+        st = mps.load(self.work)
+        stop_ev = [e for e in st["events"] if e["what"] == "stop-for-restart"][0]
+        self.assertFalse(stop_ev["ok"])
+        self.assertIn("killed (SIGKILL)", stop_ev["detail"])
+        self.assertEqual(st["restarts"], 1)
+        self.assertEqual(len(live_fake_pids(self.work)), 2)  # a fresh daemon
+        mps.stop(self.work)
+        self.assertIn("restarted 1 times (p.x (timed out))", mps.summary(self.work)["line"])
+
+    def test_probe_fails_then_gives_up(self):
+        with mock.patch.dict(os.environ, {"FAKE_CUDA_FAIL": "46"}), mock.patch.object(mps, "RETRY_S", 0):
+            self.assertFalse(mps.start(self.work))
+            self.assertIn("busy or unavailable", mps.load(self.work)["events"][-1]["detail"])
+            self.assertFalse(mps.restart(self.work, "p.y (cut short)"))
+            self.assertFalse(mps.restart(self.work, "p.z"))  # given up: no third try
+        self.assertEqual(live_fake_pids(self.work), [])
+        s = mps.summary(self.work)
+        self.assertFalse(s["used"])
+        self.assertIn("did not start", s["line"])
+
+    def test_no_binary(self):
+        with mock.patch.dict(os.environ, {"PATH": "/usr/bin:/bin"}):
+            self.assertFalse(mps.start(self.work))
+        self.assertIn("neither in", mps.summary(self.work)["line"])
+
+    def test_previous_daemon_stopped(self):
+        self.assertTrue(mps.start(self.work))
+        old = live_fake_pids(self.work)
+        # A second run in another work dir: it stops the first one's daemon before its own.
+        work2 = tempfile.mkdtemp()
+        try:
+            with mock.patch.dict(os.environ, self.fake.env(work2)):
+                self.assertTrue(mps.start(work2))
+                self.assertTrue(any(e["what"] == "stop-previous" for e in mps.load(work2)["events"]))
+                for pid in old:
+                    self.assertFalse(mps.alive(pid))
+                mps.stop(work2)
+        finally:
+            for pid in live_fake_pids(work2):
+                os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(work2)
+
+
+# ---- the steps from canned records -----------------------------------------------------------
+
+def samples_for(us_by_size, n=3, jitter=0.02):
+    return {str(b): [us * (1 + jitter * (i - 1)) for i in range(n)] for b, us in us_by_size.items()}
+
+
+def ledger_for(sizes, cap, enq=20):
+    L = common.Ledger(cap)
+    for b in sizes:
+        L.gather(b, enq=enq, execs=enq * 10)
+    return L.n
+
+
+def stats_for(ledger, oneshot):
+    small = ledger["small_enq"] if oneshot else 0
+    return {"tuner": {"oneshot_gathers": small, "nccl_gathers": ledger["big_enq"] + (0 if oneshot else ledger["small_enq"]),
+                      "nccl_not_offered": 0, "oneshot_unoffered": small},
+            "oneshot": {"calls": ledger["small_exec"] if oneshot else 0, "eager": 0, "rendezvous": 0, "eager_by_kernel": 0,
+                        "errors": 0, "p50_us": 1, "p99_us": 2, "max_us": 3}}
+
+
+def record(run, config, numbers, work, timed_out=False, failures=None, nccl="2.28.9", stats=True, completed=True,
+           cap=None, sizes=None, results=None):
+    cap = cap or launch.cap_of(config)
+    sizes = sizes or [int(b) for b in (numbers.get("samples", {}).get("graph") or {})]
+    led = ledger_for(sizes, cap)
+    res = {"completed": completed and not timed_out, "failures": [], "n_failures": 0, "cases": 0,
+           "numbers": dict(numbers, nccl=nccl), "ledger": led}
+    logs = []
+    for r in (0, 1):
+        p = os.path.join(work, "logs", f"{run}.rank{r}.log")
+        with open(p, "w") as f:
+            f.write(f"NCCL INFO NCCL version {nccl}+cuda13.0\nNCCL INFO 2 coll channels, 2 collnet channels, 0 nvls channels\n")
+        logs.append(p)
+    st = stats_for(led, launch.oneshot_on(config)) if stats and launch.uses_plugin(config) else None
+    return {"run": run, "config": config, "seconds": 12.0, "rcs": [0, 0], "limit": 45, "exit_times": [0, 0],
+            "timed_out": timed_out, "cut_short": False, "results": results or [res, json.loads(json.dumps(res))],
+            "stats": [st, st], "logs": logs, "failures": list(failures or []) + (
+                [f"{run}: still running after 45s; both ranks killed"] if timed_out else []),
+            "notes": [], "tails": [], "nccl": [nccl, nccl], "nccl_lib": None, "mps_restart": None}
+
+
+class StepsTest(unittest.TestCase):
+    def setUp(self):
+        self.work = tempfile.mkdtemp()
+        for d in ("logs", "raw", "steps"):
+            os.makedirs(os.path.join(self.work, d))
+        self.out = io.StringIO()
+
+    def tearDown(self):
+        shutil.rmtree(self.work)
+
+    def run_step(self, name, fake, env=None):
+        s = steps.Step(name, self.work, time.time() + 600)
+        with mock.patch.object(launch, "run_pair", side_effect=fake), mock.patch.dict(os.environ, env or {}), \
+                contextlib.redirect_stdout(self.out):
+            getattr(steps, "step_" + name)(s)
+        d = s.finish()
+        with open(os.path.join(self.work, "steps", name + ".json"), "w") as f:
+            json.dump(d, f)
+        with open(os.path.join(self.work, "steps", name + ".meta"), "w") as f:
+            f.write("0 10")
+        return d
+
+    def test_latency(self):
+        sizes = common.LATENCY_SHARDS
+        base = {"ring-over-plugin": 40, "nccl-socket": 22, "oneshot": 70}
+        calls = []
+
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((run, config, params["cap"]))
+            us = {b: base[config] + b / 4096 for b in sizes}
+            if config == "ring-over-plugin":  # no slower than socket from 4 KiB on
+                us = {b: (v if b < 4096 else base["nccl-socket"] + b / 4096) for b, v in us.items()}
+            smp = {"graph": samples_for(us), "eager": samples_for({b: v + 40 for b, v in us.items()})}
+            return record(run, config, {"samples": smp, "agreed": True}, work, sizes=sizes)
+        d = self.run_step("latency", fake, {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "3"})
+        self.assertEqual(len(calls), 9)
+        self.assertEqual([c[1] for c in calls[:3]], ["ring-over-plugin", "nccl-socket", "oneshot"])
+        self.assertEqual([c[1] for c in calls[3:6]], ["nccl-socket", "oneshot", "ring-over-plugin"])
+        self.assertEqual(calls[2][2], 524288)
+        self.assertEqual(d["status"], "warn")
+        self.assertEqual(d["numbers"]["ring_slower_than_socket_beyond_spread"], [16, 64, 256, 1024])
+        self.assertIn("slower beyond the spread at 4/11 sizes", d["headline"])
+        with open(os.path.join(self.work, "latency.csv")) as f:
+            rows = list(csv.DictReader(f))
+        self.assertEqual(len(rows), 3 * 3 * 2 * len(sizes) * 3)  # configs x rounds x modes x sizes x samples
+        t = measure.read_latency_csv(os.path.join(self.work, "latency.csv"))
+        self.assertEqual(t["graph"]["nccl-socket"][16]["n"], 9)
+        self.assertIn("| 16 B |", d["md"][0])
+        rv = {x["bytes"]: x for x in d["numbers"]["ring_vs_socket"]}
+        self.assertAlmostEqual(rv[16]["ratio"]["median"], (40 + 16 / 4096) / (22 + 16 / 4096))
+        self.assertEqual(rv[65536]["verdict"], "within")
+
+    def test_latency_fails_without_data(self):
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            return record(run, config, {"samples": {}, "agreed": False}, work, timed_out=True, sizes=[16])
+        d = self.run_step("latency", fake, {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "1"})
+        self.assertEqual(d["status"], "fail")
+
+    def test_sweep(self):
+        sizes = plans.SWEEP_SIZES
+        seen = []
+
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            seen.append((config, timeout, params["cap"], extra_env["NCCL_DEBUG"]))
+            us = {b: 30 + b / 2048 for b in sizes}
+            if config == "nccl-socket":
+                us = {b: 20 + b / 2048 for b in sizes}
+            if config == "os-ch2":  # one-shot faster than the ring from 16 KiB to 256 KiB
+                us = {b: (v * 0.6 if 16384 <= b <= 262144 else v * 1.5) for b, v in us.items()}
+            if config == "os-gdr":  # hangs at 64 KiB: partial samples, killed
+                part = {k: v for k, v in samples_for(us).items() if int(k) < 65536}
+                return record(run, config, {"samples": {"graph": part}, "agreed": False, "progress": "round 1 65536B graph"},
+                              work, timed_out=True)
+            if config == "os-eager":
+                return record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work,
+                              failures=[f"{run} rank 0 stats: oneshot.calls=0: no gather ran over the one-shot path"])
+            return record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work)
+        d = self.run_step("sweep", fake, {"ROCE_GATHER_GPU_SWEEP": ""})
+        ran = [c for c, *_ in seen]
+        self.assertNotIn("os-chunk-128k", ran)  # NCCL 2.28.9: no getChunkSize
+        self.assertEqual(len(ran), 17)
+        self.assertEqual({t for c, t, *_ in seen if "gdr" in c}, {plans.SWEEP_GDR_LIMIT_S})
+        self.assertEqual({cap for c, _, cap, _ in seen if c.startswith("os-")}, {1 << 20})
+        res = d["numbers"]["results"]
+        self.assertEqual(res["os-chunk-128k"]["status"], "skipped")
+        self.assertEqual(res["os-gdr"]["status"], "killed")
+        self.assertIn("last progress: round 1 65536B graph", res["os-gdr"]["note"])
+        self.assertEqual(res["os-eager"]["status"], "path differs")
+        self.assertEqual(d["status"], "fail")  # the killed pair
+        self.assertIn("beats ring-over-plugin beyond the spread at 16 KiB, 32 KiB, 64 KiB, 128 KiB, 256 KiB",
+                      d["headline"])
+        with open(os.path.join(self.work, "sweep.csv")) as f:
+            rows = list(csv.DictReader(f))
+        self.assertEqual(len(rows), 19 * len(sizes))
+        gdr = [r for r in rows if r["config"] == "os-gdr"]
+        self.assertEqual([r["samples"] for r in gdr], ["3"] * 7 + ["0"] * 5)
+        r = next(r for r in rows if r["config"] == "os-ch2" and r["bytes_per_rank"] == "65536")
+        self.assertEqual(r["verdict_vs_ring"], "faster")
+        self.assertEqual((r["coll_channels"], r["collnet_channels"]), ("2", "2"))
+        md = read(os.path.join(self.work, "sweep.md"))
+        self.assertIn("| 64 KiB | os-ch2", md)
+        self.assertIn("| os-gdr | killed |", md)
+
+    def test_calibrate(self):
+        sizes = calibrate.SIZES
+
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            self.assertFalse(kw.get("check_stats", True))
+            role = params["role"]
+            us = {b: 30 + b / 4096 for b in sizes}
+            if role == "oneshot":
+                us = {b: (v * 0.7 if 4096 <= b <= 131072 else v * 1.4) for b, v in us.items()}
+            return record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work, sizes=sizes,
+                          cap=params["cap"])
+        d = self.run_step("calibrate", fake)
+        self.assertEqual(d["status"], "pass", d["failures"])
+        self.assertEqual(d["numbers"]["window"]["floor"], 4096)
+        self.assertEqual(d["numbers"]["window"]["cap"], 131072)
+        self.assertEqual(d["numbers"]["env"], "export ROCE_GATHER_MIN_BYTES=4096 ROCE_GATHER_MAX_BYTES=131072")
+
+    def test_calibrate_wrong_path_gives_no_answer(self):
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            rec = record(run, config, {"samples": {"graph": samples_for({16: 10})}, "agreed": True}, work, sizes=[16],
+                         cap=params["cap"])
+            if params["role"] == "oneshot":
+                for st in rec["stats"]:
+                    st["oneshot"]["calls"] = 0
+            return rec
+        d = self.run_step("calibrate", fake)
+        self.assertEqual(d["status"], "fail")
+        self.assertIsNone(d["numbers"]["env"])
+        self.assertTrue(any("oneshot.calls=0" in f for f in d["failures"]))
+
+    def recreate_fake(self, second_by_case):
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            case = run.split(".", 1)[1]
+            nccl = "2.30.7" if kw.get("nccl_lib") else "2.28.9"
+            second = second_by_case[case]
+            n = {"first": "ok", "second": "ok" if second == "ok" else "error"}
+            if second != "ok":
+                n["second_error"] = f"DistBackendError: NCCL error ... Last error:\n{second}"
+            res = {"completed": True, "failures": [], "n_failures": 0, "numbers": dict(n, nccl=nccl), "ledger": None}
+            return record(run, config, {}, work, nccl=nccl, results=[res, dict(res)], sizes=[16])
+        return fake
+
+    def test_recreate(self):
+        fake = self.recreate_fake({"plugin": plans.NET_PLUGIN_FAIL, "plugin-refcount": "ok", "nccl-socket": "ok",
+                                   "plugin-nccl-lib": "ok"})
+        d = self.run_step("recreate", fake, {"ROCE_GATHER_GPU_NCCL_LIB": ""})
+        self.assertEqual(d["status"], "pass", d["failures"])
+        self.assertEqual(d["numbers"]["plugin"]["expected"], "fail")
+        self.assertTrue(d["numbers"]["plugin"]["ok"])
+        self.assertNotIn("plugin-nccl-lib", d["numbers"])
+        self.assertIn("skipped: no ROCE_GATHER_GPU_NCCL_LIB", d["md"][0])
+        self.assertIn("3/3 cases as expected", d["headline"])
+        with tempfile.NamedTemporaryFile(suffix="libnccl.so.2") as lib:
+            d = self.run_step("recreate", fake, {"ROCE_GATHER_GPU_NCCL_LIB": lib.name})
+        self.assertTrue(d["numbers"]["plugin-nccl-lib"]["ok"])
+        self.assertEqual(d["numbers"]["plugin-nccl-lib"]["nccl"], "2.30.7")
+        self.assertEqual(d["numbers"]["plugin"]["nccl"], "2.28.9")  # PyTorch's own, whatever the env says
+
+    def test_recreate_unexpected(self):
+        fake = self.recreate_fake({"plugin": "ok", "plugin-refcount": "some other error", "nccl-socket": "ok",
+                                   "plugin-nccl-lib": "ok"})
+        d = self.run_step("recreate", fake, {"ROCE_GATHER_GPU_NCCL_LIB": ""})
+        self.assertEqual(d["status"], "fail")
+        self.assertTrue(any("expected to fail" in f for f in d["failures"]))
+        self.assertTrue(any("recreate.plugin-refcount" in f and "expected to work" in f for f in d["failures"]))
+
+    def test_report(self):
+        self.test_latency()
+        d = self.run_step("sweep", lambda work, run, config, *a, **kw: record(
+            run, config, {"samples": {"graph": samples_for({b: 30 for b in plans.SWEEP_SIZES})}, "agreed": True}, work),
+            {"ROCE_GATHER_GPU_SWEEP": "core"})
+        self.assertEqual(d["numbers"]["configs"], ["nccl-socket", "ring-over-plugin", "os-staged"])
+        out = os.path.join(self.work, "out")
+        argv = ["report.py", "--work", self.work, "--out", out, "--steps", "latency sweep", "--start", str(time.time())]
+        with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(self.out):
+            with self.assertRaises(SystemExit) as e:
+                report.main()
+        self.assertEqual(e.exception.code, 0)  # warn is no failure
+        self.assertEqual(sorted(os.listdir(out)), ["latency.csv", "results.tar.gz", "summary.json", "summary.md",
+                                                   "sweep.csv", "sweep.md"])
+        md = read(os.path.join(out, "summary.md"))
+        self.assertIn("CUDA MPS: not used", md)
+        self.assertIn("## latency: warn", md)
+        self.assertIn("Cheapest per size", md)
+        self.assertIn("ring/socket", self.out.getvalue())
+
+
+class CalibrateDriverTest(unittest.TestCase):
+    def test_plan_and_commands(self):
+        self.assertEqual(calibrate.plan(2), [(0, "ring"), (1, "oneshot"), (2, "oneshot"), (3, "ring")])
+        a = mock.Mock(torchrun=["python3", "-m", "torch.distributed.run"], nnodes=2, node_rank=1, master_addr="hostA",
+                      master_port=29510, sizes=[16, 4096], reps=3)
+        cmd = calibrate.torchrun_command(a, 2, "oneshot", "/o")
+        self.assertEqual(cmd[:13], ["python3", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                                    "--node-rank", "1", "--master-addr", "hostA", "--master-port", "29512"])
+        self.assertEqual(cmd[cmd.index("--result") + 1], "/o/cal.2.oneshot.json")
+        self.assertEqual(json.loads(cmd[cmd.index("--params") + 1]), {"role": "oneshot", "sizes": [16, 4096], "reps": 3,
+                                                                      "cap": 4096})
+        e = calibrate.run_env({"NCCL_NET_PLUGIN": "/mine.so", "ROCE_GATHER_MAX_BYTES": "64K", "NCCL_NVLS_ENABLE": "1"},
+                              "oneshot", "/o/s.json", 1 << 20, "/lib.so")
+        self.assertEqual((e["NCCL_NET_PLUGIN"], e["ROCE_GATHER_MAX_BYTES"], e["ROCE_GATHER_MIN_BYTES"],
+                          e["ROCE_GATHER_ENABLE"], e["NCCL_COLLNET_ENABLE"], e["NCCL_NVLS_ENABLE"]),
+                         ("/mine.so", "1048576", "1", "1", "1", "0"))
+        e = calibrate.run_env({}, "ring", "/o/s.json", 1 << 20, "/lib.so")
+        self.assertEqual((e["NCCL_NET_PLUGIN"], e["NCCL_NET"], e["ROCE_GATHER_ENABLE"]), ("/lib.so", "roce_gather", "0"))
+
+    def test_window_from_files(self):
+        with tempfile.TemporaryDirectory() as d:
+            sizes = [16, 4096, 65536]
+            for i, role in calibrate.plan(1):
+                us = {16: 20, 4096: 30, 65536: 80} if role == "ring" else {16: 40, 4096: 20, 65536: 50}
+                led = ledger_for(sizes, 65536)
+                with open(os.path.join(d, f"cal.{i}.{role}.json"), "w") as f:
+                    json.dump({"completed": True, "failures": [], "ledger": led,
+                               "numbers": {"samples": {"graph": samples_for(us)}}}, f)
+                with open(os.path.join(d, f"stats.{i}.{role}.json"), "w") as f:
+                    json.dump(stats_for(led, role == "oneshot"), f)
+            a = calibrate.analyse(calibrate.load_dir(d))
+            self.assertEqual(a["failures"], [])
+            self.assertEqual(a["env"], "export ROCE_GATHER_MIN_BYTES=4096 ROCE_GATHER_MAX_BYTES=65536")
+            text = calibrate.write_answer(d, a)
+            self.assertIn("export ROCE_GATHER_MIN_BYTES=4096 ROCE_GATHER_MAX_BYTES=65536", text)
+            self.assertIn("| 4 KiB |", text)
+            p = subprocess.run([sys.executable, os.path.join(HERE, "calibrate.py"), "window", d], capture_output=True,
+                               text=True)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertIn("Window: 4 KiB to 64 KiB a rank", p.stdout)
+            os.remove(os.path.join(d, "stats.1.oneshot.json"))
+            p = subprocess.run([sys.executable, os.path.join(HERE, "calibrate.py"), "window", d], capture_output=True,
+                               text=True)
+            self.assertEqual(p.returncode, 1)
+            self.assertIn("NO ANSWER", p.stdout)
+
+
+# ---- bench.py against a stand-in torch ------------------------------------------------------
+
+def fake_torch():
+    """Modules torch, torch.cuda, torch.distributed standing in for PyTorch in one process:
+    tensors are keys, a gather computes the key of the right output, a CUDA graph records the
+    gathers made while capturing and repeats them at replay, time advances 25 µs a gather.
+    `counts` says how many AllGathers were enqueued (eager calls and captured ones) and run."""
+    import types
+    counts = {"enq": 0, "exec": 0, "clock": 0}
+    capturing = []
+
+    class T:
+        def __init__(self, key):
+            self.key = key
+
+        def zero_(self):
+            self.key = ("zero",)
+            return self
+
+        def cpu(self):
+            return self
+
+        def tolist(self):
+            return list(self.key[1])
+
+    torch = types.ModuleType("torch")
+    torch.FakeTensor = T
+    cuda = types.ModuleType("torch.cuda")
+    dist = types.ModuleType("torch.distributed")
+    for name in ("int32", "int64", "float64", "float32", "bfloat16", "uint8"):
+        setattr(torch, name, name)
+    torch.device = lambda *a: ("device",) + a
+    torch.tensor = lambda vals, dtype=None, device=None: T(("vals", tuple(vals)))
+    torch.zeros = lambda *a, **k: T(("zeros",))
+    torch.empty = lambda *a, **k: T(("empty",))
+    torch.cat = lambda ts: T(("cat",) + tuple(t.key for t in ts))
+    torch.equal = lambda a, b: a.key == b.key
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = counts["clock"]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 0.025
+
+    class CUDAGraph:
+        def __init__(self):
+            self.calls = []
+
+        def replay(self):
+            for f in self.calls:
+                f()
+
+    @contextlib.contextmanager
+    def graph(g, capture_error_mode=None):
+        capturing.append(g)
+        yield
+        capturing.pop()
+    cuda.Event, cuda.CUDAGraph, cuda.graph, cuda.synchronize = Event, CUDAGraph, graph, lambda: None
+    torch.cuda = cuda
+
+    def run(out, inp):
+        _, rank, n, salt = inp.key
+        out.key = ("cat", ("pattern", 0, n, salt), ("pattern", 1, n, salt))
+        counts["exec"] += 1
+        counts["clock"] += 1
+
+    def all_gather_into_tensor(out, inp):
+        counts["enq"] += 1
+        if capturing:
+            capturing[-1].calls.append(lambda: run(out, inp))
+        else:
+            run(out, inp)
+    dist.all_gather_into_tensor = all_gather_into_tensor
+    dist.all_reduce = lambda t, op=None: None
+    dist.ReduceOp = types.SimpleNamespace(MAX="max")
+    torch.distributed = dist
+    return {"torch": torch, "torch.cuda": cuda, "torch.distributed": dist}, counts
+
+
+class BenchTest(unittest.TestCase):
+    def run_task(self, params, task="latency"):
+        mods, counts = fake_torch()
+        with mock.patch.dict(sys.modules, mods), tempfile.TemporaryDirectory() as d:
+            for m in ("bench", "torch_cases"):
+                sys.modules.pop(m, None)
+            import bench
+            import torch_cases
+            T = mods["torch"].FakeTensor
+            with mock.patch.object(bench, "pattern", lambda rank, numel, salt, dev: T(("pattern", rank, numel, salt))):
+                args = mock.Mock(rank=0, local=0, params=params, result=os.path.join(d, "r.json"), task=task)
+                res = common.Result(args)
+                ctx = torch_cases.Ctx(args, res)
+                with contextlib.redirect_stdout(io.StringIO()):
+                    (bench.task_latency if task == "latency" else calibrate.task_calibrate)(ctx)
+                written = json.loads(read(args.result))
+            for m in ("bench", "torch_cases"):
+                sys.modules.pop(m, None)
+        return ctx, res, counts, written
+
+    def test_ledger_matches_what_ran(self):
+        ctx, res, counts, written = self.run_task({"sizes": [16, 4096, 1 << 20], "modes": ["graph", "eager"], "reps": 3,
+                                                   "target_ms": 10, "budget_s": 60, "cap": 524288})
+        L = ctx.ledger.n
+        self.assertEqual(res.d["n_failures"], 0, res.d["failures"])
+        self.assertEqual(L["small_enq"] + L["big_enq"], counts["enq"])  # what the plugin's tuner decides
+        self.assertEqual(L["small_exec"] + L["big_exec"], counts["exec"])
+        self.assertGreater(L["big_enq"], 0)  # 1 MiB is above the cap
+        n = res.d["numbers"]
+        self.assertEqual(n["reps_done"], 3)
+        self.assertTrue(n["agreed"])
+        self.assertEqual(len(n["samples"]["graph"]["4096"]), 3)
+        self.assertAlmostEqual(n["samples"]["graph"]["4096"][0], 25.0)  # the stand-in's 25 µs a gather
+        self.assertEqual(n["replays"]["16"], 100)  # 10 ms of 4 gathers at 25 µs
+        self.assertEqual(written["numbers"]["reps_done"], 3)  # rewritten after every round
+
+    def test_budget_stops_after_first_round(self):
+        ctx, res, counts, _ = self.run_task({"sizes": [16], "modes": ["graph"], "reps": 5, "budget_s": 0})
+        self.assertEqual(res.d["numbers"]["reps_done"], 1)
+        self.assertIn("budget", res.d["numbers"]["stopped"])
+        self.assertEqual(ctx.ledger.n["small_exec"], counts["exec"])
+
+    def test_calibrate_defaults(self):
+        ctx, res, counts, _ = self.run_task({"role": "oneshot", "sizes": [16, 1 << 20], "reps": 1}, task="calibrate")
+        self.assertEqual(ctx.ledger.cap, 1 << 20)  # the cap opened to the largest size: all one-shot
+        self.assertEqual(ctx.ledger.n["big_enq"], 0)
+        self.assertEqual(list(res.d["numbers"]["samples"]), ["graph"])
+
+
+# ---- run_all.sh ------------------------------------------------------------------------------
+
+@unittest.skipUnless(shutil.which("bash") and shutil.which("timeout"), "needs bash and timeout")
+class RunAllTest(unittest.TestCase):
+    """run_all.sh with one step that needs no GPU (plot, which skips without latency.csv), on
+    one "GPU": MPS is started before the steps and stopped after them, the summary says so."""
+
+    def test_mps_lifecycle(self):
+        fake = FakeNvidia()
+        if not fake.has_cuda:
+            fake.close()
+            self.skipTest("needs gcc for the stand-in libcuda")
+        out, tmp = tempfile.mkdtemp(), tempfile.mkdtemp()
+        try:
+            env = dict(os.environ, ROCE_GATHER_GPU_ONE_DEVICE="0", ROCE_GATHER_GPU_STEPS="plot", TMPDIR=tmp,
+                       PATH=fake.bin + os.pathsep + os.environ["PATH"],
+                       LD_LIBRARY_PATH=fake.lib + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+            env.pop("OUT", None)
+            p = subprocess.run(["bash", os.path.join(HERE, "run_all.sh"), out], capture_output=True, text=True, env=env,
+                               timeout=120)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.assertIn("CUDA MPS: started", p.stdout)
+            work = next(os.path.join(tmp, d) for d in os.listdir(tmp) if d.startswith("roce_gather_gpu."))
+            self.assertEqual(live_fake_pids(work), [])  # stopped at the end
+            s = json.loads(read(os.path.join(out, "summary.json")))
+            self.assertTrue(s["mps"]["used"])
+            self.assertIn("CUDA MPS: ran", read(os.path.join(out, "summary.md")))
+            calls = read(os.path.join(work, "mps", "log", "calls"))
+            self.assertIn("-d", calls)
+            self.assertTrue(os.path.isdir(os.path.join(work, "mps", "pipe")))
+        finally:
+            for d in os.listdir(tmp):
+                for pid in live_fake_pids(os.path.join(tmp, d)):
+                    os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(out)
+            shutil.rmtree(tmp)
+            fake.close()
+
+    def test_groups(self):
+        out, tmp = tempfile.mkdtemp(), tempfile.mkdtemp()
+        try:
+            env = dict(os.environ, ROCE_GATHER_GPU_STEPS="timing plot", TMPDIR=tmp, ROCE_GATHER_GPU_BUDGET_S="10")
+            env.pop("ROCE_GATHER_GPU_ONE_DEVICE", None)
+            p = subprocess.run(["bash", os.path.join(HERE, "run_all.sh"), out], capture_output=True, text=True, env=env,
+                               timeout=120)
+            self.assertIn("steps: env latency plot calibrate plot", p.stdout)
+            s = json.loads(read(os.path.join(out, "summary.json")))
+            self.assertEqual(list(s["steps"]), ["env", "latency", "plot", "calibrate"])  # each once, in order
+            self.assertNotEqual(p.returncode, 0)  # every step skipped: the budget of 10 s is below 15
+        finally:
+            shutil.rmtree(out)
+            shutil.rmtree(tmp)
+
+
+if __name__ == "__main__":
+    unittest.main()
