@@ -5,7 +5,7 @@ BUILD := build
 DRIVER_CFLAGS := -O2 -g -std=gnu11 -Wall -Wextra -Werror -Iinclude
 LIB := $(BUILD)/libroce_gather.so
 
-.PHONY: all check test test-rxe vet fmt lint clean kernels
+.PHONY: all check test test-rxe vet fmt lint clean kernels install
 all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl
 
 GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/roce_gather.ptx go.mod go.sum build/exports.map
@@ -46,6 +46,18 @@ kernels:
 	$(NVCC) -ptx -arch=$(KERNEL_ARCH) -o kernels/roce_gather.ptx.tmp kernels/roce_gather.cu
 	{ echo "// source-sha256: $$(sha256sum kernels/roce_gather.cu | cut -d' ' -f1)"; cat kernels/roce_gather.ptx.tmp; } >kernels/roce_gather.ptx
 	rm -f kernels/roce_gather.ptx.tmp
+
+# make install [PREFIX=/usr/local] [DESTDIR=]: the library under both names in lib/ (with
+# PREFIX/lib on the library path, NCCL_NET_PLUGIN=roce_gather finds it), plugincheck in
+# bin/, and its driver, which only plugincheck runs, in libexec/roce_gather/. plugincheck
+# finds the library and the driver from where it is installed.
+PREFIX ?= /usr/local
+install: $(LIB) $(BUILD)/plugincheck $(BUILD)/plugincheck-driver
+	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/libexec/roce_gather
+	install -m 755 $(LIB) $(DESTDIR)$(PREFIX)/lib/libroce_gather.so
+	ln -sf libroce_gather.so $(DESTDIR)$(PREFIX)/lib/libnccl-net-roce_gather.so
+	install -m 755 $(BUILD)/plugincheck $(DESTDIR)$(PREFIX)/bin/plugincheck
+	install -m 755 $(BUILD)/plugincheck-driver $(DESTDIR)$(PREFIX)/libexec/roce_gather/plugincheck-driver
 
 # Builds the library and runs plugincheck's main job: the ABI check.
 check: all

@@ -8,6 +8,9 @@
 
 #define RG_NET_NAME "roce_gather"
 
+/* Tests any request made by this library (p2p or gather; plugin/request.c). */
+ncclResult_t rg_request_test(void* request, int* done, uint64_t* sizes);
+
 /* Device properties in a form every version's struct is filled from. */
 typedef struct rg_props {
   const char* name;

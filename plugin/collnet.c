@@ -1,7 +1,7 @@
 /* ncclCollNet: the v12 implementation and thin shims for v8 to v11. Set-up goes to Go
  * (collnet.go); iallgather, iflush and test stay in C. */
 #include "../internal/nlog/nlog.h"
-#include "../roce/gather.h"
+#include "../roce/gather/gather.h"
 #include "_cgo_export.h"
 #include "abi.h"
 

@@ -6,22 +6,24 @@ package plugin
 import "C"
 
 import (
+	"fmt"
 	"os"
 	"unsafe"
 
 	"github.com/roce-gather/roce_gather/internal/nlog"
 	"github.com/roce-gather/roce_gather/roce"
+	"github.com/roce-gather/roce_gather/roce/gather"
 )
 
 // collListen is what collNet listen returns: the group's listener and its context.
 type collListen struct {
-	gl     *roce.GatherListener
+	gl     *gather.Listener
 	commID uint64
 }
 
 // collComm is a live group as the plugin tracks it.
 type collComm struct {
-	g   *roce.GatherComm
+	g   *gather.Comm
 	seq uint64 // registry entry
 }
 
@@ -30,14 +32,14 @@ func (c *collComm) close() {
 	c.g.Close()
 }
 
-func gatherMode(m Mode) roce.GatherMode {
+func gatherMode(m Mode) gather.Mode {
 	switch m {
 	case ModeRendezvous:
-		return roce.GatherRendezvous
+		return gather.ModeRendezvous
 	case ModeEager:
-		return roce.GatherEager
+		return gather.ModeEager
 	}
-	return roce.GatherAuto
+	return gather.ModeAuto
 }
 
 //export rgGoCollInit
@@ -69,8 +71,10 @@ func rgGoCollListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listen
 	state.mu.Lock()
 	cfg := state.cfg
 	state.mu.Unlock()
-	gl, err := tr.ListenGather(roce.GatherConfig{Enable: cfg.Enable, MaxBytes: cfg.MaxBytes, Explicit: cfg.MaxBytesSet, Mode: gatherMode(cfg.Mode),
-		DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch},
+	floor, capBytes, offByDefault := cfg.Window(tr.Kind())
+	gl, err := gather.Listen(tr, gather.Config{Enable: cfg.Enable, MinBytes: floor, MaxBytes: capBytes, OffByDefault: offByDefault,
+		Mode: gatherMode(cfg.Mode), DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch,
+		Channels: cfg.OneShotChannels, Chunk: cfg.OneShotChunk, CommID: commID},
 		unsafe.Slice((*byte)(handle), roce.HandleSize))
 	if err != nil {
 		nlog.Warnf("collNet listen: %v", err)
@@ -92,15 +96,15 @@ func rgGoCollConnect(handles *unsafe.Pointer, nranks C.int, rank C.int, listenCo
 		hs[i] = unsafe.Slice((*byte)(p), roce.HandleSize)
 	}
 	g, out := cl.gl.Connect(hs, int(rank))
-	seq := registry.record(cl.commID, groupOutcome{on: out.On, cap: out.Cap, why: out.Why,
-		directWithoutNVSwitch: out.DirectWithoutNVSwitch})
+	seq := registry.record(cl.commID, groupOutcome{on: out.On, floor: out.Floor, cap: out.Cap, why: out.Why,
+		directWithoutNVSwitch: out.DirectWithoutNVSwitch, channels: out.Channels, chunk: out.Chunk})
 	if !out.On {
 		// Both ranks reach this from the same handles; NCCL then keeps every collective on
 		// its own algorithms and says "Cannot initialize CollNet".
 		if out.Config {
-			nlog.Infof(nlog.Init|nlog.Net, "one-shot gather off for communicator 0x%x: %s (local cap %d, peer cap %d)", cl.commID, out.Why, out.LocalCap, out.PeerCap)
+			nlog.Infof(nlog.Init|nlog.Net, "one-shot gather off for communicator 0x%x: %s (%s)", cl.commID, out.Why, windows(out))
 		} else {
-			nlog.Warnf("one-shot gather off for communicator 0x%x: %s (local cap %d, peer cap %d)", cl.commID, out.Why, out.LocalCap, out.PeerCap)
+			nlog.Warnf("one-shot gather off for communicator 0x%x: %s (%s)", cl.commID, out.Why, windows(out))
 		}
 		return rcSuccess
 	}
@@ -108,17 +112,22 @@ func rgGoCollConnect(handles *unsafe.Pointer, nranks C.int, rank C.int, listenCo
 	state.mu.Lock()
 	state.colls[g.C()] = c
 	state.mu.Unlock()
-	nlog.Infof(nlog.Init|nlog.Net, "one-shot gather on for communicator 0x%x with %s: agreed cap %d bytes a rank (local %d, peer %d), mode %s, %d lane(s)%s",
-		cl.commID, g.Peer(), out.Cap, out.LocalCap, out.PeerCap, out.Mode, out.Lanes, directNote(out))
-	if out.Note != "" {
-		nlog.Warnf("communicator 0x%x: %s", cl.commID, out.Note)
+	nlog.Infof(nlog.Init|nlog.Net, "one-shot gather on for communicator 0x%x with %s: agreed window %d to %d bytes a rank (%s), mode %s, %d lane(s), %d channel(s), chunk %s%s",
+		cl.commID, g.Peer(), out.Floor, out.Cap, windows(out), out.Mode, out.Lanes, out.Channels, gather.ChunkName(out.Chunk), directNote(out))
+	for _, n := range out.Notes {
+		nlog.Warnf("communicator 0x%x: %s", cl.commID, n)
 	}
 	*collCommOut = g.C()
 	return rcSuccess
 }
 
+// windows names both ranks' windows for the connect line.
+func windows(out gather.Outcome) string {
+	return fmt.Sprintf("floor: local %d, peer %d; cap: local %d, peer %d", out.LocalFloor, out.PeerFloor, out.LocalCap, out.PeerCap)
+}
+
 // directNote is the connect line's account of ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH.
-func directNote(out roce.Outcome) string {
+func directNote(out gather.Outcome) string {
 	if out.DirectWithoutNVSwitch {
 		return "; both ranks allow CollNet Direct without NVSwitch"
 	}

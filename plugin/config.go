@@ -5,6 +5,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/roce-gather/roce_gather/roce/gather"
 )
 
 // Mode is how a one-shot gather moves a shard (docs/roce-gather.md, "Modes").
@@ -29,12 +31,13 @@ func (m Mode) String() string {
 // Config is the plugin's configuration, read from the environment once per init from
 // idle. Each invalid value is refused with a WARN and replaced by the default.
 type Config struct {
-	Enable   bool
-	MaxBytes uint64 // this rank's per-rank shard cap
-	// MaxBytesSet: ROCE_GATHER_MAX_BYTES was given. The tcp fabric's one-shot path is off
-	// unless it is (docs/benchmarks.md: measured slower than NCCL's ring over TCP).
-	MaxBytesSet bool
-	TCPCUDA     bool // ROCE_GATHER_TCP_CUDA=1: the tcp fabric offers NCCL CUDA memory, for testing GPUDirect on one host
+	Enable bool
+	// MinBytes and MaxBytes are ROCE_GATHER_MIN_BYTES and ROCE_GATHER_MAX_BYTES, this
+	// rank's floor and cap in bytes a rank, where Set says they were given; Window
+	// resolves them against the fabric's defaults.
+	MinBytes, MaxBytes       uint64
+	MinBytesSet, MaxBytesSet bool
+	TCPCUDA                  bool // ROCE_GATHER_TCP_CUDA=1: the tcp fabric offers NCCL CUDA memory, for testing GPUDirect on one host
 	// DirectWithoutNVSwitch: ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, schedule onto CollNet
 	// Direct where NCCL drops it for lack of an NVSwitch (docs/roce-gather.md, "Topologies without NVSwitch").
 	DirectWithoutNVSwitch bool
@@ -46,15 +49,64 @@ type Config struct {
 	Timeout               time.Duration
 	Mode                  Mode
 	StatsPath             string // "", a path (with %p for the pid, %h for the host) or "stderr"
+	// OneShotChannels is ROCE_GATHER_ONESHOT_CHANNELS, the nChannels the tuner sets for a
+	// one-shot gather (1, 2, 4 or 8); OneShotChunk is ROCE_GATHER_ONESHOT_CHUNK, the chunk
+	// size tuner v6 returns for it, 0 leaving NCCL's choice. Both are agreed at connect.
+	OneShotChannels int
+	OneShotChunk    uint64
+	// TracePath is ROCE_GATHER_TRACE, the timeline's file ("" for none; %p and %h as in
+	// StatsPath); TraceEvery samples one call in that many (ROCE_GATHER_TRACE_EVERY), and
+	// TraceRecords is the ring's size (ROCE_GATHER_TRACE_RECORDS).
+	TracePath    string
+	TraceEvery   uint64
+	TraceRecords uint64
 }
 
 // Defaults, as README.md's configuration table gives them.
 const (
-	DefaultMaxBytes = 512 << 10
-	// MaxMaxBytes bounds the cap: the landing slots of eager mode are sized from it.
+	// MaxMaxBytes bounds the cap and the floor: the landing slots of eager mode are sized
+	// from the cap.
 	MaxMaxBytes      = 64 << 20
 	DefaultTimeoutMS = 30000
+	// DefaultOneShotChannels is the nChannels of a one-shot gather.
+	DefaultOneShotChannels = 1
+	// The timeline samples every call by default, into a ring of 16384 records (4 MiB).
+	DefaultTraceEvery   = 1
+	DefaultTraceRecords = 16384
+	MaxTraceRecords     = 1 << 20
 )
+
+// FabricWindow is a fabric's one-shot window when the environment gives none, in bytes a
+// rank.
+type FabricWindow struct {
+	// Off: the fabric offers the one-shot path only where ROCE_GATHER_MAX_BYTES is set.
+	Off      bool
+	MinBytes uint64 // the floor ROCE_GATHER_MIN_BYTES replaces
+	MaxBytes uint64 // the cap ROCE_GATHER_MAX_BYTES replaces
+}
+
+// DefaultWindows holds each fabric's default one-shot window: the one place to change
+// them. docs/benchmarks.md has the measurements behind them.
+var DefaultWindows = map[string]FabricWindow{
+	"verbs": {MinBytes: 0, MaxBytes: 512 << 10},
+	// Measured slower than NCCL's ring over TCP at every size.
+	"tcp": {Off: true, MinBytes: 0, MaxBytes: 512 << 10},
+}
+
+// Window is this rank's one-shot window on fabric: the floor and the cap in bytes a rank,
+// and whether the fabric's default keeps the path off (ROCE_GATHER_MAX_BYTES unset where
+// the fabric's default is off).
+func (c Config) Window(fabric string) (floor, capBytes uint64, offByDefault bool) {
+	d := DefaultWindows[fabric]
+	floor, capBytes, offByDefault = d.MinBytes, d.MaxBytes, d.Off
+	if c.MinBytesSet {
+		floor = c.MinBytes
+	}
+	if c.MaxBytesSet {
+		capBytes, offByDefault = c.MaxBytes, false
+	}
+	return floor, capBytes, offByDefault
+}
 
 // Warning is one refused environment value.
 type Warning struct {
@@ -65,15 +117,36 @@ func (w Warning) String() string {
 	return fmt.Sprintf("%s=%q %s; using %s", w.Var, w.Value, w.Why, w.Used)
 }
 
+// describeWindow is the init line's account of this rank's window on fabric.
+func (c Config) describeWindow(fabric string) string {
+	floor, capBytes, off := c.Window(fabric)
+	if off {
+		return fmt.Sprintf("off by default on the %s fabric (set ROCE_GATHER_MAX_BYTES to use it)", fabric)
+	}
+	from := "the " + fabric + " fabric's default"
+	switch {
+	case c.MinBytesSet && c.MaxBytesSet:
+		from = "ROCE_GATHER_MIN_BYTES and ROCE_GATHER_MAX_BYTES"
+	case c.MinBytesSet:
+		from = "ROCE_GATHER_MIN_BYTES and the " + fabric + " fabric's default cap"
+	case c.MaxBytesSet:
+		from = "ROCE_GATHER_MAX_BYTES and the " + fabric + " fabric's default floor"
+	}
+	return fmt.Sprintf("window %d to %d bytes a rank (%s)", floor, capBytes, from)
+}
+
 // ParseConfig reads the configuration through getenv and returns every refused value.
 func ParseConfig(getenv func(string) string) (Config, []Warning) {
 	c := Config{
 		Enable:   true,
-		MaxBytes: DefaultMaxBytes,
 		Fabric:   "auto",
 		GIDIndex: -1,
 		Timeout:  DefaultTimeoutMS * time.Millisecond,
 		Mode:     ModeAuto,
+
+		OneShotChannels: DefaultOneShotChannels,
+		TraceEvery:      DefaultTraceEvery,
+		TraceRecords:    DefaultTraceRecords,
 	}
 	var warns []Warning
 	refuse := func(name, value, used, why string) {
@@ -93,18 +166,26 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		}
 	}
 
-	flag("ROCE_GATHER_ENABLE", &c.Enable)
-	if v, ok := lookup(getenv, "ROCE_GATHER_MAX_BYTES"); ok {
+	// byteCount reads a byte count from lo to MaxMaxBytes into dst, setting set.
+	byteCount := func(name string, lo uint64, used string, dst *uint64, set *bool) {
+		v, ok := lookup(getenv, name)
+		if !ok {
+			return
+		}
 		n, err := ParseBytes(v)
 		switch {
 		case err != nil:
-			refuse("ROCE_GATHER_MAX_BYTES", v, fmt.Sprint(DefaultMaxBytes), "is not a byte count ("+err.Error()+")")
-		case n == 0 || n > MaxMaxBytes:
-			refuse("ROCE_GATHER_MAX_BYTES", v, fmt.Sprint(DefaultMaxBytes), fmt.Sprintf("is outside 1..%d", MaxMaxBytes))
+			refuse(name, v, used, "is not a byte count ("+err.Error()+")")
+		case n < lo || n > MaxMaxBytes:
+			refuse(name, v, used, fmt.Sprintf("is outside %d..%d", lo, MaxMaxBytes))
 		default:
-			c.MaxBytes, c.MaxBytesSet = n, true
+			*dst, *set = n, true
 		}
 	}
+
+	flag("ROCE_GATHER_ENABLE", &c.Enable)
+	byteCount("ROCE_GATHER_MIN_BYTES", 0, "the fabric's default window", &c.MinBytes, &c.MinBytesSet)
+	byteCount("ROCE_GATHER_MAX_BYTES", 1, "the fabric's default window", &c.MaxBytes, &c.MaxBytesSet)
 	flag("ROCE_GATHER_TCP_CUDA", &c.TCPCUDA)
 	flag("ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH", &c.DirectWithoutNVSwitch)
 	if v, ok := lookup(getenv, "ROCE_GATHER_FABRIC"); ok {
@@ -160,6 +241,43 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 	if v, ok := lookup(getenv, "ROCE_GATHER_STATS"); ok {
 		c.StatsPath = v
 	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_ONESHOT_CHANNELS"); ok {
+		n, err := strconv.Atoi(v)
+		if err != nil || !gather.ValidChannels(n) {
+			refuse("ROCE_GATHER_ONESHOT_CHANNELS", v, fmt.Sprint(DefaultOneShotChannels), "is not 1, 2, 4 or 8")
+		} else {
+			c.OneShotChannels = n
+		}
+	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_ONESHOT_CHUNK"); ok {
+		n, err := ParseBytes(v)
+		switch {
+		case err != nil:
+			refuse("ROCE_GATHER_ONESHOT_CHUNK", v, "NCCL's choice", "is not a byte count ("+err.Error()+")")
+		case n == 0 || !gather.ValidChunk(n):
+			refuse("ROCE_GATHER_ONESHOT_CHUNK", v, "NCCL's choice",
+				fmt.Sprintf("is not a multiple of %d bytes (NCCL's Simple grain) from %d to %d", gather.ChunkGrain, gather.ChunkGrain, gather.MaxChunk))
+		default:
+			c.OneShotChunk = n
+		}
+	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_TRACE"); ok {
+		c.TracePath = v
+	}
+	count := func(name string, hi uint64, dst *uint64) {
+		v, ok := lookup(getenv, name)
+		if !ok {
+			return
+		}
+		n, err := strconv.ParseUint(v, 10, 64)
+		if err != nil || n == 0 || n > hi {
+			refuse(name, v, fmt.Sprint(*dst), fmt.Sprintf("is not a whole number from 1 to %d", hi))
+			return
+		}
+		*dst = n
+	}
+	count("ROCE_GATHER_TRACE_EVERY", 1<<32, &c.TraceEvery)
+	count("ROCE_GATHER_TRACE_RECORDS", MaxTraceRecords, &c.TraceRecords)
 	return c, warns
 }
 

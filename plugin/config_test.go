@@ -13,7 +13,7 @@ func TestConfigDefaultsMatchTheDesignTable(t *testing.T) {
 	c, warns := ParseConfig(env(nil))
 	require.Empty(t, warns)
 	require.True(t, c.Enable)
-	require.Equal(t, uint64(524288), c.MaxBytes)
+	require.False(t, c.MinBytesSet)
 	require.Equal(t, "auto", c.Fabric)
 	require.Equal(t, -1, c.GIDIndex)
 	require.Equal(t, 30*time.Second, c.Timeout)
@@ -22,11 +22,17 @@ func TestConfigDefaultsMatchTheDesignTable(t *testing.T) {
 	require.False(t, c.MaxBytesSet)
 	require.False(t, c.TCPCUDA)
 	require.False(t, c.DirectWithoutNVSwitch)
+	require.Equal(t, 1, c.OneShotChannels)
+	require.Zero(t, c.OneShotChunk, "NCCL's choice")
+	require.Equal(t, "", c.TracePath)
+	require.Equal(t, uint64(1), c.TraceEvery)
+	require.Equal(t, uint64(16384), c.TraceRecords)
 }
 
 func TestConfigReadsEveryVariable(t *testing.T) {
 	c, warns := ParseConfig(env(map[string]string{
 		"ROCE_GATHER_ENABLE":                  "0",
+		"ROCE_GATHER_MIN_BYTES":               "16K",
 		"ROCE_GATHER_MAX_BYTES":               "511K",
 		"ROCE_GATHER_FABRIC":                  "tcp",
 		"ROCE_GATHER_HCAS":                    "mlx5_0,mlx5_1:1",
@@ -37,10 +43,17 @@ func TestConfigReadsEveryVariable(t *testing.T) {
 		"ROCE_GATHER_STATS":                   "/tmp/s.%p.json",
 		"ROCE_GATHER_TCP_CUDA":                "1",
 		"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": "1",
+		"ROCE_GATHER_ONESHOT_CHANNELS":        "4",
+		"ROCE_GATHER_ONESHOT_CHUNK":           "128K",
+		"ROCE_GATHER_TRACE":                   "/tmp/t.%p",
+		"ROCE_GATHER_TRACE_EVERY":             "10",
+		"ROCE_GATHER_TRACE_RECORDS":           "1024",
 		"NCCL_SOCKET_IFNAME":                  "^docker",
 	}))
 	require.Empty(t, warns)
 	require.False(t, c.Enable)
+	require.Equal(t, uint64(16*1024), c.MinBytes)
+	require.True(t, c.MinBytesSet)
 	require.Equal(t, uint64(511*1024), c.MaxBytes)
 	require.True(t, c.MaxBytesSet)
 	require.True(t, c.TCPCUDA)
@@ -53,6 +66,11 @@ func TestConfigReadsEveryVariable(t *testing.T) {
 	require.Equal(t, 2500*time.Millisecond, c.Timeout)
 	require.Equal(t, ModeEager, c.Mode)
 	require.Equal(t, "/tmp/s.%p.json", c.StatsPath)
+	require.Equal(t, 4, c.OneShotChannels)
+	require.Equal(t, uint64(128<<10), c.OneShotChunk)
+	require.Equal(t, "/tmp/t.%p", c.TracePath)
+	require.Equal(t, uint64(10), c.TraceEvery)
+	require.Equal(t, uint64(1024), c.TraceRecords)
 }
 
 // Every bad value is refused with a warning naming the variable, the value and the default used.
@@ -61,9 +79,12 @@ func TestConfigRefusesEveryBadValueAndKeepsTheDefault(t *testing.T) {
 		name, value, used string
 	}{
 		{"ROCE_GATHER_ENABLE", "yes", "1"},
-		{"ROCE_GATHER_MAX_BYTES", "abc", "524288"},
-		{"ROCE_GATHER_MAX_BYTES", "0", "524288"},
-		{"ROCE_GATHER_MAX_BYTES", "65M", "524288"},
+		{"ROCE_GATHER_MAX_BYTES", "abc", "the fabric's default window"},
+		{"ROCE_GATHER_MAX_BYTES", "0", "the fabric's default window"},
+		{"ROCE_GATHER_MAX_BYTES", "65M", "the fabric's default window"},
+		{"ROCE_GATHER_MIN_BYTES", "-1", "the fabric's default window"},
+		{"ROCE_GATHER_MIN_BYTES", "1.5K", "the fabric's default window"},
+		{"ROCE_GATHER_MIN_BYTES", "65M", "the fabric's default window"},
 		{"ROCE_GATHER_FABRIC", "rdma", "auto"},
 		{"ROCE_GATHER_HCAS", "mlx5_0,,mlx5_1", "all active ports"},
 		{"ROCE_GATHER_HCAS", "mlx5_0:0", "all active ports"},
@@ -75,6 +96,19 @@ func TestConfigRefusesEveryBadValueAndKeepsTheDefault(t *testing.T) {
 		{"ROCE_GATHER_MODE", "fast", "auto"},
 		{"ROCE_GATHER_TCP_CUDA", "yes", "0"},
 		{"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH", "true", "0"},
+		{"ROCE_GATHER_ONESHOT_CHANNELS", "3", "1"},
+		{"ROCE_GATHER_ONESHOT_CHANNELS", "16", "1"},
+		{"ROCE_GATHER_ONESHOT_CHANNELS", "0", "1"},
+		{"ROCE_GATHER_ONESHOT_CHANNELS", "two", "1"},
+		{"ROCE_GATHER_ONESHOT_CHUNK", "0", "NCCL's choice"},
+		{"ROCE_GATHER_ONESHOT_CHUNK", "1000", "NCCL's choice"},
+		{"ROCE_GATHER_ONESHOT_CHUNK", "256", "NCCL's choice"},
+		{"ROCE_GATHER_ONESHOT_CHUNK", "65M", "NCCL's choice"},
+		{"ROCE_GATHER_ONESHOT_CHUNK", "big", "NCCL's choice"},
+		{"ROCE_GATHER_TRACE_EVERY", "0", "1"},
+		{"ROCE_GATHER_TRACE_EVERY", "-3", "1"},
+		{"ROCE_GATHER_TRACE_RECORDS", "0", "16384"},
+		{"ROCE_GATHER_TRACE_RECORDS", "2000000", "16384"},
 	}
 	def, _ := ParseConfig(env(nil))
 	for _, tc := range cases {
@@ -102,4 +136,49 @@ func TestParseBytesSuffixes(t *testing.T) {
 		_, err := ParseBytes(bad)
 		require.Error(t, err, bad)
 	}
+}
+
+// The defaults today: verbs offers 0 to 512 KiB; tcp is off unless ROCE_GATHER_MAX_BYTES is set.
+func TestWindowDefaultsPerFabric(t *testing.T) {
+	c, _ := ParseConfig(env(nil))
+	floor, capBytes, off := c.Window("verbs")
+	require.Equal(t, [3]any{uint64(0), uint64(512 << 10), false}, [3]any{floor, capBytes, off})
+	floor, capBytes, off = c.Window("tcp")
+	require.Equal(t, [3]any{uint64(0), uint64(512 << 10), true}, [3]any{floor, capBytes, off})
+}
+
+func TestWindowMaxBytesTurnsTheTCPDefaultOn(t *testing.T) {
+	c, _ := ParseConfig(env(map[string]string{"ROCE_GATHER_MAX_BYTES": "128K"}))
+	floor, capBytes, off := c.Window("tcp")
+	require.Equal(t, [3]any{uint64(0), uint64(128 << 10), false}, [3]any{floor, capBytes, off})
+}
+
+// A floor alone does not turn on a fabric that is off by default: only the cap does.
+func TestWindowMinBytesAloneKeepsTheTCPDefaultOff(t *testing.T) {
+	c, _ := ParseConfig(env(map[string]string{"ROCE_GATHER_MIN_BYTES": "32K"}))
+	floor, capBytes, off := c.Window("tcp")
+	require.Equal(t, [3]any{uint64(32 << 10), uint64(512 << 10), true}, [3]any{floor, capBytes, off})
+	floor, capBytes, off = c.Window("verbs")
+	require.Equal(t, [3]any{uint64(32 << 10), uint64(512 << 10), false}, [3]any{floor, capBytes, off})
+}
+
+// A rank's floor above its own cap is kept as given: the group's window is then empty and
+// the connect line names all four values (rather than a quiet repair here).
+func TestWindowFloorAboveTheCapIsKeptAsGiven(t *testing.T) {
+	c, warns := ParseConfig(env(map[string]string{"ROCE_GATHER_MIN_BYTES": "1M", "ROCE_GATHER_MAX_BYTES": "64K"}))
+	require.Empty(t, warns)
+	floor, capBytes, _ := c.Window("verbs")
+	require.Equal(t, uint64(1<<20), floor)
+	require.Equal(t, uint64(64<<10), capBytes)
+	require.Equal(t, "window 1048576 to 65536 bytes a rank (ROCE_GATHER_MIN_BYTES and ROCE_GATHER_MAX_BYTES)", c.describeWindow("verbs"))
+}
+
+func TestWindowDescriptionSaysWhereEachEndCameFrom(t *testing.T) {
+	c, _ := ParseConfig(env(nil))
+	require.Equal(t, "window 0 to 524288 bytes a rank (the verbs fabric's default)", c.describeWindow("verbs"))
+	require.Equal(t, "off by default on the tcp fabric (set ROCE_GATHER_MAX_BYTES to use it)", c.describeWindow("tcp"))
+	c, _ = ParseConfig(env(map[string]string{"ROCE_GATHER_MIN_BYTES": "4K"}))
+	require.Equal(t, "window 4096 to 524288 bytes a rank (ROCE_GATHER_MIN_BYTES and the verbs fabric's default cap)", c.describeWindow("verbs"))
+	c, _ = ParseConfig(env(map[string]string{"ROCE_GATHER_MAX_BYTES": "4K"}))
+	require.Equal(t, "window 0 to 4096 bytes a rank (ROCE_GATHER_MAX_BYTES and the tcp fabric's default floor)", c.describeWindow("tcp"))
 }

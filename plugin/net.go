@@ -7,6 +7,7 @@ package plugin
 import "C"
 
 import (
+	"os"
 	"unsafe"
 
 	"github.com/roce-gather/roce_gather/internal/nlog"
@@ -45,6 +46,9 @@ func initContext(ctx *unsafe.Pointer, commID uint64, abi int, coll bool, logger 
 	}
 	*ctx = newContextHandle(commID)
 	nlog.Infof(nlog.Init|nlog.Net, "%s ABI v%d initialised for communicator 0x%x", kind, abi, commID)
+	if !coll {
+		state.unload.check(abi, os.Getenv, func(msg string) { nlog.Warnf("%s", msg) })
+	}
 	return rcSuccess
 }
 

@@ -51,6 +51,7 @@ type runtimeState struct {
 	nextSlot uint64
 	colls    map[unsafe.Pointer]*collComm
 	warned   map[Warning]bool
+	unload   unloadNotice // NCCL 2.27-2.29's unload after the last communicator, said once
 }
 
 var state = &runtimeState{warned: map[Warning]bool{}}
@@ -95,11 +96,14 @@ func (s *runtimeState) acquire() error {
 		s.pending = map[uint64]*roce.PendingSend{}
 		s.colls = map[unsafe.Pointer]*collComm{}
 		s.setProps(tr.Device().Info())
-		if cfg.StatsPath != "" {
-			armStatsAtExit()
+		openStats(cfg.StatsPath)
+		openTrace(cfg)
+		nlog.Infof(nlog.Init|nlog.Net, "roce_gather %s: %s fabric, device %s (%s); one-shot gather %s, mode %s, timeout %v",
+			Version, tr.Kind(), tr.Device().Info().Name, tr.Device().Info().Detail, cfg.describeWindow(tr.Kind()), cfg.Mode, cfg.Timeout)
+		if floor, capBytes, off := cfg.Window(tr.Kind()); !off && floor > capBytes {
+			nlog.Warnf("this rank's one-shot window is empty: floor %d is above cap %d (ROCE_GATHER_MIN_BYTES, ROCE_GATHER_MAX_BYTES); "+
+				"the one-shot path will be off for every communicator", floor, capBytes)
 		}
-		nlog.Infof(nlog.Init|nlog.Net, "roce_gather %s: %s fabric, device %s (%s); one-shot gather cap %d bytes a rank, mode %s, timeout %v",
-			Version, tr.Kind(), tr.Device().Info().Name, tr.Device().Info().Detail, cfg.MaxBytes, cfg.Mode, cfg.Timeout)
 	}
 	s.contexts++
 	return nil
@@ -130,7 +134,7 @@ func (s *runtimeState) release() {
 	if s.contexts > 0 {
 		return
 	}
-	writeStats(s.cfg.StatsPath)
+	closeStats(s.cfg.StatsPath)
 	for p, c := range s.colls {
 		c.close()
 		delete(s.colls, p)

@@ -4,12 +4,15 @@ import "sync"
 
 // groupOutcome is what both ranks of a collNet group agreed at connect.
 type groupOutcome struct {
-	on  bool
-	cap uint64 // agreed per-rank cap, when on
-	why string // why the path is off
+	on         bool
+	floor, cap uint64 // the agreed window in bytes a rank, when on
+	why        string // why the path is off
 	// directWithoutNVSwitch: both ranks allow scheduling onto a CollNet Direct entry NCCL
 	// dropped for lack of an NVSwitch.
 	directWithoutNVSwitch bool
+	// channels and chunk schedule a one-shot gather (chunk 0: NCCL's choice).
+	channels int
+	chunk    uint64
 }
 
 // groupRegistry ties a communicator's collNet group to its tuner: collNet connect

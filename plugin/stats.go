@@ -1,24 +1,30 @@
 package plugin
 
 /*
-#include "../roce/stats.h"
+#include <stdlib.h>
+#include "../roce/gather/stats.h"
 void rg_register_at_exit(void);
 */
 import "C"
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
+	"syscall"
+	"time"
+	"unsafe"
 
 	"github.com/roce-gather/roce_gather/internal/nlog"
 )
 
 // Stats is what ROCE_GATHER_STATS writes: the process's counters since it loaded the
-// library (or since the last reset).
+// library.
 type Stats struct {
 	PID  int    `json:"pid"`
 	Host string `json:"host"`
@@ -46,6 +52,11 @@ type Stats struct {
 		P90us      float64 `json:"p90_us"`
 		P99us      float64 `json:"p99_us"`
 		MaxUs      float64 `json:"max_us"`
+		// LatencyCalls is the number of calls the percentiles above cover. The file shows
+		// every count the moment it changes; the percentiles are refreshed every
+		// statsRefresh and at finalize and exit, so a process that left by _exit or a
+		// crash may have counted a few calls more than they cover.
+		LatencyCalls uint64 `json:"latency_calls"`
 	} `json:"oneshot"`
 }
 
@@ -53,24 +64,26 @@ type Stats struct {
 func ReadStats() Stats {
 	var g C.rg_stats_snapshot
 	C.rg_stats_read(&g)
+	v := func(s C.enum_rg_stat) uint64 { return uint64(g.v[s]) }
 	var s Stats
 	s.PID = os.Getpid()
 	s.Host, _ = os.Hostname()
-	s.Tuner.OneShot = uint64(g.tuner_oneshot)
-	s.Tuner.OneShotBytes = uint64(g.tuner_oneshot_bytes)
-	s.Tuner.NCCL = uint64(g.tuner_nccl)
-	s.Tuner.NCCLBytes = uint64(g.tuner_nccl_bytes)
-	s.Tuner.NCCLNotOffered = uint64(g.tuner_nccl_ignored)
-	s.Tuner.OneShotUnoffered = uint64(g.tuner_oneshot_unoffered)
-	s.OneShot.Calls = uint64(g.gathers)
-	s.OneShot.Bytes = uint64(g.gather_bytes)
-	s.OneShot.Rendezvous = uint64(g.gathers_rendezvous)
-	s.OneShot.Eager = uint64(g.gathers_eager)
-	s.OneShot.Kernel = uint64(g.gathers_kernel)
-	s.OneShot.Errors = uint64(g.gather_errors)
+	s.Tuner.OneShot = v(C.RG_STAT_TUNER_ONESHOT)
+	s.Tuner.OneShotBytes = v(C.RG_STAT_TUNER_ONESHOT_BYTES)
+	s.Tuner.NCCL = v(C.RG_STAT_TUNER_NCCL)
+	s.Tuner.NCCLBytes = v(C.RG_STAT_TUNER_NCCL_BYTES)
+	s.Tuner.NCCLNotOffered = v(C.RG_STAT_TUNER_NCCL_IGNORED)
+	s.Tuner.OneShotUnoffered = v(C.RG_STAT_TUNER_ONESHOT_UNOFFERED)
+	s.OneShot.Calls = v(C.RG_STAT_GATHERS)
+	s.OneShot.Bytes = v(C.RG_STAT_GATHER_BYTES)
+	s.OneShot.Rendezvous = v(C.RG_STAT_GATHERS_RENDEZVOUS)
+	s.OneShot.Eager = v(C.RG_STAT_GATHERS_EAGER)
+	s.OneShot.Kernel = v(C.RG_STAT_GATHERS_KERNEL)
+	s.OneShot.Errors = v(C.RG_STAT_GATHER_ERRORS)
 	var hist [C.RG_LAT_BUCKETS]uint64
 	for i := range hist {
 		hist[i] = uint64(g.gather_lat[i])
+		s.OneShot.LatencyCalls += hist[i]
 	}
 	s.OneShot.P50us = percentileMicros(hist[:], 0.50)
 	s.OneShot.P90us = percentileMicros(hist[:], 0.90)
@@ -109,9 +122,300 @@ func percentileMicros(hist []uint64, q float64) float64 {
 	return 0
 }
 
+// The stats file. It is the JSON document Stats marshals to, laid out with every value
+// in a slot of C.RG_STAT_WIDTH bytes (right-aligned after spaces), and mapped shared: the
+// counters show in it the moment they change (stats.c), the percentiles every
+// statsRefresh. It exists from the plugin's init on and is complete however the process
+// ends (finalize, exit, _exit, a crash); SIGKILL keeps the counts but may leave the
+// percentiles behind.
+
+// statsRefresh is how often the percentiles are brought up to date while gathers run.
+const statsRefresh = 100 * time.Millisecond
+
+// counterSlots names each counter's slot: its section and key in the document.
+var counterSlots = []struct {
+	section, key string
+	stat         C.enum_rg_stat
+}{
+	{"tuner", "oneshot_gathers", C.RG_STAT_TUNER_ONESHOT},
+	{"tuner", "oneshot_bytes", C.RG_STAT_TUNER_ONESHOT_BYTES},
+	{"tuner", "nccl_gathers", C.RG_STAT_TUNER_NCCL},
+	{"tuner", "nccl_bytes", C.RG_STAT_TUNER_NCCL_BYTES},
+	{"tuner", "nccl_not_offered", C.RG_STAT_TUNER_NCCL_IGNORED},
+	{"tuner", "oneshot_unoffered", C.RG_STAT_TUNER_ONESHOT_UNOFFERED},
+	{"oneshot", "calls", C.RG_STAT_GATHERS},
+	{"oneshot", "bytes", C.RG_STAT_GATHER_BYTES},
+	{"oneshot", "rendezvous", C.RG_STAT_GATHERS_RENDEZVOUS},
+	{"oneshot", "eager", C.RG_STAT_GATHERS_EAGER},
+	{"oneshot", "eager_by_kernel", C.RG_STAT_GATHERS_KERNEL},
+	{"oneshot", "errors", C.RG_STAT_GATHER_ERRORS},
+}
+
+// derivedSlots are the values the Go side computes, after the counters of "oneshot".
+var derivedSlots = []string{"p50_us", "p90_us", "p99_us", "max_us", "latency_calls"}
+
+// statsLayout is the document's text and where each slot is.
+type statsLayout struct {
+	text     []byte
+	counters [C.RG_STATS_N]C.uint32_t
+	derived  map[string]uint32
+}
+
+func buildStatsLayout(s Stats) (statsLayout, error) {
+	host, err := json.Marshal(s.Host)
+	if err != nil {
+		return statsLayout{}, err
+	}
+	l := statsLayout{derived: map[string]uint32{}}
+	var b strings.Builder
+	// Every line is padded to a whole number of slot words, and every slot starts at
+	// statsColumn, so that slots are aligned and the values line up.
+	line := func(format string, args ...any) {
+		fmt.Fprintf(&b, format, args...)
+		for (b.Len()+1)%C.RG_STAT_ALIGN != 0 {
+			b.WriteByte(' ')
+		}
+		b.WriteByte('\n')
+	}
+	slot := func(key, value string, last bool) uint32 {
+		start := b.Len()
+		fmt.Fprintf(&b, "    %q:", key)
+		for b.Len()-start < statsColumn {
+			b.WriteByte(' ')
+		}
+		at := uint32(b.Len())
+		comma := ","
+		if last {
+			comma = ""
+		}
+		line("%*s%s", int(C.RG_STAT_WIDTH), value, comma)
+		return at
+	}
+	line("{")
+	line("  \"pid\": %d,", s.PID)
+	line("  \"host\": %s,", host)
+	var snap C.rg_stats_snapshot
+	C.rg_stats_read(&snap)
+	for i, section := range []string{"tuner", "oneshot"} {
+		line("  %q: {", section)
+		var keys []int
+		for j, c := range counterSlots {
+			if c.section == section {
+				keys = append(keys, j)
+			}
+		}
+		for n, j := range keys {
+			c := counterSlots[j]
+			last := section == "tuner" && n == len(keys)-1
+			l.counters[c.stat] = C.uint32_t(slot(c.key, strconv.FormatUint(uint64(snap.v[c.stat]), 10), last))
+		}
+		if section == "oneshot" {
+			for n, key := range derivedSlots {
+				l.derived[key] = slot(key, "0", n == len(derivedSlots)-1)
+			}
+		}
+		if i == 0 {
+			line("  },")
+		} else {
+			line("  }")
+		}
+	}
+	line("}")
+	l.text = []byte(b.String())
+	return l, nil
+}
+
+// statsColumn is where a slot starts in its line, past the longest key.
+const statsColumn = 32
+
+// statsFile is the attached file, process-wide like the counters.
+type statsFile struct {
+	mu      sync.Mutex
+	path    string // as expanded
+	f       *os.File
+	layout  statsLayout
+	shown   bool   // the file shows percentiles of covered calls
+	covered uint64 // calls the percentiles in the file cover
+	stop    chan struct{}
+	stopped chan struct{}
+	warned  map[string]bool // paths that could not be attached, said once
+}
+
+var stats = &statsFile{}
+
+var errStatsInUse = errors.New("another process holds it (put %p in the path for one file a process)")
+
+// attach creates path, lays the document out in it and maps it; from then on every count
+// shows in it. A file attached before (another path) is left as it is.
+func (sf *statsFile) attach(path string) error {
+	sf.mu.Lock()
+	defer sf.mu.Unlock()
+	if sf.f != nil && sf.path == path {
+		return nil
+	}
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return err
+	}
+	// One process a file: two mapping the same file would mix their counts.
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, syscall.EWOULDBLOCK) {
+			return errStatsInUse
+		}
+		return fmt.Errorf("locking it: %w", err)
+	}
+	l, err := buildStatsLayout(ReadStats())
+	if err == nil {
+		err = f.Truncate(0)
+	}
+	if err == nil {
+		_, err = f.WriteAt(l.text, 0)
+	}
+	if err == nil {
+		if rc := C.rg_stats_attach(C.int(f.Fd()), C.size_t(len(l.text)), &l.counters[0]); rc != 0 {
+			err = fmt.Errorf("mapping it: %w", syscall.Errno(rc))
+		}
+	}
+	if err != nil {
+		f.Close()
+		return err
+	}
+	if sf.f != nil {
+		sf.f.Close() // its mapping stays, no longer written
+	}
+	sf.path, sf.f, sf.layout, sf.shown = path, f, l, false
+	sf.refreshLocked()
+	return nil
+}
+
+// detach stops showing counts in the file; it keeps what it shows.
+func (sf *statsFile) detach() {
+	sf.stopRefresher()
+	sf.mu.Lock()
+	defer sf.mu.Unlock()
+	if sf.f == nil {
+		return
+	}
+	sf.refreshLocked()
+	C.rg_stats_detach()
+	sf.f.Close()
+	sf.f, sf.path = nil, ""
+}
+
+// refresh brings the percentiles up to date; a no-op where nothing was counted since.
+func (sf *statsFile) refresh() {
+	sf.mu.Lock()
+	defer sf.mu.Unlock()
+	sf.refreshLocked()
+}
+
+func (sf *statsFile) refreshLocked() {
+	if sf.f == nil {
+		return
+	}
+	s := ReadStats()
+	if sf.shown && s.OneShot.LatencyCalls == sf.covered {
+		return
+	}
+	for key, v := range map[string]float64{"p50_us": s.OneShot.P50us, "p90_us": s.OneShot.P90us, "p99_us": s.OneShot.P99us, "max_us": s.OneShot.MaxUs} {
+		sf.show(key, strconv.FormatFloat(v, 'f', 2, 64))
+	}
+	sf.show("latency_calls", strconv.FormatUint(s.OneShot.LatencyCalls, 10))
+	sf.shown, sf.covered = true, s.OneShot.LatencyCalls
+}
+
+func (sf *statsFile) show(key, value string) {
+	cs := C.CString(value)
+	defer C.free(unsafe.Pointer(cs))
+	C.rg_stats_show_text(C.uint32_t(sf.layout.derived[key]), cs)
+}
+
+// startRefresher keeps the percentiles current while communicators are live.
+func (sf *statsFile) startRefresher() {
+	sf.mu.Lock()
+	defer sf.mu.Unlock()
+	if sf.f == nil || sf.stop != nil {
+		return
+	}
+	stop, stopped := make(chan struct{}), make(chan struct{})
+	sf.stop, sf.stopped = stop, stopped
+	go func() {
+		defer close(stopped)
+		tick := time.NewTicker(statsRefresh)
+		defer tick.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+				sf.refresh()
+			}
+		}
+	}()
+}
+
+func (sf *statsFile) stopRefresher() {
+	sf.mu.Lock()
+	stop, stopped := sf.stop, sf.stopped
+	sf.stop, sf.stopped = nil, nil
+	sf.mu.Unlock()
+	if stop != nil {
+		close(stop)
+		<-stopped
+	}
+}
+
+// attached says whether the counts go to a mapped file (else they are written at
+// finalize and at exit).
+func (sf *statsFile) attached() bool {
+	sf.mu.Lock()
+	defer sf.mu.Unlock()
+	return sf.f != nil
+}
+
+// openStats starts ROCE_GATHER_STATS at init: a file is attached at once; "stderr", or a
+// file that cannot be attached, gets the counts at finalize and at exit.
+func openStats(path string) {
+	if path == "" {
+		return
+	}
+	armStatsAtExit()
+	if path == "stderr" {
+		return
+	}
+	if err := stats.attach(statsPath(path)); err != nil {
+		stats.mu.Lock()
+		first := !stats.warned[path]
+		if stats.warned == nil {
+			stats.warned = map[string]bool{}
+		}
+		stats.warned[path] = true
+		stats.mu.Unlock()
+		if first {
+			nlog.Warnf("ROCE_GATHER_STATS=%s: cannot keep %s current (%v); it will be written at finalize and at exit only",
+				path, statsPath(path), err)
+		}
+		return
+	}
+	stats.startRefresher()
+}
+
+// closeStats is finalize's part: the file is brought up to date (and stays attached, for
+// communicators made later), or written where none is attached.
+func closeStats(path string) {
+	if stats.attached() {
+		stats.stopRefresher()
+		stats.refresh()
+		return
+	}
+	writeStats(path)
+}
+
 var atExitOnce sync.Once
 
-// armStatsAtExit makes sure a job that never finalizes NCCL still writes its stats.
+// armStatsAtExit makes sure a job that never finalizes NCCL still gets its percentiles
+// (and, without a mapped file, its counts).
 func armStatsAtExit() { atExitOnce.Do(func() { C.rg_register_at_exit() }) }
 
 //export rgGoAtExit
@@ -119,6 +423,10 @@ func rgGoAtExit() {
 	state.mu.Lock()
 	path := state.cfg.StatsPath
 	state.mu.Unlock()
+	if stats.attached() {
+		stats.refresh()
+		return
+	}
 	writeStats(path)
 }
 
@@ -130,6 +438,7 @@ func statsPath(p string) string {
 	return strings.ReplaceAll(p, "%h", host)
 }
 
+// writeStats writes the counters as JSON to path (or stderr) in one go.
 func writeStats(path string) {
 	if path == "" {
 		return

@@ -1,10 +1,10 @@
-/* The tuner: steer a two-rank AllGather within the agreed cap to CollNet Direct / Simple
- * on one channel, and keep every other AllGather off CollNet. The decision reads only
- * inputs that are identical on both ranks (collective, total bytes, the group's agreed
- * outcome, which entries NCCL offers), so both ranks always take the same path. */
+/* The tuner: steer a two-rank AllGather within the agreed window to CollNet Direct /
+ * Simple on the agreed channels, and keep every other AllGather off CollNet. The decision reads
+ * only inputs that are identical on both ranks (collective, total bytes, the group's
+ * agreed outcome, which entries NCCL offers), so both ranks always take the same path. */
 #include <stdlib.h>
 #include "../internal/nlog/nlog.h"
-#include "../roce/stats.h"
+#include "../roce/gather/stats.h"
 #include "_cgo_export.h"
 #include "abi.h"
 #include "tuner.h"
@@ -15,22 +15,28 @@ static float* cell(float** table, int numProto, int algo, int proto) {
 
 static int offered(float v) { return v >= 0.0f; }
 
+int rg_tuner_in_window(const rg_tuner* t, size_t nBytes) {
+  /* nBytes is both ranks' bytes. An on group's window has floor <= cap <= this rank's own
+   * cap <= 64 MiB, so doubling them cannot overflow. */
+  return t->group_on && nBytes > 0 && nBytes >= 2 * t->agreed_floor && nBytes <= 2 * t->agreed_cap;
+}
+
 int rg_tuner_policy(const rg_tuner* t, int collType, size_t nBytes, float** table, int numAlgo, int numProto,
                     int* nChannels) {
   if (collType != ncclFuncAllGather || t->nranks != 2) return RG_TUNE_NOT_OURS;
   if (numAlgo <= NCCL_ALGO_COLLNET_CHAIN || numProto <= NCCL_PROTO_SIMPLE) return RG_TUNE_NOT_OURS;
   float* direct = cell(table, numProto, NCCL_ALGO_COLLNET_DIRECT, NCCL_PROTO_SIMPLE);
-  if (t->group_on && nBytes > 0 && nBytes <= 2 * t->agreed_cap) {
+  if (rg_tuner_in_window(t, nBytes)) {
     /* NCCL ignores the entry without an NVSwitch (or without CollNet, which an on group
      * rules out); use it only where both ranks asked and nodes hold one rank each. */
     int unoffered = !offered(*direct);
     if (unoffered && !t->direct_without_nvswitch) return RG_TUNE_NCCL_NOT_OFFERED;
     *direct = 0.0f;
-    *nChannels = 1;
+    *nChannels = t->oneshot_channels;
     return unoffered ? RG_TUNE_ONESHOT_UNOFFERED : RG_TUNE_ONESHOT;
   }
-  /* Above the cap (or with the group off) the gather belongs to NCCL's own algorithms,
-   * unless removing CollNet would leave NCCL no choice at all. */
+  /* Outside the window (or with the group off) the gather belongs to NCCL's own
+   * algorithms, unless removing CollNet would leave NCCL no choice at all. */
   int others = 0;
   for (int a = 0; a < numAlgo; a++)
     for (int p = 0; p < numProto; p++)
@@ -51,31 +57,31 @@ ncclResult_t rg_tuner_get_coll_info(void* ctx, ncclFunc_t collType, size_t nByte
   int d = rg_tuner_policy(t, collType, nBytes, collCostTable, numAlgo, numProto, nChannels);
   switch (d) {
   case RG_TUNE_ONESHOT_UNOFFERED:
-    atomic_fetch_add_explicit(&rg_global_stats.tuner_oneshot_unoffered, 1, memory_order_relaxed);
+    rg_stats_add(RG_STAT_TUNER_ONESHOT_UNOFFERED, 1);
     if (!t->warned_unoffered_used) {
       t->warned_unoffered_used = 1;
       RG_INFO(NCCL_TUNING, "communicator 0x%llx: NCCL does not offer CollNet Direct for AllGather here; scheduling "
-                           "gathers within the cap onto it anyway, as ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1 asks",
+                           "gathers within the window onto it anyway, as ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1 asks",
               (unsigned long long)t->comm_id);
     }
     __attribute__((fallthrough)); /* counted as one-shot too */
   case RG_TUNE_ONESHOT:
-    atomic_fetch_add_explicit(&rg_global_stats.tuner_oneshot, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&rg_global_stats.tuner_oneshot_bytes, nBytes, memory_order_relaxed);
+    rg_stats_add(RG_STAT_TUNER_ONESHOT, 1);
+    rg_stats_add(RG_STAT_TUNER_ONESHOT_BYTES, nBytes);
     break;
   case RG_TUNE_NCCL_NOT_OFFERED:
-    atomic_fetch_add_explicit(&rg_global_stats.tuner_nccl_ignored, 1, memory_order_relaxed);
+    rg_stats_add(RG_STAT_TUNER_NCCL_IGNORED, 1);
     if (!t->warned_not_offered) {
       t->warned_not_offered = 1;
       RG_INFO(NCCL_TUNING, "communicator 0x%llx: NCCL does not offer CollNet Direct for AllGather here (it drops it "
-                           "on topologies without NVSwitch); gathers within the cap stay on NCCL "
+                           "on topologies without NVSwitch); gathers within the window stay on NCCL "
                            "(ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1 on both ranks uses it anyway)",
               (unsigned long long)t->comm_id);
     }
     __attribute__((fallthrough)); /* counted as handed to NCCL too */
   case RG_TUNE_NCCL:
-    atomic_fetch_add_explicit(&rg_global_stats.tuner_nccl, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&rg_global_stats.tuner_nccl_bytes, nBytes, memory_order_relaxed);
+    rg_stats_add(RG_STAT_TUNER_NCCL, 1);
+    rg_stats_add(RG_STAT_TUNER_NCCL_BYTES, nBytes);
     break;
   default:
     break;
@@ -89,12 +95,12 @@ ncclResult_t rg_tuner_get_coll_info_v3(void* ctx, ncclFunc_t collType, size_t nB
 }
 
 int rg_tuner_chunk_policy(const rg_tuner* t, int collType, size_t nBytes, int algo, int proto, size_t* chunkSize) {
-  if (collType != ncclFuncAllGather || t->nranks != 2 || !t->group_on || algo != NCCL_ALGO_COLLNET_DIRECT ||
-      proto != NCCL_PROTO_SIMPLE || nBytes > 2 * t->agreed_cap || nBytes <= *chunkSize)
+  if (collType != ncclFuncAllGather || t->nranks != 2 || algo != NCCL_ALGO_COLLNET_DIRECT ||
+      proto != NCCL_PROTO_SIMPLE || !rg_tuner_in_window(t, nBytes) || t->oneshot_chunk == 0)
     return 0;
-  /* NCCL cuts small CollNet gathers into 32-128 KiB windows, one iallgather each; ask for
-   * the whole gather in one (NCCL clamps this to its buffer). */
-  *chunkSize = nBytes;
+  /* NCCL cuts CollNet gathers into windows of its chunk, one iallgather each, and clamps
+   * what a tuner returns to its buffer's step. Both ranks return the same agreed value. */
+  *chunkSize = t->oneshot_chunk;
   return 1;
 }
 

@@ -2,6 +2,7 @@ package plugin
 
 /*
 #include <stdlib.h>
+#include "abi.h"
 #include "tuner.h"
 */
 import "C"
@@ -10,6 +11,7 @@ import (
 	"unsafe"
 
 	"github.com/roce-gather/roce_gather/internal/nlog"
+	"github.com/roce-gather/roce_gather/roce/gather"
 )
 
 //export rgGoTunerInit
@@ -35,8 +37,16 @@ func rgGoTunerInit(t *C.rg_tuner, hasCommID C.int, logger unsafe.Pointer, abi C.
 		nlog.Infof(nlog.Tuning, "tuner v%d, communicator 0x%x: one-shot path off (%s); every gather stays on NCCL", int(abi), commID, g.why)
 	default:
 		t.group_on = 1
+		t.agreed_floor = C.uint64_t(g.floor)
 		t.agreed_cap = C.uint64_t(g.cap)
-		nlog.Infof(nlog.Tuning, "tuner v%d, communicator 0x%x: AllGathers of at most %d bytes in total (%d a rank) go to the one-shot path", int(abi), commID, 2*g.cap, g.cap)
+		t.oneshot_channels = C.int(g.channels)
+		t.oneshot_chunk = C.uint64_t(g.chunk)
+		nlog.Infof(nlog.Tuning, "tuner v%d, communicator 0x%x: AllGathers of %d to %d bytes a rank (%d to %d in total) go to the one-shot path, on %d channel(s), chunk %s",
+			int(abi), commID, g.floor, g.cap, 2*g.floor, 2*g.cap, g.channels, gather.ChunkName(g.chunk))
+		if g.chunk != 0 && abi < 6 {
+			nlog.Infof(nlog.Tuning, "tuner v%d, communicator 0x%x: ROCE_GATHER_ONESHOT_CHUNK=%d has no effect: tuner v%d has no getChunkSize (NCCL 2.30 and later have it)",
+				int(abi), commID, g.chunk, int(abi))
+		}
 		switch {
 		case !g.directWithoutNVSwitch:
 		case t.nnodes != t.nranks:
@@ -59,25 +69,37 @@ const (
 	TuneOneShotUnoffered TunerDecision = C.RG_TUNE_ONESHOT_UNOFFERED
 )
 
-// TunePolicy runs the C policy on a cost table of numAlgo x numProto entries.
-func TunePolicy(nRanks int, on bool, agreedCap uint64, collType int, nBytes uint64, table []float32, numAlgo, numProto int) (TunerDecision, int) {
-	return tunePolicy(nRanks, on, false, agreedCap, collType, nBytes, table, numAlgo, numProto)
+// TunerGroup is what a tuner knows of its communicator's collNet group, for tests.
+type TunerGroup struct {
+	On         bool
+	Floor, Cap uint64 // the agreed window, bytes a rank
+	// DirectWithoutNVSwitch: both ranks set ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, one
+	// rank a node.
+	DirectWithoutNVSwitch bool
+	// Channels (0: the default, 1) and Chunk (0: NCCL's choice) schedule a one-shot gather.
+	Channels int
+	Chunk    uint64
 }
 
-// TunePolicyDirectWithoutNVSwitch is TunePolicy for a group whose ranks both set
-// ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, one rank a node.
-func TunePolicyDirectWithoutNVSwitch(agreedCap uint64, collType int, nBytes uint64, table []float32, numAlgo, numProto int) (TunerDecision, int) {
-	return tunePolicy(2, true, true, agreedCap, collType, nBytes, table, numAlgo, numProto)
-}
-
-func tunePolicy(nRanks int, on, directWithoutNVSwitch bool, agreedCap uint64, collType int, nBytes uint64, table []float32, numAlgo, numProto int) (TunerDecision, int) {
-	t := C.rg_tuner{nranks: C.size_t(nRanks), agreed_cap: C.uint64_t(agreedCap)}
-	if on {
+func (g TunerGroup) c(nRanks int) C.rg_tuner {
+	if g.Channels == 0 {
+		g.Channels = DefaultOneShotChannels
+	}
+	t := C.rg_tuner{nranks: C.size_t(nRanks), nnodes: C.size_t(nRanks), agreed_floor: C.uint64_t(g.Floor), agreed_cap: C.uint64_t(g.Cap),
+		oneshot_channels: C.int(g.Channels), oneshot_chunk: C.uint64_t(g.Chunk)}
+	if g.On {
 		t.group_on = 1
 	}
-	if directWithoutNVSwitch {
+	if g.DirectWithoutNVSwitch {
 		t.direct_without_nvswitch = 1
 	}
+	return t
+}
+
+// TunePolicy runs the C policy on a cost table of numAlgo x numProto entries and returns
+// its decision and the nChannels it set.
+func TunePolicy(nRanks int, g TunerGroup, collType int, nBytes uint64, table []float32, numAlgo, numProto int) (TunerDecision, int) {
+	t := g.c(nRanks)
 	ct := (*C.float)(C.malloc(C.size_t(len(table) * 4)))
 	defer C.free(unsafe.Pointer(ct))
 	cs := unsafe.Slice((*float32)(unsafe.Pointer(ct)), len(table))
@@ -88,14 +110,26 @@ func tunePolicy(nRanks int, on, directWithoutNVSwitch bool, agreedCap uint64, co
 	return TunerDecision(d), int(nch)
 }
 
-// ChunkPolicy runs the C chunk-size policy (tuner v6) and returns the chunk size NCCL
-// would use.
-func ChunkPolicy(nRanks int, on bool, agreedCap uint64, collType int, nBytes uint64, algo, proto int, chunk uint64) uint64 {
-	t := C.rg_tuner{nranks: C.size_t(nRanks), agreed_cap: C.uint64_t(agreedCap)}
-	if on {
-		t.group_on = 1
-	}
+// ChunkPolicy runs the C chunk-size policy (tuner v6) on NCCL's chunk and returns the
+// chunk size NCCL would use.
+func ChunkPolicy(nRanks int, g TunerGroup, collType int, nBytes uint64, algo, proto int, chunk uint64) uint64 {
+	t := g.c(nRanks)
 	c := C.size_t(chunk)
 	C.rg_tuner_chunk_policy(&t, C.int(collType), C.size_t(nBytes), C.int(algo), C.int(proto), &c)
 	return uint64(c)
+}
+
+// GetCollInfo runs the tuner's getCollInfo entry for a group as NCCL calls it, counting
+// the decision in the stats, and returns the nChannels it set.
+func GetCollInfo(nRanks int, g TunerGroup, collType int, nBytes uint64, table []float32, numAlgo, numProto int) int {
+	t := g.c(nRanks)
+	ct := (*C.float)(C.malloc(C.size_t(len(table) * 4)))
+	defer C.free(unsafe.Pointer(ct))
+	cs := unsafe.Slice((*float32)(unsafe.Pointer(ct)), len(table))
+	copy(cs, table)
+	var nch C.int
+	C.rg_tuner_get_coll_info(unsafe.Pointer(&t), C.ncclFunc_t(collType), C.size_t(nBytes), 1, (**C.float)(unsafe.Pointer(ct)),
+		C.int(numAlgo), C.int(numProto), 0, &nch)
+	copy(table, cs)
+	return int(nch)
 }

@@ -10,25 +10,34 @@ typedef struct rg_tuner {
   uint64_t comm_id;
   size_t nranks, nnodes;
   int group_on;
-  uint64_t agreed_cap; /* per-rank shard cap both ranks agreed */
+  /* The window both ranks agreed, bytes a rank: one-shot when floor <= nBytes / 2 <= cap. */
+  uint64_t agreed_floor, agreed_cap;
   /* Both ranks allow CollNet Direct where NCCL dropped it, and every node holds one rank,
    * so Direct has no intra-node peers that would need an NVSwitch. */
   int direct_without_nvswitch;
+  /* How a one-shot gather is scheduled, as both ranks agreed: nChannels, and the chunk
+   * size tuner v6 returns (0 leaves NCCL's). */
+  int oneshot_channels;
+  uint64_t oneshot_chunk;
   int warned_not_offered, warned_unoffered_used;
 } rg_tuner;
 
 enum {
   RG_TUNE_NOT_OURS = 0,         /* not a two-rank AllGather: untouched */
-  RG_TUNE_ONESHOT = 1,          /* steered to CollNet Direct / Simple, one channel */
+  RG_TUNE_ONESHOT = 1,          /* steered to CollNet Direct / Simple, on the agreed channels */
   RG_TUNE_NCCL = 2,             /* left to NCCL's own algorithms */
-  RG_TUNE_NCCL_NOT_OFFERED = 3, /* within the cap, but NCCL marked CollNet Direct ignored */
+  RG_TUNE_NCCL_NOT_OFFERED = 3, /* within the window, but NCCL marked CollNet Direct ignored */
   RG_TUNE_ONESHOT_UNOFFERED = 4, /* steered like RG_TUNE_ONESHOT onto the entry NCCL marked ignored */
 };
+
+/* Whether a two-rank AllGather of nBytes in all lies in the group's agreed window. */
+int rg_tuner_in_window(const rg_tuner* t, size_t nBytes);
 
 int rg_tuner_policy(const rg_tuner* t, int collType, size_t nBytes, float** table, int numAlgo, int numProto,
                     int* nChannels);
 
-/* Tuner v6 (NCCL 2.30): the chunk size of a one-shot gather. Returns 1 if it changed it. */
+/* Tuner v6 (NCCL 2.30): the chunk size of a one-shot gather, where the group agreed one.
+ * Returns 1 if it changed it. */
 int rg_tuner_chunk_policy(const rg_tuner* t, int collType, size_t nBytes, int algo, int proto, size_t* chunkSize);
 
 #endif

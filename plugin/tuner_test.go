@@ -30,7 +30,7 @@ func offered() []float32 {
 
 func TestTunerSteersAGatherAtTheCapToCollNetDirectOnOneChannel(t *testing.T) {
 	table := offered()
-	d, nch := TunePolicy(2, true, 524288, allGather, 2*524288, table, 7, 3)
+	d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 524288}, allGather, 2*524288, table, 7, 3)
 	require.Equal(t, TuneOneShot, d)
 	require.Equal(t, 1, nch)
 	require.Equal(t, float32(0), table[algoCollNetDirect*3+protoSimple])
@@ -39,7 +39,7 @@ func TestTunerSteersAGatherAtTheCapToCollNetDirectOnOneChannel(t *testing.T) {
 
 func TestTunerHandsAGatherOneByteOverTheCapToNCCL(t *testing.T) {
 	table := offered()
-	d, nch := TunePolicy(2, true, 524288, allGather, 2*524288+1, table, 7, 3)
+	d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 524288}, allGather, 2*524288+1, table, 7, 3)
 	require.Equal(t, TuneNCCL, d)
 	require.Equal(t, 0, nch)
 	for p := 0; p < 3; p++ {
@@ -52,16 +52,16 @@ func TestTunerHandsAGatherOneByteOverTheCapToNCCL(t *testing.T) {
 // nBytes is the total of both ranks: a cap of 511 KiB a rank takes gathers up to 1022 KiB.
 func TestTunerCapIsPerRankAndNBytesIsTheTotal(t *testing.T) {
 	capBytes := uint64(511 * 1024)
-	d, _ := TunePolicy(2, true, capBytes, allGather, 2*capBytes, offered(), 7, 3)
+	d, _ := TunePolicy(2, TunerGroup{On: true, Cap: capBytes}, allGather, 2*capBytes, offered(), 7, 3)
 	require.Equal(t, TuneOneShot, d)
-	d, _ = TunePolicy(2, true, capBytes, allGather, 2*524288, offered(), 7, 3)
+	d, _ = TunePolicy(2, TunerGroup{On: true, Cap: capBytes}, allGather, 2*524288, offered(), 7, 3)
 	require.Equal(t, TuneNCCL, d, "a 512 KiB shard is over a 511 KiB cap")
 }
 
 func TestTunerNeverSchedulesOntoAnEntryNCCLIgnored(t *testing.T) {
 	table := offered()
 	table[algoCollNetDirect*3+protoSimple] = ignore // as NCCL >= 2.24 does without NVSwitch
-	d, nch := TunePolicy(2, true, 524288, allGather, 4096, table, 7, 3)
+	d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 524288}, allGather, 4096, table, 7, 3)
 	require.Equal(t, TuneNCCLNotOffered, d)
 	require.Equal(t, 0, nch)
 	require.Equal(t, float32(ignore), table[algoCollNetDirect*3+protoSimple])
@@ -74,7 +74,7 @@ func TestTunerUsesTheDroppedDirectEntryOnlyWhenAllowed(t *testing.T) {
 	for p := 0; p < 3; p++ {
 		table[algoCollNetDirect*3+p] = ignore
 	}
-	d, nch := TunePolicyDirectWithoutNVSwitch(524288, allGather, 2*524288, table, 7, 3)
+	d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 524288, DirectWithoutNVSwitch: true}, allGather, 2*524288, table, 7, 3)
 	require.Equal(t, TuneOneShotUnoffered, d)
 	require.Equal(t, 1, nch)
 	require.Equal(t, float32(0), table[algoCollNetDirect*3+protoSimple])
@@ -82,12 +82,12 @@ func TestTunerUsesTheDroppedDirectEntryOnlyWhenAllowed(t *testing.T) {
 
 	table = offered()
 	table[algoCollNetDirect*3+protoSimple] = ignore
-	d, _ = TunePolicyDirectWithoutNVSwitch(524288, allGather, 2*524288+2, table, 7, 3)
+	d, _ = TunePolicy(2, TunerGroup{On: true, Cap: 524288, DirectWithoutNVSwitch: true}, allGather, 2*524288+2, table, 7, 3)
 	require.Equal(t, TuneNCCL, d)
 	require.Equal(t, float32(ignore), table[algoCollNetDirect*3+protoSimple])
 
 	table = offered()
-	d, _ = TunePolicyDirectWithoutNVSwitch(524288, allGather, 4096, table, 7, 3)
+	d, _ = TunePolicy(2, TunerGroup{On: true, Cap: 524288, DirectWithoutNVSwitch: true}, allGather, 4096, table, 7, 3)
 	require.Equal(t, TuneOneShot, d, "an offered entry is an ordinary one-shot decision")
 }
 
@@ -102,7 +102,7 @@ func TestTunerLeavesEverythingElseAlone(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			table := offered()
-			d, nch := TunePolicy(tc.nRanks, tc.on, 524288, tc.coll, 4096, table, 7, 3)
+			d, nch := TunePolicy(tc.nRanks, TunerGroup{On: tc.on, Cap: 524288}, tc.coll, 4096, table, 7, 3)
 			require.Equal(t, TuneNotOurs, d)
 			require.Equal(t, 0, nch)
 			require.Equal(t, offered(), table)
@@ -112,7 +112,7 @@ func TestTunerLeavesEverythingElseAlone(t *testing.T) {
 
 func TestTunerWithTheGroupOffKeepsGathersOffCollNet(t *testing.T) {
 	table := offered()
-	d, _ := TunePolicy(2, false, 0, allGather, 4096, table, 7, 3)
+	d, _ := TunePolicy(2, TunerGroup{}, allGather, 4096, table, 7, 3)
 	require.Equal(t, TuneNCCL, d)
 	require.Equal(t, float32(ignore), table[algoCollNetDirect*3+protoSimple])
 }
@@ -124,7 +124,7 @@ func TestTunerKeepsCollNetWhenNCCLOffersNothingElse(t *testing.T) {
 		table[i] = ignore
 	}
 	table[algoCollNetDirect*3+protoSimple] = 10
-	d, _ := TunePolicy(2, true, 1024, allGather, 1<<20, table, 7, 3)
+	d, _ := TunePolicy(2, TunerGroup{On: true, Cap: 1024}, allGather, 1<<20, table, 7, 3)
 	require.Equal(t, TuneNCCL, d)
 	require.Equal(t, float32(10), table[algoCollNetDirect*3+protoSimple])
 }
@@ -132,16 +132,38 @@ func TestTunerKeepsCollNetWhenNCCLOffersNothingElse(t *testing.T) {
 // NCCL 2.19-2.22 has 6 algorithms (no PAT): the table is indexed with numAlgo as passed.
 func TestTunerIndexesWithTheTableShapeNCCLPasses(t *testing.T) {
 	table := offered()[:6*3]
-	d, nch := TunePolicy(2, true, 65536, allGather, 65536, table, 6, 3)
+	d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 65536}, allGather, 65536, table, 6, 3)
 	require.Equal(t, TuneOneShot, d)
 	require.Equal(t, 1, nch)
 	require.Equal(t, float32(0), table[algoCollNetDirect*3+protoSimple])
 }
 
-// Tuner v6 asks for the whole one-shot gather as one window; NCCL clamps it to its buffer.
-func TestChunkSizeCoversAOneShotGatherInOneWindow(t *testing.T) {
-	require.Equal(t, uint64(2*65536), ChunkPolicy(2, true, 524288, allGather, 2*65536, algoCollNetDirect, protoSimple, 32768))
-	require.Equal(t, uint64(2*524288), ChunkPolicy(2, true, 524288, allGather, 2*524288, algoCollNetDirect, protoSimple, 131072))
+// ROCE_GATHER_ONESHOT_CHANNELS reaches NCCL as the nChannels of one-shot gathers only.
+func TestTunerSetsTheAgreedChannelsForOneShotGathers(t *testing.T) {
+	for _, n := range []int{1, 2, 4, 8} {
+		d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 524288, Channels: n}, allGather, 65536, offered(), 7, 3)
+		require.Equal(t, TuneOneShot, d)
+		require.Equal(t, n, nch)
+	}
+	d, nch := TunePolicy(2, TunerGroup{On: true, Cap: 524288, Channels: 4}, allGather, 2*524288+2, offered(), 7, 3)
+	require.Equal(t, TuneNCCL, d)
+	require.Equal(t, 0, nch, "NCCL's own gathers keep NCCL's channel count")
+}
+
+// Tuner v6 without ROCE_GATHER_ONESHOT_CHUNK leaves NCCL's chunk.
+func TestChunkSizeUnsetLeavesNCCLsChoice(t *testing.T) {
+	g := TunerGroup{On: true, Cap: 524288}
+	require.Equal(t, uint64(32768), ChunkPolicy(2, g, allGather, 2*65536, algoCollNetDirect, protoSimple, 32768))
+	require.Equal(t, uint64(65536), ChunkPolicy(2, g, allGather, 2*524288, algoCollNetDirect, protoSimple, 65536))
+}
+
+// With it, tuner v6 returns the agreed chunk for a one-shot gather, smaller or larger than
+// NCCL's (NCCL clamps it to its buffer's step).
+func TestChunkSizeSetIsReturnedForOneShotGathers(t *testing.T) {
+	g := TunerGroup{On: true, Cap: 524288, Chunk: 256 << 10}
+	require.Equal(t, uint64(256<<10), ChunkPolicy(2, g, allGather, 2*65536, algoCollNetDirect, protoSimple, 32768))
+	g.Chunk = 8 << 10
+	require.Equal(t, uint64(8<<10), ChunkPolicy(2, g, allGather, 2*524288, algoCollNetDirect, protoSimple, 65536))
 }
 
 func TestChunkSizeUntouchedOutsideTheOneShotPath(t *testing.T) {
@@ -155,10 +177,11 @@ func TestChunkSizeUntouchedOutsideTheOneShotPath(t *testing.T) {
 		{"ring", true, allGather, algoRing, 4096},
 		{"all-reduce", true, allReduce, algoCollNetDirect, 4096},
 		{"above the cap", true, allGather, algoCollNetDirect, 2*524288 + 2},
-		{"already larger", true, allGather, algoCollNetDirect, 1024},
+		{"below the floor", true, allGather, algoCollNetDirect, 2*1024 - 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			require.Equal(t, uint64(32768), ChunkPolicy(2, tc.on, 524288, tc.coll, tc.nBytes, tc.algo, protoSimple, 32768))
+			g := TunerGroup{On: tc.on, Floor: 1024, Cap: 524288, Chunk: 128 << 10}
+			require.Equal(t, uint64(32768), ChunkPolicy(2, g, tc.coll, tc.nBytes, tc.algo, protoSimple, 32768))
 		})
 	}
 }

@@ -17,11 +17,21 @@ import (
 
 // ProtocolVersion is the version of every handle and bootstrap message this library
 // writes. A peer on another version is refused with a message naming both. Version 3
-// added the gather handle's flag byte.
-const ProtocolVersion = 3
+// added the gather handle's flag byte, version 4 its floor (ROCE_GATHER_MIN_BYTES),
+// version 5 its one-shot channels and chunk size, version 6 the tcp fabric's endpoint
+// description, channels on its connections and two-sided sends.
+const ProtocolVersion = 6
 
 // HandleSize is NCCL's handle size (NCCL_NET_HANDLE_MAXSIZE).
 const HandleSize = 128
+
+// Every handle this library writes starts with its kind's magic (4 bytes), the protocol
+// version (2 bytes) and the purpose of the links it leads to (1 byte).
+const (
+	HandleOffMagic   = 0
+	HandleOffVersion = 4
+	HandleOffPurpose = 6
+)
 
 // Token is the random secret a handle carries; a connection that does not present it
 // is refused before any link exists.
@@ -35,10 +45,12 @@ func newToken() (Token, error) {
 	return t, nil
 }
 
-// Purposes a link is made for; a listener accepts only its own.
+// Purpose is what a link is made for; a listener accepts only its own.
+type Purpose uint8
+
 const (
-	purposeP2P    = 1
-	purposeGather = 2
+	PurposeP2P    Purpose = 1
+	PurposeGather Purpose = 2
 )
 
 const (
@@ -48,16 +60,19 @@ const (
 	maxBlob      = 4096
 )
 
-// endpointAddr is where a listener can be reached.
-type endpointAddr struct {
+// Addr is where a listener can be reached.
+type Addr struct {
 	IP   net.IP
 	Port int
 }
 
-func (a endpointAddr) String() string { return net.JoinHostPort(a.IP.String(), fmt.Sprint(a.Port)) }
+func (a Addr) String() string { return net.JoinHostPort(a.IP.String(), fmt.Sprint(a.Port)) }
 
-// putAddr writes family, IP and port into 20 bytes.
-func putAddr(b []byte, a endpointAddr) {
+// AddrSize is the bytes an Addr takes in a handle.
+const AddrSize = 20
+
+// Put writes family, IP and port into b[:AddrSize].
+func (a Addr) Put(b []byte) {
 	ip := a.IP.To16()
 	if a.IP.To4() != nil {
 		b[0] = 4
@@ -68,36 +83,38 @@ func putAddr(b []byte, a endpointAddr) {
 	binary.LittleEndian.PutUint16(b[18:20], uint16(a.Port))
 }
 
-func getAddr(b []byte) (endpointAddr, error) {
+// ParseAddr reads what Put wrote, refusing an unknown family, a malformed IPv4 address
+// or port 0.
+func ParseAddr(b []byte) (Addr, error) {
 	if b[0] != 4 && b[0] != 6 {
-		return endpointAddr{}, fmt.Errorf("address family %d is neither IPv4 nor IPv6", b[0])
+		return Addr{}, fmt.Errorf("address family %d is neither IPv4 nor IPv6", b[0])
 	}
 	ip := make(net.IP, 16)
 	copy(ip, b[2:18])
 	if b[0] == 4 {
 		ip = ip.To4()
 		if ip == nil {
-			return endpointAddr{}, errors.New("IPv4 address is not in IPv4-mapped form")
+			return Addr{}, errors.New("IPv4 address is not in IPv4-mapped form")
 		}
 	}
 	port := int(binary.LittleEndian.Uint16(b[18:20]))
 	if port == 0 {
-		return endpointAddr{}, errors.New("port is 0")
+		return Addr{}, errors.New("port is 0")
 	}
-	return endpointAddr{IP: ip, Port: port}, nil
+	return Addr{IP: ip, Port: port}, nil
 }
 
-// side is the protocol state one end of a link brings: its description for the peer,
+// Side is the protocol state one end of a link brings: its description for the peer,
 // and what it does with the peer's.
-type side interface {
-	blob() []byte
-	peerBlob(b []byte) error
+type Side interface {
+	Blob() []byte
+	PeerBlob(b []byte) error
 }
 
 // hello is what the dialing side sends first.
 type hello struct {
 	version uint16
-	purpose uint8
+	purpose Purpose
 	lanes   uint8
 	token   Token
 	proto   []byte
@@ -108,7 +125,7 @@ func writeHello(w io.Writer, h hello) error {
 	var b bytes.Buffer
 	binary.Write(&b, binary.LittleEndian, uint32(magicHello))
 	binary.Write(&b, binary.LittleEndian, h.version)
-	b.WriteByte(h.purpose)
+	b.WriteByte(byte(h.purpose))
 	b.WriteByte(h.lanes)
 	b.Write(h.token[:])
 	writeBlobs(&b, h.proto, h.fab)
@@ -124,7 +141,7 @@ func readHello(r io.Reader) (hello, error) {
 	if m := binary.LittleEndian.Uint32(fixed[0:4]); m != magicHello {
 		return hello{}, fmt.Errorf("not a roce_gather hello (magic 0x%08x)", m)
 	}
-	h := hello{version: binary.LittleEndian.Uint16(fixed[4:6]), purpose: fixed[6], lanes: fixed[7]}
+	h := hello{version: binary.LittleEndian.Uint16(fixed[4:6]), purpose: Purpose(fixed[6]), lanes: fixed[7]}
 	copy(h.token[:], fixed[8:24])
 	if h.version != ProtocolVersion {
 		return h, nil // the caller answers with a version error before reading more
@@ -207,10 +224,10 @@ func readStatus(r io.Reader, magic uint32, what string) ([]byte, []byte, error) 
 
 // finish runs the steps both ends share once descriptions are known: prepare the
 // endpoint, tell the peer, wait for the peer, start the link.
-func finish(conn *net.TCPConn, ep fabric.Endpoint, s side, peerProto, peerFab []byte, deadline time.Time) (*fabric.Link, error) {
+func finish(conn *net.TCPConn, ep fabric.Endpoint, s Side, peerProto, peerFab []byte, deadline time.Time) (*fabric.Link, error) {
 	conn.SetDeadline(deadline)
 	reason := ""
-	if err := s.peerBlob(peerProto); err != nil {
+	if err := s.PeerBlob(peerProto); err != nil {
 		reason = err.Error()
 	} else if err := ep.Prepare(peerFab); err != nil {
 		reason = err.Error()
@@ -269,8 +286,16 @@ func (h *handshakes) abort() {
 
 var errClosing = errors.New("the transport is closing")
 
+// allowPairing lets a p2p link, which carries data from its dialer only, share its
+// connection with one going the other way, where the fabric can.
+func allowPairing(ep fabric.Endpoint, purpose Purpose, dialer bool) {
+	if p, ok := ep.(fabric.Pairable); ok && purpose == PurposeP2P {
+		p.AllowPairing(dialer)
+	}
+}
+
 // dialLink connects to a listener, authenticates with its token and returns the link.
-func (t *Transport) dialLink(to endpointAddr, token Token, purpose uint8, lanes int, s side) (*fabric.Link, error) {
+func (t *Transport) dialLink(to Addr, token Token, purpose Purpose, lanes int, s Side) (*fabric.Link, error) {
 	deadline := time.Now().Add(t.cfg.Timeout)
 	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: t.localIP()}, Deadline: deadline}
 	c, err := d.DialContext(t.ctx, "tcp", to.String())
@@ -288,9 +313,10 @@ func (t *Transport) dialLink(to endpointAddr, token Token, purpose uint8, lanes 
 		conn.Close()
 		return nil, err
 	}
+	allowPairing(ep, purpose, true)
 	link, err := func() (*fabric.Link, error) {
 		conn.SetDeadline(deadline)
-		if err := writeHello(conn, hello{version: ProtocolVersion, purpose: purpose, lanes: uint8(lanes), token: token, proto: s.blob(), fab: ep.Describe()}); err != nil {
+		if err := writeHello(conn, hello{version: ProtocolVersion, purpose: purpose, lanes: uint8(lanes), token: token, proto: s.Blob(), fab: ep.Describe()}); err != nil {
 			return nil, fmt.Errorf("sending hello to %s: %w", to, err)
 		}
 		proto, fab, err := readStatus(conn, magicWelcome, "welcome")
@@ -311,13 +337,13 @@ func (t *Transport) dialLink(to endpointAddr, token Token, purpose uint8, lanes 
 type listener struct {
 	t       *Transport
 	ln      *net.TCPListener
-	addr    endpointAddr
+	addr    Addr
 	token   Token
-	purpose uint8
+	purpose Purpose
 	// newSide gives the accepting side's protocol state for one incoming link; it must
 	// return once stop closes. When sharedSide is set, the state belongs to someone else
 	// and is never closed here.
-	newSide    func(stop <-chan struct{}) (side, error)
+	newSide    func(stop <-chan struct{}) (Side, error)
 	sharedSide bool
 
 	mu        sync.Mutex
@@ -332,10 +358,10 @@ type listener struct {
 
 type accepted struct {
 	link *fabric.Link
-	side side
+	side Side
 }
 
-func (t *Transport) listen(purpose uint8, newSide func(stop <-chan struct{}) (side, error), sharedSide bool) (*listener, error) {
+func (t *Transport) listen(purpose Purpose, newSide func(stop <-chan struct{}) (Side, error), sharedSide bool) (*listener, error) {
 	token, err := newToken()
 	if err != nil {
 		return nil, err
@@ -345,7 +371,7 @@ func (t *Transport) listen(purpose uint8, newSide func(stop <-chan struct{}) (si
 		return nil, fmt.Errorf("listening on %s: %w", t.localIP(), err)
 	}
 	l := &listener{t: t, ln: ln, token: token, purpose: purpose, newSide: newSide, sharedSide: sharedSide, stop: make(chan struct{}),
-		addr: endpointAddr{IP: t.localIP(), Port: ln.Addr().(*net.TCPAddr).Port}}
+		addr: Addr{IP: t.localIP(), Port: ln.Addr().(*net.TCPAddr).Port}}
 	if !t.track(l) {
 		ln.Close()
 		return nil, errClosing
@@ -376,7 +402,7 @@ func (l *listener) serve() {
 	}
 }
 
-func (l *listener) closeSide(s side) {
+func (l *listener) closeSide(s Side) {
 	if c, ok := s.(interface{ Close() error }); ok && !l.sharedSide {
 		c.Close()
 	}
@@ -384,7 +410,7 @@ func (l *listener) closeSide(s side) {
 
 // decideSide asks newSide for the link's state. close waits for it before cutting
 // connections, so that a refusal (the listener closing, say) still reaches the peer.
-func (l *listener) decideSide(conn *net.TCPConn) (side, error) {
+func (l *listener) decideSide(conn *net.TCPConn) (Side, error) {
 	l.mu.Lock()
 	l.deciding++
 	l.mu.Unlock()
@@ -429,9 +455,10 @@ func (l *listener) handle(conn *net.TCPConn) {
 		return
 	}
 	var link *fabric.Link
-	var s side
+	var s Side
 	ep, err := l.t.dev.NewEndpoint(int(h.lanes))
 	if err == nil {
+		allowPairing(ep, l.purpose, false)
 		s, err = l.decideSide(conn)
 		if err != nil {
 			ep.Close()
@@ -442,7 +469,7 @@ func (l *listener) handle(conn *net.TCPConn) {
 		conn.Close()
 		return
 	}
-	if err = writeStatus(conn, magicWelcome, "", s.blob(), ep.Describe()); err == nil {
+	if err = writeStatus(conn, magicWelcome, "", s.Blob(), ep.Describe()); err == nil {
 		link, err = finish(conn, ep, s, h.proto, h.fab, deadline)
 	}
 	if err != nil {

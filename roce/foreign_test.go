@@ -3,6 +3,7 @@ package roce
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"io"
 	"net"
 	"strconv"
@@ -45,7 +46,7 @@ func TestAForeignClientWithoutTheTokenIsRefused(t *testing.T) {
 	pl, ph := listenP2P(t, tr)
 	for name, send := range map[string]func(net.Conn){
 		"wrong token": func(c net.Conn) {
-			writeHello(c, hello{version: ProtocolVersion, purpose: purposeP2P, lanes: 1, token: Token{1, 2, 3}})
+			writeHello(c, hello{version: ProtocolVersion, purpose: PurposeP2P, lanes: 1, token: Token{1, 2, 3}})
 		},
 		"not a hello": func(c net.Conn) { c.Write([]byte("GET / HTTP/1.0\r\n\r\n")) },
 		"silent":      func(net.Conn) {},
@@ -67,10 +68,11 @@ func TestAPeerOnAnotherProtocolVersionIsToldWhy(t *testing.T) {
 	c, err := net.Dial("tcp", ph.addr.String())
 	require.NoError(t, err)
 	defer c.Close()
-	require.NoError(t, writeHello(c, hello{version: ProtocolVersion + 1, purpose: purposeP2P, lanes: 1, token: ph.token}))
+	require.NoError(t, writeHello(c, hello{version: ProtocolVersion + 1, purpose: PurposeP2P, lanes: 1, token: ph.token}))
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	_, _, err = readStatus(c, magicWelcome, "welcome")
-	require.EqualError(t, err, "peer refused: 127.0.0.1:"+port(c.LocalAddr())+" speaks roce_gather protocol version 4, this library speaks version 3")
+	require.EqualError(t, err, fmt.Sprintf("peer refused: 127.0.0.1:%s speaks roce_gather protocol version %d, this library speaks version %d",
+		port(c.LocalAddr()), ProtocolVersion+1, ProtocolVersion))
 }
 
 func port(a net.Addr) string { return strconv.Itoa(a.(*net.TCPAddr).Port) }
@@ -107,7 +109,9 @@ func TestWritesWithAWrongKeyOrOutsideTheRegionAreRefused(t *testing.T) {
 			// The handshake of a sending comm, with a made-up FIFO description.
 			fake := make([]byte, 8+4*fabric.MaxLanes)
 			binary.LittleEndian.PutUint64(fake, 0x1000)
-			require.NoError(t, writeHello(c, hello{version: ProtocolVersion, purpose: purposeP2P, lanes: 1, token: ph.token, proto: fake}))
+			// A tcp endpoint description (version 1, not pairable, a device id of its own).
+			fab := []byte{1, 0, 0xf0, 0xe1, 0xd2, 0xc3, 0xb4, 0xa5, 0x96, 0x87, 9, 0, 0, 0, 0, 0, 0, 0}
+			require.NoError(t, writeHello(c, hello{version: ProtocolVersion, purpose: PurposeP2P, lanes: 1, token: ph.token, proto: fake, fab: fab}))
 			proto, _, err := readStatus(c, magicWelcome, "welcome")
 			require.NoError(t, err)
 			cmplAddr, keys, err := getRemote(proto)

@@ -19,11 +19,9 @@ import (
 // p2p handle layout (NCCL's 128-byte listen handle).
 const (
 	p2pMagic        = 0x3150_4752 // "RGP1"
-	hOffMagic       = 0
-	hOffVersion     = 4
-	hOffPurpose     = 6
-	hOffAddr        = 8 // 20 bytes
+	hOffAddr        = 8           // 20 bytes
 	hOffToken       = 32
+	hOffDevice      = 48  // the listener's fabric device id, where the fabric pairs links (tcp)
 	hOffConnectSlot = 120 // scratch NCCL lets us keep across connect retries
 )
 
@@ -39,7 +37,7 @@ func (t *Transport) ListenP2P(handle []byte) (*P2PListener, error) {
 		return nil, fmt.Errorf("handle buffer is %d bytes, need %d", len(handle), HandleSize)
 	}
 	pl := &P2PListener{t: t}
-	l, err := t.listen(purposeP2P, func(<-chan struct{}) (side, error) { return newRecvSide(t) }, false)
+	l, err := t.listen(PurposeP2P, func(<-chan struct{}) (Side, error) { return newRecvSide(t) }, false)
 	if err != nil {
 		return nil, err
 	}
@@ -47,11 +45,14 @@ func (t *Transport) ListenP2P(handle []byte) (*P2PListener, error) {
 	for i := range handle[:HandleSize] {
 		handle[i] = 0
 	}
-	binary.LittleEndian.PutUint32(handle[hOffMagic:], p2pMagic)
-	binary.LittleEndian.PutUint16(handle[hOffVersion:], ProtocolVersion)
-	handle[hOffPurpose] = purposeP2P
-	putAddr(handle[hOffAddr:hOffAddr+20], l.addr)
+	binary.LittleEndian.PutUint32(handle[HandleOffMagic:], p2pMagic)
+	binary.LittleEndian.PutUint16(handle[HandleOffVersion:], ProtocolVersion)
+	handle[HandleOffPurpose] = byte(PurposeP2P)
+	l.addr.Put(handle[hOffAddr : hOffAddr+AddrSize])
 	copy(handle[hOffToken:hOffToken+16], l.token[:])
+	if p, ok := t.dev.(dialPairer); ok {
+		binary.LittleEndian.PutUint64(handle[hOffDevice:], p.ID())
+	}
 	return pl, nil
 }
 
@@ -73,27 +74,36 @@ func (pl *P2PListener) Close() { pl.l.close() }
 func (pl *P2PListener) Addr() string { return pl.l.addr.String() }
 
 type p2pHandle struct {
-	addr  endpointAddr
-	token Token
+	addr   Addr
+	token  Token
+	device uint64 // 0 where the listener's fabric does not pair links
+}
+
+// dialPairer is a fabric device that pairs p2p links going opposite ways (tcp): a handle
+// names it, and a dial to a peer device is announced before its handshake.
+type dialPairer interface {
+	ID() uint64
+	ExpectDial(peer uint64) (done func())
 }
 
 func parseP2PHandle(h []byte) (p2pHandle, error) {
 	if len(h) < HandleSize {
 		return p2pHandle{}, fmt.Errorf("handle is %d bytes, expected %d", len(h), HandleSize)
 	}
-	if m := binary.LittleEndian.Uint32(h[hOffMagic:]); m != p2pMagic {
+	if m := binary.LittleEndian.Uint32(h[HandleOffMagic:]); m != p2pMagic {
 		return p2pHandle{}, fmt.Errorf("not a roce_gather net handle (magic 0x%08x)", m)
 	}
-	if v := binary.LittleEndian.Uint16(h[hOffVersion:]); v != ProtocolVersion {
+	if v := binary.LittleEndian.Uint16(h[HandleOffVersion:]); v != ProtocolVersion {
 		return p2pHandle{}, fmt.Errorf("the peer speaks roce_gather protocol version %d, this library speaks version %d", v, ProtocolVersion)
 	}
-	a, err := getAddr(h[hOffAddr : hOffAddr+20])
+	a, err := ParseAddr(h[hOffAddr : hOffAddr+AddrSize])
 	if err != nil {
 		return p2pHandle{}, fmt.Errorf("handle address: %w", err)
 	}
 	var p p2pHandle
 	p.addr = a
 	copy(p.token[:], h[hOffToken:hOffToken+16])
+	p.device = binary.LittleEndian.Uint64(h[hOffDevice:])
 	return p, nil
 }
 
@@ -111,14 +121,22 @@ func (t *Transport) ConnectP2P(handle []byte) (*PendingSend, error) {
 		return nil, err
 	}
 	p := &PendingSend{done: make(chan struct{})}
+	pairer, pairs := t.dev.(dialPairer)
+	var dialed func()
+	if pairs && h.device != 0 {
+		dialed = pairer.ExpectDial(h.device)
+	}
 	started := t.goBackground(func() {
 		defer close(p.done)
+		if dialed != nil {
+			defer dialed()
+		}
 		s, err := newSendSide(t)
 		if err != nil {
 			p.err = err
 			return
 		}
-		link, err := t.dialLink(h.addr, h.token, purposeP2P, 1, s)
+		link, err := t.dialLink(h.addr, h.token, PurposeP2P, 1, s)
 		if err != nil {
 			s.Close()
 			p.err = err
@@ -128,6 +146,9 @@ func (t *Transport) ConnectP2P(handle []byte) (*PendingSend, error) {
 		p.comm = &SendComm{t: t, side: s, link: link}
 	})
 	if !started {
+		if dialed != nil {
+			dialed()
+		}
 		return nil, errClosing
 	}
 	return p, nil
@@ -185,20 +206,20 @@ func getRemote(b []byte) (uint64, [fabric.MaxLanes]uint32, error) {
 type sendSide struct {
 	t        *Transport
 	c        *C.rg_p2p_send
-	fifo     *hostBuffer
+	fifo     *HostBuffer
 	peerAddr uint64
 	peerKeys [fabric.MaxLanes]uint32
 	once     sync.Once
 }
 
 func newSendSide(t *Transport) (*sendSide, error) {
-	fifo, err := newHostBuffer(t.dev, uint64(C.RG_P2P_FIFO_BYTES))
+	fifo, err := NewHostBuffer(t.dev, uint64(C.RG_P2P_FIFO_BYTES))
 	if err != nil {
 		return nil, fmt.Errorf("send FIFO: %w", err)
 	}
 	c := (*C.rg_p2p_send)(C.calloc(1, C.sizeof_rg_p2p_send))
 	if c == nil {
-		fifo.free(t.dev)
+		fifo.Free(t.dev)
 		return nil, errors.New("out of memory for a send comm")
 	}
 	C.rg_p2p_send_init(c)
@@ -206,9 +227,9 @@ func newSendSide(t *Transport) (*sendSide, error) {
 	return &sendSide{t: t, c: c, fifo: fifo}, nil
 }
 
-func (s *sendSide) blob() []byte { return putRemote(s.fifo.addr(), s.fifo.mr) }
+func (s *sendSide) Blob() []byte { return putRemote(s.fifo.Addr(), s.fifo.mr) }
 
-func (s *sendSide) peerBlob(b []byte) (err error) {
+func (s *sendSide) PeerBlob(b []byte) (err error) {
 	s.peerAddr, s.peerKeys, err = getRemote(b)
 	return err
 }
@@ -224,7 +245,7 @@ func (s *sendSide) start(link *fabric.Link) {
 func (s *sendSide) Close() error {
 	var err error
 	s.once.Do(func() {
-		err = s.fifo.free(s.t.dev)
+		err = s.fifo.Free(s.t.dev)
 		C.free(unsafe.Pointer(s.c))
 	})
 	return err
@@ -234,27 +255,27 @@ func (s *sendSide) Close() error {
 type recvSide struct {
 	t        *Transport
 	c        *C.rg_p2p_recv
-	cts      *hostBuffer
-	cmpl     *hostBuffer
+	cts      *HostBuffer
+	cmpl     *HostBuffer
 	peerAddr uint64
 	peerKeys [fabric.MaxLanes]uint32
 	once     sync.Once
 }
 
 func newRecvSide(t *Transport) (*recvSide, error) {
-	cts, err := newHostBuffer(t.dev, uint64(C.RG_P2P_FIFO_BYTES))
+	cts, err := NewHostBuffer(t.dev, uint64(C.RG_P2P_FIFO_BYTES))
 	if err != nil {
 		return nil, fmt.Errorf("CTS staging: %w", err)
 	}
-	cmpl, err := newHostBuffer(t.dev, uint64(C.RG_P2P_CMPL_BYTES))
+	cmpl, err := NewHostBuffer(t.dev, uint64(C.RG_P2P_CMPL_BYTES))
 	if err != nil {
-		cts.free(t.dev)
+		cts.Free(t.dev)
 		return nil, fmt.Errorf("completion records: %w", err)
 	}
 	c := (*C.rg_p2p_recv)(C.calloc(1, C.sizeof_rg_p2p_recv))
 	if c == nil {
-		cts.free(t.dev)
-		cmpl.free(t.dev)
+		cts.Free(t.dev)
+		cmpl.Free(t.dev)
 		return nil, errors.New("out of memory for a receive comm")
 	}
 	C.rg_p2p_recv_init(c)
@@ -264,9 +285,9 @@ func newRecvSide(t *Transport) (*recvSide, error) {
 	return &recvSide{t: t, c: c, cts: cts, cmpl: cmpl}, nil
 }
 
-func (r *recvSide) blob() []byte { return putRemote(r.cmpl.addr(), r.cmpl.mr) }
+func (r *recvSide) Blob() []byte { return putRemote(r.cmpl.Addr(), r.cmpl.mr) }
 
-func (r *recvSide) peerBlob(b []byte) (err error) {
+func (r *recvSide) PeerBlob(b []byte) (err error) {
 	r.peerAddr, r.peerKeys, err = getRemote(b)
 	return err
 }
@@ -282,7 +303,7 @@ func (r *recvSide) start(link *fabric.Link) {
 func (r *recvSide) Close() error {
 	var err error
 	r.once.Do(func() {
-		err = errors.Join(r.cts.free(r.t.dev), r.cmpl.free(r.t.dev))
+		err = errors.Join(r.cts.Free(r.t.dev), r.cmpl.Free(r.t.dev))
 		C.free(unsafe.Pointer(r.c))
 	})
 	return err

@@ -1,5 +1,6 @@
-/* Requests handed to NCCL. Every kind starts with this header; test dispatches on kind.
- * Requests live in per-comm arrays made at connect time: the hot path allocates nothing. */
+/* Requests handed to NCCL. Every kind starts with this header; the plugin's test
+ * dispatches on kind (plugin/request.c). Requests live in per-comm arrays made at
+ * connect time: the hot path allocates nothing. */
 #ifndef RG_REQUEST_H
 #define RG_REQUEST_H
 
@@ -22,8 +23,5 @@ typedef struct rg_request {
   uint64_t id; /* sequence number within the comm, for log lines */
   uint64_t sizes[RG_REQ_MAX_SIZES];
 } rg_request;
-
-/* Tests any request made by this library (p2p or gather). */
-ncclResult_t rg_request_test(void* request, int* done, uint64_t* sizes);
 
 #endif

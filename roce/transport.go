@@ -1,5 +1,6 @@
 // Package roce is the transport: it opens a fabric (verbs or tcp), makes authenticated
-// links, and runs the p2p message protocol and the one-shot gather protocol on them.
+// links, and runs the p2p message protocol on them. The one-shot gather protocol lives
+// in roce/gather and runs on links this package makes for it (links.go).
 package roce
 
 /*
@@ -244,15 +245,16 @@ func (c *regCache) releaseAll(dev fabric.Device) {
 	}
 }
 
-// hostBuffer is page-aligned, zeroed C memory registered on the device: the control
+// HostBuffer is page-aligned, zeroed C memory registered on the device: the control
 // structures peers write into (FIFOs, completion records, gather slots).
-type hostBuffer struct {
+type HostBuffer struct {
 	ptr unsafe.Pointer
 	len uint64
 	mr  *fabric.MR
 }
 
-func newHostBuffer(dev fabric.Device, n uint64) (*hostBuffer, error) {
+// NewHostBuffer maps n bytes and registers them on dev.
+func NewHostBuffer(dev fabric.Device, n uint64) (*HostBuffer, error) {
 	p := C.rg_map(C.size_t(n)) // zeroed and page-aligned
 	if p == nil {
 		return nil, fmt.Errorf("mapping %d bytes", n)
@@ -262,10 +264,11 @@ func newHostBuffer(dev fabric.Device, n uint64) (*hostBuffer, error) {
 		C.rg_unmap(p, C.size_t(n))
 		return nil, err
 	}
-	return &hostBuffer{ptr: p, len: n, mr: mr}, nil
+	return &HostBuffer{ptr: p, len: n, mr: mr}, nil
 }
 
-func (b *hostBuffer) free(dev fabric.Device) error {
+// Free deregisters and unmaps the buffer; a nil or freed buffer is a no-op.
+func (b *HostBuffer) Free(dev fabric.Device) error {
 	if b == nil || b.ptr == nil {
 		return nil
 	}
@@ -277,7 +280,14 @@ func (b *hostBuffer) free(dev fabric.Device) error {
 	return err
 }
 
-func (b *hostBuffer) addr() uint64 { return uint64(uintptr(b.ptr)) }
+// Addr is the buffer's address, as peers name it in writes.
+func (b *HostBuffer) Addr() uint64 { return uint64(uintptr(b.ptr)) }
+
+// Ptr is the buffer's memory.
+func (b *HostBuffer) Ptr() unsafe.Pointer { return b.ptr }
+
+// MR is the buffer's registration.
+func (b *HostBuffer) MR() *fabric.MR { return b.mr }
 
 // localIP is where this transport's listeners bind.
 func (t *Transport) localIP() net.IP { return t.iface.IP }

@@ -152,19 +152,26 @@ func TestABICatchesPropertiesOfTheWrongVersion(t *testing.T) {
 // variable, the value and what was used instead, and the library still works.
 func TestBadEnvironmentValuesAreRefusedWithAWarning(t *testing.T) {
 	bad := map[string]string{
-		"ROCE_GATHER_ENABLE":     `ROCE_GATHER_ENABLE="maybe" is not 0 or 1; using 1`,
-		"ROCE_GATHER_MAX_BYTES":  `ROCE_GATHER_MAX_BYTES="lots" is not a byte count (want digits with an optional K, M or G suffix); using 524288`,
-		"ROCE_GATHER_FABRIC":     `ROCE_GATHER_FABRIC="rdma" is not auto, verbs or tcp; using auto`,
-		"ROCE_GATHER_HCAS":       `ROCE_GATHER_HCAS="mlx5_0,,mlx5_1" has an empty item; using all active ports`,
-		"ROCE_GATHER_GID_INDEX":  `ROCE_GATHER_GID_INDEX="third" is not auto or an index from 0 to 255; using auto`,
-		"ROCE_GATHER_TCP_IF":     `ROCE_GATHER_TCP_IF="eth0,eth1" is not an interface name; using NCCL_SOCKET_IFNAME or the first interface that is up`,
-		"ROCE_GATHER_TIMEOUT_MS": `ROCE_GATHER_TIMEOUT_MS="0" is not a positive number of milliseconds; using 30000`,
-		"ROCE_GATHER_MODE":       `ROCE_GATHER_MODE="turbo" is not rendezvous, eager or auto; using auto`,
-		"ROCE_GATHER_TCP_CUDA":   `ROCE_GATHER_TCP_CUDA="yes" is not 0 or 1; using 0`,
+		"ROCE_GATHER_ENABLE":           `ROCE_GATHER_ENABLE="maybe" is not 0 or 1; using 1`,
+		"ROCE_GATHER_MAX_BYTES":        `ROCE_GATHER_MAX_BYTES="lots" is not a byte count (want digits with an optional K, M or G suffix); using the fabric's default window`,
+		"ROCE_GATHER_MIN_BYTES":        `ROCE_GATHER_MIN_BYTES="65M" is outside 0..67108864; using the fabric's default window`,
+		"ROCE_GATHER_FABRIC":           `ROCE_GATHER_FABRIC="rdma" is not auto, verbs or tcp; using auto`,
+		"ROCE_GATHER_HCAS":             `ROCE_GATHER_HCAS="mlx5_0,,mlx5_1" has an empty item; using all active ports`,
+		"ROCE_GATHER_GID_INDEX":        `ROCE_GATHER_GID_INDEX="third" is not auto or an index from 0 to 255; using auto`,
+		"ROCE_GATHER_TCP_IF":           `ROCE_GATHER_TCP_IF="eth0,eth1" is not an interface name; using NCCL_SOCKET_IFNAME or the first interface that is up`,
+		"ROCE_GATHER_TIMEOUT_MS":       `ROCE_GATHER_TIMEOUT_MS="0" is not a positive number of milliseconds; using 30000`,
+		"ROCE_GATHER_MODE":             `ROCE_GATHER_MODE="turbo" is not rendezvous, eager or auto; using auto`,
+		"ROCE_GATHER_TCP_CUDA":         `ROCE_GATHER_TCP_CUDA="yes" is not 0 or 1; using 0`,
+		"ROCE_GATHER_ONESHOT_CHANNELS": `ROCE_GATHER_ONESHOT_CHANNELS="3" is not 1, 2, 4 or 8; using 1`,
+		"ROCE_GATHER_ONESHOT_CHUNK":    `ROCE_GATHER_ONESHOT_CHUNK="1000" is not a multiple of 512 bytes (NCCL's Simple grain) from 512 to 67108864; using NCCL's choice`,
+		"ROCE_GATHER_TRACE_EVERY":      `ROCE_GATHER_TRACE_EVERY="0" is not a whole number from 1 to 4294967296; using 1`,
+		"ROCE_GATHER_TRACE_RECORDS":    `ROCE_GATHER_TRACE_RECORDS="many" is not a whole number from 1 to 1048576; using 16384`,
 	}
-	values := map[string]string{"ROCE_GATHER_ENABLE": "maybe", "ROCE_GATHER_MAX_BYTES": "lots", "ROCE_GATHER_FABRIC": "rdma",
+	values := map[string]string{"ROCE_GATHER_ENABLE": "maybe", "ROCE_GATHER_MAX_BYTES": "lots", "ROCE_GATHER_MIN_BYTES": "65M", "ROCE_GATHER_FABRIC": "rdma",
 		"ROCE_GATHER_HCAS": "mlx5_0,,mlx5_1", "ROCE_GATHER_GID_INDEX": "third", "ROCE_GATHER_TCP_IF": "eth0,eth1",
-		"ROCE_GATHER_TIMEOUT_MS": "0", "ROCE_GATHER_MODE": "turbo", "ROCE_GATHER_TCP_CUDA": "yes"}
+		"ROCE_GATHER_TIMEOUT_MS": "0", "ROCE_GATHER_MODE": "turbo", "ROCE_GATHER_TCP_CUDA": "yes",
+		"ROCE_GATHER_ONESHOT_CHANNELS": "3", "ROCE_GATHER_ONESHOT_CHUNK": "1000",
+		"ROCE_GATHER_TRACE_EVERY": "0", "ROCE_GATHER_TRACE_RECORDS": "many"}
 	var env []string
 	for k, v := range values {
 		env = append(env, k+"="+v)
@@ -177,7 +184,7 @@ func TestBadEnvironmentValuesAreRefusedWithAWarning(t *testing.T) {
 	}
 	for _, c := range r.Checks {
 		if c.Check == "warnings" {
-			require.Equal(t, "9 WARN line(s) logged during the check", c.Detail)
+			require.Equal(t, "14 WARN line(s) logged during the check", c.Detail)
 		} else {
 			require.True(t, c.OK, "%s %s: the defaults keep everything else working", c.Table, c.Check)
 		}

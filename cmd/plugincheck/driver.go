@@ -13,33 +13,53 @@ import (
 	"sync"
 )
 
-// paths locates the library and the C driver: beside this executable unless named.
+// paths locates the library and the C driver.
 type paths struct {
 	lib    string
 	driver string
 }
 
+// defaultPaths fills in what was not named: each is looked for beside this executable (the
+// build tree: build/plugincheck, build/libroce_gather.so, build/plugincheck-driver), then in
+// the layout make install writes (PREFIX/bin/plugincheck, PREFIX/lib/libroce_gather.so,
+// PREFIX/libexec/roce_gather/plugincheck-driver), so an installed plugincheck checks the
+// installed library wherever PREFIX is.
 func defaultPaths(lib, driver string) (paths, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return paths{}, fmt.Errorf("locating plugincheck: %w", err)
 	}
 	dir := filepath.Dir(self)
+	prefix := filepath.Dir(dir)
 	if lib == "" {
-		lib = filepath.Join(dir, "libroce_gather.so")
+		if lib, err = firstExisting("--lib", filepath.Join(dir, "libroce_gather.so"), filepath.Join(prefix, "lib", "libroce_gather.so")); err != nil {
+			return paths{}, err
+		}
 	}
 	if driver == "" {
-		driver = filepath.Join(dir, "plugincheck-driver")
+		if driver, err = firstExisting("--driver", filepath.Join(dir, "plugincheck-driver"), filepath.Join(prefix, "libexec", "roce_gather", "plugincheck-driver")); err != nil {
+			return paths{}, err
+		}
 	}
 	if lib, err = filepath.Abs(lib); err != nil {
 		return paths{}, err
 	}
 	for _, p := range []string{lib, driver} {
 		if _, err := os.Stat(p); err != nil {
-			return paths{}, fmt.Errorf("%s: %w (build with make, or pass --lib/--driver)", p, err)
+			return paths{}, fmt.Errorf("%s: %w", p, err)
 		}
 	}
 	return paths{lib: lib, driver: driver}, nil
+}
+
+// firstExisting returns the first of the candidates that exists.
+func firstExisting(flag string, candidates ...string) (string, error) {
+	for _, c := range candidates {
+		if _, err := os.Stat(c); err == nil {
+			return c, nil
+		}
+	}
+	return "", fmt.Errorf("none of %s exists (build with make, install with make install, or pass %s)", strings.Join(candidates, ", "), flag)
 }
 
 // rankProc is one driver process acting as one rank.
@@ -244,4 +264,18 @@ func exitErr(rank int, err error) error {
 		return fmt.Errorf("rank %d: %w", rank, err)
 	}
 	return nil
+}
+
+// driverEnv is the environment of the ABI check's driver: the caller's, less
+// NCCL_NET_PLUGIN. The driver loads the library by path; that variable only tells NCCL
+// where to find it, and the library's notice about NCCL 2.27-2.29 unloading it (a fact
+// about NCCL, given at the net v10/v11 init) would count as a failed check here.
+func driverEnv() []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "NCCL_NET_PLUGIN=") {
+			env = append(env, kv)
+		}
+	}
+	return env
 }

@@ -1,5 +1,5 @@
-// Command plugincheck validates roce_gather on a machine: the library's ABI against
-// every NCCL version it serves, the fabric between two ranks, and the hardware.
+// Command plugincheck validates roce_gather on a machine: every versioned table the
+// library exports, the fabric between two ranks, and the hardware.
 //
 // It never loads the library itself (a Go process must not load a second Go runtime):
 // it starts plugincheck-driver, a small C program, which loads the library as NCCL does.
@@ -26,6 +26,7 @@ commands:
   selftest  run two ranks over the fabric: the p2p net and the one-shot gather
   bench     cost of the hot-path calls and p2p bandwidth over the local fabric
   hw        RDMA devices, ports, GIDs, MTUs and GPUDirect support of this host
+  trace     where the microseconds of traced one-shot gathers go (ROCE_GATHER_TRACE files)
 
 Run "plugincheck <command> -h" for a command's flags.
 `
@@ -46,6 +47,8 @@ func main() {
 		code = cmdBench(args)
 	case "hw":
 		code = cmdHW(args)
+	case "trace":
+		code = cmdTrace(args)
 	case "help", "-h", "--help":
 		fmt.Print(usage)
 	default:
@@ -56,8 +59,8 @@ func main() {
 }
 
 func commonFlags(fs *flag.FlagSet) (lib, driver *string) {
-	lib = fs.String("lib", "", "the library to check (default: libroce_gather.so beside plugincheck)")
-	driver = fs.String("driver", "", "the C driver (default: plugincheck-driver beside plugincheck)")
+	lib = fs.String("lib", "", "the library to check (default: libroce_gather.so beside plugincheck, else ../lib/libroce_gather.so as make install lays it out)")
+	driver = fs.String("driver", "", "the C driver (default: plugincheck-driver beside plugincheck, else ../libexec/roce_gather/plugincheck-driver)")
 	return
 }
 
@@ -84,6 +87,7 @@ func cmdABI(args []string) int {
 		dargs = append([]string{"-v"}, dargs...)
 	}
 	cmd := exec.Command(p.driver, dargs...)
+	cmd.Env = driverEnv()
 	cmd.Stderr = os.Stderr
 	raw, runErr := cmd.Output()
 	var checks []abiCheck
@@ -111,11 +115,12 @@ func cmdABI(args []string) int {
 		enc := json.NewEncoder(os.Stdout)
 		enc.SetIndent("", "  ")
 		enc.Encode(struct {
-			Library string     `json:"library"`
-			OK      bool       `json:"ok"`
-			Failed  int        `json:"failed"`
-			Checks  []abiCheck `json:"checks"`
-		}{p.lib, failed == 0, failed, checks})
+			Library      string     `json:"library"`
+			OK           bool       `json:"ok"`
+			Failed       int        `json:"failed"`
+			Checks       []abiCheck `json:"checks"`
+			MeasuredNCCL []string   `json:"measured_nccl"`
+		}{p.lib, failed == 0, failed, checks, measuredNCCL})
 	} else {
 		fmt.Printf("%-24s %-14s %-4s %s\n", "TABLE", "CHECK", "", "DETAIL")
 		for _, c := range checks {
@@ -125,7 +130,11 @@ func cmdABI(args []string) int {
 			}
 			fmt.Printf("%-24s %-14s %-4s %s\n", c.Table, c.Check, status, c.Detail)
 		}
-		fmt.Printf("\n%d checks, %d failed: %s\n", len(checks), failed, map[bool]string{true: "the library is ready for NCCL 2.20 to 2.30", false: "the library is NOT usable as it is"}[failed == 0])
+		verdict := "the library is NOT usable as it is"
+		if failed == 0 {
+			verdict = abiVerdict()
+		}
+		fmt.Printf("\n%d checks, %d failed: %s\n", len(checks), failed, verdict)
 	}
 	if failed > 0 {
 		return 1
@@ -138,7 +147,7 @@ type scenario struct {
 	name       string
 	suite      string
 	env0, env1 []string
-	expect     string // what the gather suite must see: "cap:N", "off" or "dropped"
+	expect     string // what the gather suite must see: "cap:N", "window:F:N", "off" or "dropped"
 	// tcpDefault runs without ROCE_GATHER_MAX_BYTES: the tcp fabric then keeps the one-shot
 	// path off. Every other gather scenario sets the cap, which turns it on over tcp. It
 	// runs on the tcp fabric only: over verbs the path is on by default.
@@ -156,6 +165,12 @@ func scenarios(which, fabric string) []scenario {
 		{name: "gather", suite: "gather", expect: "cap:524288"},
 		{name: "gather, caps 511 KiB and 512 KiB", suite: "gather",
 			env0: []string{"ROCE_GATHER_MAX_BYTES=523264"}, env1: []string{"ROCE_GATHER_MAX_BYTES=524288"}, expect: "cap:523264"},
+		{name: "gather, floors 16 KiB and 32 KiB, caps 512 KiB and 128 KiB", suite: "gather",
+			env0: []string{"ROCE_GATHER_MIN_BYTES=16384", "ROCE_GATHER_MAX_BYTES=524288"},
+			env1: []string{"ROCE_GATHER_MIN_BYTES=32768", "ROCE_GATHER_MAX_BYTES=131072"}, expect: "window:32768:131072"},
+		{name: "gather, one-shot channels 4 and 2, chunk 64 KiB on rank 0 only", suite: "gather",
+			env0: []string{"ROCE_GATHER_ONESHOT_CHANNELS=4", "ROCE_GATHER_ONESHOT_CHUNK=65536", "RG_SELFTEST_EXPECT_TUNING=2:65536"},
+			env1: []string{"ROCE_GATHER_ONESHOT_CHANNELS=2", "RG_SELFTEST_EXPECT_TUNING=2:65536"}, expect: "cap:524288"},
 		{name: "gather, ROCE_GATHER_ENABLE=0 on rank 1 only", suite: "gather",
 			env1: []string{"ROCE_GATHER_ENABLE=0"}, expect: "off"},
 		{name: "gather, eager mode", suite: "gather", env0: []string{"ROCE_GATHER_MODE=eager"}, env1: []string{"ROCE_GATHER_MODE=eager"}, expect: "cap:524288"},

@@ -24,13 +24,13 @@ func selftest(t *testing.T, suite string) string {
 
 var summary = regexp.MustCompile(`(?m)^(\d+) passed, 0 failed$`)
 
-// Two processes over the tcp fabric on loopback: connect/accept retries, tag matching,
-// multi-receive, a receive larger than the send, zero-byte and 64 MiB messages, 256
-// requests outstanding, and four comms on four threads.
+// Two processes over the tcp fabric on loopback: connect/accept retries, one connection
+// for both directions, tag matching, multi-receive, a receive larger than the send,
+// zero-byte and 64 MiB messages, 256 requests outstanding, and four comms on four threads.
 func TestSelftestP2P(t *testing.T) {
 	out := selftest(t, "p2p")
 	require.Regexp(t, summary, out)
-	for _, c := range []string{"p2p/connect-accept-retries", "p2p/size-0", "p2p/size-67108864", "p2p/recv-larger-than-send",
+	for _, c := range []string{"p2p/connect-accept-retries", "p2p/one-connection-both-ways", "p2p/size-0", "p2p/size-67108864", "p2p/recv-larger-than-send",
 		"p2p/multi-recv-8-tags", "p2p/send-ahead-of-its-receive", "p2p/256-outstanding", "p2p/optional-recv-completion", "p2p/4-comms-on-4-threads"} {
 		require.Regexp(t, regexp.MustCompile(`ok   rank 0  `+regexp.QuoteMeta(c)+` `), out)
 		require.Regexp(t, regexp.MustCompile(`ok   rank 1  `+regexp.QuoteMeta(c)+` `), out)
@@ -49,6 +49,24 @@ func TestSelftestGather(t *testing.T) {
 	require.Contains(t, out, "== gather, caps 511 KiB and 512 KiB")
 	require.Regexp(t, `(?s)caps 511 KiB.*ok   rank 0  gather/524288B/seed1 +path nccl-p2p.*== gather, ROCE_GATHER_ENABLE`, out)
 	require.Regexp(t, `(?s)caps 511 KiB.*ok   rank 1  gather/524288B/seed1 +path nccl-p2p.*== gather, ROCE_GATHER_ENABLE`, out)
+	// Floors of 16 KiB and 32 KiB, caps of 512 KiB and 128 KiB: the window 32 KiB to 128 KiB
+	// on both ranks, each edge one byte either side.
+	win := `(?s)== gather, floors 16 KiB and 32 KiB.*%s.*== gather, ROCE_GATHER_ENABLE`
+	for r := 0; r < 2; r++ {
+		for _, c := range []string{"32767B/seed1 +path nccl-p2p", "32768B/seed1 +path oneshot-direct", "32769B/seed2 +path oneshot-staged",
+			"131072B/seed3 +path oneshot-inplace", "131073B/seed1 +path nccl-p2p", "16384B/seed1 +path nccl-p2p"} {
+			require.Regexp(t, fmt.Sprintf(win, fmt.Sprintf(`ok   rank %d  gather/%s`, r, c)), out)
+		}
+		require.Regexp(t, fmt.Sprintf(win, fmt.Sprintf(`rank %d  gather paths: 12 gathers by the one-shot path, 51 by NCCL's p2p`, r)), out)
+	}
+	// By default one channel and NCCL's chunk; ranks that set ROCE_GATHER_ONESHOT_CHANNELS 4
+	// and 2, and ROCE_GATHER_ONESHOT_CHUNK on one of them, both schedule 2 channels and that chunk.
+	require.Regexp(t, `(?s)== gather \(tcp.*ok   rank 1  gather/100B/seed2 +path oneshot-staged, 1 channel\(s\), chunk 32768\n.*== gather, caps 511`, out)
+	tuned := `(?s)== gather, one-shot channels 4 and 2.*ok   rank %d  gather/%s.*== gather, ROCE_GATHER_ENABLE`
+	for r := 0; r < 2; r++ {
+		require.Regexp(t, fmt.Sprintf(tuned, r, `524288B/seed2 +path oneshot-staged, 2 channel\(s\), chunk 65536\n`), out)
+		require.Regexp(t, fmt.Sprintf(tuned, r, `16B/seed1 +path oneshot-direct, 2 channel\(s\)\n`), out)
+	}
 	// The tcp fabric without ROCE_GATHER_MAX_BYTES keeps the one-shot path off on both ranks.
 	require.Regexp(t, `(?s)tcp fabric defaults.*ok   rank 0  gather/expected-outcome +expected the path off, it is off.*== gather \(tcp`, out)
 	require.Regexp(t, `(?s)tcp fabric defaults.*rank 1  gather paths: 0 gathers by the one-shot path, 54 by NCCL's p2p.*== gather \(tcp`, out)

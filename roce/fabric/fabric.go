@@ -93,6 +93,13 @@ type Endpoint interface {
 	Close() error
 }
 
+// Pairable is an endpoint whose link may share its connection with a link that carries
+// data the other way (tcp: two p2p links, so that each direction acknowledges the other).
+type Pairable interface {
+	// AllowPairing says the link carries data from its dialer only; called before Describe.
+	AllowPairing(dialer bool)
+}
+
 // MR is a registered region. C returns the rg_mr the hot path uses.
 type MR struct {
 	c    *C.rg_mr

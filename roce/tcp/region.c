@@ -7,11 +7,12 @@
 #include "../../internal/cudadrv/cudadrv.h"
 #include "region.h"
 
-rg_tcp_dev* rg_tcp_dev_new(uint64_t timeout_ns) {
+rg_tcp_dev* rg_tcp_dev_new(uint64_t timeout_ns, int cuda) {
   rg_tcp_dev* dev = calloc(1, sizeof(*dev));
   if (dev == NULL) return NULL;
   pthread_mutex_init(&dev->mu, NULL);
   dev->timeout_ns = timeout_ns;
+  dev->cuda = cuda;
   dev->generation = 0;
   return dev;
 }

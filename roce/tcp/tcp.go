@@ -20,7 +20,6 @@ import (
 	"net"
 	"sync"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -44,8 +43,13 @@ type Device struct {
 	info  fabric.DeviceInfo
 	c     *C.rg_tcp_dev
 
-	mu    sync.Mutex
-	links map[*fabric.Link]struct{}
+	id      uint64 // names this device to peers, for pairing (pair.go)
+	timeout time.Duration
+
+	mu       sync.Mutex
+	changed  *sync.Cond // on mu: a carrier came or went, or a dial ended
+	links    map[*fabric.Link]struct{}
+	carriers pairing
 }
 
 // Open picks the interface and returns the device.
@@ -72,11 +76,19 @@ func Open(cfg Config) (*Device, error) {
 	case cfg.CUDA:
 		cudaNote = "host memory only: ROCE_GATHER_TCP_CUDA=1, but " + errString(cudadrv.Err())
 	}
-	d := &Device{
-		iface: iface,
-		c:     C.rg_tcp_dev_new(C.uint64_t(cfg.Timeout.Nanoseconds())),
-		links: map[*fabric.Link]struct{}{},
+	id, err := randomID()
+	if err != nil {
+		return nil, err
 	}
+	d := &Device{
+		iface:   iface,
+		c:       C.rg_tcp_dev_new(C.uint64_t(cfg.Timeout.Nanoseconds()), boolInt(ptr&fabric.PtrCUDA != 0)),
+		id:      id,
+		timeout: cfg.Timeout,
+		links:   map[*fabric.Link]struct{}{},
+	}
+	d.changed = sync.NewCond(&d.mu)
+	d.carriers.init()
 	d.info = fabric.DeviceInfo{
 		Name:       "tcp-" + iface.Name,
 		GUID:       guidOf(iface.Name),
@@ -87,6 +99,13 @@ func Open(cfg Config) (*Device, error) {
 		Detail:     fmt.Sprintf("tcp on %s (%s), %s, %s", iface.Name, iface.IP, speedNote, cudaNote),
 	}
 	return d, nil
+}
+
+func boolInt(b bool) C.int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 func errString(err error) string {
@@ -136,14 +155,6 @@ func (d *Device) Deregister(mr *fabric.MR) error {
 	return nil
 }
 
-// NewEndpoint returns one side of a link; the tcp fabric has a single lane per link.
-func (d *Device) NewEndpoint(lanes int) (fabric.Endpoint, error) {
-	if lanes != 1 {
-		return nil, fmt.Errorf("tcp fabric links have 1 lane, %d asked", lanes)
-	}
-	return &endpoint{dev: d}, nil
-}
-
 // Close stops every link still open on the device and frees it.
 func (d *Device) Close() error {
 	d.mu.Lock()
@@ -158,53 +169,6 @@ func (d *Device) Close() error {
 	C.rg_tcp_dev_free(d.c)
 	d.c = nil
 	return nil
-}
-
-type endpoint struct{ dev *Device }
-
-func (e *endpoint) Describe() []byte { return nil }
-func (e *endpoint) Prepare(peer []byte) error {
-	if len(peer) != 0 {
-		return fmt.Errorf("tcp fabric: the peer described its endpoint with %d bytes, expected none", len(peer))
-	}
-	return nil
-}
-func (e *endpoint) Close() error { return nil }
-
-// Start hands the socket to the lane.
-func (e *endpoint) Start(conn *net.TCPConn) (*fabric.Link, error) {
-	peer := conn.RemoteAddr().String()
-	fd, err := takeFD(conn)
-	if err != nil {
-		return nil, err
-	}
-	cpeer := C.CString(peer)
-	defer C.free(unsafe.Pointer(cpeer))
-	var errBuf [256]C.char
-	lane := C.rg_tcp_lane_start(e.dev.c, C.int(fd), cpeer, &errBuf[0], C.int(len(errBuf)))
-	if lane == nil {
-		return nil, fmt.Errorf("starting the lane to %s: %s", peer, C.GoString(&errBuf[0]))
-	}
-	d := e.dev
-	var link *fabric.Link
-	link, err = fabric.NewLink(peer, []fabric.Lane{{
-		Ops:  unsafe.Pointer(&C.rg_tcp_lane_ops),
-		Impl: unsafe.Pointer(lane),
-	}}, func() error {
-		C.rg_tcp_lane_close(lane)
-		d.mu.Lock()
-		delete(d.links, link)
-		d.mu.Unlock()
-		return nil
-	})
-	if err != nil {
-		C.rg_tcp_lane_close(lane)
-		return nil, err
-	}
-	d.mu.Lock()
-	d.links[link] = struct{}{}
-	d.mu.Unlock()
-	return link, nil
 }
 
 // takeFD detaches the descriptor from conn, which is closed; the lane makes it non-blocking.

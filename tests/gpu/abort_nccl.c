@@ -36,7 +36,9 @@ int main(int argc, char** argv) {
          "cannot allocate");
   uint8_t host[2 * SHARD];
   memset(host, 0x10 + rank, SHARD);
-  die_if(cu->cuMemcpyHtoD(send, host, SHARD) != CUDA_SUCCESS, "cuMemcpyHtoD");
+  /* On the gathers' stream: a non-blocking stream does not wait for a legacy-stream copy. */
+  die_if(cu->cuMemcpyHtoDAsync(send, host, SHARD, s) != CUDA_SUCCESS || cu->cuStreamSynchronize(s) != CUDA_SUCCESS,
+         "copying the shard to the device");
   for (int i = 0; i < WARMUPS; i++) {
     die_if(nccl.all_gather((void*)send, (void*)recv, SHARD, NCCL_UINT8, comm, s) != NCCL_SUCCESS, "ncclAllGather");
     die_if(cu->cuStreamSynchronize(s) != CUDA_SUCCESS, "warm-up gather");

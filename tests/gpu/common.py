@@ -1,8 +1,8 @@
 """Shared by the parent steps and the rank workers. Imports neither torch nor jax.
 
 The plugin counts, per process, every two-rank AllGather its tuner decided (tuner.*) and
-every one-shot gather it executed (oneshot.*), and writes them to ROCE_GATHER_STATS at
-finalize and at exit. A worker keeps a Ledger of the gathers it asked for; the parent
+every one-shot gather it executed (oneshot.*), into the ROCE_GATHER_STATS file, which it
+makes at init and keeps current as it counts (so it survives any end short of a lost disk). A worker keeps a Ledger of the gathers it asked for; the parent
 compares the two (stats_check), so the path each case took is read, not assumed.
 """
 import argparse
@@ -56,7 +56,7 @@ class Ledger:
 def stats_check(stats, ledger, oneshot_on, mode=None):
     """Compares one rank's ROCE_GATHER_STATS with its ledger. Returns (failures, info)."""
     if stats is None:
-        return ["no ROCE_GATHER_STATS file was written (the plugin did not load, or never finalized)"], {}
+        return ["no ROCE_GATHER_STATS file was written (the plugin did not load, or never initialised its net)"], {}
     t, o, L = stats["tuner"], stats["oneshot"], ledger
     info = {}
     F = []

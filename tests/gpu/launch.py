@@ -16,6 +16,7 @@ which a rank was killed or died of a signal is followed by a restart of MPS.
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -131,6 +132,10 @@ def rank_env(config, rank, stats_path, extra=None, nccl_lib=""):
     env.update(CONFIGS[config])
     if uses_plugin(config):
         env["ROCE_GATHER_STATS"] = stats_path
+    if oneshot_on(config) and stats_path:
+        # A timeline of every fourth one-shot call, beside the stats (plugincheck trace reads it).
+        env.update(ROCE_GATHER_TRACE=stats_path + ".trace", ROCE_GATHER_TRACE_EVERY="4",
+                   ROCE_GATHER_TRACE_RECORDS="8192")
     env.update(extra or {})
     if nccl_lib:
         env["LD_PRELOAD"] = ":".join([nccl_lib] + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
@@ -161,10 +166,31 @@ def kill_live():
     _live.clear()
 
 
-def stop_hung(procs):
-    """A pair past its limit: every thread's Python stack into each rank's log (SIGUSR1 to the
-    rank itself), then SIGTERM to both process groups (a process that handles it can still
-    write what it holds), then kill_live's SIGKILL."""
+def native_stacks(procs, logs):
+    """Every thread's native stack of each live rank (cuda-gdb attaches; the machine has no
+    gdb) into LOG.native: where the plugin's and NCCL's threads wait."""
+    gdb = shutil.which("cuda-gdb") or next((p for p in ("/usr/local/cuda/bin/cuda-gdb",) if os.path.exists(p)), None)
+    if gdb is None:
+        return
+    for p, log in zip(procs, logs):
+        if p.poll() is not None:
+            continue
+        try:
+            out = subprocess.run([gdb, "-p", str(p.pid), "-batch", "-ex", "thread apply all bt 20"],
+                                 capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+            text = out.stdout + out.stderr
+        except (OSError, subprocess.TimeoutExpired) as e:
+            text = f"cuda-gdb on pid {p.pid} failed: {e}\n"
+        with open(log + ".native", "w") as f:
+            f.write(text)
+
+
+def stop_hung(procs, logs=None):
+    """A pair past its limit: every thread's native stack (native_stacks) and Python stack
+    into each rank's logs (SIGUSR1 to the rank itself), then SIGTERM to both process groups
+    (a process that handles it can still write what it holds), then kill_live's SIGKILL."""
+    if logs:
+        native_stacks(procs, logs)
     for p in procs:
         if p.poll() is None:
             try:
@@ -261,7 +287,7 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
         time.sleep(0.2)
     seconds = round(time.monotonic() - t0, 1)
     if timed_out or cut_short:
-        stop_hung(procs)
+        stop_hung(procs, logs if timed_out else None)
     kill_live()
     rcs = [p.returncode for p in procs]
 

@@ -41,13 +41,22 @@ void nccl_load(void) {
   SYM(comm_register, "ncclCommRegister");
   SYM(comm_deregister, "ncclCommDeregister");
   SYM(get_error_string, "ncclGetErrorString");
+  SYM(send, "ncclSend");
+  SYM(recv, "ncclRecv");
+  SYM(group_start, "ncclGroupStart");
+  SYM(group_end, "ncclGroupEnd");
+  int (*get_version)(int*);
+  *(void**)&get_version = dlsym(lib, "ncclGetVersion");
   die_if(!nccl.get_unique_id || !nccl.comm_init_rank || !nccl.all_gather || !nccl.comm_get_async_error ||
              !nccl.comm_abort || !nccl.comm_finalize || !nccl.comm_destroy || !nccl.comm_register ||
-             !nccl.comm_deregister || !nccl.get_error_string,
+             !nccl.comm_deregister || !nccl.get_error_string || !nccl.send || !nccl.recv || !nccl.group_start ||
+             !nccl.group_end || !get_version,
          "libnccl.so.2 lacks a symbol these checks need");
+  die_if(get_version(&nccl.version) != NCCL_SUCCESS, "ncclGetVersion");
   Dl_info info;
   nccl.path = dladdr((void*)nccl.comm_abort, &info) && info.dli_fname ? info.dli_fname : "libnccl.so.2";
   printf("NCCL_LIB %s\n", nccl.path);
+  printf("NCCL_VERSION %d.%d.%d\n", nccl.version / 10000, nccl.version / 100 % 100, nccl.version % 100);
 }
 
 const rg_cuda_api* cuda_on(int device) {
@@ -82,19 +91,26 @@ int file_get(const char* dir, const char* name, void* data, size_t n) {
   return got == n;
 }
 
-nccl_comm_t nccl_pair(int rank, const char* dir) {
+int nccl_pair_named(int rank, const char* dir, const char* name, nccl_comm_t* comm) {
   nccl_unique_id id;
   if (rank == 0) {
     die_if(nccl.get_unique_id(&id) != NCCL_SUCCESS, "ncclGetUniqueId");
-    file_put(dir, "id", &id, sizeof(id));
+    file_put(dir, name, &id, sizeof(id));
   } else {
-    for (int i = 0; !file_get(dir, "id", &id, sizeof(id)); i++) {
+    for (int i = 0; !file_get(dir, name, &id, sizeof(id)); i++) {
       die_if(i > 3000, "rank 0's unique id did not appear within 30 s");
       usleep(10000);
     }
   }
+  nccl_comm_t c;
+  int rc = nccl.comm_init_rank(&c, 2, id, rank);
+  if (rc == NCCL_SUCCESS) *comm = c;
+  return rc;
+}
+
+nccl_comm_t nccl_pair(int rank, const char* dir) {
   nccl_comm_t comm;
-  int rc = nccl.comm_init_rank(&comm, 2, id, rank);
+  int rc = nccl_pair_named(rank, dir, "id", &comm);
   if (rc != NCCL_SUCCESS) printf("FAIL ncclCommInitRank: %s\n", nccl.get_error_string(rc));
   die_if(rc != NCCL_SUCCESS, "ncclCommInitRank");
   return comm;

@@ -2,14 +2,23 @@
  * group, asks the tuner, then runs each gather through collNet iallgather (NCCL's
  * registered-buffer call or its staging windows) or through the p2p net, and checks
  * every byte and that both ranks took the same path. */
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "rank.h"
 
 enum path { PATH_NCCL = 0, PATH_ONESHOT = 1 };
 
+/* The chunk NCCL picks for these staged gathers, and the step its buffer holds. */
+#define NCCL_CHUNK ((size_t)32 << 10)
+#define NCCL_STEP_BYTES ((size_t)512 << 10)
+
 static const ncclCollNet_v12_t* CN;
 static void* coll;
+/* The iallgather calls this rank made and the window bytes they moved, for the stats. */
+static long long iag_calls;
+static unsigned long long iag_bytes;
 
 static int coll_test(void* req, int* done, int* size) { return CN->test(req, done, size); }
 static int net_test(void* req, int* done, int* sizes) { return R.net->test(req, done, sizes); }
@@ -33,6 +42,7 @@ static int oneshot_direct(uint8_t* result, const uint8_t* shard, size_t S, int i
     rc = CN->iallgather(coll, (void*)send, 1, &part, S, 0, 2 * S, smh, &req);
     if (now_ns() - start > (uint64_t)R.timeout_s * 1000000000ull) rc = -1;
   }
+  if (rc == 0) iag_calls++, iag_bytes += 2 * S;
   if (rc == 0) rc = test_until_done("iallgather", req, NULL, coll_test);
   if (!in_place) CN->deregMr(coll, smh);
   CN->deregMr(coll, rmh);
@@ -63,7 +73,7 @@ static int oneshot_staged(uint8_t* result, const uint8_t* shard, size_t S, size_
       if (hi > lo) memcpy(send, shard + (lo - mb), hi - lo);
       ncclNetSGE_v12_t part = {.mhandle = mh, .address = recv, .size = wb};
       rc = CN->iallgather(coll, send, 1, &part, S, off, wb, mh, &reqs[slot]);
-      if (rc == 0 && reqs[slot] != NULL) issued++;
+      if (rc == 0 && reqs[slot] != NULL) issued++, iag_calls++, iag_bytes += wb;
     }
     if (completed < issued) {
       size_t w = completed, slot = w % STEPS, off = w * chunk, wb = total - off < chunk ? total - off : chunk;
@@ -170,24 +180,48 @@ int suite_gather(void) {
     return 1;
   }
 
-  /* plugincheck says what this scenario must produce: "cap:N" (on, agreed cap N), "off", or
-   * "dropped" (on, but CollNet Direct dropped: every gather goes to NCCL). */
+  /* plugincheck says what this scenario must produce: "cap:N" (on, agreed window 0 to N),
+   * "window:F:N" (on, agreed window F to N), "off", or "dropped" (on, but CollNet Direct
+   * dropped: every gather goes to NCCL). */
   const char* expect = getenv("RG_SELFTEST_EXPECT");
   const char* nvs = getenv("RG_SELFTEST_NO_NVSWITCH");
   int no_nvswitch = nvs != NULL && strcmp(nvs, "1") == 0;
-  long long expect_cap = -1;
+  long long expect_cap = -1, expect_floor = 0;
   if (expect != NULL && strncmp(expect, "cap:", 4) == 0) expect_cap = atoll(expect + 4);
+  if (expect != NULL && strncmp(expect, "window:", 7) == 0 &&
+      sscanf(expect + 7, "%lld:%lld", &expect_floor, &expect_cap) != 2) {
+    case_result("gather/expectation", 0, "RG_SELFTEST_EXPECT=%s is not window:FLOOR:CAP", expect);
+    return 1;
+  }
+  /* And how the tuner must schedule a one-shot gather: "CHANNELS:CHUNK", CHUNK 0 leaving
+   * NCCL's chunk (the default: one channel, NCCL's chunk). */
+  const char* tuning = getenv("RG_SELFTEST_EXPECT_TUNING");
+  int expect_channels = 1;
+  long long expect_chunk = 0;
+  if (tuning != NULL && sscanf(tuning, "%d:%lld", &expect_channels, &expect_chunk) != 2) {
+    case_result("gather/expectation", 0, "RG_SELFTEST_EXPECT_TUNING=%s is not CHANNELS:CHUNK", tuning);
+    return 1;
+  }
   if (expect != NULL) {
     int want_on = expect_cap > 0 || strcmp(expect, "dropped") == 0;
     case_result("gather/expected-outcome", on == want_on, "expected the path %s, it is %s", want_on ? "on" : "off",
                 on ? "on" : "off");
   }
-  size_t sizes[24];
+  size_t sizes[32];
   int nsizes = 0;
   for (size_t s = 16; s <= (512 << 10); s *= 2) sizes[nsizes++] = s;
   sizes[nsizes++] = (512 << 10) + 16;
   sizes[nsizes++] = 100;
+  if (expect_floor > 0) { /* both edges of the window, where they are not there already */
+    long long edges[] = {expect_floor - 1, expect_floor, expect_floor + 1, expect_cap, expect_cap + 1};
+    for (size_t e = 0; e < sizeof(edges) / sizeof(edges[0]); e++) {
+      int seen = edges[e] <= 0;
+      for (int i = 0; i < nsizes && !seen; i++) seen = sizes[i] == (size_t)edges[e];
+      if (!seen) sizes[nsizes++] = (size_t)edges[e];
+    }
+  }
   int oneshot_cases = 0, nccl_cases = 0;
+  unsigned long long oneshot_bytes = 0, nccl_bytes = 0;
   for (int i = 0; i < nsizes; i++) {
     for (int seed = 1; seed <= 3; seed++) {
       size_t S = sizes[i];
@@ -207,28 +241,66 @@ int suite_gather(void) {
       memset(result, 0xEE, 2 * S);
       const char* how;
       int r;
+      size_t chunk = 0, want_chunk = 0;
       if (path == PATH_ONESHOT) {
         oneshot_cases++;
+        oneshot_bytes += 2 * S;
         if (seed == 1) how = "oneshot-direct", r = oneshot_direct(result, shard, S, 0);
-        else if (seed == 2) how = "oneshot-staged", r = oneshot_staged(result, shard, S, 32 << 10);
-        else how = "oneshot-inplace", r = oneshot_direct(result, shard, S, 1);
+        else if (seed == 2) {
+          /* NCCL's staging windows: its chunk (32 KiB here), which tuner v6 may replace;
+           * NCCL clamps that to its buffer's step (512 KiB) and rounds it to 512 bytes. */
+          chunk = NCCL_CHUNK;
+          if (T->getChunkSize(tctx, ncclFuncAllGather, 2 * S, NCCL_ALGO_COLLNET_DIRECT, NCCL_PROTO_SIMPLE, nch, &chunk) !=
+              ncclSuccess)
+            chunk = 0;
+          if (chunk > NCCL_STEP_BYTES) chunk = NCCL_STEP_BYTES;
+          chunk = chunk / 512 * 512;
+          want_chunk = expect_chunk > 0 ? (size_t)expect_chunk : NCCL_CHUNK;
+          if (want_chunk > NCCL_STEP_BYTES) want_chunk = NCCL_STEP_BYTES;
+          how = "oneshot-staged", r = chunk > 0 ? oneshot_staged(result, shard, S, chunk) : -1;
+        } else how = "oneshot-inplace", r = oneshot_direct(result, shard, S, 1);
       } else {
         nccl_cases++;
+        nccl_bytes += 2 * S;
         how = "nccl-p2p", r = via_p2p(&cp, result, shard, S);
       }
       long bad0 = check_pattern(result, S, (uint64_t)seed * 1000003 + S * 2);
       long bad1 = check_pattern(result + S, S, (uint64_t)seed * 1000003 + S * 2 + 1);
-      int want = expect == NULL ? path : (expect_cap > 0 && (long long)S <= expect_cap ? PATH_ONESHOT : PATH_NCCL);
-      int ok = r == 0 && bad0 < 0 && bad1 < 0 && (path != PATH_ONESHOT || nch == 1) && path == want;
-      case_result(name, ok, "path %s%s%s%s%s", how, r != 0 ? ", the collective failed" : "",
+      int want = expect == NULL ? path
+                 : expect_cap > 0 && (long long)S >= expect_floor && (long long)S <= expect_cap ? PATH_ONESHOT
+                                                                                                 : PATH_NCCL;
+      int ok = r == 0 && bad0 < 0 && bad1 < 0 && (path != PATH_ONESHOT || nch == expect_channels) &&
+               chunk == want_chunk && path == want;
+      char sched[96] = "";
+      if (path == PATH_ONESHOT) snprintf(sched, sizeof(sched), ", %d channel(s)", nch);
+      if (chunk > 0) snprintf(sched + strlen(sched), sizeof(sched) - strlen(sched), ", chunk %zu", chunk);
+      case_result(name, ok, "path %s%s%s%s%s%s%s", how, sched, r != 0 ? ", the collective failed" : "",
                   bad0 >= 0 ? ", rank 0's row is wrong" : "", bad1 >= 0 ? ", rank 1's row is wrong" : "",
-                  path != want ? ", but this scenario expects the other path" : "");
+                  path != want ? ", but this scenario expects the other path" : "",
+                  path == PATH_ONESHOT && nch != expect_channels ? ", but not on the channels it expects"
+                  : chunk != want_chunk                          ? ", but not in the chunk it expects"
+                                                                 : "");
       free(shard);
       free(result);
     }
   }
   printf("NOTE gather paths: %d gathers by the one-shot path, %d by NCCL's p2p\n", oneshot_cases, nccl_cases);
+  printf("NOTE gather totals: tuner oneshot=%d oneshot_bytes=%llu nccl=%d nccl_bytes=%llu; iallgather calls=%lld bytes=%llu\n",
+         oneshot_cases, oneshot_bytes, nccl_cases, nccl_bytes, iag_calls, iag_bytes);
   fflush(stdout);
+  /* RG_SELFTEST_EXIT ends the process right after its last gather, as jobs do that never
+   * finalize NCCL: "_exit" (no atexit handler, no destructor runs) or "sigterm"; or, with
+   * "finalize", goes on to close and finalize once both ranks are done. */
+  const char* how_exit = getenv("RG_SELFTEST_EXIT");
+  if (how_exit != NULL) {
+    barrier("exit"); /* the peer's last gather is done too */
+    if (strcmp(how_exit, "finalize") != 0) {
+      printf("NOTE leaving by %s, without finalize\n", how_exit);
+      fflush(stdout);
+      if (strcmp(how_exit, "sigterm") == 0) kill(getpid(), SIGTERM);
+      _exit(0);
+    }
+  }
   close_pair(&cp);
   T->finalize(tctx);
   free(constants);

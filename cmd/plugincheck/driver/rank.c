@@ -484,9 +484,15 @@ int suite_cycles(int n) {
 
 int suite_p2p(void) {
   conn_pair cp;
+  int fds_before = count_fds();
   if (connect_pair("p2p", &cp) != 0) {
     case_result("p2p/connect", 0, "could not connect the two ranks");
     return 1;
+  }
+  if (two_sided_net()) { /* a socket and the helper's eventfd, for both directions */
+    int fds = count_fds() - fds_before;
+    case_result("p2p/one-connection-both-ways", fds == 2,
+                "the send and receive comms to the peer hold %d descriptors (one connection: 2)", fds);
   }
   /* The first connect and accept return no comm: NCCL must retry, and does. */
   case_result("p2p/connect-accept-retries", cp.connect_retries > 0,

@@ -2,10 +2,10 @@
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
-#include "../internal/cudadrv/cudadrv.h"
-#include "../internal/nlog/nlog.h"
+#include "../../internal/cudadrv/cudadrv.h"
+#include "../../internal/nlog/nlog.h"
+#include "../p2p.h" /* the immediate classes every link shares */
 #include "gather.h"
-#include "p2p.h"
 #include "stats.h"
 
 #define POLL_BATCH 32
@@ -14,6 +14,7 @@
 #define STRIPE_ALIGN 64
 /* No 24-bit seq equals it, so a slot never used matches no call. */
 #define RG_SEQ_NONE UINT64_MAX
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
 
 void rg_gather_init(rg_gather_comm* g) {
   g->next_seq = 1;
@@ -67,12 +68,86 @@ static void part_of(int r, uint64_t bpr, uint64_t off, uint64_t wb, uint64_t* po
   *plen = hi > lo ? hi - lo : 0;
 }
 
+/* ---- the timeline (trace.h): reached only where a call is sampled, or for the group's
+ * pending "next iallgather" stamp */
+
+/* The call's record, unless the ring has since given its slot to another call. */
+static rg_trace_record* trace_rec(const rg_gather_call* c) {
+  return c->tr != NULL && c->tr->index == c->tr_index ? c->tr : NULL;
+}
+
+static int uses_kernel(const rg_gather_comm* g, const rg_gather_call* c);
+
+/* At iallgather: stamps the group's pending "next iallgather", and begins the call's
+ * record if the group samples it. */
+static void trace_begin(rg_gather_comm* g, rg_gather_call* c, uint64_t bytesPerRank, uint64_t windowOffset) {
+  if (g->next_for != NULL) {
+    if (g->next_for->index == g->next_for_index) g->next_for->t[RG_T_NEXT] = c->start_ns;
+    g->next_for = NULL;
+  }
+  if (c->seq % g->trace->every != 0) return;
+  rg_trace_record* r = rg_trace_claim(g->trace, &c->tr_index);
+  r->comm_id = g->comm_id;
+  r->seq = c->seq;
+  r->window_offset = windowOffset;
+  r->window_bytes = c->bytes;
+  r->bytes_per_rank = bytesPerRank;
+  r->rank = (uint32_t)g->rank;
+  r->mode = (uint32_t)c->mode;
+  r->lanes = (uint32_t)g->link->nlanes;
+  r->flags = (c->cuda ? RG_TRACE_CUDA : 0) | (uses_kernel(g, c) ? RG_TRACE_KERNEL : 0);
+  r->t[RG_T_IALLGATHER] = c->start_ns;
+  c->tr = r;
+  c->tr_seen = 1u << RG_T_IALLGATHER;
+}
+
+static void trace_stamp(rg_gather_call* c, enum rg_stamp s, uint64_t now) {
+  rg_trace_record* r = trace_rec(c);
+  if (r == NULL || (c->tr_seen & (1u << s))) return;
+  r->t[s] = now;
+  c->tr_seen |= 1u << s;
+}
+
+/* After the call advanced: stamps each step it has newly reached. */
+static void trace_progress(const rg_gather_comm* g, rg_gather_call* c) {
+  uint32_t slot = (uint32_t)(c->seq & (RG_GATHER_DEPTH - 1));
+  uint32_t seq24 = (uint32_t)(c->seq & SEQ_MASK);
+  int rdv = c->mode == RG_MODE_RENDEZVOUS;
+  int peer_seen = c->landed || (g->arrived_seq[slot] == seq24 && g->arrived[slot] == g->link->nlanes);
+  uint32_t reached = (c->token_sent ? 1u << RG_T_TOKEN_SENT : 0) |
+                     (rdv && (c->posted || g->ready_seq[slot] == seq24) ? 1u << RG_T_TOKEN_SEEN : 0) |
+                     (c->posted ? 1u << RG_T_POSTED : 0) |
+                     (c->posted && c->writes_pending == 0 ? 1u << RG_T_WRITES_DONE : 0) |
+                     (peer_seen ? 1u << RG_T_PEER_SEEN : 0) | (c->launched ? 1u << RG_T_LAUNCHED : 0) |
+                     (c->go_set ? 1u << RG_T_GO : 0) | (c->landed ? 1u << RG_T_PLACED : 0) |
+                     (c->req.done ? 1u << RG_T_DONE : 0);
+  uint32_t fresh = reached & ~c->tr_seen;
+  rg_trace_record* r = trace_rec(c);
+  if (fresh == 0 || r == NULL) return;
+  uint64_t now = rg_now_ns();
+  for (int s = 0; s < RG_T_N; s++)
+    if (fresh & (1u << s)) r->t[s] = now;
+  c->tr_seen |= fresh;
+}
+
+/* At each test of a sampled call: counts it and the wait since the one before. */
+static void trace_test(rg_gather_call* c) {
+  rg_trace_record* r = trace_rec(c);
+  if (r == NULL) return;
+  uint64_t now = rg_now_ns();
+  uint64_t since = c->tr_last_test ? c->tr_last_test : r->t[RG_T_RETURNED] ? r->t[RG_T_RETURNED] : c->start_ns;
+  if (now - since > r->max_test_gap_ns) r->max_test_gap_ns = now - since;
+  if (r->test_calls++ == 0) trace_stamp(c, RG_T_FIRST_TEST, now);
+  c->tr_last_test = now;
+}
+
 static ncclResult_t fail(rg_gather_comm* g, rg_gather_call* c, const char* what) {
   if (c != NULL) c->error = 1;
+  if (c != NULL && UNLIKELY(c->tr != NULL) && trace_rec(c) != NULL) c->tr->flags |= RG_TRACE_FAILED;
   /* The group is finished: every gather kernel still queued or waiting gives up, and the
    * rows of the calls it served stay untouched. */
   cancel_kernels(g);
-  atomic_fetch_add_explicit(&rg_global_stats.gather_errors, 1, memory_order_relaxed);
+  rg_stats_add(RG_STAT_GATHER_ERRORS, 1);
   if (!g->warned) {
     g->warned = 1;
     const char* why = "";
@@ -204,8 +279,8 @@ static int post_part(rg_gather_comm* g, rg_gather_call* c, uint64_t remote, cons
     uint64_t b = (uint64_t)l * per, e = b + per;
     if (b > c->my_len) b = c->my_len;
     if (e > c->my_len) e = c->my_len;
-    rg_wr wr[2];
-    int n = 0;
+    rg_wr wr[3];
+    int n = 0, credit = 0;
     if (e > b)
       wr[n++] = (rg_wr){.local = c->send + b, .mr = c->send_mr, .len = e - b, .remote = remote + b,
                         .rkey = rkeys[lane->peer_hca], .op = RG_OP_WRITE};
@@ -220,8 +295,15 @@ static int post_part(rg_gather_comm* g, rg_gather_call* c, uint64_t remote, cons
       wr[n].flags |= RG_WR_INLINE;
     }
     n++;
+    if (l == 0 && g->mode != RG_MODE_RENDEZVOUS && g->credit_sent != g->consumed) {
+      /* Returned landing slots ride with this rank's part: no post of their own between a
+       * call's completion and NCCL hearing of it. */
+      wr[n++] = (rg_wr){.imm = RG_GIMM(RG_GIMM_CREDIT, g->consumed), .op = RG_OP_WRITE_IMM};
+      credit = 1;
+    }
     int rc = rg_post(lane, wr, n);
     if (rc != RG_OK) return rc; /* RG_ERR_FULL: the retry starts at this lane */
+    if (credit) g->credit_sent = g->consumed;
     c->lanes_posted |= 1u << l;
     c->writes_pending++;
   }
@@ -350,15 +432,17 @@ static ncclResult_t advance(rg_gather_comm* g, rg_gather_call* c) {
         return fail(g, c, st == RG_PLACE_TIMED_OUT ? "the gather kernel saw no arrival within its timeout"
                           : st == RG_PLACE_CANCELLED ? "the gather kernel was cancelled"
                                                      : "the gather kernel ended without a verdict");
-      atomic_fetch_add_explicit(&rg_global_stats.gathers_kernel, 1, memory_order_relaxed);
+      rg_stats_add(RG_STAT_GATHERS_KERNEL, 1);
     }
     c->landed = 1;
   }
   return ncclSuccess;
 }
 
+/* Credits normally ride with the next call's part (post_part); they go alone only once half
+ * the landing slots wait to be returned, so a peer running ahead never stalls on them. */
 static void send_credit(rg_gather_comm* g) {
-  if (g->mode == RG_MODE_RENDEZVOUS || g->credit_sent == g->consumed) return;
+  if (g->mode == RG_MODE_RENDEZVOUS || g->consumed - g->credit_sent < RG_GATHER_DEPTH / 2) return;
   rg_wr wr = {.imm = RG_GIMM(RG_GIMM_CREDIT, g->consumed), .op = RG_OP_WRITE_IMM};
   if (rg_post(&g->link->lane[0], &wr, 1) == RG_OK) g->credit_sent = g->consumed;
 }
@@ -376,12 +460,11 @@ static ncclResult_t progress(rg_gather_comm* g) {
       c->finished = 1;
       uint64_t ns = rg_now_ns() - c->start_ns;
       rg_stats_latency(ns);
-      atomic_fetch_add_explicit(&rg_global_stats.gathers, 1, memory_order_relaxed);
-      atomic_fetch_add_explicit(&rg_global_stats.gather_bytes, c->bytes, memory_order_relaxed);
-      atomic_fetch_add_explicit(c->mode == RG_MODE_EAGER ? &rg_global_stats.gathers_eager
-                                                         : &rg_global_stats.gathers_rendezvous,
-                                1, memory_order_relaxed);
+      rg_stats_add(RG_STAT_GATHERS, 1);
+      rg_stats_add(RG_STAT_GATHER_BYTES, c->bytes);
+      rg_stats_add(c->mode == RG_MODE_EAGER ? RG_STAT_GATHERS_EAGER : RG_STAT_GATHERS_RENDEZVOUS, 1);
     }
+    if (UNLIKELY(c->tr != NULL)) trace_progress(g, c);
   }
   if (link_failed)
     for (uint64_t s = g->consumed + 1; s < g->next_seq; s++) {
@@ -450,6 +533,7 @@ int rg_gather_iallgather(void* collComm, void* sendData, int nRecvParts, const r
   c->req.id = c->seq;
   c->req.sizes[0] = windowBytes;
   g->next_seq++;
+  if (UNLIKELY(g->trace != NULL)) trace_begin(g, c, bytesPerRank, windowOffset);
   if (!(g->logged & 1)) {
     g->logged |= 1;
     RG_INFO(NCCL_NET | NCCL_COLL, "first one-shot gather with %s: window %llu+%llu of %llu bytes, %s mode, %s memory",
@@ -458,7 +542,9 @@ int rg_gather_iallgather(void* collComm, void* sendData, int nRecvParts, const r
             c->cuda ? "CUDA" : "host");
   }
   *request = c;
-  return progress(g);
+  ncclResult_t r = progress(g);
+  if (UNLIKELY(c->tr != NULL)) trace_stamp(c, RG_T_RETURNED, rg_now_ns());
+  return r;
 }
 
 static const char* waiting_for(const rg_gather_comm* g, const rg_gather_call* c) {
@@ -496,6 +582,7 @@ int rg_gather_test(rg_request* req, int* done, uint64_t* sizes) {
   rg_gather_call* c = (rg_gather_call*)req;
   rg_gather_comm* g = req->comm;
   *done = 0;
+  if (UNLIKELY(c->tr != NULL)) trace_test(c);
   if (!req->done && !c->error) {
     ncclResult_t r = progress(g);
     if (r != ncclSuccess && !req->done) return r;
@@ -526,6 +613,11 @@ int rg_gather_test(rg_request* req, int* done, uint64_t* sizes) {
   }
   req->kind = RG_REQ_FREE;
   req->done = 0;
+  if (UNLIKELY(c->tr != NULL) && trace_rec(c) != NULL) {
+    trace_stamp(c, RG_T_REPORTED, rg_now_ns());
+    g->next_for = c->tr;
+    g->next_for_index = c->tr_index;
+  }
   progress(g); /* returns the landing slot at once; a failure here shows on the next call */
   return ncclSuccess;
 }

@@ -1,6 +1,8 @@
+/* One test for every request this library makes: the p2p net's and the gather's. */
 #include "../internal/nlog/nlog.h"
-#include "gather.h"
-#include "p2p.h"
+#include "../roce/gather/gather.h"
+#include "../roce/p2p.h"
+#include "abi.h"
 
 ncclResult_t rg_request_test(void* request, int* done, uint64_t* sizes) {
   rg_request* req = request;

@@ -1,0 +1,64 @@
+/* Process-wide counters (ROCE_GATHER_STATS): the tuner's decisions (plugin/tuner.c) and
+ * the one-shot calls (gather.c), updated with atomics from the hot path and read by Go.
+ *
+ * Where ROCE_GATHER_STATS names a file, the file is a JSON document mapped shared into
+ * the process (plugin/stats.go), with every counter's value in a slot of fixed width.
+ * rg_stats_add shows the new value in its slot at once, with plain stores into the
+ * mapping: no system call, no lock. The page cache holds the file, so it is complete
+ * however the process ends, _exit and crashes included. */
+#ifndef RG_STATS_H
+#define RG_STATS_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Latency histogram: bucket i holds calls of [2^(i/4), 2^((i+1)/4)) nanoseconds. */
+#define RG_LAT_BUCKETS 160
+
+/* A value's slot in the stats file: any uint64_t in decimal, right-aligned after spaces,
+ * at an offset that is a multiple of RG_STAT_ALIGN (stored a word at a time). */
+#define RG_STAT_WIDTH 24
+#define RG_STAT_ALIGN 8
+
+enum rg_stat {
+  /* Tuner decisions for two-rank AllGathers. */
+  RG_STAT_TUNER_ONESHOT,
+  RG_STAT_TUNER_ONESHOT_BYTES,
+  RG_STAT_TUNER_NCCL,
+  RG_STAT_TUNER_NCCL_BYTES,
+  RG_STAT_TUNER_NCCL_IGNORED,      /* within the window, but NCCL offered no CollNet Direct */
+  RG_STAT_TUNER_ONESHOT_UNOFFERED, /* one-shot onto that entry (ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH) */
+  /* One-shot gather calls (iallgather), as executed, graph replays included. */
+  RG_STAT_GATHERS,
+  RG_STAT_GATHER_BYTES,
+  RG_STAT_GATHERS_RENDEZVOUS,
+  RG_STAT_GATHERS_EAGER,
+  RG_STAT_GATHER_ERRORS,
+  RG_STAT_GATHERS_KERNEL, /* eager calls the gather kernel placed */
+  RG_STATS_N
+};
+
+/* Adds d to counter s and shows its new value in the stats file, if one is attached. */
+void rg_stats_add(enum rg_stat s, uint64_t d);
+void rg_stats_latency(uint64_t ns);
+
+/* The counters as plain numbers, for readers that cannot see atomics (cgo). */
+typedef struct rg_stats_snapshot {
+  uint64_t v[RG_STATS_N];
+  uint64_t gather_lat[RG_LAT_BUCKETS];
+} rg_stats_snapshot;
+
+void rg_stats_read(rg_stats_snapshot* out);
+
+/* Maps len bytes of fd shared and shows every counter in it from now on: slot[s] is the
+ * offset of counter s's slot. Returns 0, or an errno. Call with no counter being added
+ * (while no communicator is live); it replaces a file attached before. */
+int rg_stats_attach(int fd, size_t len, const uint32_t slot[RG_STATS_N]);
+/* Stops showing counters in the file and unmaps it. */
+void rg_stats_detach(void);
+/* Writes text, right-aligned in a slot of RG_STAT_WIDTH bytes at offset at (one writer:
+ * the Go side, for the values it derives). */
+void rg_stats_show_text(uint32_t at, const char* text);
+
+#endif

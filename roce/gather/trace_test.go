@@ -1,0 +1,110 @@
+package gather
+
+import (
+	"encoding/binary"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// ParseTrace reads the file at the offsets trace.h gives its fields.
+func TestTraceLayoutIsTheCOne(t *testing.T) {
+	require.Equal(t, map[string]uintptr{
+		"header": 64, "record": 256,
+		"h.magic": 0, "h.version": 8, "h.record_bytes": 12, "h.capacity": 16, "h.begun": 24, "h.every": 32,
+		"h.pid": 40, "h.stamps": 48,
+		"r.index": 0, "r.comm_id": 8, "r.seq": 16, "r.window_offset": 24, "r.window_bytes": 32,
+		"r.bytes_per_rank": 40, "r.rank": 48, "r.mode": 52, "r.lanes": 56, "r.flags": 60, "r.test_calls": 64,
+		"r.max_test_gap_ns": 72, "r.t": 80,
+	}, cTraceLayout())
+	require.Equal(t, 14, Stamps)
+}
+
+func TestTraceAttachWritesAnEmptyRing(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "trace")
+	require.NoError(t, AttachTrace(path, 8, 3))
+	t.Cleanup(DetachTrace)
+	h, recs, err := ReadTrace(path)
+	require.NoError(t, err)
+	require.Equal(t, TraceHeader{Version: 1, Capacity: 8, Begun: 0, Every: 3, PID: uint64(os.Getpid())}, h)
+	require.Empty(t, recs)
+	st, err := os.Stat(path)
+	require.NoError(t, err)
+	require.Equal(t, TraceBytes(8), st.Size())
+	require.Equal(t, int64(64+8*256), st.Size())
+}
+
+func TestTraceFileHeldByAnotherIsRefused(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "trace")
+	require.NoError(t, AttachTrace(path, 4, 1))
+	t.Cleanup(DetachTrace)
+	f, err := os.Open(path)
+	require.NoError(t, err)
+	defer f.Close()
+	// The same process's second open is another open file description: flock refuses it
+	// as it would another process.
+	require.ErrorIs(t, AttachTrace(path, 4, 1), ErrTraceInUse)
+}
+
+func TestTraceRejectsZeroCapacityOrSampling(t *testing.T) {
+	require.EqualError(t, AttachTrace(filepath.Join(t.TempDir(), "t"), 0, 1), "a trace of 0 records sampling 1 call in 1")
+	require.EqualError(t, AttachTrace(filepath.Join(t.TempDir(), "t"), 4, 0), "a trace of 4 records sampling 1 call in 0")
+}
+
+func traceBytes(capacity uint64, recs map[uint64]func(p []byte)) []byte {
+	b := make([]byte, 64+capacity*256)
+	le := binary.LittleEndian
+	le.PutUint64(b[0:], 0x3145434152544752)
+	le.PutUint32(b[8:], 1)
+	le.PutUint32(b[12:], 256)
+	le.PutUint64(b[16:], capacity)
+	le.PutUint32(b[48:], 14)
+	for slot, f := range recs {
+		f(b[64+slot*256:])
+	}
+	return b
+}
+
+// The ring: a record counts only in the slot its index names; records come oldest first.
+func TestParseTraceOrdersTheRingAndSkipsForeignSlots(t *testing.T) {
+	le := binary.LittleEndian
+	rec := func(index, seq uint64) func(p []byte) {
+		return func(p []byte) {
+			le.PutUint64(p[0:], index)
+			le.PutUint64(p[16:], seq)
+			le.PutUint64(p[80:], 1000*seq)
+		}
+	}
+	b := traceBytes(4, map[uint64]func([]byte){0: rec(5, 50), 1: rec(6, 60), 2: rec(3, 30), 3: rec(9, 90)})
+	_, recs, err := ParseTrace(b)
+	require.NoError(t, err)
+	require.Len(t, recs, 3, "slot 3 holds index 9, which belongs in slot 0")
+	require.Equal(t, []uint64{30, 50, 60}, []uint64{recs[0].Seq, recs[1].Seq, recs[2].Seq})
+	require.Equal(t, uint64(30000), recs[0].T[StampIallgather])
+}
+
+func TestParseTraceRefusesWhatIsNotATrace(t *testing.T) {
+	_, _, err := ParseTrace([]byte("{}"))
+	require.EqualError(t, err, "2 bytes are too few for a trace file")
+	b := traceBytes(2, nil)
+	b[0] ^= 1
+	_, _, err = ParseTrace(b)
+	require.ErrorContains(t, err, "not a roce_gather trace file")
+	b = traceBytes(2, nil)
+	binary.LittleEndian.PutUint32(b[8:], 2)
+	_, _, err = ParseTrace(b)
+	require.EqualError(t, err, "trace file version 2 with 256-byte records and 14 stamps; this library reads version 1, 256, 14")
+	_, _, err = ParseTrace(traceBytes(2, nil)[:64+256])
+	require.EqualError(t, err, "a trace file of 2 records is 576 bytes, not 320")
+}
+
+func TestJoinPeersMatchesCommAndCall(t *testing.T) {
+	recs := []TraceRecord{{CommID: 7, Seq: 1, Rank: 0}, {CommID: 7, Seq: 1, Rank: 1}, {CommID: 7, Seq: 2, Rank: 0}}
+	recs[0].T[StampIallgather], recs[1].T[StampIallgather], recs[2].T[StampIallgather] = 100, 150, 300
+	JoinPeers(recs)
+	require.Equal(t, uint64(150), recs[0].PeerIallgather)
+	require.Equal(t, uint64(100), recs[1].PeerIallgather)
+	require.Zero(t, recs[2].PeerIallgather, "no peer record")
+}

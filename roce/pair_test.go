@@ -1,0 +1,98 @@
+package roce
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/roce-gather/roce_gather/roce/tcp"
+)
+
+// p2pPair makes the two links of NCCL's two-rank ring between a and b: each rank dials
+// the other's listener at once, and accepts the other's dial.
+func p2pPair(t *testing.T, a, b *Transport) (sa, sb *SendComm, ra, rb *RecvComm) {
+	t.Helper()
+	ha, hb := make([]byte, HandleSize), make([]byte, HandleSize)
+	la, err := a.ListenP2P(ha)
+	require.NoError(t, err)
+	defer la.Close()
+	lb, err := b.ListenP2P(hb)
+	require.NoError(t, err)
+	defer lb.Close()
+	pa, err := a.ConnectP2P(hb)
+	require.NoError(t, err)
+	pb, err := b.ConnectP2P(ha)
+	require.NoError(t, err)
+	sa, err = pa.Wait()
+	require.NoError(t, err)
+	sb, err = pb.Wait()
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		if ra == nil {
+			ra = la.Accept()
+		}
+		if rb == nil {
+			rb = lb.Accept()
+		}
+		return ra != nil && rb != nil
+	}, 5*time.Second, time.Millisecond)
+	return sa, sb, ra, rb
+}
+
+func connections(tr *Transport) int { return tr.Device().(*tcp.Device).Connections() }
+
+// Over tcp the two directions between two ranks share one connection, so that each
+// direction's data acknowledges the other's instead of costing a bare ACK a message.
+func TestOppositeP2PLinksShareOneConnection(t *testing.T) {
+	a, b := openTCP(t), openTCP(t)
+	sa, sb, ra, rb := p2pPair(t, a, b)
+	require.Equal(t, 1, connections(a), "rank a's send and receive comms")
+	require.Equal(t, 1, connections(b), "rank b's send and receive comms")
+	// Either link may close first; the other keeps the connection until it closes too.
+	require.NoError(t, sa.Close())
+	require.NoError(t, rb.Close())
+	require.Equal(t, 1, connections(a))
+	require.NoError(t, ra.Close())
+	require.NoError(t, sb.Close())
+	require.Equal(t, 0, connections(a))
+	require.Equal(t, 0, connections(b))
+}
+
+// A second pair between the same ranks pairs as well: every carrier takes one link of
+// the other direction, no more.
+func TestEachCarrierTakesOneLinkOfTheOtherDirection(t *testing.T) {
+	a, b := openTCP(t), openTCP(t)
+	var closers []interface{ Close() error }
+	for i := 0; i < 2; i++ {
+		sa, sb, ra, rb := p2pPair(t, a, b)
+		closers = append(closers, sa, sb, ra, rb)
+	}
+	require.Equal(t, 2, connections(a))
+	require.Equal(t, 2, connections(b))
+	for _, c := range closers {
+		require.NoError(t, c.Close())
+	}
+	require.Equal(t, 0, connections(a))
+}
+
+// A link with nothing to pair with keeps a connection of its own.
+func TestALinkOfOneDirectionKeepsItsOwnConnection(t *testing.T) {
+	a, b := openTCP(t), openTCP(t)
+	h := make([]byte, HandleSize)
+	lb, err := b.ListenP2P(h)
+	require.NoError(t, err)
+	defer lb.Close()
+	p, err := a.ConnectP2P(h)
+	require.NoError(t, err)
+	start := time.Now()
+	sa, err := p.Wait()
+	require.NoError(t, err)
+	var rb *RecvComm
+	require.Eventually(t, func() bool { rb = lb.Accept(); return rb != nil }, 5*time.Second, time.Millisecond)
+	require.Less(t, time.Since(start), 900*time.Millisecond, "no wait for a pairing that cannot come")
+	require.Equal(t, 1, connections(a))
+	require.Equal(t, 1, connections(b))
+	require.NoError(t, sa.Close())
+	require.NoError(t, rb.Close())
+}
