@@ -5,7 +5,7 @@ BUILD := build
 DRIVER_CFLAGS := -O2 -g -std=gnu11 -Wall -Wextra -Werror -Iinclude
 LIB := $(BUILD)/libroce_gather.so
 
-.PHONY: all check test vet fmt lint clean kernels install
+.PHONY: all check test test-rxe vet fmt lint clean kernels install
 all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl
 
 GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/roce_gather.ptx go.mod go.sum build/exports.map
@@ -76,6 +76,15 @@ lint: vet fmt
 test: all lint
 	$(GO) test -count=1 ./...
 
+# The verbs checks on a real verbs stack: soft-RoCE (rdma_rxe) in a QEMU guest booting
+# Debian's kernel (tests/rxe/README.md). The first run downloads Debian packages into a cache.
+test-rxe: all
+	$(GO) test -c -o $(BUILD)/rxe.test ./tests/rxe
+	$(GO) test -c -o $(BUILD)/verbs.test ./roce/verbs
+	$(GO) test -c -o $(BUILD)/plugincheck.test ./cmd/plugincheck
+	tests/rxe/run.sh
+
 clean:
-	rm -rf $(BUILD)/lib* $(BUILD)/plugincheck* $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl
+	rm -rf $(BUILD)/lib* $(BUILD)/plugincheck* $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl \
+		$(BUILD)/rxe.test $(BUILD)/verbs.test
 

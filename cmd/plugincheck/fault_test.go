@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"regexp"
 	"strings"
 	"sync"
 	"syscall"
@@ -36,7 +37,7 @@ func runFault(t *testing.T, suite string, env [2][]string, wrap [2][]string, act
 	for r := 0; r < 2; r++ {
 		args := append(append([]string{}, wrap[r]...), driver, "rank", fmt.Sprint(r), lib, suite)
 		cmd := exec.Command(args[0], args[1:]...)
-		cmd.Env = append(os.Environ(), append([]string{"ROCE_GATHER_FABRIC=tcp", "ROCE_GATHER_TIMEOUT_MS=2000", "NCCL_COLLNET_ENABLE=1"}, env[r]...)...)
+		cmd.Env = append(os.Environ(), append([]string{"ROCE_GATHER_FABRIC=" + testFabric(), fmt.Sprintf("ROCE_GATHER_TIMEOUT_MS=%d", faultTimeoutMS()), "NCCL_COLLNET_ENABLE=1"}, env[r]...)...)
 		cmd.Stderr = &lockedWriter{mu: &mu, b: &ranks[r].errOut}
 		stdin, err := cmd.StdinPipe()
 		require.NoError(t, err)
@@ -102,18 +103,70 @@ func (w *lockedWriter) Write(p []byte) (int, error) {
 
 func kill(victim *exec.Cmd) { victim.Process.Signal(syscall.SIGKILL) }
 
+// testFabric is the fabric the fault tests run on: tcp, or verbs where RG_TEST_FABRIC=verbs
+// says an RDMA device is there (the soft-RoCE guest of tests/rxe).
+func testFabric() string {
+	if f := os.Getenv("RG_TEST_FABRIC"); f != "" {
+		return f
+	}
+	return "tcp"
+}
+
+func onVerbs() bool { return testFabric() == "verbs" }
+
+// faultTimeoutMS is the ROCE_GATHER_TIMEOUT_MS of the fault runs. A verbs lane learns of a
+// dead peer from its probe, sent after a quarter of the timeout, failing its retries: on
+// emulated soft-RoCE that takes up to a second or two, which 4 s leaves room for before a
+// gather's own timeout would end the wait without naming the cause.
+func faultTimeoutMS() int {
+	if onVerbs() {
+		return 4000
+	}
+	return 2000
+}
+
 // What a killed peer's kernel does to its connections: a FIN, or a reset when it held
 // unread bytes.
-const peerGone = `(127\.0\.0\.1:\d+ closed the connection|receiving from 127\.0\.0\.1:\d+ failed: Connection reset by peer)`
+const peerGoneTCP = `(127\.0\.0\.1:\d+ closed the connection|receiving from 127\.0\.0\.1:\d+ failed: Connection reset by peer)`
 
-var loopback = [2][]string{{"ROCE_GATHER_TCP_IF=lo"}, {"ROCE_GATHER_TCP_IF=lo"}}
+// What a verbs lane says when the peer's queue pair is gone or its link is down: the
+// liveness probe's write was retried until it gave up, or never completed. ADDR is the
+// peer's address.
+const silentVerbsPeer = `(liveness probe to ADDR:\d+ over \S+ \(qp 0x[0-9a-f]+\) failed: transport retry counter exceeded|the liveness probe to ADDR:\d+ over \S+ has not completed in \d+ ms)`
 
-func requireCases(t *testing.T, out string, cases ...string) {
-	t.Helper()
-	for _, c := range cases {
-		require.Regexp(t, `(?m)^CASE `+c+` PASS `, out, "case %s", c)
+// The same when this end's own port went down: the probe could not even be sent.
+const downVerbsPort = `(liveness probe to ADDR:\d+ over \S+ \(qp 0x[0-9a-f]+\) failed: (transport retry counter exceeded|local QP operation error)|the liveness probe to ADDR:\d+ over \S+ has not completed in \d+ ms)`
+
+func peerGone(addr string) string {
+	if onVerbs() {
+		return strings.ReplaceAll(silentVerbsPeer, "ADDR", regexp.QuoteMeta(addr))
 	}
-	require.NotContains(t, out, " FAIL ")
+	return peerGoneTCP
+}
+
+// loopback is both ranks on this host: over lo for tcp, on the device RXE_DEV for verbs
+// (bootstrap sockets on lo either way).
+var loopback = func() [2][]string {
+	e := []string{"ROCE_GATHER_TCP_IF=lo"}
+	if dev := os.Getenv("RXE_DEV"); onVerbs() && dev != "" {
+		e = append(e, "ROCE_GATHER_HCAS="+dev)
+	}
+	return [2][]string{e, e}
+}()
+
+func withEnv(env [2][]string, extra ...string) [2][]string {
+	return [2][]string{append(append([]string{}, env[0]...), extra...), append(append([]string{}, env[1]...), extra...)}
+}
+
+// requireCases checks that a rank passed every named case and failed none; a failure
+// shows the rank's log lines too.
+func requireCases(t *testing.T, r *faultRank, cases ...string) {
+	t.Helper()
+	out := r.out.String()
+	for _, c := range cases {
+		require.Regexp(t, `(?m)^CASE `+c+` PASS `, out, "case %s; the rank logged:\n%s", c, r.errOut.String())
+	}
+	require.NotContains(t, out, " FAIL ", "the rank logged:\n%s", r.errOut.String())
 }
 
 // A peer killed with SIGKILL while a 64 MiB message is in flight: the receiver's test
@@ -121,33 +174,53 @@ func requireCases(t *testing.T, out string, cases ...string) {
 // operation and the message, and the comm closes promptly.
 func TestFaultPeerKilledInTheMiddleOfAP2PTransfer(t *testing.T) {
 	r0, _ := runFault(t, "fault-p2p", loopback, [2][]string{}, kill)
-	requireCases(t, r0.out.String(), "fault/p2p-peer-gone-mid-transfer", "fault/p2p-close-after-failure")
-	require.Regexp(t, `NCCL WARN NET/roce_gather : receive from 127\.0\.0\.1:\d+ failed at message 0: waiting for data: `+peerGone, r0.errOut.String())
+	requireCases(t, r0, "fault/p2p-peer-gone-mid-transfer", "fault/p2p-close-after-failure")
+	require.Regexp(t, `NCCL WARN NET/roce_gather : receive from 127\.0\.0\.1:\d+ failed at message 0: waiting for data: `+peerGone("127.0.0.1"), r0.errOut.String())
 }
 
 // A peer killed while this rank waits in a one-shot gather: an error within the timeout
 // plus a second, nothing written into the rows, the next call fails at once.
 func TestFaultPeerKilledInTheMiddleOfAGather(t *testing.T) {
-	env := [2][]string{{"ROCE_GATHER_TCP_IF=lo", "ROCE_GATHER_MAX_BYTES=524288"}, {"ROCE_GATHER_TCP_IF=lo", "ROCE_GATHER_MAX_BYTES=524288"}}
-	r0, _ := runFault(t, "fault-gather", env, [2][]string{}, kill)
-	requireCases(t, r0.out.String(), "fault/gather-peer-gone", "fault/gather-rows-untouched-after-death",
+	r0, _ := runFault(t, "fault-gather", withEnv(loopback, "ROCE_GATHER_MAX_BYTES=524288"), [2][]string{}, kill)
+	requireCases(t, r0, "fault/gather-peer-gone", "fault/gather-rows-untouched-after-death",
 		"fault/gather-after-failure", "fault/gather-close-after-failure")
-	require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather with 127\.0\.0\.1:\d+ failed at call 1: the link failed: `+peerGone, r0.errOut.String())
+	require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather with 127\.0\.0\.1:\d+ failed at call 1: the link failed: `+peerGone("127.0.0.1"), r0.errOut.String())
 }
 
 // A peer that is alive but never joins the gather: the wait ends at the timeout.
 func TestFaultPeerThatNeverJoinsAGatherTimesOut(t *testing.T) {
-	env := [2][]string{{"ROCE_GATHER_TCP_IF=lo", "ROCE_GATHER_MAX_BYTES=524288"}, {"ROCE_GATHER_TCP_IF=lo", "ROCE_GATHER_MAX_BYTES=524288"}}
-	r0, _ := runFault(t, "fault-stall", env, [2][]string{}, nil)
-	requireCases(t, r0.out.String(), "fault/gather-peer-never-comes", "fault/gather-rows-untouched-after-timeout")
-	require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather with 127\.0\.0\.1:\d+ failed at call 1: no data from the peer arrived within 2000 ms`, r0.errOut.String())
+	r0, _ := runFault(t, "fault-stall", withEnv(loopback, "ROCE_GATHER_MAX_BYTES=524288"), [2][]string{}, nil)
+	requireCases(t, r0, "fault/gather-peer-never-comes", "fault/gather-rows-untouched-after-timeout")
+	require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather with 127\.0\.0\.1:\d+ failed at call 1: no data from the peer arrived within `+fmt.Sprint(faultTimeoutMS())+` ms`, r0.errOut.String())
 }
 
 // Closing comms with receives still posted returns promptly and leaves no descriptor.
 func TestFaultCloseWithRequestsInFlight(t *testing.T) {
 	r0, r1 := runFault(t, "fault-abort", loopback, [2][]string{}, nil)
-	requireCases(t, r0.out.String(), "fault/abort-with-requests-in-flight")
-	requireCases(t, r1.out.String(), "fault/abort-with-requests-in-flight")
+	requireCases(t, r0, "fault/abort-with-requests-in-flight")
+	requireCases(t, r1, "fault/abort-with-requests-in-flight")
+}
+
+// linkPair is two ranks at the two ends of one link that cut takes down while both
+// processes live on: no FIN, no RST, nothing but silence. peer is rank 1's address.
+type linkPair struct {
+	env  [2][]string
+	wrap [2][]string
+	cut  func(*exec.Cmd)
+	peer string
+}
+
+// cutPair makes the pair: for tcp, two network namespaces joined by a veth pair; for
+// verbs, the two rxe devices the soft-RoCE guest put on the ends of a veth pair (RXE_PAIR).
+func cutPair(t *testing.T) linkPair {
+	if onVerbs() {
+		return rxePair(t)
+	}
+	wrap, cut := netns(t)
+	return linkPair{
+		env:  [2][]string{{"ROCE_GATHER_TCP_IF=" + wrapVeth(wrap, 0)}, {"ROCE_GATHER_TCP_IF=" + wrapVeth(wrap, 1)}},
+		wrap: wrap, cut: cut, peer: "10.99.0.2",
+	}
 }
 
 // netns makes two network namespaces joined by a veth pair, 10.99.0.1 and 10.99.0.2.
@@ -180,23 +253,64 @@ func netns(t *testing.T) (wrap [2][]string, cut func(*exec.Cmd)) {
 	return wrap, cut
 }
 
+// rxePair reads RXE_PAIR ("dev/netdev/addr,dev/netdev/addr"): rank r runs on the r-th
+// device with its sockets on that netdev. cut takes rank 0's end down, as a cable cut takes
+// down the survivor's port too; with only the far end down, the kernel keeps packets that
+// soft-RoCE had sent into the dead link, and ibv_destroy_qp waits seconds for them. The
+// cleanup brings the end up again, with its address back in the device's GID table.
+func rxePair(t *testing.T) linkPair {
+	t.Helper()
+	var devs [2][3]string
+	ends := strings.Split(os.Getenv("RXE_PAIR"), ",")
+	require.Len(t, ends, 2, "RXE_PAIR=%q names two ends", os.Getenv("RXE_PAIR"))
+	for i, e := range ends {
+		f := strings.Split(e, "/")
+		require.Len(t, f, 3, "RXE_PAIR end %q is device/netdev/address", e)
+		devs[i] = [3]string{f[0], f[1], f[2]}
+	}
+	p := linkPair{peer: devs[1][2]}
+	for i := range devs {
+		p.env[i] = []string{"ROCE_GATHER_HCAS=" + devs[i][0], "ROCE_GATHER_TCP_IF=" + devs[i][1]}
+	}
+	dev, netdev := devs[0][0], devs[0][1]
+	p.cut = func(*exec.Cmd) { exec.Command("ip", "link", "set", netdev, "down").Run() }
+	t.Cleanup(func() {
+		out, err := exec.Command("ip", "link", "set", netdev, "up").CombinedOutput()
+		require.NoError(t, err, "ip link set %s up: %s", netdev, out)
+		gid := fmt.Sprintf("/sys/class/infiniband/%s/ports/1/gids/1", dev)
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			if b, _ := os.ReadFile(gid); strings.HasPrefix(string(b), "0000:0000:0000:0000:0000:ffff:") {
+				return
+			}
+			require.False(t, time.Now().After(deadline), "%s has no IPv4 GID 10 s after %s came up again", dev, netdev)
+		}
+	})
+	return p
+}
+
 // The link goes down during a 64 MiB transfer while both processes live on: no FIN, no
 // RST. The receiver notices the silence and fails within the timeout plus a second.
 func TestFaultLinkCutInTheMiddleOfAP2PTransfer(t *testing.T) {
-	wrap, cut := netns(t)
-	env := [2][]string{{"ROCE_GATHER_TCP_IF=" + wrapVeth(wrap, 0)}, {"ROCE_GATHER_TCP_IF=" + wrapVeth(wrap, 1)}}
-	r0, _ := runFault(t, "fault-p2p", env, wrap, cut)
-	requireCases(t, r0.out.String(), "fault/p2p-peer-gone-mid-transfer", "fault/p2p-close-after-failure")
-	require.Regexp(t, `NCCL WARN NET/roce_gather : receive from 10\.99\.0\.2:\d+ failed at message 0: waiting for data: nothing received from 10\.99\.0\.2:\d+ for \d+ ms \(no data, no heartbeat\)`, r0.errOut.String())
+	p := cutPair(t)
+	r0, _ := runFault(t, "fault-p2p", p.env, p.wrap, p.cut)
+	requireCases(t, r0, "fault/p2p-peer-gone-mid-transfer", "fault/p2p-close-after-failure")
+	why := `nothing received from 10\.99\.0\.2:\d+ for \d+ ms \(no data, no heartbeat\)`
+	if onVerbs() {
+		why = strings.ReplaceAll(downVerbsPort, "ADDR", regexp.QuoteMeta(p.peer))
+	}
+	require.Regexp(t, `NCCL WARN NET/roce_gather : receive from `+regexp.QuoteMeta(p.peer)+`:\d+ failed at message 0: waiting for data: `+why, r0.errOut.String())
 }
 
 // The same during a one-shot gather.
 func TestFaultLinkCutInTheMiddleOfAGather(t *testing.T) {
-	wrap, cut := netns(t)
-	env := [2][]string{{"ROCE_GATHER_TCP_IF=" + wrapVeth(wrap, 0), "ROCE_GATHER_MAX_BYTES=524288"}, {"ROCE_GATHER_TCP_IF=" + wrapVeth(wrap, 1), "ROCE_GATHER_MAX_BYTES=524288"}}
-	r0, _ := runFault(t, "fault-gather", env, wrap, cut)
-	requireCases(t, r0.out.String(), "fault/gather-peer-gone", "fault/gather-rows-untouched-after-death", "fault/gather-after-failure")
-	require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather with 10\.99\.0\.2:\d+ failed at call 1: `, r0.errOut.String())
+	p := cutPair(t)
+	r0, _ := runFault(t, "fault-gather", withEnv(p.env, "ROCE_GATHER_MAX_BYTES=524288"), p.wrap, p.cut)
+	requireCases(t, r0, "fault/gather-peer-gone", "fault/gather-rows-untouched-after-death", "fault/gather-after-failure")
+	why := ""
+	if onVerbs() {
+		why = "the link failed: " + strings.ReplaceAll(downVerbsPort, "ADDR", regexp.QuoteMeta(p.peer))
+	}
+	require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather with `+regexp.QuoteMeta(p.peer)+`:\d+ failed at call 1: `+why, r0.errOut.String())
 }
 
 // wrapVeth names rank r's veth interface from its namespace wrapper.
@@ -209,11 +323,9 @@ func wrapVeth(wrap [2][]string, r int) string {
 // threads and resident memory stay where they were after the first.
 func TestThousandConnectCloseCyclesLeaveNothingBehind(t *testing.T) {
 	r0, r1 := runFault(t, "cycles-1000", loopback, [2][]string{}, nil)
-	for r, out := range []string{r0.out.String(), r1.out.String()} {
-		if !strings.Contains(out, "CASE cycles/connect-close PASS") {
-			t.Logf("rank 0 log:\n%s\nrank 1 log:\n%s", r0.errOut.String(), r1.errOut.String())
-		}
-		requireCases(t, out, "cycles/connect-close")
+	for r, rank := range []*faultRank{r0, r1} {
+		out := rank.out.String()
+		requireCases(t, rank, "cycles/connect-close")
 		v := cycleValues(t, out, 3)
 		t.Logf("rank %d: first fds=%d threads=%d rss_kb=%d, after 500 rss_kb=%d, last fds=%d threads=%d rss_kb=%d", r,
 			v["first"][0], v["first"][1], v["first"][2], v["mid"][2], v["last"][0], v["last"][1], v["last"][2])
@@ -223,4 +335,16 @@ func TestThousandConnectCloseCyclesLeaveNothingBehind(t *testing.T) {
 		// over the last 500 cycles. The Go heap's warm-up shows before the midpoint.
 		require.Less(t, v["last"][2], v["mid"][2]+4*1024, "rank %d: resident memory kept growing", r)
 	}
+}
+
+// Nine connections at once hold no more threads than one: on verbs, a write leaves from
+// the thread that posts it and completions are taken by the thread that polls.
+func TestNoThreadPerConnection(t *testing.T) {
+	if !onVerbs() {
+		// Measured: 8 threads with one pair, 24 with nine.
+		t.Skip("the tcp fabric keeps a helper thread a link, off the data path, for heartbeats and deferred sends")
+	}
+	r0, r1 := runFault(t, "fault-threads", loopback, [2][]string{}, nil)
+	requireCases(t, r0, "threads/none-per-connection")
+	requireCases(t, r1, "threads/none-per-connection")
 }

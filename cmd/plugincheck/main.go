@@ -149,11 +149,13 @@ type scenario struct {
 	env0, env1 []string
 	expect     string // what the gather suite must see: "cap:N", "window:F:N", "off" or "dropped"
 	// tcpDefault runs without ROCE_GATHER_MAX_BYTES: the tcp fabric then keeps the one-shot
-	// path off. Every other gather scenario sets the cap, which turns it on over tcp.
+	// path off. Every other gather scenario sets the cap, which turns it on over tcp. It
+	// runs on the tcp fabric only: over verbs the path is on by default.
 	tcpDefault bool
 }
 
-func scenarios(which string) []scenario {
+// scenarios lists the scenarios of a suite ("all" for every one) that apply to a fabric.
+func scenarios(which, fabric string) []scenario {
 	noNVSwitch := []string{"RG_SELFTEST_NO_NVSWITCH=1"}
 	directAnyway := []string{"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1", "RG_SELFTEST_NO_NVSWITCH=1"}
 	directOnOneNode := append([]string{"RG_SELFTEST_NNODES=1"}, directAnyway...)
@@ -183,12 +185,9 @@ func scenarios(which string) []scenario {
 		{name: "gather, no NVSwitch, ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, two ranks on one node", suite: "gather",
 			env0: directOnOneNode, env1: directOnOneNode, expect: "dropped"},
 	}
-	if which == "all" {
-		return all
-	}
 	var out []scenario
 	for _, s := range all {
-		if s.suite == which {
+		if (which == "all" || s.suite == which) && (!s.tcpDefault || fabric == "tcp") {
 			out = append(out, s)
 		}
 	}
@@ -220,7 +219,7 @@ func cmdSelftest(args []string) int {
 	res := &result{}
 	out.res, out.echo = res, true
 	var runErr error
-	for _, sc := range scenarios(*suites) {
+	for _, sc := range scenarios(*suites, *fab) {
 		fmt.Printf("== %s (%s fabric)\n", sc.name, *fab)
 		env0 := append(append([]string{}, base...), sc.env0...)
 		env1 := append(append([]string{}, base...), sc.env1...)

@@ -127,3 +127,21 @@ func TestSelftestAcrossTwoPlugincheckProcesses(t *testing.T) {
 	require.Contains(t, string(pout), "ok   rank 1  p2p/size-67108864")
 	require.Contains(t, lout.String(), "ok   rank 0  p2p/size-67108864")
 }
+
+// The scenario that expects the tcp fabric's default (one-shot path off) runs on tcp only.
+func TestTCPDefaultScenarioRunsOnTheTCPFabricOnly(t *testing.T) {
+	names := func(suite, fabric string) []string {
+		var n []string
+		for _, s := range scenarios(suite, fabric) {
+			n = append(n, s.name)
+		}
+		return n
+	}
+	const tcpDefault = "gather, tcp fabric defaults (one-shot path off)"
+	require.Contains(t, names("all", "tcp"), tcpDefault)
+	require.Contains(t, names("gather", "tcp"), tcpDefault)
+	require.NotContains(t, names("all", "verbs"), tcpDefault)
+	require.Equal(t, len(names("all", "tcp"))-1, len(names("all", "verbs")))
+	require.Equal(t, []string{"p2p"}, names("p2p", "verbs"))
+	require.Contains(t, names("gather", "verbs"), "gather")
+}

@@ -12,6 +12,7 @@ import (
 	"net"
 	"unsafe"
 
+	"github.com/roce-gather/roce_gather/internal/nlog"
 	"github.com/roce-gather/roce_gather/roce/fabric"
 )
 
@@ -98,7 +99,12 @@ func (d *Device) connect(l *C.rg_vlane, hi int, peer laneDesc) error {
 	if err := modifyQP(qp, rtr, fmt.Sprintf("RTR (peer qp 0x%x, MTU %d)", peer.QPN, mtuBytes(mtu))); err != nil {
 		return err
 	}
-	return modifyQP(qp, rtsAttr(), "RTS")
+	if err := modifyQP(qp, rtsAttr(), "RTS"); err != nil {
+		return err
+	}
+	nlog.Infof(nlog.Net, "verbs qp 0x%x on %s to the peer's qp 0x%x: path MTU %d (this port %d, the peer's %d)",
+		uint32(C.rg_vlane_qpn(l)), d.hcas[hi].label, peer.QPN, mtuBytes(mtu), mtuBytes(p.ActiveMTU), mtuBytes(peer.MTU))
+	return nil
 }
 
 func (e *endpoint) Describe() []byte {

@@ -71,7 +71,9 @@ func (g GID) ipv4() bool {
 
 // chooseGID picks the GID a RoCE port routes with. override >= 0 is the user's index
 // (ROCE_GATHER_GID_INDEX), taken as given if it holds an address; otherwise the first
-// IPv4-mapped RoCE v2 GID, else the first RoCE v2 GID. A zero GID is never chosen.
+// IPv4-mapped RoCE v2 GID, else the first RoCE v2 GID of a routable IPv6 address, else
+// the first link-local one (fe80::/10 reaches only the same Ethernet segment; NCCL never
+// picks one). A zero GID is never chosen.
 func chooseGID(gids []GID, override int) (GID, error) {
 	if override >= 0 {
 		for _, g := range gids {
@@ -81,27 +83,34 @@ func chooseGID(gids []GID, override int) (GID, error) {
 		}
 		return GID{}, fmt.Errorf("ROCE_GATHER_GID_INDEX=%d names a GID table entry that is empty or absent (entries in use: %s)", override, listGIDs(gids))
 	}
-	var v4, v2 *GID // lowest index of each kind, whatever the table's order
+	var v4, v6, ll *GID // lowest index of each kind, whatever the table's order
+	lowest := func(best **GID, g *GID) {
+		if *best == nil || g.Index < (*best).Index {
+			*best = g
+		}
+	}
 	for i := range gids {
 		g := &gids[i]
-		if g.Type != GIDTypeRoCEv2 || g.zero() {
-			continue
-		}
-		if g.ipv4() && (v4 == nil || g.Index < v4.Index) {
-			v4 = g
-		}
-		if v2 == nil || g.Index < v2.Index {
-			v2 = g
+		switch {
+		case g.Type != GIDTypeRoCEv2 || g.zero():
+		case g.ipv4():
+			lowest(&v4, g)
+		case g.linkLocal():
+			lowest(&ll, g)
+		default:
+			lowest(&v6, g)
 		}
 	}
-	if v4 != nil {
-		return *v4, nil
+	for _, g := range []*GID{v4, v6, ll} {
+		if g != nil {
+			return *g, nil
+		}
 	}
-	if v2 == nil {
-		return GID{}, fmt.Errorf("no RoCE v2 GID (entries in use: %s); give the port an IP address or set ROCE_GATHER_GID_INDEX", listGIDs(gids))
-	}
-	return *v2, nil
+	return GID{}, fmt.Errorf("no RoCE v2 GID (entries in use: %s); give the port an IP address or set ROCE_GATHER_GID_INDEX", listGIDs(gids))
 }
+
+// linkLocal says whether the GID is an IPv6 link-local address (fe80::/10).
+func (g GID) linkLocal() bool { return g.Raw[0] == 0xfe && g.Raw[1]&0xc0 == 0x80 }
 
 // chooseIBGID is the GID an InfiniBand port sends in a global header, when it needs one:
 // index 0, which holds the port GUID.

@@ -32,7 +32,9 @@ func TestGIDChoicePrefersIPv4RoCEv2(t *testing.T) {
 	require.Equal(t, 5, g.Index)
 }
 
-func TestGIDChoiceFallsBackToAnyRoCEv2(t *testing.T) {
+// Without IPv4, a routable IPv6 address comes before the link-local one, whatever the
+// indexes (the order soft-RoCE gives a port with IPv6 only: fe80:: at 0, the address at 1).
+func TestGIDChoiceWithoutIPv4PrefersARoutableIPv6Address(t *testing.T) {
 	g, err := chooseGID([]GID{
 		gid(0, GIDTypeRoCEv1, linkLocal),
 		gid(1, GIDTypeRoCEv2, [16]byte{}), // a zero entry is never chosen
@@ -40,7 +42,14 @@ func TestGIDChoiceFallsBackToAnyRoCEv2(t *testing.T) {
 		gid(2, GIDTypeRoCEv2, linkLocal),
 	}, -1)
 	require.NoError(t, err)
-	require.Equal(t, 2, g.Index)
+	require.Equal(t, 4, g.Index)
+	require.Equal(t, "2001:db8::7", g.Addr())
+}
+
+func TestGIDChoiceTakesLinkLocalAsTheLastResort(t *testing.T) {
+	g, err := chooseGID([]GID{gid(0, GIDTypeRoCEv1, globalV6), gid(3, GIDTypeRoCEv2, linkLocal)}, -1)
+	require.NoError(t, err)
+	require.Equal(t, 3, g.Index)
 }
 
 func TestGIDChoiceRefusesTablesWithoutRoCEv2(t *testing.T) {

@@ -27,6 +27,7 @@ static struct {
   int (*destroy_cq)(struct ibv_cq*);
   struct ibv_qp* (*create_qp)(struct ibv_pd*, struct ibv_qp_init_attr*);
   int (*modify_qp)(struct ibv_qp*, struct ibv_qp_attr*, int);
+  int (*query_qp)(struct ibv_qp*, struct ibv_qp_attr*, int, struct ibv_qp_init_attr*);
   int (*destroy_qp)(struct ibv_qp*);
   const char* (*wc_status_str)(enum ibv_wc_status);
 } api;
@@ -71,6 +72,7 @@ static void load(void) {
   REQUIRE(destroy_cq, "ibv_destroy_cq", "IBVERBS_1.1");
   REQUIRE(create_qp, "ibv_create_qp", "IBVERBS_1.1");
   REQUIRE(modify_qp, "ibv_modify_qp", "IBVERBS_1.1");
+  REQUIRE(query_qp, "ibv_query_qp", "IBVERBS_1.1");
   REQUIRE(destroy_qp, "ibv_destroy_qp", "IBVERBS_1.1");
   REQUIRE(wc_status_str, "ibv_wc_status_str", "IBVERBS_1.1");
   *(void**)&api.query_gid_table = sym(lib, "_ibv_query_gid_table", "IBVERBS_1.11");
@@ -148,6 +150,11 @@ int rg_ibv_dmabuf_works(struct ibv_pd* pd) {
 }
 
 int rg_ibv_modify_qp(struct ibv_qp* qp, struct ibv_qp_attr* attr, int mask) { return api.modify_qp(qp, attr, mask); }
+
+int rg_ibv_query_qp(struct ibv_qp* qp, struct ibv_qp_attr* attr, int mask) {
+  struct ibv_qp_init_attr init;
+  return api.query_qp(qp, attr, mask, &init);
+}
 
 const char* rg_ibv_wc_status_str(int status) {
   return api.wc_status_str != NULL ? api.wc_status_str((enum ibv_wc_status)status) : "unknown status";

@@ -42,6 +42,7 @@ int rg_ibv_dereg_mr(struct ibv_mr* mr);
 /* 1 when the kernel and provider accept dma-buf registrations on pd's device. */
 int rg_ibv_dmabuf_works(struct ibv_pd* pd);
 int rg_ibv_modify_qp(struct ibv_qp* qp, struct ibv_qp_attr* attr, int mask);
+int rg_ibv_query_qp(struct ibv_qp* qp, struct ibv_qp_attr* attr, int mask);
 const char* rg_ibv_wc_status_str(int status);
 struct ibv_cq* rg_ibv_create_cq(struct ibv_context* ctx, int cqe);
 int rg_ibv_destroy_cq(struct ibv_cq* cq);

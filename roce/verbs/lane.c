@@ -78,6 +78,8 @@ static const char* status_hint(enum ibv_wc_status s) {
     return ": the peer refused the key or the address range";
   case IBV_WC_LOC_PROT_ERR:
     return ": a local buffer lies outside its registration";
+  case IBV_WC_LOC_QP_OP_ERR:
+    return ": it could not be sent (is this port down?)";
   case IBV_WC_WR_FLUSH_ERR:
     return ": the queue pair had already failed";
   default:
@@ -246,6 +248,9 @@ int rg_vlane_poll_recv(rg_vlane* l, rg_cqe* out, int max) {
   l->rq_posted -= (uint32_t)n;
   for (int i = 0; i < n; i++) {
     if (wc[i].status != IBV_WC_SUCCESS) {
+      /* A failed request moves the queue pair to the error state, which flushes the
+       * posted receives: the cause is on the send side, so it is taken first. */
+      if (wc[i].status == IBV_WC_WR_FLUSH_ERR) reap_send(l);
       fail_wc(l, &wc[i], "receive from");
       return RG_ERR_DEAD;
     }
@@ -297,12 +302,21 @@ int rg_vlane_check(rg_vlane* l, uint64_t now) {
   if (l->dead) return RG_ERR_DEAD;
   if (!l->started) return RG_OK;
   if (reap_send(l) != 0) return RG_ERR_DEAD;
-  if (l->probe_inflight && now - l->probe_posted_ns > l->timeout_ns) {
-    lane_fail(l, "the liveness probe to %s over %s has not completed in %llu ms (%u requests outstanding)", l->peer,
-              l->hca_name, (unsigned long long)((now - l->probe_posted_ns) / 1000000), l->sq_used);
-    return RG_ERR_DEAD;
+  /* A probe goes out after a quarter of the timeout without progress and has the other
+   * three quarters to complete: a silent peer is found within the timeout of its last sign.
+   * It completes after every request posted before it, so while those still complete (a
+   * long queue draining on a slow link) the wait counts from the last of them. */
+  if (l->probe_inflight) {
+    uint64_t since = l->probe_posted_ns > l->last_progress_ns ? l->probe_posted_ns : l->last_progress_ns;
+    if (now > since && now - since > l->timeout_ns - l->timeout_ns / 4) {
+      lane_fail(l, "the liveness probe to %s over %s has not completed in %llu ms, nor anything else for %llu ms "
+                   "(%u requests outstanding)", l->peer, l->hca_name,
+                (unsigned long long)((now - l->probe_posted_ns) / 1000000),
+                (unsigned long long)((now - since) / 1000000), l->sq_used);
+      return RG_ERR_DEAD;
+    }
+    return RG_OK;
   }
-  if (l->probe_inflight) return RG_OK;
   uint64_t quiet = now > l->last_progress_ns ? now - l->last_progress_ns : 0;
   if (quiet < l->timeout_ns / 4) return RG_OK;
   if (room(l) > 0) return post_probe(l, now) == 0 ? RG_OK : RG_ERR_DEAD;

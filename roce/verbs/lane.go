@@ -10,6 +10,7 @@ static void rg_wr_set_local(rg_wr* w, uint64_t addr) { w->local = (const void*)(
 import "C"
 
 import (
+	"fmt"
 	"time"
 	"unsafe"
 
@@ -61,6 +62,21 @@ func wrapLane(qp, scq, rcq unsafe.Pointer, hca int, sq, rq uint32, timeout time.
 	defer C.free(unsafe.Pointer(name))
 	return goLane{C.rg_vlane_wrap((*C.struct_ibv_qp)(qp), (*C.struct_ibv_cq)(scq), (*C.struct_ibv_cq)(rcq),
 		C.int(hca), name, C.uint32_t(sq), C.uint32_t(rq), C.uint64_t(timeout.Nanoseconds()))}
+}
+
+// linkLane is lane i of a verbs link, for tests that drive a real device.
+func linkLane(link *fabric.Link, i int) goLane {
+	return goLane{(*C.rg_vlane)((*C.rg_link)(link.C()).lane[i].impl)}
+}
+
+// qpState returns the queue pair's state and path MTU (IBV_QPS_* and IBV_MTU_* codes), as
+// the device reports them.
+func (l goLane) qpState() (state, pathMTU int, err error) {
+	var a C.struct_ibv_qp_attr
+	if rc := C.rg_ibv_query_qp(C.rg_vlane_qp(l.c), &a, C.IBV_QP_STATE|C.IBV_QP_PATH_MTU); rc != 0 {
+		return 0, 0, fmt.Errorf("ibv_query_qp failed: %v", errnoErr(int(rc)))
+	}
+	return int(a.qp_state), int(a.path_mtu), nil
 }
 
 func (l goLane) destroy()             { C.rg_vlane_destroy(l.c) }

@@ -271,13 +271,48 @@ func TestLaneFailedProbeMakesLaneDead(t *testing.T) {
 	require.Contains(t, l.why(), "liveness probe to 10.0.0.2:5000 over fake0:1 (qp 0x1234) failed: transport retry counter exceeded")
 }
 
-func TestLaneProbeThatNeverCompletesMakesLaneDead(t *testing.T) {
+// A probe goes out after a quarter of the timeout without progress and has the rest of it:
+// a peer that went silent is declared dead within the timeout, not a quarter past it.
+func TestLaneProbeThatNeverCompletesMakesLaneDeadWithinTheTimeout(t *testing.T) {
 	l, _, start := newTestLane(t, 64)
-	probed := start + uint64(testTimeout/2)
+	probed := start + uint64(testTimeout/4) + 1
 	require.Equal(t, rgOK, l.check(probed))
-	require.Equal(t, rgOK, l.check(probed+uint64(testTimeout)))
-	require.Equal(t, rgErrDead, l.check(probed+uint64(testTimeout)+1))
-	require.Contains(t, l.why(), "the liveness probe to 10.0.0.2:5000 over fake0:1 has not completed in 400 ms (1 requests outstanding)")
+	require.Equal(t, rgOK, l.check(probed+uint64(testTimeout*3/4)))
+	require.Equal(t, rgErrDead, l.check(probed+uint64(testTimeout*3/4)+1))
+	require.Contains(t, l.why(), "the liveness probe to 10.0.0.2:5000 over fake0:1 has not completed in 300 ms, nor anything else for 300 ms (1 requests outstanding)")
+}
+
+// A probe queued behind long writes completes after them: while they complete, the lane
+// is alive however late the probe is.
+func TestLaneProbeBehindRequestsThatStillCompleteIsNotDeath(t *testing.T) {
+	l, nic, start := newTestLane(t, 64)
+	for i := 0; i < 3; i++ {
+		require.Equal(t, rgOK, l.post(laneWR{WRID: uint64(i + 1), Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrSignaled | wrInline}))
+	}
+	time.Sleep(time.Duration(start+uint64(testTimeout/4)-fabric.NowNanos()) + time.Millisecond)
+	require.Equal(t, rgOK, l.check(fabric.NowNanos()))
+	require.Len(t, nic.Sends(), 4, "the probe follows the three writes")
+	for i := 0; i < 3; i++ { // one write completes every half timeout
+		time.Sleep(testTimeout / 2)
+		require.Equal(t, 1, nic.Complete(1))
+		require.Equal(t, rgOK, l.check(fabric.NowNanos()), "after write %d completed", i+1)
+	}
+	time.Sleep(testTimeout*3/4 + 10*time.Millisecond)
+	require.Equal(t, rgErrDead, l.check(fabric.NowNanos()))
+	require.Contains(t, l.why(), "nor anything else for ")
+}
+
+// A request that fails moves the queue pair to the error state, which flushes the posted
+// receives; a caller that polls receives first still learns the request's cause.
+func TestLaneFlushedReceiveReportsTheFailedRequest(t *testing.T) {
+	l, nic, _ := newTestLane(t, 64)
+	require.Equal(t, rgOK, l.post(laneWR{WRID: 1, Data: []byte{1}, Len: 1, Op: opWriteImm, Flags: wrSignaled | wrInline}))
+	nic.Fail(fakenic.StatusRetryExceeded, 0)
+	require.True(t, nic.ArriveOther(fakenic.WCRecv, fakenic.StatusFlushed))
+	_, n := l.pollRecv(16)
+	require.Equal(t, rgErrDead, n)
+	require.Equal(t, "RDMA request to 10.0.0.2:5000 over fake0:1 (qp 0x1234) failed: transport retry counter exceeded "+
+		"(status 12, vendor error 0x0): the peer stopped answering (link down, cable cut, or its process died)", l.why())
 }
 
 func TestLaneFullQueueThatNeverCompletesMakesLaneDead(t *testing.T) {

@@ -7,8 +7,11 @@ import (
 
 // Queue-pair parameters: NCCL's and RoCEnante's values (rocenante.md §2.8).
 const (
-	qpTimeout     = 14 // local ACK timeout 4.096 µs × 2^14 ≈ 67 ms per try
-	qpRetryCnt    = 7  // tries before a silent peer fails the request
+	qpTimeout = 14 // local ACK timeout 4.096 µs × 2^14 ≈ 67 ms per try
+	// Retries before a silent peer fails the request. 7, the most the field holds, is what
+	// NCCL uses; but soft-RoCE (rdma_rxe) takes 7 as "retry forever", as the standard does
+	// only for RNR retries, and there a dead peer would never fail a request.
+	qpRetryCnt    = 6
 	qpRNRRetry    = 7  // 7 means retry without limit while the peer has no receive posted
 	qpMinRNRTimer = 12 // 0.64 ms between receiver-not-ready retries
 	qpHopLimit    = 64

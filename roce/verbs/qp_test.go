@@ -110,7 +110,7 @@ func TestRTSAttributes(t *testing.T) {
 	require.Equal(t, maskState|maskSQPSN|maskTimeout|maskRetryCnt|maskRNRRetry|maskMaxQPRdAtomic, a.Mask)
 	require.Equal(t, qpStateRTS, a.State)
 	require.Equal(t, uint8(14), a.Timeout)
-	require.Equal(t, uint8(7), a.RetryCnt)
+	require.Equal(t, uint8(6), a.RetryCnt, "7 is retry forever on rdma_rxe")
 	require.Equal(t, uint8(7), a.RNRRetry)
 	require.Equal(t, uint32(0), a.SQPSN)
 	require.Equal(t, uint8(1), a.MaxRdAtomic)

@@ -3,10 +3,48 @@
  * within ROCE_GATHER_TIMEOUT_MS plus a second, nothing written into a failed gather's
  * rows, and every close prompt. */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #include "rank.h"
+
+/* What this process's descriptors point at: "\nfd:target" for each. */
+static void fd_targets(char* out, size_t n) {
+  snprintf(out, n, "\n");
+  DIR* d = opendir("/proc/self/fd");
+  if (d == NULL) return;
+  size_t used = 1;
+  for (struct dirent* e; (e = readdir(d)) != NULL;) {
+    if (e->d_name[0] == '.' || atoi(e->d_name) == dirfd(d)) continue;
+    char path[300], target[256];
+    snprintf(path, sizeof(path), "/proc/self/fd/%s", e->d_name);
+    ssize_t k = readlink(path, target, sizeof(target) - 1);
+    target[k > 0 ? k : 0] = '\0';
+    int w = snprintf(out + used, n - used, "%s:%s\n", e->d_name, target);
+    if (w < 0 || (size_t)w >= n - used) break;
+    used += (size_t)w;
+  }
+  closedir(d);
+}
+
+/* The entries of after that before lacks, joined by ", " into out. */
+static void fd_new(const char* before, const char* after, char* out, size_t n) {
+  out[0] = '\0';
+  size_t used = 0;
+  for (const char* l = after + 1; *l;) {
+    const char* end = strchr(l, '\n');
+    int len = (int)(end - l);
+    char entry[320];
+    snprintf(entry, sizeof(entry), "\n%.*s\n", len, l);
+    if (strstr(before, entry) == NULL) {
+      int w = snprintf(out + used, n - used, "%s%.*s", used ? ", " : "", len, l);
+      if (w < 0 || (size_t)w >= n - used) break;
+      used += (size_t)w;
+    }
+    l = end + 1;
+  }
+}
 
 static uint64_t timeout_ns(void) {
   const char* v = getenv("ROCE_GATHER_TIMEOUT_MS");
@@ -154,10 +192,20 @@ static int fault_gather(int stall) {
   return 0;
 }
 
-/* Close with requests in flight: prompt, and nothing left behind. */
+/* Close with requests in flight: prompt, and nothing left behind that the process did not
+ * already hold after its first connection. */
 static int fault_abort(void) {
-  int fds0 = count_fds();
+  static char fd0[8192], fd1[8192], added[400];
   conn_pair cp;
+  /* The first connection brings up what a process keeps for good: Go's network poller
+   * (an epoll and an eventfd descriptor, made on the library's first listen). */
+  if (connect_pair("fault-abort-warmup", &cp) != 0) {
+    case_result("fault/abort-connect", 0, "could not connect");
+    return 1;
+  }
+  close_pair(&cp);
+  fd_targets(fd0, sizeof(fd0));
+  int fds0 = count_fds();
   if (connect_pair("fault-abort", &cp) != 0) {
     case_result("fault/abort-connect", 0, "could not connect");
     return 1;
@@ -186,14 +234,74 @@ static int fault_abort(void) {
   double ms = (double)(now_ns() - t0) / 1e6;
   barrier("abort-closed");
   int fds1 = count_fds();
+  fd_targets(fd1, sizeof(fd1));
+  fd_new(fd0, fd1, added, sizeof(added));
   case_result("fault/abort-with-requests-in-flight", ms < 1000 && fds1 == fds0,
-              "%d receives in flight, closed in %.1f ms; descriptors %d before connecting, %d after closing", posted,
-              ms, fds0, fds1);
+              "%d receives in flight, closed in %.1f ms; descriptors %d before connecting, %d after closing%s%s",
+              posted, ms, fds0, fds1, added[0] ? ": new " : "", added);
   free(buf);
   return 0;
 }
 
+static long count_threads(void) {
+  DIR* d = opendir("/proc/self/task");
+  long n = 0;
+  if (d == NULL) return -1;
+  for (struct dirent* e; (e = readdir(d)) != NULL;) n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+/* One message each way on a connected pair. */
+static int ping(conn_pair* cp, uint8_t* sbuf, uint8_t* rbuf, void* smh, void* rmh, int tag) {
+  void *sreq = NULL, *rreq = NULL;
+  void* data[1] = {rbuf};
+  size_t sizes[1] = {64};
+  int tags[1] = {tag};
+  void* mhs[1] = {rmh};
+  uint64_t t0 = now_ns();
+  while (rreq == NULL && now_ns() - t0 < 10000000000ull)
+    if (R.net->irecv(cp->recv, 1, data, sizes, tags, mhs, NULL, &rreq) != ncclSuccess) return -1;
+  while (sreq == NULL && now_ns() - t0 < 10000000000ull)
+    if (R.net->isend(cp->send, sbuf, 64, tag, smh, NULL, &sreq) != ncclSuccess) return -1;
+  if (rreq == NULL || sreq == NULL) return -1;
+  return test_until_done("isend", sreq, NULL, net_test) || test_until_done("irecv", rreq, NULL, net_test);
+}
+
+/* Nine connections at once hold no more threads than one: a fabric with a thread per
+ * connection or per lane shows eight or more new ones. */
+static int threads_per_connection(void) {
+  enum { N = 9 };
+  static uint8_t sbuf[N][64], rbuf[N][64];
+  conn_pair cp[N];
+  void *smh[N], *rmh[N];
+  long one = -1;
+  int ok = 1, made = 0;
+  for (int i = 0; i < N && ok; i++) {
+    char tag[32];
+    snprintf(tag, sizeof(tag), "threads-%d", i);
+    ok = connect_pair(tag, &cp[i]) == 0;
+    if (!ok) break;
+    made++;
+    ok = R.net->regMr(cp[i].send, sbuf[i], 64, NCCL_PTR_HOST, &smh[i]) == ncclSuccess &&
+         R.net->regMr(cp[i].recv, rbuf[i], 64, NCCL_PTR_HOST, &rmh[i]) == ncclSuccess &&
+         ping(&cp[i], sbuf[i], rbuf[i], smh[i], rmh[i], i) == 0;
+    if (i == 0) one = count_threads();
+  }
+  long nine = count_threads();
+  case_result("threads/none-per-connection", ok && nine <= one + 2,
+              "%ld threads with one connection, %ld with %d (messages %s)", one, nine, made, ok ? "delivered" : "failed");
+  barrier("threads-counted");
+  for (int i = 0; i < made; i++) {
+    R.net->deregMr(cp[i].send, smh[i]);
+    R.net->deregMr(cp[i].recv, rmh[i]);
+    close_pair(&cp[i]);
+  }
+  return ok ? 0 : 1;
+}
+
 int suite_fault(const char* which) {
+  if (strcmp(which, "fault-threads") == 0) return threads_per_connection();
   if (strcmp(which, "fault-p2p") == 0) return fault_p2p();
   if (strcmp(which, "fault-gather") == 0) return fault_gather(0);
   if (strcmp(which, "fault-stall") == 0) return fault_gather(1);

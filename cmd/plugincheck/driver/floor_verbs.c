@@ -1,10 +1,391 @@
-/* The verbs floor: raw RDMA writes between the ranks on the plugin's device. */
+/* The verbs floor: raw RDMA writes between the two ranks on the device the plugin's net
+ * reports, with nothing of the plugin in between. One RC queue pair a rank; a ping-pong
+ * where each side polls the last byte of its landing buffer (perftest's ib_write_lat
+ * does the same), and a stream of 64 MiB writes for bandwidth. libibverbs is opened at
+ * run time, as the plugin opens it, so the driver still runs on hosts without rdma-core. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <infiniband/verbs.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "floor.h"
+#include "rank.h"
+
+/* Exported verbs, resolved from libibverbs.so.1 (ibv_post_send and ibv_poll_cq are static
+ * inline in verbs.h and need no symbol). Fields avoid the ibv_ names, which verbs.h
+ * redefines as macros. */
+static struct {
+  struct ibv_device** (*get_device_list)(int*);
+  void (*free_device_list)(struct ibv_device**);
+  const char* (*get_device_name)(struct ibv_device*);
+  struct ibv_context* (*open_device)(struct ibv_device*);
+  int (*close_device)(struct ibv_context*);
+  int (*query_port)(struct ibv_context*, uint8_t, struct _compat_ibv_port_attr*);
+  int (*query_gid)(struct ibv_context*, uint8_t, int, union ibv_gid*);
+  struct ibv_pd* (*alloc_pd)(struct ibv_context*);
+  int (*dealloc_pd)(struct ibv_pd*);
+  struct ibv_mr* (*reg_mr)(struct ibv_pd*, void*, size_t, int);
+  int (*dereg_mr)(struct ibv_mr*);
+  struct ibv_cq* (*create_cq)(struct ibv_context*, int, void*, struct ibv_comp_channel*, int);
+  int (*destroy_cq)(struct ibv_cq*);
+  struct ibv_qp* (*create_qp)(struct ibv_pd*, struct ibv_qp_init_attr*);
+  int (*modify_qp)(struct ibv_qp*, struct ibv_qp_attr*, int);
+  int (*destroy_qp)(struct ibv_qp*);
+  const char* (*wc_status_str)(enum ibv_wc_status);
+} V;
+
+static int load_verbs(char* why, size_t n) {
+  void* lib = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == NULL) {
+    snprintf(why, n, "cannot load libibverbs.so.1: %s", dlerror());
+    return -1;
+  }
+#define SYM(field, name)                                                             \
+  if ((*(void**)&V.field = dlvsym(lib, name, "IBVERBS_1.1")) == NULL &&              \
+      (*(void**)&V.field = dlsym(lib, name)) == NULL) {                              \
+    snprintf(why, n, "libibverbs.so.1 has no %s", name);                             \
+    return -1;                                                                       \
+  }
+  SYM(get_device_list, "ibv_get_device_list");
+  SYM(free_device_list, "ibv_free_device_list");
+  SYM(get_device_name, "ibv_get_device_name");
+  SYM(open_device, "ibv_open_device");
+  SYM(close_device, "ibv_close_device");
+  SYM(query_port, "ibv_query_port");
+  SYM(query_gid, "ibv_query_gid");
+  SYM(alloc_pd, "ibv_alloc_pd");
+  SYM(dealloc_pd, "ibv_dealloc_pd");
+  SYM(reg_mr, "ibv_reg_mr");
+  SYM(dereg_mr, "ibv_dereg_mr");
+  SYM(create_cq, "ibv_create_cq");
+  SYM(destroy_cq, "ibv_destroy_cq");
+  SYM(create_qp, "ibv_create_qp");
+  SYM(modify_qp, "ibv_modify_qp");
+  SYM(destroy_qp, "ibv_destroy_qp");
+  SYM(wc_status_str, "ibv_wc_status_str");
+#undef SYM
+  return 0; /* the library stays loaded, as the plugin keeps it */
+}
+
+/* What a rank tells the other. */
+typedef struct floor_peer {
+  uint32_t ok; /* 0: this rank could not set up, why says so */
+  uint32_t qpn, psn, rkey;
+  uint64_t addr; /* the landing buffer */
+  uint16_t lid;
+  uint8_t link_layer, mtu;
+  uint8_t gid[16];
+  char why[120];
+} floor_peer;
+
+typedef struct floor_state {
+  struct ibv_context* ctx;
+  struct ibv_pd* pd;
+  struct ibv_cq* cq;
+  struct ibv_qp* qp;
+  struct ibv_mr *smr, *rmr;
+  uint8_t *sbuf, *rbuf;
+  uint8_t port;
+  int gid_index;
+  struct ibv_port_attr pa;
+  char hca[64];
+} floor_state;
+
+enum { DEPTH = 64, INLINE = 64, STREAM_INFLIGHT = 4 };
+#define PHASE_NS 30000000000ull /* longest wait for the peer in one round trip */
+
+/* The first HCA of the device name ("mlx5_0", "mlx5_0+mlx5_1", "mlx4_0:2"). */
+static void first_hca(const char* dev, char* name, size_t n, uint8_t* port) {
+  snprintf(name, n, "%s", dev);
+  name[strcspn(name, "+")] = '\0';
+  char* colon = strchr(name, ':');
+  *port = 1;
+  if (colon != NULL) {
+    *colon = '\0';
+    *port = (uint8_t)atoi(colon + 1);
+  }
+}
+
+/* The GID the plugin would route with: ROCE_GATHER_GID_INDEX, else the first IPv4-mapped
+ * RoCE v2 entry, else a routable IPv6 one, else a link-local one (types from sysfs). */
+static int choose_gid(floor_state* s, char* why, size_t n) {
+  const char* env = getenv("ROCE_GATHER_GID_INDEX");
+  if (env != NULL && *env != '\0') return s->gid_index = atoi(env), 0;
+  int best[3] = {-1, -1, -1};
+  for (int i = 0; i < s->pa.gid_tbl_len; i++) {
+    union ibv_gid g;
+    if (V.query_gid(s->ctx, s->port, i, &g) != 0) continue;
+    static const uint8_t zero[16];
+    if (memcmp(g.raw, zero, 16) == 0) continue;
+    char path[160], type[32] = "";
+    snprintf(path, sizeof(path), "/sys/class/infiniband/%s/ports/%u/gid_attrs/types/%d", s->hca, s->port, i);
+    FILE* f = fopen(path, "r");
+    if (f != NULL) {
+      if (fgets(type, sizeof(type), f) == NULL) type[0] = '\0';
+      fclose(f);
+    }
+    if (strncmp(type, "RoCE v2", 7) != 0) continue;
+    int v4 = memcmp(g.raw, zero, 10) == 0 && g.raw[10] == 0xff && g.raw[11] == 0xff;
+    int ll = g.raw[0] == 0xfe && (g.raw[1] & 0xc0) == 0x80;
+    int kind = v4 ? 0 : ll ? 2 : 1;
+    if (best[kind] < 0) best[kind] = i;
+  }
+  for (int k = 0; k < 3; k++)
+    if (best[k] >= 0) return s->gid_index = best[k], 0;
+  snprintf(why, n, "%s:%u has no RoCE v2 GID", s->hca, s->port);
+  return -1;
+}
+
+static int setup(floor_state* s, const char* dev, char* why, size_t n) {
+  if (load_verbs(why, n) != 0) return -1;
+  first_hca(dev, s->hca, sizeof(s->hca), &s->port);
+  int ndev = 0;
+  struct ibv_device** list = V.get_device_list(&ndev);
+  if (list == NULL) {
+    snprintf(why, n, "ibv_get_device_list failed: %s", strerror(errno));
+    return -1;
+  }
+  for (int i = 0; i < ndev && s->ctx == NULL; i++)
+    if (strcmp(V.get_device_name(list[i]), s->hca) == 0) s->ctx = V.open_device(list[i]);
+  V.free_device_list(list);
+  if (s->ctx == NULL) {
+    snprintf(why, n, "no RDMA device %s could be opened (net device %s)", s->hca, dev);
+    return -1;
+  }
+  /* The exported ibv_query_port fills the older, shorter struct; providers with the
+   * extended context answer with the whole one, as verbs.h's inline does. */
+  memset(&s->pa, 0, sizeof(s->pa));
+  struct verbs_context* vctx = verbs_get_ctx_op(s->ctx, query_port);
+  int qrc = vctx != NULL ? vctx->query_port(s->ctx, s->port, &s->pa, sizeof(s->pa))
+                         : V.query_port(s->ctx, s->port, (struct _compat_ibv_port_attr*)&s->pa);
+  if (qrc != 0) {
+    snprintf(why, n, "ibv_query_port(%s, %u) failed", s->hca, s->port);
+    return -1;
+  }
+  s->gid_index = -1;
+  if (s->pa.link_layer == IBV_LINK_LAYER_ETHERNET && choose_gid(s, why, n) != 0) return -1;
+  size_t len = FLOOR_STREAM_BYTES;
+  s->sbuf = aligned_alloc(4096, len);
+  s->rbuf = aligned_alloc(4096, len);
+  if (s->sbuf == NULL || s->rbuf == NULL) {
+    snprintf(why, n, "allocating two buffers of %zu bytes", len);
+    return -1;
+  }
+  memset(s->sbuf, 0, len);
+  memset(s->rbuf, 0, len);
+  int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+  if ((s->pd = V.alloc_pd(s->ctx)) == NULL || (s->smr = V.reg_mr(s->pd, s->sbuf, len, access)) == NULL ||
+      (s->rmr = V.reg_mr(s->pd, s->rbuf, len, access)) == NULL) {
+    snprintf(why, n, "protection domain or registration on %s failed: %s", s->hca, strerror(errno));
+    return -1;
+  }
+  if ((s->cq = V.create_cq(s->ctx, DEPTH, NULL, NULL, 0)) == NULL) {
+    snprintf(why, n, "ibv_create_cq on %s failed: %s", s->hca, strerror(errno));
+    return -1;
+  }
+  struct ibv_qp_init_attr ia = {.send_cq = s->cq, .recv_cq = s->cq, .qp_type = IBV_QPT_RC,
+                                .cap = {.max_send_wr = DEPTH, .max_recv_wr = 1, .max_send_sge = 1,
+                                        .max_recv_sge = 1, .max_inline_data = INLINE}};
+  if ((s->qp = V.create_qp(s->pd, &ia)) == NULL) {
+    snprintf(why, n, "ibv_create_qp on %s failed: %s", s->hca, strerror(errno));
+    return -1;
+  }
+  struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .port_num = s->port, .qp_access_flags = IBV_ACCESS_REMOTE_WRITE};
+  if (V.modify_qp(s->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) != 0) {
+    snprintf(why, n, "moving the queue pair on %s to INIT failed", s->hca);
+    return -1;
+  }
+  return 0;
+}
+
+static int connect_qp(floor_state* s, const floor_peer* me, const floor_peer* peer, char* why, size_t n) {
+  struct ibv_qp_attr a = {.qp_state = IBV_QPS_RTR, .path_mtu = me->mtu < peer->mtu ? me->mtu : peer->mtu,
+                          .dest_qp_num = peer->qpn, .rq_psn = peer->psn, .max_dest_rd_atomic = 1,
+                          .min_rnr_timer = 12};
+  a.ah_attr.port_num = s->port;
+  a.ah_attr.dlid = peer->lid;
+  if (s->pa.link_layer == IBV_LINK_LAYER_ETHERNET) {
+    a.ah_attr.is_global = 1;
+    memcpy(a.ah_attr.grh.dgid.raw, peer->gid, 16);
+    a.ah_attr.grh.sgid_index = (uint8_t)s->gid_index;
+    a.ah_attr.grh.hop_limit = 64;
+  }
+  int mask = IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+             IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
+  if (V.modify_qp(s->qp, &a, mask) != 0) {
+    snprintf(why, n, "moving the queue pair on %s to RTR failed", s->hca);
+    return -1;
+  }
+  struct ibv_qp_attr r = {.qp_state = IBV_QPS_RTS, .sq_psn = me->psn, .timeout = 14, .retry_cnt = 6,
+                          .rnr_retry = 7, .max_rd_atomic = 1};
+  mask = IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC;
+  if (V.modify_qp(s->qp, &r, mask) != 0) {
+    snprintf(why, n, "moving the queue pair on %s to RTS failed", s->hca);
+    return -1;
+  }
+  return 0;
+}
+
+/* Takes the send completions there are; -1 on an error completion. */
+static int reap(floor_state* s, int* outstanding, char* why, size_t n) {
+  struct ibv_wc wc[16];
+  int k = ibv_poll_cq(s->cq, 16, wc);
+  for (int i = 0; i < k; i++)
+    if (wc[i].status != IBV_WC_SUCCESS) {
+      snprintf(why, n, "an RDMA write on %s failed: %s", s->hca, V.wc_status_str(wc[i].status));
+      return -1;
+    }
+  if (k < 0) {
+    snprintf(why, n, "polling the completion queue of %s failed", s->hca);
+    return -1;
+  }
+  *outstanding -= k;
+  return 0;
+}
+
+static int write_to_peer(floor_state* s, const floor_peer* peer, size_t off, size_t len, int* outstanding) {
+  struct ibv_sge sge = {.addr = (uint64_t)(uintptr_t)(s->sbuf + off), .length = (uint32_t)len, .lkey = s->smr->lkey};
+  struct ibv_send_wr wr = {.sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
+                           .send_flags = IBV_SEND_SIGNALED | (len <= INLINE ? IBV_SEND_INLINE : 0)};
+  wr.wr.rdma.remote_addr = peer->addr + off;
+  wr.wr.rdma.rkey = peer->rkey;
+  struct ibv_send_wr* bad = NULL;
+  if (ibv_post_send(s->qp, &wr, &bad) != 0) return -1;
+  (*outstanding)++;
+  return 0;
+}
+
+/* Ping-pong of size bytes: rank 0 writes, rank 1 answers when the last byte of its
+ * landing buffer shows the round's tag; half the mean round trip, after a tenth as many
+ * rounds of warm-up, as the tcp floor and the plugin's rows are timed. */
+static int pingpong(floor_state* s, const floor_peer* peer, size_t size, int rounds, double* oneway_us, char* why,
+                    size_t n) {
+  int warm = rounds / 10;
+  int outstanding = 0;
+  volatile uint8_t* last = s->rbuf + size - 1;
+  uint64_t t0 = 0, deadline = 0;
+  for (int i = 0; i < warm + rounds; i++) {
+    if (i == warm) t0 = now_ns();
+    deadline = now_ns() + PHASE_NS; /* a round, not the whole run: emulated hosts are slow */
+    uint8_t tag = (uint8_t)(i % 255 + 1);
+    while (R.rank == 1 && *last != tag) {
+      if (reap(s, &outstanding, why, n) != 0) return -1;
+      if (now_ns() > deadline) return snprintf(why, n, "no %zu-byte write from the peer within 30 s", size), -1;
+    }
+    s->sbuf[size - 1] = tag;
+    while (outstanding >= DEPTH / 2)
+      if (reap(s, &outstanding, why, n) != 0) return -1;
+    if (write_to_peer(s, peer, 0, size, &outstanding) != 0)
+      return snprintf(why, n, "ibv_post_send on %s failed", s->hca), -1;
+    while (R.rank == 0 && *last != tag) {
+      if (reap(s, &outstanding, why, n) != 0) return -1;
+      if (now_ns() > deadline) return snprintf(why, n, "no %zu-byte answer from the peer within 30 s", size), -1;
+    }
+    if (reap(s, &outstanding, why, n) != 0) return -1;
+  }
+  *oneway_us = (double)(now_ns() - t0) / rounds / 2 / 1e3;
+  while (outstanding > 0) {
+    if (reap(s, &outstanding, why, n) != 0) return -1;
+    if (now_ns() > deadline) return snprintf(why, n, "the last %zu-byte writes did not complete within 30 s", size), -1;
+  }
+  return 0;
+}
+
+/* Rank 0 writes STREAM_MSGS messages of 64 MiB into rank 1's landing buffer,
+ * STREAM_INFLIGHT at a time, as the plugin's bandwidth row sends them; timed from the
+ * first post to the last completion (the peer's acknowledgement of its last byte). */
+enum { STREAM_MSGS = 24 };
+static int stream(floor_state* s, const floor_peer* peer, double* gbps, char* why, size_t n) {
+  int outstanding = 0;
+  uint64_t t0 = now_ns(), deadline = t0 + 4 * (uint64_t)R.timeout_s * 1000000000ull;
+  for (int posted = 0; posted < STREAM_MSGS || outstanding > 0;) {
+    if (posted < STREAM_MSGS && outstanding < STREAM_INFLIGHT) {
+      if (write_to_peer(s, peer, 0, FLOOR_STREAM_BYTES, &outstanding) != 0)
+        return snprintf(why, n, "ibv_post_send on %s failed", s->hca), -1;
+      posted++;
+    } else if (reap(s, &outstanding, why, n) != 0) {
+      return -1;
+    } else if (now_ns() > deadline) {
+      return snprintf(why, n, "%d writes of 64 MiB did not complete within %d s", STREAM_MSGS, 4 * R.timeout_s), -1;
+    }
+  }
+  *gbps = (double)STREAM_MSGS * FLOOR_STREAM_BYTES / (double)(now_ns() - t0);
+  return 0;
+}
+
+static void teardown(floor_state* s) {
+  if (s->qp) V.destroy_qp(s->qp);
+  if (s->cq) V.destroy_cq(s->cq);
+  if (s->smr) V.dereg_mr(s->smr);
+  if (s->rmr) V.dereg_mr(s->rmr);
+  if (s->pd) V.dealloc_pd(s->pd);
+  if (s->ctx) V.close_device(s->ctx);
+  free(s->sbuf);
+  free(s->rbuf);
+}
 
 int floor_verbs(const char* dev, floor_result* out) {
   memset(out, 0, sizeof(*out));
-  snprintf(out->how, sizeof(out->how), "no raw RDMA write floor is measured on %s yet", dev);
-  return -1;
+  floor_state s;
+  memset(&s, 0, sizeof(s));
+  floor_peer me, peer;
+  memset(&me, 0, sizeof(me));
+  char why[sizeof(me.why)] = "";
+  /* Both ranks reach every exchange, whatever failed: the peer must not wait for nothing. */
+  me.ok = setup(&s, dev, why, sizeof(why)) == 0;
+  if (me.ok) {
+    me.qpn = s.qp->qp_num;
+    me.psn = (uint32_t)(now_ns() & 0xffffff);
+    me.rkey = s.rmr->rkey;
+    me.addr = (uint64_t)(uintptr_t)s.rbuf;
+    me.lid = s.pa.lid;
+    me.link_layer = s.pa.link_layer;
+    me.mtu = (uint8_t)s.pa.active_mtu;
+    if (s.gid_index >= 0) {
+      union ibv_gid g;
+      if (V.query_gid(s.ctx, s.port, s.gid_index, &g) == 0) memcpy(me.gid, g.raw, 16);
+    }
+  }
+  snprintf(me.why, sizeof(me.why), "%s", why);
+  int rc = -1;
+  if (exchange("floor-verbs", &me, &peer, sizeof(peer)) != 0) {
+    snprintf(out->how, sizeof(out->how), "verbs floor: the exchange with the peer failed");
+  } else if (!me.ok || !peer.ok) {
+    snprintf(out->how, sizeof(out->how), "verbs floor not measured: %s%s", me.ok ? "the peer: " : "",
+             me.ok ? peer.why : me.why);
+  } else {
+    peer.why[sizeof(peer.why) - 1] = '\0';
+    int ok = connect_qp(&s, &me, &peer, why, sizeof(why)) == 0;
+    uint32_t both[2] = {(uint32_t)ok, 0};
+    ok = exchange("floor-verbs-rts", &both[0], &both[1], sizeof(uint32_t)) == 0 && ok && both[1];
+    for (int i = 0; i < FLOOR_SIZES && ok; i++)
+      ok = pingpong(&s, &peer, floor_sizes[i], floor_rounds[i], &out->oneway_us[i], why, sizeof(why)) == 0;
+    if (ok && R.rank == 0) ok = stream(&s, &peer, &out->stream_gbps, why, sizeof(why)) == 0;
+    /* Rank 1 waits here while rank 0 streams; the result travels back to it. */
+    double res[2] = {ok ? out->stream_gbps : -1, 0};
+    if (exchange("floor-verbs-done", &res[0], &res[1], sizeof(double)) != 0 || res[1] < 0) {
+      if (ok) snprintf(why, sizeof(why), "the peer's side failed");
+      ok = 0;
+    }
+    if (R.rank == 1) out->stream_gbps = res[1];
+    unsigned mtu = 128u << (me.mtu < peer.mtu ? me.mtu : peer.mtu);
+    if (ok) {
+      if (s.gid_index >= 0)
+        snprintf(out->how, sizeof(out->how), "RDMA writes on %s:%u GID %d, one RC queue pair, path MTU %u, "
+                 "last-byte polling; stream: %d writes of 64 MiB, %d in flight", s.hca, s.port, s.gid_index, mtu,
+                 STREAM_MSGS, STREAM_INFLIGHT);
+      else
+        snprintf(out->how, sizeof(out->how), "RDMA writes on %s:%u LID %u, one RC queue pair, path MTU %u, "
+                 "last-byte polling; stream: %d writes of 64 MiB, %d in flight", s.hca, s.port, s.pa.lid, mtu,
+                 STREAM_MSGS, STREAM_INFLIGHT);
+      rc = 0;
+    } else {
+      snprintf(out->how, sizeof(out->how), "verbs floor failed: %s", why);
+    }
+  }
+  teardown(&s);
+  return rc;
 }

@@ -23,6 +23,7 @@ const (
 	StatusSuccess       = C.IBV_WC_SUCCESS
 	StatusRetryExceeded = C.IBV_WC_RETRY_EXC_ERR
 	StatusRemoteAccess  = C.IBV_WC_REM_ACCESS_ERR
+	StatusFlushed       = C.IBV_WC_WR_FLUSH_ERR
 
 	SendSignaled = C.IBV_SEND_SIGNALED
 	SendInline   = C.IBV_SEND_INLINE

@@ -1,0 +1,321 @@
+// Package rxe holds the checks of the soft-RoCE guest (README.md beside this file). Each
+// test runs binaries the host built against the guest's real rxe devices and asserts on
+// what they print. Outside the guest (RG_RXE_GUEST=1 is set by its /init) they skip.
+package rxe
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+const build = "../../build"
+
+func guest(t *testing.T) {
+	t.Helper()
+	if os.Getenv("RG_RXE_GUEST") != "1" {
+		t.Skip("runs in the soft-RoCE guest: make test-rxe")
+	}
+}
+
+// run starts a binary of build/ in dir (relative to this package) with extra environment
+// and returns everything it printed and its exit status. The output goes to the log too.
+func run(t *testing.T, dir string, env []string, name string, args ...string) (string, int) {
+	t.Helper()
+	bin, err := filepath.Abs(filepath.Join(build, name))
+	require.NoError(t, err)
+	cmd := exec.Command(bin, args...)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), env...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	start := time.Now()
+	err = cmd.Run()
+	code := 0
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		code = ee.ExitCode()
+	} else {
+		require.NoError(t, err, "running %s", name)
+	}
+	t.Logf("%s %s (%.1f s, exit %d):\n%s", name, strings.Join(args, " "), time.Since(start).Seconds(), code, out.String())
+	return out.String(), code
+}
+
+type hwReport struct {
+	Usable  bool     `json:"usable"`
+	Verdict string   `json:"verdict"`
+	Devices []string `json:"devices"`
+	Ports   []struct {
+		Device    string `json:"device"`
+		ActiveMTU int    `json:"active_mtu"`
+		ChosenGID int    `json:"chosen_gid"`
+		Usable    bool   `json:"usable"`
+		GIDs      []struct {
+			Index int    `json:"index"`
+			Type  string `json:"type"`
+			Addr  string `json:"addr"`
+		} `json:"gids"`
+	} `json:"ports"`
+}
+
+func hw(t *testing.T, env ...string) (hwReport, int) {
+	t.Helper()
+	out, code := run(t, ".", env, "plugincheck", "hw", "--json")
+	var r hwReport
+	require.NoError(t, json.Unmarshal([]byte(out), &r), "plugincheck hw --json printed %q", out)
+	return r, code
+}
+
+// plugincheck hw: the verdict, the devices formed, and each port's MTU and chosen GID.
+func TestHW(t *testing.T) {
+	guest(t)
+	r, code := hw(t)
+	require.Equal(t, 0, code)
+	require.True(t, r.Usable)
+	require.Equal(t, "usable: rxe0 (1 lanes, Ethernet (RoCE): rxe0:1 GID 1 (RoCE v2 127.0.0.1) MTU 4096); "+
+		"GPU memory: host staging (nvidia-peermem not loaded, no dma-buf path)", r.Verdict)
+	require.Equal(t, []string{"rxe0", "rxe_d0+rxe_d1", "rxe_d6", "rxe_va", "rxe_vb"}, r.Devices)
+	got := map[string]string{}
+	for _, p := range r.Ports {
+		require.True(t, p.Usable, p.Device)
+		addr := ""
+		for _, g := range p.GIDs {
+			require.Equal(t, "RoCE v2", g.Type, "%s GID %d", p.Device, g.Index)
+			if g.Index == p.ChosenGID {
+				addr = g.Addr
+			}
+		}
+		got[p.Device] = strconv.Itoa(p.ActiveMTU) + " " + addr
+	}
+	require.Equal(t, map[string]string{
+		"rxe0": "4096 127.0.0.1", "rxe_d0": "1024 10.98.0.1", "rxe_d1": "1024 10.98.0.2", "rxe_d6": "1024 fd00:96::1",
+		"rxe_va": "1024 10.99.0.1", "rxe_vb": "4096 10.99.0.2",
+	}, got, "MTU and chosen GID per device")
+
+	out, code := run(t, ".", nil, "plugincheck", "hw")
+	require.Equal(t, 0, code)
+	require.Regexp(t, `(?m)^  rxe0:1 +1  RoCE v2  127\.0\.0\.1  \(chosen\)$`, out)
+	require.Regexp(t, `(?m)^rxe_va:1 +ACTIVE +Ethernet \(RoCE\) +1024 `, out)
+}
+
+// ROCE_GATHER_GID_INDEX chooses the GID; an index the table lacks makes the host unusable,
+// with the reason; ROCE_GATHER_HCAS picks the two-HCA device.
+func TestHWConfiguration(t *testing.T) {
+	guest(t)
+	r, code := hw(t, "ROCE_GATHER_GID_INDEX=2")
+	require.Equal(t, 0, code)
+	require.Contains(t, r.Verdict, "usable: rxe0 (1 lanes, Ethernet (RoCE): rxe0:1 GID 2 (RoCE v2 ::1) MTU 4096)")
+
+	r, code = hw(t, "ROCE_GATHER_GID_INDEX=9", "ROCE_GATHER_HCAS=rxe0")
+	require.Equal(t, 1, code)
+	require.False(t, r.Usable)
+	require.Equal(t, "not usable: fabric unavailable: no usable RDMA port (rxe0:1: ROCE_GATHER_GID_INDEX=9 names a GID table "+
+		"entry that is empty or absent (entries in use: 0 RoCE v2 fe80::200:ff:fe00:0, 1 RoCE v2 127.0.0.1, 2 RoCE v2 ::1))", r.Verdict)
+
+	r, code = hw(t, "ROCE_GATHER_HCAS=rxe_d0,rxe_d1")
+	require.Equal(t, 0, code)
+	require.Contains(t, r.Verdict, "usable: rxe_d0+rxe_d1 (2 lanes, Ethernet (RoCE): rxe_d0:1 GID 1 (RoCE v2 10.98.0.1) MTU 1024 + "+
+		"rxe_d1:1 GID 1 (RoCE v2 10.98.0.2) MTU 1024)")
+}
+
+var summary = regexp.MustCompile(`(?m)^(\d+) passed, (\d+) failed$`)
+
+// passed returns the counts of plugincheck selftest's closing line.
+func passed(t *testing.T, out string) (int, int) {
+	t.Helper()
+	m := summary.FindAllStringSubmatch(out, -1)
+	require.NotEmpty(t, m, "no closing line")
+	p, _ := strconv.Atoi(m[len(m)-1][1])
+	f, _ := strconv.Atoi(m[len(m)-1][2])
+	return p, f
+}
+
+// plugincheck selftest over verbs: every scenario that applies to the fabric.
+func TestSelftestVerbs(t *testing.T) {
+	guest(t)
+	out, code := run(t, ".", nil, "plugincheck", "selftest", "--fabric", "verbs")
+	p, f := passed(t, out)
+	require.Equal(t, 0, f)
+	require.Equal(t, 0, code)
+	require.GreaterOrEqual(t, p, 1000)
+	require.NotContains(t, out, "tcp fabric defaults", "the tcp-default scenario does not apply to verbs")
+	for _, s := range []string{"== p2p (verbs fabric)", "== gather (verbs fabric)", "== gather, eager mode (verbs fabric)",
+		"== gather, rendezvous mode (verbs fabric)", "== gather, no NVSwitch (verbs fabric)"} {
+		require.Contains(t, out, s)
+	}
+	require.Regexp(t, `ok   rank 0  p2p/size-67108864 +received 67108864 of 67108864 bytes`, out)
+	require.Regexp(t, `ok   rank 0  gather/524288B/seed1 +path oneshot-direct`, out)
+	require.Regexp(t, `ok   rank 1  gather/524304B/seed2 +path nccl-p2p`, out)
+}
+
+// The Go tests of roce/verbs, where a device exists: the device tests run and pass, the
+// two tests about hosts without one skip.
+func TestVerbsPackage(t *testing.T) {
+	guest(t)
+	out, code := run(t, "../../roce/verbs", nil, "verbs.test", "-test.v", "-test.count=1")
+	require.Equal(t, 0, code)
+	require.NotContains(t, out, "--- FAIL")
+	for _, n := range []string{"TestRxeGIDChoiceOnRealTables", "TestRxeGIDIndexIsHonouredAndAnAbsentOneRefused",
+		"TestRxePathMTUIsTheSmallerOfTheTwoPorts", "TestRxeWriteWithAWrongKeyOrOutsideTheRegionFailsAndChangesNothing",
+		"TestRxeTwoHCAsOfOneAdapterCarryOneLaneEach", "TestLanePostMapsWorkRequests"} {
+		require.Contains(t, out, "--- PASS: "+n+" ")
+	}
+	require.Contains(t, out, "--- SKIP: TestOpenWithoutNICIsUnavailable ")
+	require.Contains(t, out, "--- SKIP: TestInventoryWithoutNIC ")
+}
+
+// The fault tests of cmd/plugincheck on the verbs fabric: peers killed in a transfer and
+// in a gather, a link cut in both, close with requests in flight, no thread per connection.
+func TestFaultsOnVerbs(t *testing.T) {
+	guest(t)
+	tests := []string{"TestFaultPeerKilledInTheMiddleOfAP2PTransfer", "TestFaultPeerKilledInTheMiddleOfAGather",
+		"TestFaultPeerThatNeverJoinsAGatherTimesOut", "TestFaultCloseWithRequestsInFlight",
+		"TestFaultLinkCutInTheMiddleOfAP2PTransfer", "TestFaultLinkCutInTheMiddleOfAGather", "TestNoThreadPerConnection"}
+	out, code := run(t, "../../cmd/plugincheck", []string{"RG_TEST_FABRIC=verbs"}, "plugincheck.test", "-test.v", "-test.count=1",
+		"-test.run", "^("+strings.Join(tests, "|")+")$")
+	require.Equal(t, 0, code)
+	for _, n := range tests {
+		require.Contains(t, out, "--- PASS: "+n+" ")
+	}
+}
+
+// sentPackets reads the packet counters of rxe devices.
+func sentPackets(t *testing.T, devs ...string) []int {
+	t.Helper()
+	var n []int
+	for _, d := range devs {
+		b, err := os.ReadFile("/sys/class/infiniband/" + d + "/ports/1/hw_counters/sent_pkts")
+		require.NoError(t, err)
+		v, err := strconv.Atoi(strings.TrimSpace(string(b)))
+		require.NoError(t, err)
+		n = append(n, v)
+	}
+	return n
+}
+
+// The gather suite on a device of two HCAs (two rxe devices of one MAC): every byte of
+// every gather checked, and both HCAs carried a real share of the traffic (one-shot
+// gathers stripe over both lanes; NCCL's p2p messages of the suite go over the first).
+func TestGatherStripedOverTwoHCAs(t *testing.T) {
+	guest(t)
+	twins := strings.Split(os.Getenv("RXE_TWINS"), ",")
+	require.Len(t, twins, 2, "RXE_TWINS")
+	before := sentPackets(t, twins...)
+	out, code := run(t, ".", []string{"ROCE_GATHER_HCAS=" + strings.Join(twins, ",")}, "plugincheck", "selftest",
+		"--fabric", "verbs", "--suite", "gather", "-v")
+	after := sentPackets(t, twins...)
+	p, f := passed(t, out)
+	require.Equal(t, 0, f)
+	require.Equal(t, 0, code)
+	require.GreaterOrEqual(t, p, 500)
+	require.Contains(t, out, "verbs device "+strings.Join(twins, "+")+": Ethernet (RoCE): "+twins[0]+":1 GID 1")
+	sent := []int{after[0] - before[0], after[1] - before[1]}
+	t.Logf("packets sent: %s %d, %s %d", twins[0], sent[0], twins[1], sent[1])
+	for i, d := range twins {
+		require.Greater(t, sent[i]*10, sent[0]+sent[1], "%s sent %d of %d packets", d, sent[i], sent[0]+sent[1])
+	}
+}
+
+// Two plugincheck processes, one on each end of the veth pair (RoCE MTU 1024 and 4096):
+// both queue pairs use 1024, and the p2p suite, 64 MiB messages included, passes.
+func TestMTUAgreementAcrossTheVethPair(t *testing.T) {
+	guest(t)
+	ends := strings.Split(os.Getenv("RXE_PAIR"), ",")
+	require.Len(t, ends, 2, "RXE_PAIR")
+	var f [2][]string
+	for i, e := range ends {
+		f[i] = strings.Split(e, "/")
+		require.Len(t, f[i], 3, "RXE_PAIR end %q", e)
+	}
+	listen := f[0][2] + ":7411"
+	var wg sync.WaitGroup
+	var outs [2]string
+	var codes [2]int
+	for i := 0; i < 2; i++ {
+		mode := []string{"--listen", listen}
+		if i == 1 {
+			mode = []string{"--peer", listen}
+		}
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			outs[i], codes[i] = run(t, ".", []string{"ROCE_GATHER_HCAS=" + f[i][0], "ROCE_GATHER_TCP_IF=" + f[i][1]},
+				"plugincheck", append([]string{"selftest", "--fabric", "verbs", "--suite", "p2p", "-v"}, mode...)...)
+		}(i)
+	}
+	wg.Wait()
+	for i := 0; i < 2; i++ {
+		p, failed := passed(t, outs[i])
+		require.Equal(t, 0, failed, f[i][0])
+		require.Equal(t, 0, codes[i], f[i][0])
+		require.GreaterOrEqual(t, p, 15, f[i][0])
+		require.Contains(t, outs[i], "p2p/size-67108864")
+	}
+	require.Regexp(t, `verbs qp 0x[0-9a-f]+ on `+f[0][0]+`:1 to the peer's qp 0x[0-9a-f]+: path MTU 1024 \(this port 1024, the peer's 4096\)`, outs[0])
+	require.Regexp(t, `verbs qp 0x[0-9a-f]+ on `+f[1][0]+`:1 to the peer's qp 0x[0-9a-f]+: path MTU 1024 \(this port 4096, the peer's 1024\)`, outs[1])
+	require.NotRegexp(t, `path MTU (2048|4096)`, outs[0]+outs[1])
+}
+
+// plugincheck bench over verbs completes, every row with the floor measured in the same run
+// by raw RDMA writes on the same device; its figures are emulated (TCG) and mean nothing.
+func TestBenchVerbs(t *testing.T) {
+	guest(t)
+	t.Log("the timings below are of an emulated machine (QEMU TCG) and soft-RoCE: they prove nothing about speed")
+	out, code := run(t, ".", nil, "plugincheck", "bench", "--fabric", "verbs", "--json")
+	require.Equal(t, 0, code)
+	var r struct {
+		OK   bool `json:"ok"`
+		Rows []struct {
+			Name  string  `json:"name"`
+			Value float64 `json:"value"`
+			Floor float64 `json:"floor"`
+			How   string  `json:"how"`
+		} `json:"rows"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out[strings.Index(out, "{"):]), &r), "bench --json printed %q", out)
+	require.True(t, r.OK)
+	floors := map[string]bool{}
+	for _, row := range r.Rows {
+		if row.Name == "test-heap-growth" {
+			require.Zero(t, row.Value, "heap bytes test() left behind")
+			continue
+		}
+		require.Greater(t, row.Value, 0.0, row.Name)
+		if row.Floor > 0 {
+			floors[row.Name] = true
+			require.Contains(t, row.How, "floor: RDMA writes on rxe0:1 GID 1, one RC queue pair, path MTU 4096", row.Name)
+		}
+	}
+	require.Equal(t, map[string]bool{"p2p-oneway-8B": true, "p2p-oneway-4KiB": true, "p2p-oneway-64KiB": true,
+		"p2p-bandwidth-64MiB": true}, floors, "rows with a floor")
+}
+
+// Two communicators on two threads a rank for 20 s, gathers and p2p: no error, and the
+// library's own counts agree with the driver's.
+func TestBenchLoadVerbs(t *testing.T) {
+	guest(t)
+	t.Log("the timings below are of an emulated machine (QEMU TCG) and soft-RoCE: they prove nothing about speed")
+	out, code := run(t, ".", nil, "plugincheck", "bench", "--load", "20", "--fabric", "verbs")
+	require.Equal(t, 0, code)
+	require.NotContains(t, out, "NCCL WARN")
+	line := regexp.MustCompile(`(?m)^rank ([01]): (\d+) gathers and (\d+) messages in [\d.]+ s; stats: (\d+) one-shot calls, 0 errors, .*: consistent$`)
+	m := line.FindAllStringSubmatch(out, -1)
+	require.Len(t, m, 2, "one consistent line per rank")
+	for _, r := range m {
+		require.Equal(t, r[2], r[4], "rank %s: gathers and one-shot calls", r[1])
+		g, _ := strconv.Atoi(r[2])
+		require.Greater(t, g, 0, "rank %s made no gather", r[1])
+	}
+}
