@@ -248,22 +248,31 @@ static int dispatch(rg_gather_comm* g, const rg_cqe* c) {
   return 0;
 }
 
+/* Takes every completion the lanes hold. A lane that failed is still drained of both its
+ * queues, and only then reported: the peer may close right after its last call, and the
+ * closing frame can be read in the same poll that completes this rank's own write. */
 static int poll_all(rg_gather_comm* g) {
   rg_cqe c[POLL_BATCH];
+  int failed = 0;
   for (int l = 0; l < g->link->nlanes; l++) {
     rg_lane* lane = &g->link->lane[l];
-    int n = rg_poll_recv(lane, c, POLL_BATCH);
-    if (n < 0) return n;
-    for (int i = 0; i < n; i++)
-      if (dispatch(g, &c[i]) != 0) return RG_ERR_INVALID;
-    n = rg_poll_send(lane, c, POLL_BATCH);
-    if (n < 0) return n;
-    for (int i = 0; i < n; i++) {
-      if (c[i].status != 0 || c[i].wr_id == 0 || c[i].wr_id > RG_GATHER_DEPTH) return RG_ERR_INVALID;
-      g->calls[c[i].wr_id - 1].writes_pending--;
-    }
+    int n;
+    do {
+      n = rg_poll_recv(lane, c, POLL_BATCH);
+      for (int i = 0; i < n; i++)
+        if (dispatch(g, &c[i]) != 0) return RG_ERR_INVALID;
+    } while (n == POLL_BATCH);
+    failed |= n < 0;
+    do {
+      n = rg_poll_send(lane, c, POLL_BATCH);
+      for (int i = 0; i < n; i++) {
+        if (c[i].status != 0 || c[i].wr_id == 0 || c[i].wr_id > RG_GATHER_DEPTH) return RG_ERR_INVALID;
+        g->calls[c[i].wr_id - 1].writes_pending--;
+      }
+    } while (n == POLL_BATCH);
+    failed |= n < 0;
   }
-  return 0;
+  return failed ? RG_ERR_DEAD : 0;
 }
 
 /* Posts this rank's part, striped over the lanes, each stripe followed by a
