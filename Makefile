@@ -71,10 +71,11 @@ fmt:
 
 lint: vet fmt
 
-# Every test: static checks, Go unit tests, and the ABI and two-process tests that drive
-# the built library through plugincheck's driver.
+# Every test: static checks, Go unit tests, the ABI and two-process tests that drive the
+# built library through plugincheck's driver, and the GPU scripts' own logic (no GPU used).
 test: all lint
 	$(GO) test -count=1 ./...
+	python3 tests/gpu/test_logic.py
 
 # The verbs checks on a real verbs stack: soft-RoCE (rdma_rxe) in a QEMU guest booting
 # Debian's kernel (tests/rxe/README.md). The first run downloads Debian packages into a cache.
