@@ -66,9 +66,7 @@ _Static_assert(sizeof(frame) == 32, "frame header is 32 bytes on the wire");
 #define RX_BYTES_PER_POLL (8u << 20)
 /* After a read found the socket empty, polls skip it this long: a read that finds nothing
  * costs a system call (about 400 ns), a skipped one a clock read. */
-#ifndef RX_BACKOFF_NS
 #define RX_BACKOFF_NS 500u
-#endif
 /* With no poll for this long, the helper reads and pushes for the pollers. */
 #define IDLE_NS 10000000ull
 #define HELPER_SLICE_MS 10
