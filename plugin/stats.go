@@ -20,6 +20,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/roce-gather/roce_gather/internal/lockedfile"
 	"github.com/roce-gather/roce_gather/internal/nlog"
 )
 
@@ -253,17 +254,13 @@ func (sf *statsFile) attach(path string) error {
 	if sf.f != nil && sf.path == path {
 		return nil
 	}
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+	// One process a file: two mapping the same file would mix their counts.
+	f, err := lockedfile.Open(path)
+	if errors.Is(err, lockedfile.ErrInUse) {
+		return errStatsInUse
+	}
 	if err != nil {
 		return err
-	}
-	// One process a file: two mapping the same file would mix their counts.
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
-		f.Close()
-		if errors.Is(err, syscall.EWOULDBLOCK) {
-			return errStatsInUse
-		}
-		return fmt.Errorf("locking it: %w", err)
 	}
 	l, err := buildStatsLayout(ReadStats())
 	if err == nil {

@@ -13,6 +13,8 @@ import (
 	"sort"
 	"syscall"
 	"unsafe"
+
+	"github.com/roce-gather/roce_gather/internal/lockedfile"
 )
 
 // The timeline of sampled gathers (trace.h has the file's layout; docs/roce-gather.md,
@@ -124,16 +126,12 @@ func AttachTrace(path string, capacity, every uint64) error {
 	if capacity == 0 || every == 0 {
 		return fmt.Errorf("a trace of %d records sampling 1 call in %d", capacity, every)
 	}
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+	f, err := lockedfile.Open(path)
+	if errors.Is(err, lockedfile.ErrInUse) {
+		return ErrTraceInUse
+	}
 	if err != nil {
 		return err
-	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
-		f.Close()
-		if errors.Is(err, syscall.EWOULDBLOCK) {
-			return ErrTraceInUse
-		}
-		return fmt.Errorf("locking it: %w", err)
 	}
 	// Written out in full, so that no record's first store faults in a page of the file.
 	n := TraceBytes(capacity)
