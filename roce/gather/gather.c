@@ -248,29 +248,40 @@ static int dispatch(rg_gather_comm* g, const rg_cqe* c) {
   return 0;
 }
 
-/* Takes every completion the lanes hold. A lane that failed is still drained of both its
- * queues, and only then reported: the peer may close right after its last call, and the
- * closing frame can be read in the same poll that completes this rank's own write. */
-static int poll_all(rg_gather_comm* g) {
+/* Takes every completion one lane holds: RG_ERR_DEAD once it failed and holds no more. */
+static int drain_lane(rg_gather_comm* g, rg_lane* lane) {
   rg_cqe c[POLL_BATCH];
+  int n, failed = 0;
+  do {
+    n = rg_poll_recv(lane, c, POLL_BATCH);
+    for (int i = 0; i < n; i++)
+      if (dispatch(g, &c[i]) != 0) return RG_ERR_INVALID;
+  } while (n == POLL_BATCH);
+  failed |= n < 0;
+  do {
+    n = rg_poll_send(lane, c, POLL_BATCH);
+    for (int i = 0; i < n; i++) {
+      if (c[i].status != 0 || c[i].wr_id == 0 || c[i].wr_id > RG_GATHER_DEPTH) return RG_ERR_INVALID;
+      g->calls[c[i].wr_id - 1].writes_pending--;
+    }
+  } while (n == POLL_BATCH);
+  failed |= n < 0;
+  return failed ? RG_ERR_DEAD : 0;
+}
+
+/* Takes every completion the lanes hold. A lane that failed is drained of both its
+ * queues, and only then reported: the peer may close right after its last call, and the
+ * closing frame can be read in the same poll that delivers the peer's last part. */
+static int poll_all(rg_gather_comm* g) {
   int failed = 0;
   for (int l = 0; l < g->link->nlanes; l++) {
     rg_lane* lane = &g->link->lane[l];
-    int n;
-    do {
-      n = rg_poll_recv(lane, c, POLL_BATCH);
-      for (int i = 0; i < n; i++)
-        if (dispatch(g, &c[i]) != 0) return RG_ERR_INVALID;
-    } while (n == POLL_BATCH);
-    failed |= n < 0;
-    do {
-      n = rg_poll_send(lane, c, POLL_BATCH);
-      for (int i = 0; i < n; i++) {
-        if (c[i].status != 0 || c[i].wr_id == 0 || c[i].wr_id > RG_GATHER_DEPTH) return RG_ERR_INVALID;
-        g->calls[c[i].wr_id - 1].writes_pending--;
-      }
-    } while (n == POLL_BATCH);
-    failed |= n < 0;
+    int rc = drain_lane(g, lane);
+    /* The send poll may have read the frames before the failure: their completions wait
+     * in the receive queue, and a second pass takes them (a dead lane reads no more). */
+    if (rc == RG_ERR_DEAD) rc = drain_lane(g, lane);
+    if (rc == RG_ERR_INVALID) return rc;
+    failed |= rc != 0;
   }
   return failed ? RG_ERR_DEAD : 0;
 }
@@ -448,6 +459,23 @@ static ncclResult_t advance(rg_gather_comm* g, rg_gather_call* c) {
   return ncclSuccess;
 }
 
+static const char* waiting_for(const rg_gather_comm* g, const rg_gather_call* c) {
+  uint32_t slot = (uint32_t)(c->seq & (RG_GATHER_DEPTH - 1));
+  if (!c->posted && c->mode == RG_MODE_RENDEZVOUS) return "the peer's ready token did not arrive";
+  if (!c->posted) return "the peer did not return a landing slot";
+  if (!c->landed && g->arrived_seq[slot] != (c->seq & SEQ_MASK)) return "no data from the peer arrived";
+  if (!c->landed) return "the peer's data arrived on some lanes only";
+  if (c->writes_pending) return "the peer did not acknowledge this rank's write";
+  return "the copy into the rows did not finish";
+}
+
+/* A call the link failed under: the WARN says what it still waited for. */
+static ncclResult_t fail_link(rg_gather_comm* g, rg_gather_call* c) {
+  char what[160];
+  snprintf(what, sizeof(what), "the link failed (%s)", waiting_for(g, c));
+  return fail(g, c, what);
+}
+
 /* Credits normally ride with the next call's part (post_part); they go alone only once half
  * the landing slots wait to be returned, so a peer running ahead never stalls on them. */
 static void send_credit(rg_gather_comm* g) {
@@ -478,7 +506,7 @@ static ncclResult_t progress(rg_gather_comm* g) {
   if (link_failed)
     for (uint64_t s = g->consumed + 1; s < g->next_seq; s++) {
       rg_gather_call* c = &g->calls[s & (RG_GATHER_DEPTH - 1)];
-      if (c->req.kind == RG_REQ_GATHER && c->seq == s && !c->finished) return fail(g, c, "the link failed");
+      if (c->req.kind == RG_REQ_GATHER && c->seq == s && !c->finished) return fail_link(g, c);
     }
   /* Landing slots are returned in order: a call is consumed once it and all before are done. */
   while (g->consumed + 1 < g->next_seq) {
@@ -556,16 +584,6 @@ int rg_gather_iallgather(void* collComm, void* sendData, int nRecvParts, const r
   return r;
 }
 
-static const char* waiting_for(const rg_gather_comm* g, const rg_gather_call* c) {
-  uint32_t slot = (uint32_t)(c->seq & (RG_GATHER_DEPTH - 1));
-  if (!c->posted && c->mode == RG_MODE_RENDEZVOUS) return "the peer's ready token did not arrive";
-  if (!c->posted) return "the peer did not return a landing slot";
-  if (!c->landed && g->arrived_seq[slot] != (c->seq & SEQ_MASK)) return "no data from the peer arrived";
-  if (!c->landed) return "the peer's data arrived on some lanes only";
-  if (c->writes_pending) return "the peer did not acknowledge this rank's write";
-  return "the copy into the rows did not finish";
-}
-
 static ncclResult_t test_flush(rg_request* req, int* done) {
   rg_gather_comm* g = req->comm;
   if (!req->done) {
@@ -600,7 +618,7 @@ int rg_gather_test(rg_request* req, int* done, uint64_t* sizes) {
       for (int l = 0; l < g->link->nlanes; l++)
         if (rg_check(&g->link->lane[l], now) != RG_OK) {
           progress(g); /* a call the link delivered in full before failing still completes */
-          if (!req->done) return fail(g, c, "the link failed");
+          if (!req->done) return fail_link(g, c);
           break;
         }
       if (!req->done && now - c->start_ns > g->timeout_ns) {

@@ -271,11 +271,18 @@ int suite_gather(void) {
                                                                                                  : PATH_NCCL;
       int ok = r == 0 && bad0 < 0 && bad1 < 0 && (path != PATH_ONESHOT || nch == expect_channels) &&
                chunk == want_chunk && path == want;
+      char rowbad[96] = "";
+      if (bad1 >= 0 || bad0 >= 0) {
+        long at = bad1 >= 0 ? bad1 : bad0;
+        const uint8_t* row = result + (bad1 >= 0 ? S : 0);
+        snprintf(rowbad, sizeof(rowbad), " (first at byte %ld of %zu: 0x%02x%s)", at, S, row[at],
+                 row[at] == 0xEE ? ", never written" : "");
+      }
       char sched[96] = "";
       if (path == PATH_ONESHOT) snprintf(sched, sizeof(sched), ", %d channel(s)", nch);
       if (chunk > 0) snprintf(sched + strlen(sched), sizeof(sched) - strlen(sched), ", chunk %zu", chunk);
-      case_result(name, ok, "path %s%s%s%s%s%s%s", how, sched, r != 0 ? ", the collective failed" : "",
-                  bad0 >= 0 ? ", rank 0's row is wrong" : "", bad1 >= 0 ? ", rank 1's row is wrong" : "",
+      case_result(name, ok, "path %s%s%s%s%s%s%s%s", how, sched, r != 0 ? ", the collective failed" : "",
+                  bad0 >= 0 ? ", rank 0's row is wrong" : "", bad1 >= 0 ? ", rank 1's row is wrong" : "", rowbad,
                   path != want ? ", but this scenario expects the other path" : "",
                   path == PATH_ONESHOT && nch != expect_channels ? ", but not on the channels it expects"
                   : chunk != want_chunk                          ? ", but not in the chunk it expects"
