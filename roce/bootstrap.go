@@ -19,8 +19,9 @@ import (
 // writes. A peer on another version is refused with a message naming both. Version 3
 // added the gather handle's flag byte, version 4 its floor (ROCE_GATHER_MIN_BYTES),
 // version 5 its one-shot channels and chunk size, version 6 the tcp fabric's endpoint
-// description, channels on its connections and two-sided sends.
-const ProtocolVersion = 6
+// description, channels on its connections and two-sided sends, version 7 the pairing
+// decision on every p2p link, whichever side dialed it.
+const ProtocolVersion = 7
 
 // HandleSize is NCCL's handle size (NCCL_NET_HANDLE_MAXSIZE).
 const HandleSize = 128

@@ -76,6 +76,48 @@ func TestEachCarrierTakesOneLinkOfTheOtherDirection(t *testing.T) {
 	require.Equal(t, 0, connections(a))
 }
 
+// The two links pair whichever side dials first, even when the first link is accepted
+// before the other side has started its dial: NCCL's ranks reach connect at different times.
+func TestTheSecondLinkJoinsTheFirstWhicheverSideDialedIt(t *testing.T) {
+	for _, lowerFirst := range []bool{false, true} {
+		a, b := openTCP(t), openTCP(t)
+		low, high := a, b
+		if a.Device().(*tcp.Device).ID() > b.Device().(*tcp.Device).ID() {
+			low, high = b, a
+		}
+		first, second := high, low
+		if lowerFirst {
+			first, second = low, high
+		}
+		hf, hs := make([]byte, HandleSize), make([]byte, HandleSize)
+		lf, err := first.ListenP2P(hf)
+		require.NoError(t, err)
+		ls, err := second.ListenP2P(hs)
+		require.NoError(t, err)
+		// The first link is made and accepted in full before the other side dials.
+		p1, err := first.ConnectP2P(hs)
+		require.NoError(t, err)
+		s1, err := p1.Wait()
+		require.NoError(t, err)
+		var r1, r2 *RecvComm
+		require.Eventually(t, func() bool { r1 = ls.Accept(); return r1 != nil }, 5*time.Second, time.Millisecond)
+		start := time.Now()
+		p2, err := second.ConnectP2P(hf)
+		require.NoError(t, err)
+		s2, err := p2.Wait()
+		require.NoError(t, err)
+		require.Eventually(t, func() bool { r2 = lf.Accept(); return r2 != nil }, 5*time.Second, time.Millisecond)
+		require.Less(t, time.Since(start), 900*time.Millisecond, "the second link found its carrier without waiting")
+		require.Equal(t, 1, connections(a), "lower side first: %v", lowerFirst)
+		require.Equal(t, 1, connections(b), "lower side first: %v", lowerFirst)
+		lf.Close()
+		ls.Close()
+		for _, c := range []interface{ Close() error }{s1, r1, s2, r2} {
+			require.NoError(t, c.Close())
+		}
+	}
+}
+
 // A link with nothing to pair with keeps a connection of its own.
 func TestALinkOfOneDirectionKeepsItsOwnConnection(t *testing.T) {
 	a, b := openTCP(t), openTCP(t)

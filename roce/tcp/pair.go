@@ -25,12 +25,13 @@ import (
 // costs a bare ACK segment for every message or two, which doubled the one-way time of a
 // small message on loopback (docs/benchmarks.md).
 //
-// The rule both sides derive from the same two device ids: a connection dialed by the
-// lower id is a carrier; a link dialed by the higher id rides on a free carrier when the
-// lower side has one (or has a dial to the peer under way, for up to joinWait), else it
-// keeps its own connection. The lower side decides and tells the dialer over the link's
-// bootstrap socket, which then closes.
-
+// The listener of a link decides where it goes and tells the dialer over the link's
+// bootstrap socket, which then closes: onto a free connection this side dialed to the
+// peer (a carrier), else onto a connection of its own, which becomes a carrier for the
+// other direction. Only the side with the lower device id waits, for up to joinWait, for a
+// dial of its own to the peer that is under way; the higher side decides at once, so two
+// listeners never wait for each other. Either side may thus dial first, and the second
+// link of the two still joins the first one's connection.
 const (
 	describeVersion = 1
 	magicJoin       = 0x4e4a5752 // "RWJN"
@@ -207,12 +208,9 @@ func (d *Device) ExpectDial(peer uint64) (done func()) {
 
 // Start makes the link: on its own connection, or as the second lane of a carrier.
 func (e *endpoint) Start(conn *net.TCPConn) (*fabric.Link, error) {
-	lowDialed := e.dialer == (e.dev.id < e.peer.dev)
 	switch {
 	case !e.pairs():
 		return e.startAlone(conn, false)
-	case lowDialed:
-		return e.startAlone(conn, true)
 	case e.dialer:
 		return e.joinAsDialer(conn)
 	default:
@@ -307,10 +305,11 @@ func readJoin(r io.Reader) (joinMsg, error) {
 	return joinMsg{kind: b[4], connID: binary.LittleEndian.Uint64(b[5:])}, nil
 }
 
-// joinAsListener decides, on the lower id's side, where a link the peer dialed goes: onto
-// a carrier this side dialed to the peer, if one is free or comes within joinWait.
+// joinAsListener decides where a link the peer dialed goes: onto a carrier this side
+// dialed to the peer, if one is free, or (on the lower id's side) comes within joinWait.
 func (e *endpoint) joinAsListener(conn *net.TCPConn) (*fabric.Link, error) {
 	d := e.dev
+	mayWait := d.id < e.peer.dev
 	deadline := time.Now().Add(min(joinWait, d.timeout))
 	conn.SetDeadline(time.Now().Add(d.timeout))
 	d.mu.Lock()
@@ -321,14 +320,14 @@ func (e *endpoint) joinAsListener(conn *net.TCPConn) (*fabric.Link, error) {
 			}
 		}
 		return nil
-	}, func() bool { return d.carriers.dialing[e.peer.dev] > 0 }, deadline)
+	}, func() bool { return mayWait && d.carriers.dialing[e.peer.dev] > 0 }, deadline)
 	d.mu.Unlock()
 	if cr == nil {
 		if err := writeJoin(conn, joinMsg{kind: joinAlone}); err != nil {
 			return nil, fmt.Errorf("sending the pairing decision: %w", err)
 		}
 		conn.SetDeadline(time.Time{})
-		return e.startAlone(conn, false)
+		return e.startAlone(conn, true)
 	}
 	defer C.rg_tcp_conn_release(cr.conn)
 	C.rg_tcp_conn_expect(cr.conn, 1)
@@ -347,14 +346,14 @@ func (e *endpoint) joinAsListener(conn *net.TCPConn) (*fabric.Link, error) {
 			return nil, err
 		}
 		conn.SetDeadline(time.Time{})
-		return e.startAlone(conn, false) // the dialer did not find the carrier: on its own, both
+		return e.startAlone(conn, true) // the dialer did not find the carrier: on its own, both
 	}
 	peer := conn.RemoteAddr().String()
 	conn.Close()
 	return d.openLane(cr.conn, 1, peer, nil, false)
 }
 
-// joinAsDialer follows the lower id's decision for the link this side dialed.
+// joinAsDialer follows the listener's decision for the link this side dialed.
 func (e *endpoint) joinAsDialer(conn *net.TCPConn) (*fabric.Link, error) {
 	d := e.dev
 	conn.SetDeadline(time.Now().Add(d.timeout))
@@ -364,7 +363,7 @@ func (e *endpoint) joinAsDialer(conn *net.TCPConn) (*fabric.Link, error) {
 	}
 	if m.kind != joinCarrier {
 		conn.SetDeadline(time.Time{})
-		return e.startAlone(conn, false)
+		return e.startAlone(conn, true)
 	}
 	// The carrier's own start may still be under way on this side.
 	d.mu.Lock()
@@ -390,7 +389,7 @@ func (e *endpoint) joinAsDialer(conn *net.TCPConn) (*fabric.Link, error) {
 			return nil, fmt.Errorf("answering the pairing decision: %w", werr)
 		}
 		conn.SetDeadline(time.Time{})
-		return e.startAlone(conn, false)
+		return e.startAlone(conn, true)
 	}
 	if err := writeJoin(conn, joinMsg{kind: joinAttached}); err != nil {
 		link.Close()
