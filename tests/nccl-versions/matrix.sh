@@ -10,8 +10,8 @@
 # jobserver, each build under its own limit; meanwhile run.py runs the machine's own NCCLs
 # (the linker's libnccl.so.2, PyTorch's wheel) and then each built release as soon as its
 # build ends, three releases at a time, under CUDA MPS when both ranks share one GPU.
-# Everything ends within NCCL_VERSIONS_BUDGET_S (570 s by default): builds stop 150 s
-# before it, runs 25 s before it. NCCL_VERSIONS="2.30.7,2.29.7" limits the releases run
+# Everything ends within NCCL_VERSIONS_BUDGET_S (570 s by default): builds stop
+# NCCL_VERSIONS_RUN_RESERVE_S (150 s) before it, runs 25 s before it. NCCL_VERSIONS="2.30.7,2.29.7" limits the releases run
 # (and built); NCCL_VERSIONS_BUILD limits the builds alone (say, to leave a release to the
 # machine's own copy of it).
 #
@@ -48,7 +48,8 @@ export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 
 START=$(date +%s)
 BUDGET=${NCCL_VERSIONS_BUDGET_S:-570}
-BUILD_DEADLINE=$((START + BUDGET - 150))
+RESERVE=${NCCL_VERSIONS_RUN_RESERVE_S:-150} # the cases of the last build to finish need this much
+BUILD_DEADLINE=$((START + BUDGET - RESERVE))
 RUN_DEADLINE=$((START + BUDGET - 25))
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/nccl-versions.XXXXXX")"
 VERSIONS=()

@@ -375,7 +375,8 @@ def summarize(rel, cuda):
     if not abi_ok:
         row["notes"].append(f"NCCL initialised {fmt(seen)}; its source asks first for {fmt(exp)}")
     oneshot_ok = g.get("result") != "pass" or g.get("oneshot_used") or (exp is not None and exp[2] is None)
-    core = [rel.cases.get(c, {}).get("result") for c in ("gather", "p2p", "abort")]
+    # A release built too late for any case has none: it is incomplete, not failed.
+    core = [rel.cases.get(c, {}).get("result", "not run") for c in ("gather", "p2p", "abort")]
     recreates = {n: c for n, c in rel.cases.items() if n.startswith("recreate")}
     for n, c in recreates.items():
         if c.get("notice_mismatch"):
@@ -690,7 +691,10 @@ def main():
     if builds:  # releases whose build never produced a status (not started at all)
         for b in builds.get("builds", []):
             if wanted(b["version"]) and all(r.version != b["version"] or r.source != "built" for r in rels):
-                rels.append(Release(b["version"], "built", None, build=b))
+                rel = Release(b["version"], "built", None, build=b)
+                if b.get("status") == "ok":  # built after the workers had stopped taking releases
+                    rel.cases = {n: {"result": "not run", "why": "built too late for its cases"} for n, *_ in case_list(b["version"])}
+                rels.append(rel)
     rows = [summarize(r, cuda) for r in rels]
     rows.sort(key=lambda r: (version_key(r["version"]), r["source"]), reverse=True)
     sha = "?"

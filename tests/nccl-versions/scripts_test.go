@@ -316,3 +316,20 @@ func TestMatrixShBuildsRunsAndCollects(t *testing.T) {
 	}
 	require.NotContains(t, string(list), "./src/", "NCCL's build trees stay out of the logs")
 }
+
+// A release whose build ended after the last case could start has no cases: its row says
+// it is incomplete instead of ending run.py before it writes the table.
+func TestRunPyRowOfAReleaseBuiltTooLate(t *testing.T) {
+	script := `
+import sys
+sys.path.insert(0, ".")
+import run
+rel = run.Release("2.29.7", "built", None, build={"status": "ok"})
+print(run.summarize(rel, "13.0")["verdict"])
+`
+	cmd := exec.Command("python3", "-c", script)
+	cmd.Env = append(os.Environ(), "PYTHONDONTWRITEBYTECODE=1")
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	require.Equal(t, "incomplete: not every case ran before the deadline\n", string(out))
+}
