@@ -1,6 +1,7 @@
 package roce
 
 import (
+	"sync"
 	"testing"
 	"time"
 
@@ -101,13 +102,11 @@ func TestTheSecondLinkJoinsTheFirstWhicheverSideDialedIt(t *testing.T) {
 		require.NoError(t, err)
 		var r1, r2 *RecvComm
 		require.Eventually(t, func() bool { r1 = ls.Accept(); return r1 != nil }, 5*time.Second, time.Millisecond)
-		start := time.Now()
 		p2, err := second.ConnectP2P(hf)
 		require.NoError(t, err)
 		s2, err := p2.Wait()
 		require.NoError(t, err)
 		require.Eventually(t, func() bool { r2 = lf.Accept(); return r2 != nil }, 5*time.Second, time.Millisecond)
-		require.Less(t, time.Since(start), 900*time.Millisecond, "the second link found its carrier without waiting")
 		require.Equal(t, 1, connections(a), "lower side first: %v", lowerFirst)
 		require.Equal(t, 1, connections(b), "lower side first: %v", lowerFirst)
 		lf.Close()
@@ -116,6 +115,110 @@ func TestTheSecondLinkJoinsTheFirstWhicheverSideDialedIt(t *testing.T) {
 			require.NoError(t, c.Close())
 		}
 	}
+}
+
+// lowHigh orders two transports by device id.
+func lowHigh(a, b *Transport) (low, high *Transport) {
+	if a.Device().(*tcp.Device).ID() < b.Device().(*tcp.Device).ID() {
+		return a, b
+	}
+	return b, a
+}
+
+// Both ranks dialing at once pair without either listener waiting out joinWait for the
+// other: only the lower side may wait for its own dial.
+func TestSimultaneousDialsPairWithoutWaiting(t *testing.T) {
+	for i := 0; i < 10; i++ {
+		a, b := openTCP(t), openTCP(t)
+		start := time.Now()
+		sa, sb, ra, rb := p2pPair(t, a, b)
+		require.Less(t, time.Since(start), 900*time.Millisecond, "round %d: a listener waited for the other", i)
+		require.Equal(t, 1, connections(a), "round %d", i)
+		require.Equal(t, 1, connections(b), "round %d", i)
+		for _, c := range []interface{ Close() error }{sa, sb, ra, rb} {
+			require.NoError(t, c.Close())
+		}
+	}
+}
+
+// The higher side's dial was sent alone and is still starting when the lower side's dial
+// reaches the higher side's listener: the listener waits for its own carrier to register
+// (it depends on nothing of the peer's) and pairs onto it.
+func TestALinkArrivingWhileItsCarrierStartsJoinsIt(t *testing.T) {
+	low, high := lowHigh(openTCP(t), openTCP(t))
+	decided := make(chan struct{})
+	var once sync.Once
+	tcp.TestHookDecided = func() {
+		once.Do(func() {
+			close(decided)
+			time.Sleep(100 * time.Millisecond)
+		})
+	}
+	t.Cleanup(func() { tcp.TestHookDecided = nil })
+	hl, hh := make([]byte, HandleSize), make([]byte, HandleSize)
+	ll, err := low.ListenP2P(hl)
+	require.NoError(t, err)
+	defer ll.Close()
+	lh, err := high.ListenP2P(hh)
+	require.NoError(t, err)
+	defer lh.Close()
+	ph, err := high.ConnectP2P(hl)
+	require.NoError(t, err)
+	<-decided // the higher side's link was sent alone and has not started yet
+	pl, err := low.ConnectP2P(hh)
+	require.NoError(t, err)
+	sh, err := ph.Wait()
+	require.NoError(t, err)
+	sl, err := pl.Wait()
+	require.NoError(t, err)
+	var rl, rh *RecvComm
+	require.Eventually(t, func() bool {
+		if rl == nil {
+			rl = ll.Accept()
+		}
+		if rh == nil {
+			rh = lh.Accept()
+		}
+		return rl != nil && rh != nil
+	}, 5*time.Second, time.Millisecond)
+	require.Equal(t, 1, connections(low))
+	require.Equal(t, 1, connections(high))
+	for _, c := range []interface{ Close() error }{sh, sl, rl, rh} {
+		require.NoError(t, c.Close())
+	}
+}
+
+// A carrier whose own link the peer has closed is not offered to a new link, nor waited
+// for: the new link starts at once.
+func TestAHalfClosedCarrierIsNotOffered(t *testing.T) {
+	low, high := lowHigh(openTCP(t), openTCP(t))
+	hl, hh := make([]byte, HandleSize), make([]byte, HandleSize)
+	ll, err := low.ListenP2P(hl)
+	require.NoError(t, err)
+	defer ll.Close()
+	lh, err := high.ListenP2P(hh)
+	require.NoError(t, err)
+	defer lh.Close()
+	ph, err := high.ConnectP2P(hl)
+	require.NoError(t, err)
+	sh, err := ph.Wait()
+	require.NoError(t, err)
+	var rl *RecvComm
+	require.Eventually(t, func() bool { rl = ll.Accept(); return rl != nil }, 5*time.Second, time.Millisecond)
+	require.NoError(t, rl.Close()) // the lower side closes its receive end; the higher side's send stays
+	for i := 0; i < 3; i++ {
+		start := time.Now()
+		pl, err := low.ConnectP2P(hh)
+		require.NoError(t, err)
+		sl, err := pl.Wait()
+		require.NoError(t, err)
+		var rh *RecvComm
+		require.Eventually(t, func() bool { rh = lh.Accept(); return rh != nil }, 5*time.Second, time.Millisecond)
+		require.Less(t, time.Since(start), 500*time.Millisecond, "link %d waited for a carrier it could not join", i)
+		require.NoError(t, sl.Close())
+		require.NoError(t, rh.Close())
+	}
+	require.NoError(t, sh.Close())
 }
 
 // A link with nothing to pair with keeps a connection of its own.

@@ -1131,6 +1131,24 @@ void rg_tcp_conn_unexpect(rg_tcp_conn* c, int id) {
   if (waiting) wake_helper(c); /* a frame held for it now fails the connection, as it must */
 }
 
+void rg_tcp_conn_refuse(rg_tcp_conn* c, int id) {
+  lock_both(c);
+  int refused = c->ch_state[id] == CH_EXPECTED;
+  if (refused) c->ch_state[id] = CH_CLOSED;
+  if (refused && !c->tx_owner) send_control(c, F_BYE, (uint32_t)id);
+  int waiting = atomic_load(&c->rx_wait);
+  unlock_both(c);
+  if (waiting) wake_helper(c); /* a frame held for it is now dropped */
+}
+
+int rg_tcp_conn_can_carry(rg_tcp_conn* c) {
+  pthread_mutex_lock(&c->tx_mu);
+  int ok = !atomic_load(&c->dead) && c->ch_state[0] == CH_OPEN && c->lane[0] != NULL &&
+           !atomic_load(&c->lane[0]->ended) && c->ch_state[1] == CH_NONE;
+  pthread_mutex_unlock(&c->tx_mu);
+  return ok;
+}
+
 rg_tcp_lane* rg_tcp_conn_open(rg_tcp_conn* c, int id, char* err, int errlen) {
   rg_tcp_lane* l = calloc(1, sizeof(*l));
   if (l != NULL) {

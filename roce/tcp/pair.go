@@ -29,9 +29,10 @@ import (
 // bootstrap socket, which then closes: onto a free connection this side dialed to the
 // peer (a carrier), else onto a connection of its own, which becomes a carrier for the
 // other direction. Only the side with the lower device id waits, for up to joinWait, for a
-// dial of its own to the peer that is under way; the higher side decides at once, so two
-// listeners never wait for each other. Either side may thus dial first, and the second
-// link of the two still joins the first one's connection.
+// dial of its own to the peer that is under way, so two listeners never wait for each
+// other; either side waits for a dial of its own that was sent alone and is still
+// starting, which depends on nothing of the peer's. Either side may thus dial first, and
+// the second link of the two still joins the first one's connection.
 const (
 	describeVersion = 1
 	magicJoin       = 0x4e4a5752 // "RWJN"
@@ -58,17 +59,23 @@ type carrier struct {
 }
 
 // pairing is the device's carriers, under Device.mu: those this device dialed, by peer
-// id, and those it accepted, by connection id; and the p2p dials under way, by peer id.
+// id, and those it accepted, by connection id; the p2p dials under way, by peer id; and
+// the connections told to go alone whose carrier is not registered yet: dialed ones by
+// peer id, accepted ones by connection id. A wait for those depends on this side only.
 type pairing struct {
-	dialed   map[uint64][]*carrier
-	accepted map[uint64]*carrier
-	dialing  map[uint64]int
+	dialed          map[uint64][]*carrier
+	accepted        map[uint64]*carrier
+	dialing         map[uint64]int
+	settlingDialed  map[uint64]int
+	settlingAccepts map[uint64]bool
 }
 
 func (p *pairing) init() {
 	p.dialed = map[uint64][]*carrier{}
 	p.accepted = map[uint64]*carrier{}
 	p.dialing = map[uint64]int{}
+	p.settlingDialed = map[uint64]int{}
+	p.settlingAccepts = map[uint64]bool{}
 }
 
 func (p *pairing) add(cr *carrier, dialedHere bool) {
@@ -91,6 +98,36 @@ func (p *pairing) remove(cr *carrier) {
 	if len(p.dialed[cr.peer]) == 0 {
 		delete(p.dialed, cr.peer)
 	}
+}
+
+// usable says whether a carrier's connection can take a second lane: alive, its own lane
+// not ended by the peer, its second channel never used.
+func (cr *carrier) usable() bool { return !cr.taken && C.rg_tcp_conn_can_carry(cr.conn) != 0 }
+
+// TestHookDecided, when set (by tests only), runs in a dialer told to go alone, before its
+// connection starts: it widens the window in which the other direction's link arrives.
+var TestHookDecided func()
+
+// startAloneAsDialer starts, as a carrier, a dialed link the listener sent alone; until it
+// is registered, a listener here looking for a carrier to the peer waits for it.
+func (e *endpoint) startAloneAsDialer(conn *net.TCPConn) (*fabric.Link, error) {
+	d := e.dev
+	d.mu.Lock()
+	d.carriers.settlingDialed[e.peer.dev]++
+	d.mu.Unlock()
+	defer func() {
+		d.mu.Lock()
+		if d.carriers.settlingDialed[e.peer.dev]--; d.carriers.settlingDialed[e.peer.dev] <= 0 {
+			delete(d.carriers.settlingDialed, e.peer.dev)
+		}
+		d.changed.Broadcast()
+		d.mu.Unlock()
+	}()
+	if TestHookDecided != nil {
+		TestHookDecided()
+	}
+	conn.SetDeadline(time.Time{})
+	return e.startAlone(conn, true)
 }
 
 // takeLocked claims a free carrier matching find, waiting until deadline while wait
@@ -306,7 +343,8 @@ func readJoin(r io.Reader) (joinMsg, error) {
 }
 
 // joinAsListener decides where a link the peer dialed goes: onto a carrier this side
-// dialed to the peer, if one is free, or (on the lower id's side) comes within joinWait.
+// dialed to the peer, if one is free or is being registered, or (on the lower id's side
+// only) comes from a dial under way within joinWait.
 func (e *endpoint) joinAsListener(conn *net.TCPConn) (*fabric.Link, error) {
 	d := e.dev
 	mayWait := d.id < e.peer.dev
@@ -315,14 +353,25 @@ func (e *endpoint) joinAsListener(conn *net.TCPConn) (*fabric.Link, error) {
 	d.mu.Lock()
 	cr := d.takeLocked(func() *carrier {
 		for _, c := range d.carriers.dialed[e.peer.dev] {
-			if !c.taken {
+			if c.usable() {
 				return c
 			}
 		}
 		return nil
-	}, func() bool { return mayWait && d.carriers.dialing[e.peer.dev] > 0 }, deadline)
+	}, func() bool {
+		return d.carriers.settlingDialed[e.peer.dev] > 0 || (mayWait && d.carriers.dialing[e.peer.dev] > 0)
+	}, deadline)
+	if cr == nil {
+		d.carriers.settlingAccepts[e.peer.connID] = true // the dialer may hear of it at once
+	}
 	d.mu.Unlock()
 	if cr == nil {
+		defer func() {
+			d.mu.Lock()
+			delete(d.carriers.settlingAccepts, e.peer.connID)
+			d.changed.Broadcast()
+			d.mu.Unlock()
+		}()
 		if err := writeJoin(conn, joinMsg{kind: joinAlone}); err != nil {
 			return nil, fmt.Errorf("sending the pairing decision: %w", err)
 		}
@@ -337,20 +386,30 @@ func (e *endpoint) joinAsListener(conn *net.TCPConn) (*fabric.Link, error) {
 		}
 		return readJoin(conn)
 	}()
-	if err != nil || reply.kind != joinAttached {
+	if err == nil && reply.kind == joinAlone { // the dialer did not find the carrier: on its own, both
 		C.rg_tcp_conn_unexpect(cr.conn, 1)
 		d.mu.Lock()
 		cr.taken = false
 		d.mu.Unlock()
-		if err != nil {
-			return nil, err
-		}
 		conn.SetDeadline(time.Time{})
-		return e.startAlone(conn, true) // the dialer did not find the carrier: on its own, both
+		return e.startAlone(conn, true)
+	}
+	if err == nil && reply.kind != joinAttached {
+		err = fmt.Errorf("the dialer answered the pairing decision with kind %d", reply.kind)
 	}
 	peer := conn.RemoteAddr().String()
-	conn.Close()
-	return d.openLane(cr.conn, 1, peer, nil, false)
+	var link *fabric.Link
+	if err == nil {
+		conn.Close()
+		link, err = d.openLane(cr.conn, 1, peer, nil, false)
+	}
+	if err != nil {
+		// The dialer may have opened the channel: it is closed here, so its frames are
+		// dropped and its lane told, and it stays taken (a channel is never reused).
+		C.rg_tcp_conn_refuse(cr.conn, 1)
+		return nil, err
+	}
+	return link, nil
 }
 
 // joinAsDialer follows the listener's decision for the link this side dialed.
@@ -362,17 +421,17 @@ func (e *endpoint) joinAsDialer(conn *net.TCPConn) (*fabric.Link, error) {
 		return nil, err
 	}
 	if m.kind != joinCarrier {
-		conn.SetDeadline(time.Time{})
-		return e.startAlone(conn, true)
+		return e.startAloneAsDialer(conn)
 	}
-	// The carrier's own start may still be under way on this side.
+	// The carrier's own start may still be under way on this side: the listener here sent
+	// it alone before the peer could offer it.
 	d.mu.Lock()
 	cr := d.takeLocked(func() *carrier {
-		if c := d.carriers.accepted[m.connID]; c != nil && !c.taken && c.peer == e.peer.dev {
+		if c := d.carriers.accepted[m.connID]; c != nil && c.usable() && c.peer == e.peer.dev {
 			return c
 		}
 		return nil
-	}, func() bool { return true }, time.Now().Add(min(joinWait, d.timeout)))
+	}, func() bool { return d.carriers.settlingAccepts[m.connID] }, time.Now().Add(min(joinWait, d.timeout)))
 	d.mu.Unlock()
 	var link *fabric.Link
 	if cr != nil {
@@ -388,8 +447,7 @@ func (e *endpoint) joinAsDialer(conn *net.TCPConn) (*fabric.Link, error) {
 		if werr := writeJoin(conn, joinMsg{kind: joinAlone}); werr != nil {
 			return nil, fmt.Errorf("answering the pairing decision: %w", werr)
 		}
-		conn.SetDeadline(time.Time{})
-		return e.startAlone(conn, true)
+		return e.startAloneAsDialer(conn)
 	}
 	if err := writeJoin(conn, joinMsg{kind: joinAttached}); err != nil {
 		link.Close()

@@ -48,6 +48,12 @@ void rg_tcp_conn_release(rg_tcp_conn* c);
  * unexpected again, end the connection. */
 void rg_tcp_conn_expect(rg_tcp_conn* c, int id);
 void rg_tcp_conn_unexpect(rg_tcp_conn* c, int id);
+/* Closes channel id, expected but never opened here, and tells the peer, whose lane on it
+ * (if it opened one) ends; its frames are dropped. */
+void rg_tcp_conn_refuse(rg_tcp_conn* c, int id);
+/* Whether the connection can take a second lane: alive, channel 0 open and not ended by
+ * the peer, channel 1 never used. */
+int rg_tcp_conn_can_carry(rg_tcp_conn* c);
 /* Opens channel id as a lane, which holds a reference; NULL with err filled. */
 rg_tcp_lane* rg_tcp_conn_open(rg_tcp_conn* c, int id, char* err, int errlen);
 /* Ends the lane: its queued frames are dropped, the peer's lane is told, and the
