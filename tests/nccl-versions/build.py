@@ -178,7 +178,8 @@ class Build:
                 d["lib_dir"] = os.path.relpath(self.lib_dir, self.work)
                 d["lib_bytes"] = os.path.getsize(os.path.join(self.lib_dir, "libnccl.so.2"))
         elif status == "timeout":
-            d["error"] = [f"still building after {self.limit:.0f} s: killed"] + error_lines(self.log, 3)
+            cut = "the call's deadline" if self.limit < self.args.limit else "its limit"
+            d["error"] = [f"still building after {self.limit:.0f} s ({cut}): killed"] + error_lines(self.log, 3)
         else:
             d["error"] = error_lines(self.log)
         write_json(self.status_path, d)

@@ -361,7 +361,7 @@ def summarize(rel, cuda):
            "cases": rel.cases, "notes": list(rel.notes)}
     if rel.build and rel.build.get("status") != "ok":
         b = rel.build
-        what = {"timeout": "did not build within its time limit", "skipped": "not built (no time left)"}.get(
+        what = {"timeout": "did not build in the time it had", "skipped": "not built (no time left)"}.get(
             b["status"], f"the build failed with CUDA {cuda.split(' (')[0]}")
         row["verdict"] = f"{what}: {b['error'][0] if b.get('error') else 'see its build log'}"
         return row

@@ -235,7 +235,7 @@ func TestBuildPyParallelLimitsAndErrors(t *testing.T) {
 		case "failed":
 			require.Equal(t, []string{"src/misc/strongstream.cc:60:9: error: cudaStreamGetCaptureInfo_v2 was not declared in this scope"}, b.Error)
 		case "timeout":
-			require.Equal(t, "still building after 4 s: killed", b.Error[0])
+			require.Equal(t, "still building after 4 s (its limit): killed", b.Error[0])
 		}
 	}
 	require.Equal(t, map[string]string{"9.3.0": "ok", "9.2.0": "ok", "9.1.0": "failed", "9.0.0": "timeout"}, got)
