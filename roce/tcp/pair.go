@@ -111,18 +111,7 @@ var TestHookDecided func()
 // startAloneAsDialer starts, as a carrier, a dialed link the listener sent alone; until it
 // is registered, a listener here looking for a carrier to the peer waits for it.
 func (e *endpoint) startAloneAsDialer(conn *net.TCPConn) (*fabric.Link, error) {
-	d := e.dev
-	d.mu.Lock()
-	d.carriers.settlingDialed[e.peer.dev]++
-	d.mu.Unlock()
-	defer func() {
-		d.mu.Lock()
-		if d.carriers.settlingDialed[e.peer.dev]--; d.carriers.settlingDialed[e.peer.dev] <= 0 {
-			delete(d.carriers.settlingDialed, e.peer.dev)
-		}
-		d.changed.Broadcast()
-		d.mu.Unlock()
-	}()
+	defer e.dev.count(e.dev.carriers.settlingDialed, e.peer.dev)()
 	if TestHookDecided != nil {
 		TestHookDecided()
 	}
@@ -229,14 +218,18 @@ func (d *Device) ID() uint64 { return d.id }
 
 // ExpectDial tells the device that a p2p link to device peer is being dialed, until done
 // is called: a link that peer dials meanwhile waits for it to pair with (joinAsListener).
-func (d *Device) ExpectDial(peer uint64) (done func()) {
+func (d *Device) ExpectDial(peer uint64) (done func()) { return d.count(d.carriers.dialing, peer) }
+
+// count adds one to counts[key] under d.mu until the returned func is called, which wakes
+// the waiters of takeLocked.
+func (d *Device) count(counts map[uint64]int, key uint64) (done func()) {
 	d.mu.Lock()
-	d.carriers.dialing[peer]++
+	counts[key]++
 	d.mu.Unlock()
 	return func() {
 		d.mu.Lock()
-		if d.carriers.dialing[peer]--; d.carriers.dialing[peer] <= 0 {
-			delete(d.carriers.dialing, peer)
+		if counts[key]--; counts[key] <= 0 {
+			delete(counts, key)
 		}
 		d.changed.Broadcast()
 		d.mu.Unlock()
