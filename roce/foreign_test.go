@@ -25,10 +25,7 @@ func openTCP(t *testing.T) *Transport {
 
 func listenP2P(t *testing.T, tr *Transport) (*P2PListener, p2pHandle) {
 	t.Helper()
-	h := make([]byte, HandleSize)
-	pl, err := tr.ListenP2P(h)
-	require.NoError(t, err)
-	t.Cleanup(pl.Close)
+	pl, h := listenHandle(t, tr)
 	ph, err := parseP2PHandle(h)
 	require.NoError(t, err)
 	return pl, ph

@@ -10,35 +10,72 @@ import (
 	"github.com/roce-gather/roce_gather/roce/tcp"
 )
 
+// listenHandle opens a p2p listener on tr, closed when the test ends, and its handle.
+func listenHandle(t *testing.T, tr *Transport) (*P2PListener, []byte) {
+	t.Helper()
+	h := make([]byte, HandleSize)
+	l, err := tr.ListenP2P(h)
+	require.NoError(t, err)
+	t.Cleanup(l.Close)
+	return l, h
+}
+
+func connect(t *testing.T, tr *Transport, handle []byte) *PendingSend {
+	t.Helper()
+	p, err := tr.ConnectP2P(handle)
+	require.NoError(t, err)
+	return p
+}
+
+func connected(t *testing.T, p *PendingSend) *SendComm {
+	t.Helper()
+	s, err := p.Wait()
+	require.NoError(t, err)
+	return s
+}
+
+// acceptOne waits for each listener to accept one link, as NCCL's accept polls.
+func acceptOne(t *testing.T, ls ...*P2PListener) []*RecvComm {
+	t.Helper()
+	rs := make([]*RecvComm, len(ls))
+	require.Eventually(t, func() bool {
+		all := true
+		for i, l := range ls {
+			if rs[i] == nil {
+				rs[i] = l.Accept()
+			}
+			all = all && rs[i] != nil
+		}
+		return all
+	}, 5*time.Second, time.Millisecond)
+	return rs
+}
+
+func closeAll(t *testing.T, cs ...interface{ Close() error }) {
+	t.Helper()
+	for _, c := range cs {
+		require.NoError(t, c.Close())
+	}
+}
+
 // p2pPair makes the two links of NCCL's two-rank ring between a and b: each rank dials
 // the other's listener at once, and accepts the other's dial.
 func p2pPair(t *testing.T, a, b *Transport) (sa, sb *SendComm, ra, rb *RecvComm) {
 	t.Helper()
-	ha, hb := make([]byte, HandleSize), make([]byte, HandleSize)
-	la, err := a.ListenP2P(ha)
-	require.NoError(t, err)
-	defer la.Close()
-	lb, err := b.ListenP2P(hb)
-	require.NoError(t, err)
-	defer lb.Close()
-	pa, err := a.ConnectP2P(hb)
-	require.NoError(t, err)
-	pb, err := b.ConnectP2P(ha)
-	require.NoError(t, err)
-	sa, err = pa.Wait()
-	require.NoError(t, err)
-	sb, err = pb.Wait()
-	require.NoError(t, err)
-	require.Eventually(t, func() bool {
-		if ra == nil {
-			ra = la.Accept()
-		}
-		if rb == nil {
-			rb = lb.Accept()
-		}
-		return ra != nil && rb != nil
-	}, 5*time.Second, time.Millisecond)
-	return sa, sb, ra, rb
+	la, ha := listenHandle(t, a)
+	lb, hb := listenHandle(t, b)
+	pa, pb := connect(t, a, hb), connect(t, b, ha)
+	sa, sb = connected(t, pa), connected(t, pb)
+	rs := acceptOne(t, la, lb)
+	return sa, sb, rs[0], rs[1]
+}
+
+// lowHigh orders two transports by device id.
+func lowHigh(a, b *Transport) (low, high *Transport) {
+	if a.Device().(*tcp.Device).ID() < b.Device().(*tcp.Device).ID() {
+		return a, b
+	}
+	return b, a
 }
 
 func connections(tr *Transport) int { return tr.Device().(*tcp.Device).Connections() }
@@ -71,9 +108,7 @@ func TestEachCarrierTakesOneLinkOfTheOtherDirection(t *testing.T) {
 	}
 	require.Equal(t, 2, connections(a))
 	require.Equal(t, 2, connections(b))
-	for _, c := range closers {
-		require.NoError(t, c.Close())
-	}
+	closeAll(t, closers...)
 	require.Equal(t, 0, connections(a))
 }
 
@@ -82,47 +117,22 @@ func TestEachCarrierTakesOneLinkOfTheOtherDirection(t *testing.T) {
 func TestTheSecondLinkJoinsTheFirstWhicheverSideDialedIt(t *testing.T) {
 	for _, lowerFirst := range []bool{false, true} {
 		a, b := openTCP(t), openTCP(t)
-		low, high := a, b
-		if a.Device().(*tcp.Device).ID() > b.Device().(*tcp.Device).ID() {
-			low, high = b, a
-		}
+		low, high := lowHigh(a, b)
 		first, second := high, low
 		if lowerFirst {
 			first, second = low, high
 		}
-		hf, hs := make([]byte, HandleSize), make([]byte, HandleSize)
-		lf, err := first.ListenP2P(hf)
-		require.NoError(t, err)
-		ls, err := second.ListenP2P(hs)
-		require.NoError(t, err)
+		lf, hf := listenHandle(t, first)
+		ls, hs := listenHandle(t, second)
 		// The first link is made and accepted in full before the other side dials.
-		p1, err := first.ConnectP2P(hs)
-		require.NoError(t, err)
-		s1, err := p1.Wait()
-		require.NoError(t, err)
-		var r1, r2 *RecvComm
-		require.Eventually(t, func() bool { r1 = ls.Accept(); return r1 != nil }, 5*time.Second, time.Millisecond)
-		p2, err := second.ConnectP2P(hf)
-		require.NoError(t, err)
-		s2, err := p2.Wait()
-		require.NoError(t, err)
-		require.Eventually(t, func() bool { r2 = lf.Accept(); return r2 != nil }, 5*time.Second, time.Millisecond)
+		s1 := connected(t, connect(t, first, hs))
+		r1 := acceptOne(t, ls)[0]
+		s2 := connected(t, connect(t, second, hf))
+		r2 := acceptOne(t, lf)[0]
 		require.Equal(t, 1, connections(a), "lower side first: %v", lowerFirst)
 		require.Equal(t, 1, connections(b), "lower side first: %v", lowerFirst)
-		lf.Close()
-		ls.Close()
-		for _, c := range []interface{ Close() error }{s1, r1, s2, r2} {
-			require.NoError(t, c.Close())
-		}
+		closeAll(t, s1, r1, s2, r2)
 	}
-}
-
-// lowHigh orders two transports by device id.
-func lowHigh(a, b *Transport) (low, high *Transport) {
-	if a.Device().(*tcp.Device).ID() < b.Device().(*tcp.Device).ID() {
-		return a, b
-	}
-	return b, a
 }
 
 // Both ranks dialing at once pair without either listener waiting out joinWait for the
@@ -135,9 +145,7 @@ func TestSimultaneousDialsPairWithoutWaiting(t *testing.T) {
 		require.Less(t, time.Since(start), 900*time.Millisecond, "round %d: a listener waited for the other", i)
 		require.Equal(t, 1, connections(a), "round %d", i)
 		require.Equal(t, 1, connections(b), "round %d", i)
-		for _, c := range []interface{ Close() error }{sa, sb, ra, rb} {
-			require.NoError(t, c.Close())
-		}
+		closeAll(t, sa, sb, ra, rb)
 	}
 }
 
@@ -155,68 +163,32 @@ func TestALinkArrivingWhileItsCarrierStartsJoinsIt(t *testing.T) {
 		})
 	}
 	t.Cleanup(func() { tcp.TestHookDecided = nil })
-	hl, hh := make([]byte, HandleSize), make([]byte, HandleSize)
-	ll, err := low.ListenP2P(hl)
-	require.NoError(t, err)
-	defer ll.Close()
-	lh, err := high.ListenP2P(hh)
-	require.NoError(t, err)
-	defer lh.Close()
-	ph, err := high.ConnectP2P(hl)
-	require.NoError(t, err)
+	ll, hl := listenHandle(t, low)
+	lh, hh := listenHandle(t, high)
+	ph := connect(t, high, hl)
 	<-decided // the higher side's link was sent alone and has not started yet
-	pl, err := low.ConnectP2P(hh)
-	require.NoError(t, err)
-	sh, err := ph.Wait()
-	require.NoError(t, err)
-	sl, err := pl.Wait()
-	require.NoError(t, err)
-	var rl, rh *RecvComm
-	require.Eventually(t, func() bool {
-		if rl == nil {
-			rl = ll.Accept()
-		}
-		if rh == nil {
-			rh = lh.Accept()
-		}
-		return rl != nil && rh != nil
-	}, 5*time.Second, time.Millisecond)
+	pl := connect(t, low, hh)
+	sh, sl := connected(t, ph), connected(t, pl)
+	rs := acceptOne(t, ll, lh)
 	require.Equal(t, 1, connections(low))
 	require.Equal(t, 1, connections(high))
-	for _, c := range []interface{ Close() error }{sh, sl, rl, rh} {
-		require.NoError(t, c.Close())
-	}
+	closeAll(t, sh, sl, rs[0], rs[1])
 }
 
 // A carrier whose own link the peer has closed is not offered to a new link, nor waited
 // for: the new link starts at once.
 func TestAHalfClosedCarrierIsNotOffered(t *testing.T) {
 	low, high := lowHigh(openTCP(t), openTCP(t))
-	hl, hh := make([]byte, HandleSize), make([]byte, HandleSize)
-	ll, err := low.ListenP2P(hl)
-	require.NoError(t, err)
-	defer ll.Close()
-	lh, err := high.ListenP2P(hh)
-	require.NoError(t, err)
-	defer lh.Close()
-	ph, err := high.ConnectP2P(hl)
-	require.NoError(t, err)
-	sh, err := ph.Wait()
-	require.NoError(t, err)
-	var rl *RecvComm
-	require.Eventually(t, func() bool { rl = ll.Accept(); return rl != nil }, 5*time.Second, time.Millisecond)
-	require.NoError(t, rl.Close()) // the lower side closes its receive end; the higher side's send stays
+	ll, hl := listenHandle(t, low)
+	lh, hh := listenHandle(t, high)
+	sh := connected(t, connect(t, high, hl))
+	require.NoError(t, acceptOne(t, ll)[0].Close()) // the lower side closes its receive end; the higher side's send stays
 	for i := 0; i < 3; i++ {
 		start := time.Now()
-		pl, err := low.ConnectP2P(hh)
-		require.NoError(t, err)
-		sl, err := pl.Wait()
-		require.NoError(t, err)
-		var rh *RecvComm
-		require.Eventually(t, func() bool { rh = lh.Accept(); return rh != nil }, 5*time.Second, time.Millisecond)
+		sl := connected(t, connect(t, low, hh))
+		rh := acceptOne(t, lh)[0]
 		require.Less(t, time.Since(start), 500*time.Millisecond, "link %d waited for a carrier it could not join", i)
-		require.NoError(t, sl.Close())
-		require.NoError(t, rh.Close())
+		closeAll(t, sl, rh)
 	}
 	require.NoError(t, sh.Close())
 }
@@ -224,20 +196,13 @@ func TestAHalfClosedCarrierIsNotOffered(t *testing.T) {
 // A link with nothing to pair with keeps a connection of its own.
 func TestALinkOfOneDirectionKeepsItsOwnConnection(t *testing.T) {
 	a, b := openTCP(t), openTCP(t)
-	h := make([]byte, HandleSize)
-	lb, err := b.ListenP2P(h)
-	require.NoError(t, err)
-	defer lb.Close()
-	p, err := a.ConnectP2P(h)
-	require.NoError(t, err)
+	lb, h := listenHandle(t, b)
+	p := connect(t, a, h)
 	start := time.Now()
-	sa, err := p.Wait()
-	require.NoError(t, err)
-	var rb *RecvComm
-	require.Eventually(t, func() bool { rb = lb.Accept(); return rb != nil }, 5*time.Second, time.Millisecond)
+	sa := connected(t, p)
+	rb := acceptOne(t, lb)[0]
 	require.Less(t, time.Since(start), 900*time.Millisecond, "no wait for a pairing that cannot come")
 	require.Equal(t, 1, connections(a))
 	require.Equal(t, 1, connections(b))
-	require.NoError(t, sa.Close())
-	require.NoError(t, rb.Close())
+	closeAll(t, sa, rb)
 }
