@@ -54,6 +54,9 @@ type Config struct {
 	// size tuner v6 returns for it, 0 leaving NCCL's choice. Both are agreed at connect.
 	OneShotChannels int
 	OneShotChunk    uint64
+	// PlaceByCopy is ROCE_GATHER_PLACEMENT=copy: eager gathers on CUDA memory are placed
+	// with cuMemcpyAsync instead of the gather kernel.
+	PlaceByCopy bool
 	// TracePath is ROCE_GATHER_TRACE, the timeline's file ("" for none; %p and %h as in
 	// StatsPath); TraceEvery samples one call in that many (ROCE_GATHER_TRACE_EVERY), and
 	// TraceRecords is the ring's size (ROCE_GATHER_TRACE_RECORDS).
@@ -238,6 +241,16 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 			refuse("ROCE_GATHER_MODE", v, "auto", "is not rendezvous, eager or auto")
 		}
 	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_PLACEMENT"); ok {
+		switch v {
+		case "kernel":
+			c.PlaceByCopy = false
+		case "copy":
+			c.PlaceByCopy = true
+		default:
+			refuse("ROCE_GATHER_PLACEMENT", v, placementName(c.PlaceByCopy), "is not kernel or copy")
+		}
+	}
 	if v, ok := lookup(getenv, "ROCE_GATHER_STATS"); ok {
 		c.StatsPath = v
 	}
@@ -279,6 +292,14 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 	count("ROCE_GATHER_TRACE_EVERY", 1<<32, &c.TraceEvery)
 	count("ROCE_GATHER_TRACE_RECORDS", MaxTraceRecords, &c.TraceRecords)
 	return c, warns
+}
+
+// placementName is ROCE_GATHER_PLACEMENT's value for byCopy.
+func placementName(byCopy bool) string {
+	if byCopy {
+		return "copy"
+	}
+	return "kernel"
 }
 
 // lookup returns a variable's trimmed value and whether it is set and non-empty.

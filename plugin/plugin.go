@@ -98,8 +98,9 @@ func (s *runtimeState) acquire() error {
 		s.setProps(tr.Device().Info())
 		openStats(cfg.StatsPath)
 		openTrace(cfg)
-		nlog.Infof(nlog.Init|nlog.Net, "roce_gather %s: %s fabric, device %s (%s); one-shot gather %s, mode %s, timeout %v",
-			Version, tr.Kind(), tr.Device().Info().Name, tr.Device().Info().Detail, cfg.describeWindow(tr.Kind()), cfg.Mode, cfg.Timeout)
+		nlog.Infof(nlog.Init|nlog.Net, "roce_gather %s: %s fabric, device %s (%s); one-shot gather %s, mode %s, placement %s, timeout %v",
+			Version, tr.Kind(), tr.Device().Info().Name, tr.Device().Info().Detail, cfg.describeWindow(tr.Kind()), cfg.Mode,
+			placementName(cfg.PlaceByCopy), cfg.Timeout)
 		if floor, capBytes, off := cfg.Window(tr.Kind()); !off && floor > capBytes {
 			nlog.Warnf("this rank's one-shot window is empty: floor %d is above cap %d (ROCE_GATHER_MIN_BYTES, ROCE_GATHER_MAX_BYTES); "+
 				"the one-shot path will be off for every communicator", floor, capBytes)

@@ -166,7 +166,7 @@ static int ensure_stream(rg_gather_comm* g) {
   return cu->cuStreamCreate(&g->stream, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS ? 0 : -1;
 }
 
-int rg_gather_cuda_prepare(rg_gather_comm* g, char* err, int errlen) {
+int rg_gather_cuda_prepare(rg_gather_comm* g, int use_kernel, char* err, int errlen) {
   const rg_cuda_api* cu = rg_cuda();
   CUcontext ctx = NULL;
   if (cu == NULL || cu->cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || ctx == NULL) return 0; /* no GPU here */
@@ -180,6 +180,10 @@ int rg_gather_cuda_prepare(rg_gather_comm* g, char* err, int errlen) {
       snprintf(err, errlen, "cannot create the CUDA events of the gather copies");
       return -1;
     }
+  if (!use_kernel) {
+    g->place_state = 0;
+    return 0;
+  }
   if (!g->landing_mapped) {
     g->place_state = -1;
     RG_WARN("the landing region could not be pinned for the GPU; eager gathers on GPU memory copy with "

@@ -79,6 +79,8 @@ type Listener struct {
 	out    Outcome
 	side   *side
 	commID uint64
+	// useKernel: eager calls on CUDA memory are placed by the gather kernel (Config.PlaceByCopy unset).
+	useKernel bool
 }
 
 // Config is this rank's configuration of the one-shot path.
@@ -96,6 +98,9 @@ type Config struct {
 	// ROCE_GATHER_ONESHOT_CHUNK (0: NCCL's choice).
 	Channels int
 	Chunk    uint64
+	// PlaceByCopy is ROCE_GATHER_PLACEMENT=copy: eager calls on CUDA memory are placed with
+	// cuMemcpyAsync, not the gather kernel. Local to this rank: the peer never sees it.
+	PlaceByCopy bool
 	// CommID is NCCL's id of the communicator, which the timeline's records carry.
 	CommID uint64
 }
@@ -108,7 +113,7 @@ func Listen(t *roce.Transport, cfg Config, handle []byte) (*Listener, error) {
 	if !ValidChannels(cfg.Channels) || !ValidChunk(cfg.Chunk) {
 		return nil, fmt.Errorf("one-shot channels %d or chunk %d out of range", cfg.Channels, cfg.Chunk)
 	}
-	gl := &Listener{t: t, agreed: make(chan struct{}), commID: cfg.CommID}
+	gl := &Listener{t: t, agreed: make(chan struct{}), commID: cfg.CommID, useKernel: !cfg.PlaceByCopy}
 	gl.offer = Offer{Version: roce.ProtocolVersion, On: cfg.Enable, Fabric: fabricCode(t.Kind()), Mode: cfg.Mode,
 		Lanes: uint8(t.Device().Info().Lanes), MinBytes: cfg.MinBytes, MaxBytes: cfg.MaxBytes, SlotBytes: SlotBytesFor(cfg.MaxBytes),
 		DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch, Channels: uint8(cfg.Channels), Chunk: cfg.Chunk}
@@ -199,8 +204,12 @@ func (gl *Listener) Connect(handles [][]byte, rank int) (*Comm, Outcome) {
 		var errBuf [256]C.char
 		// Before the live check, so that a rank that cannot prepare fails it on both ranks.
 		// This runs on NCCL's thread, in its CUDA context.
+		useKernel := C.int(0)
+		if gl.useKernel {
+			useKernel = 1
+		}
 		if gl.t.Device().Info().PtrSupport&fabric.PtrCUDA != 0 &&
-			C.rg_gather_cuda_prepare(s.c, &errBuf[0], C.int(len(errBuf))) != 0 {
+			C.rg_gather_cuda_prepare(s.c, useKernel, &errBuf[0], C.int(len(errBuf))) != 0 {
 			err = errors.New(C.GoString(&errBuf[0]))
 		} else if C.rg_gather_probe(s.c, C.uint64_t(gl.t.Timeout().Nanoseconds()), &errBuf[0], C.int(len(errBuf))) != 0 {
 			err = errors.New(C.GoString(&errBuf[0]))

@@ -150,8 +150,9 @@ int rg_gather_outstanding(const rg_gather_comm* g);
 /* Where the calling thread has a CUDA context and the fabric takes CUDA memory: creates the
  * stream and events and loads the gather kernel, before any collective can wait on them.
  * Returns -1 with err set when the stream or events cannot be made; a kernel that does not
- * load is a WARN, and eager copies then use cuMemcpyAsync. */
-int rg_gather_cuda_prepare(rg_gather_comm* g, char* err, int errlen);
+ * load is a WARN, and eager copies then use cuMemcpyAsync. use_kernel 0 (ROCE_GATHER_PLACEMENT=copy)
+ * loads no kernel: every placement uses cuMemcpyAsync. */
+int rg_gather_cuda_prepare(rg_gather_comm* g, int use_kernel, char* err, int errlen);
 
 /* The per-call mode both ranks derive from the same inputs. */
 int rg_gather_call_mode(const rg_gather_comm* g, uint64_t windowBytes, uint64_t part0, uint64_t part1);

@@ -80,6 +80,10 @@ CONFIGS = {
     "os-gdr-rendezvous": dict(OPEN_GDR, ROCE_GATHER_MODE="rendezvous"),
     "os-gdr-commreg": dict(OPEN_GDR, NCCL_GRAPH_REGISTER="0", TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1"),
     "os-gdr-unreg": dict(OPEN_GDR, NCCL_GRAPH_REGISTER="0"),
+    # The gather kernel against the two copies it replaces, end to end: eager mode on GPU
+    # memory, timed with eager calls (graph replays deadlock against ROCE_GATHER_TCP_CUDA's staging).
+    "os-place-kernel": dict(OPEN_GDR, ROCE_GATHER_MODE="eager", ROCE_GATHER_PLACEMENT="kernel"),
+    "os-place-copy": dict(OPEN_GDR, ROCE_GATHER_MODE="eager", ROCE_GATHER_PLACEMENT="copy"),
     # NCCL's own choice for two ranks over this plugin, one knob at a time.
     "ring-ll": dict(RING, NCCL_PROTO="LL"),
     "ring-ll128": dict(RING, NCCL_PROTO="LL128"),

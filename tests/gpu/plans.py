@@ -18,6 +18,7 @@ SWEEP_SIZES = [16, 64, 256, 1024, 4096, 16384, 32768, 65536, 131072, 262144, 524
 # since it hung on NCCL 2.28.9 before.
 SWEEP_FAMILIES = [
     ("core", ["nccl-socket", "ring-over-plugin", "os-staged"]),
+    ("placement", ["os-place-kernel", "os-place-copy"]),
     ("gdr", ["os-gdr", "os-gdr-commreg", "os-gdr-rendezvous"]),
     ("modes", ["os-eager", "os-rendezvous"]),
     ("channels", ["os-ch1", "os-ch2", "os-ch4", "os-ch8"]),
@@ -32,6 +33,14 @@ SWEEP_GDR_LIMIT_S = 35
 SWEEP_MIN_START_S = 25  # a pair is not started with less left in the step
 SWEEP_PARAMS = {"modes": ["graph"], "reps": 5, "target_ms": 8, "budget_s": 16, "sizes": SWEEP_SIZES}
 CHUNK_NEEDS = (2, 30)  # the tuner's getChunkSize (tuner v6)
+# Timed with eager calls, not graph replays: GPUDirect over tcp stages with CUDA calls, which
+# deadlock against back-to-back replays. Compared with each other only, never with the graph-timed configs.
+EAGER_FAMILIES = {"placement"}
+
+
+def sweep_mode(config):
+    """How a config's gathers are timed: "graph" (replays of a captured graph) or "eager"."""
+    return "eager" if family_of(config) in EAGER_FAMILIES else "graph"
 
 
 def family_of(config):
@@ -103,6 +112,8 @@ def sweep_rows(results, sizes):
         for b in sizes:
             s = summ[c][b]
             ring, sock = summ.get("ring-over-plugin", {}).get(b), summ.get("nccl-socket", {}).get(b)
+            if sweep_mode(c) != "graph":  # the references are timed under graph replay
+                ring = sock = None
             rows.append({"config": c, "family": family_of(c), "status": r["status"], "bytes": b, "s": s,
                          "vs_ring": measure.ratio(s, ring), "vs_ring_verdict": measure.compare(s, ring),
                          "vs_socket": measure.ratio(s, sock)})
@@ -137,7 +148,8 @@ def sweep_markdown(nccl, results, sizes, summ):
     configs = list(results)
     # Only numbers of the path asked for, with right values: a killed pair's sizes measured
     # before the kill count; a pair with wrong values, or whose gathers took another path, not.
-    ok = {c: summ[c] for c in configs if results[c]["status"] in ("ok", "killed")}
+    # Configs timed with eager calls have their own table.
+    ok = {c: summ[c] for c in configs if results[c]["status"] in ("ok", "killed") and sweep_mode(c) == "graph"}
     best = measure.cheapest(ok, sizes)
     best_os = measure.cheapest(ok, sizes, [c for c in configs if is_oneshot(c)])
     best_ring = measure.cheapest(ok, sizes, [c for c in configs if is_ring(c)])
@@ -163,10 +175,52 @@ def sweep_markdown(nccl, results, sizes, summ):
                      "cheapest ring over this plugin", "nccl-socket", "one-shot/ring", "one-shot vs ring"], rows),
            "", "Median µs a gather, every config (status: ok, killed at its limit, failed, path differs from the "
            "one asked for (ROCE_GATHER_STATS), not run):", "",
-           md_table(["config", "status"] + [measure.size_label(b) for b in sizes],
-                    [[c, results[c]["status"]] + [common.fmt(summ[c][b]["median"]) if summ[c].get(b) else "-"
-                                                  for b in sizes] for c in configs])]
+           md_table(["config", "status", "timed"] + [measure.size_label(b) for b in sizes],
+                    [[c, results[c]["status"], sweep_mode(c)] + [common.fmt(summ[c][b]["median"]) if summ[c].get(b) else "-"
+                                                                 for b in sizes] for c in configs])]
+    placement = placement_markdown(results, sizes, summ)
+    if placement:
+        out += ["", placement]
     return "\n".join(out)
+
+
+def placement_mismatch(config, stats):
+    """Why a placement config's rank-0 stats show another placement than the one asked for, or ""."""
+    if family_of(config) != "placement":
+        return ""
+    st = stats or {}
+    eager, by_kernel = st.get("eager") or 0, st.get("by_kernel") or 0
+    if not eager:
+        return "no eager one-shot call was made"
+    if config == "os-place-kernel" and by_kernel != eager:
+        return f"{by_kernel} of {eager} eager calls placed by the gather kernel; expected all"
+    if config == "os-place-copy" and by_kernel:
+        return f"{by_kernel} of {eager} eager calls placed by the gather kernel; expected none"
+    return ""
+
+
+def placement_rows(results, sizes, summ):
+    """Per size: the gather kernel against the two copies, both timed with eager calls."""
+    k, c = "os-place-kernel", "os-place-copy"
+    if not all(x in results and results[x]["status"] in ("ok", "killed") for x in (k, c)):
+        return []
+    rows = []
+    for b in sizes:
+        sk, sc = summ[k].get(b), summ[c].get(b)
+        if sk and sc:
+            rows.append([measure.size_label(b), measure.fmt_range(sk), measure.fmt_range(sc),
+                         measure.fmt_ratio(measure.ratio(sk, sc)), measure.compare(sk, sc) or "-"])
+    return rows
+
+
+def placement_markdown(results, sizes, summ):
+    rows = placement_rows(results, sizes, summ)
+    if not rows:
+        return ""
+    return ("Placement of eager gathers on GPU memory (GPUDirect declared, ROCE_GATHER_MODE=eager), µs a gather "
+            "timed with eager calls, median (min-max): the gather kernel (ROCE_GATHER_PLACEMENT=kernel) against "
+            "the two cuMemcpyAsync it replaces (copy), and the kernel's verdict against the copies:\n\n"
+            + md_table(["bytes a rank", "kernel", "copy", "kernel/copy", "kernel vs copy"], rows))
 
 
 def sweep_runs_table(results):

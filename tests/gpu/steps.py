@@ -767,7 +767,9 @@ def step_sweep(s):
             results[c] = {"status": "not run", "note": f"the step's time ran out ({left:.0f}s left)"}
             continue
         limit = plans.SWEEP_GDR_LIMIT_S if "gdr" in c else plans.SWEEP_LIMIT_S
-        rec = s.pair(f"sweep.{c}", c, "bench.py", "latency", limit, dict(plans.SWEEP_PARAMS, cap=launch.cap_of(c)),
+        mode = plans.sweep_mode(c)
+        rec = s.pair(f"sweep.{c}", c, "bench.py", "latency", limit,
+                     dict(plans.SWEEP_PARAMS, cap=launch.cap_of(c), modes=[mode]),
                      SWEEP_ENV, judge=False, min_left=plans.SWEEP_MIN_START_S)
         recs.append(rec)
         if rec is None:
@@ -776,11 +778,15 @@ def step_sweep(s):
         status, why = plans.pair_status(rec)
         res = rec["results"][0] or {}
         n = res.get("numbers", {})
-        smp = (n.get("samples") or {}).get("graph", {})
-        r = {"status": status, "seconds": rec["seconds"], "samples": {int(b): xs for b, xs in smp.items() if xs},
+        smp = (n.get("samples") or {}).get(mode, {})
+        r = {"status": status, "mode": mode, "seconds": rec["seconds"], "samples": {int(b): xs for b, xs in smp.items() if xs},
              "stats": common.stats_brief(rec["stats"][0]), "agreed": n.get("agreed", False),
              "note": why + (f"; last progress: {n.get('progress')}" if status == "killed" else "")}
         r.update(sweep_evidence(rec))
+        bad = plans.placement_mismatch(c, r["stats"])
+        if status == "ok" and bad:
+            status, why = "path differs", f"sweep.{c}: {bad}"
+            r.update(status=status, note=why)
         if rec["limit"] < limit:
             r["note"] += f"; its limit was cut from {limit}s to the {rec['limit']}s the step had left"
         if rec["mps_restart"]:
@@ -814,13 +820,17 @@ def step_sweep(s):
     counts = {}
     for r in results.values():
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    best_os = measure.cheapest({c: summ[c] for c in results if plans.is_oneshot(c) and results[c]["status"] in ("ok", "killed")},
-                               sizes)
+    best_os = measure.cheapest({c: summ[c] for c in results if plans.is_oneshot(c) and plans.sweep_mode(c) == "graph"
+                                and results[c]["status"] in ("ok", "killed")}, sizes)
     ring = summ.get("ring-over-plugin", {})
     wins = [x["bytes"] for x in best_os if x["best"] and measure.compare(x["best_s"], ring.get(x["bytes"])) == "faster"]
     s.d["headline"] = (f"NCCL {nccl}, {len(configs)} configs: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
                        + "; the cheapest one-shot config beats ring-over-plugin beyond the spread at "
                        + (", ".join(measure.size_label(b) for b in wins) if wins else "no size"))
+    place = plans.placement_rows(results, sizes, summ)
+    if place:
+        s.d["headline"] += "; the gather kernel against the copies: " + ", ".join(
+            f"{r[0]} {r[3]}" for r in place if r[0] in ("16 B", "4 KiB", "64 KiB", "1 MiB"))
 
 
 # ---- calibrate: the window a user would set -----------------------------------------------

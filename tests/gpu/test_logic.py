@@ -192,7 +192,8 @@ class SweepPlanTest(unittest.TestCase):
     def test_plan(self):
         all_, unknown = plans.sweep_plan("", launch.CONFIGS)
         self.assertEqual(all_[:3], ["nccl-socket", "ring-over-plugin", "os-staged"])
-        self.assertEqual(len(all_), 19)
+        self.assertEqual(len(all_), 21)
+        self.assertEqual(all_[3:5], ["os-place-kernel", "os-place-copy"])
         self.assertEqual(unknown, [])
         sel, unknown = plans.sweep_plan("gdr, os-gdr-unreg bogus", launch.CONFIGS)
         self.assertEqual(sel, ["nccl-socket", "ring-over-plugin", "os-gdr", "os-gdr-commreg", "os-gdr-rendezvous",
@@ -202,6 +203,35 @@ class SweepPlanTest(unittest.TestCase):
         self.assertEqual(plans.family_of("ring-ch2"), "ring-channels")
         self.assertEqual(plans.version_tuple("2.30.7"), (2, 30, 7))
         self.assertIsNone(plans.version_tuple(None))
+
+    def test_placement_is_timed_eager_and_kept_apart(self):
+        self.assertEqual(plans.sweep_mode("os-place-copy"), "eager")
+        self.assertEqual(plans.sweep_mode("os-staged"), "graph")
+        sizes = [16, 4096]
+        res = {"ring-over-plugin": {"status": "ok", "samples": {16: [30, 31, 32], 4096: [40, 41, 42]}},
+               "os-staged": {"status": "ok", "samples": {16: [50, 51, 52], 4096: [60, 61, 62]}},
+               "os-place-kernel": {"status": "ok", "samples": {16: [10, 11, 12], 4096: [20, 21, 22]}},
+               "os-place-copy": {"status": "ok", "samples": {16: [14, 15, 16], 4096: [20, 22, 24]}}}
+        summ, rows = plans.sweep_rows(res, sizes)
+        by = {(r["config"], r["bytes"]): r for r in rows}
+        self.assertIsNone(by[("os-place-kernel", 16)]["vs_ring"], "eager-timed configs get no ratio to the graph-timed ring")
+        self.assertEqual(by[("os-staged", 16)]["vs_ring_verdict"], "slower")
+        place = plans.placement_rows(res, sizes, summ)
+        self.assertEqual([r[0] for r in place], ["16 B", "4 KiB"])
+        self.assertEqual(place[0][4], "faster")  # 10-12 against 14-16
+        self.assertEqual(place[1][4], "within")
+        md = plans.sweep_markdown("2.30.7", res, sizes, summ)
+        # The cheapest-per-size table never names an eager-timed config, though its medians are lowest.
+        table = md.split("Median µs a gather")[0]
+        self.assertNotIn("os-place", table)
+        self.assertIn("kernel vs copy", md)
+        self.assertEqual(plans.placement_mismatch("os-place-copy", {"eager": 8, "by_kernel": 0}), "")
+        self.assertIn("expected none", plans.placement_mismatch("os-place-copy", {"eager": 8, "by_kernel": 8}))
+        self.assertIn("expected all", plans.placement_mismatch("os-place-kernel", {"eager": 8, "by_kernel": 7}))
+        self.assertIn("no eager", plans.placement_mismatch("os-place-kernel", {"eager": 0}))
+        self.assertEqual(plans.placement_mismatch("os-staged", {}), "")
+        del res["os-place-copy"]
+        self.assertEqual(plans.placement_rows(res, sizes, summ), [])
 
     def test_pair_status(self):
         base = {"timed_out": False, "limit": 45, "failures": []}
@@ -668,11 +698,18 @@ class StepsTest(unittest.TestCase):
 
     def test_sweep(self):
         sizes = plans.SWEEP_SIZES
-        seen = []
+        seen, modes = [], {}
 
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
             seen.append((config, timeout, params["cap"], extra_env["NCCL_DEBUG"]))
+            modes[config] = params["modes"]
             us = {b: 30 + b / 2048 for b in sizes}
+            if config in ("os-place-kernel", "os-place-copy"):  # timed eager: their own table
+                us = {b: 5 + b / 4096 for b in sizes} if config == "os-place-kernel" else {b: 4 + b / 8192 for b in sizes}
+                rec = record(run, config, {"samples": {"eager": samples_for(us)}, "agreed": True}, work, sizes=sizes)
+                for st in rec["stats"]:
+                    st["oneshot"].update(eager=100, eager_by_kernel=100 if config == "os-place-kernel" else 0)
+                return rec
             if config == "nccl-socket":
                 us = {b: 20 + b / 2048 for b in sizes}
             if config == "os-ch2":  # one-shot faster than the ring from 16 KiB to 256 KiB
@@ -688,7 +725,9 @@ class StepsTest(unittest.TestCase):
         d = self.run_step("sweep", fake, {"ROCE_GATHER_GPU_SWEEP": ""})
         ran = [c for c, *_ in seen]
         self.assertNotIn("os-chunk-128k", ran)  # NCCL 2.28.9: no getChunkSize
-        self.assertEqual(len(ran), 17)
+        self.assertEqual(len(ran), 19)
+        self.assertEqual(modes["os-place-copy"], ["eager"])
+        self.assertEqual(modes["os-staged"], ["graph"])
         self.assertEqual({t for c, t, *_ in seen if "gdr" in c}, {plans.SWEEP_GDR_LIMIT_S})
         self.assertEqual({cap for c, _, cap, _ in seen if c.startswith("os-")}, {1 << 20})
         res = d["numbers"]["results"]
@@ -701,7 +740,8 @@ class StepsTest(unittest.TestCase):
                       d["headline"])
         with open(os.path.join(self.work, "sweep.csv")) as f:
             rows = list(csv.DictReader(f))
-        self.assertEqual(len(rows), 19 * len(sizes))
+        self.assertIn("the gather kernel against the copies: 16 B 1.25", d["headline"])
+        self.assertEqual(len(rows), 21 * len(sizes))
         gdr = [r for r in rows if r["config"] == "os-gdr"]
         self.assertEqual([r["samples"] for r in gdr], ["3"] * 7 + ["0"] * 5)
         r = next(r for r in rows if r["config"] == "os-ch2" and r["bytes_per_rank"] == "65536")
@@ -710,6 +750,7 @@ class StepsTest(unittest.TestCase):
         md = read(os.path.join(self.work, "sweep.md"))
         self.assertIn("| 64 KiB | os-ch2", md)
         self.assertIn("| os-gdr | killed |", md)
+        self.assertIn("| 4 KiB | 6.0 (5.9-6.1) | 4.5 (4.4-4.6) | 1.33 (1.28-1.39) | slower |", md)
 
     def test_calibrate(self):
         sizes = calibrate.SIZES
