@@ -151,15 +151,40 @@ def nccl_runtime():
                     paths.append(p)
     except OSError:
         return {"loaded": paths}
+    # First the process's global scope, where the dynamic linker resolves PyTorch's calls
+    # (an LD_PRELOAD'ed NCCL comes first there); then each mapped copy through its own handle.
+    v = ctypes.c_int()
+    try:
+        fn = ctypes.CDLL(None).ncclGetVersion
+        if fn(ctypes.byref(v)) == 0:
+            return {"version": decode_nccl_version(v.value), "path": symbol_file(fn) or "", "loaded": paths}
+    except (OSError, AttributeError):
+        pass
     for p in paths:
         try:
-            lib = ctypes.CDLL(p)
-            v = ctypes.c_int()
-            if lib.ncclGetVersion(ctypes.byref(v)) == 0:
+            if ctypes.CDLL(p).ncclGetVersion(ctypes.byref(v)) == 0:
                 return {"version": decode_nccl_version(v.value), "path": p, "loaded": paths}
         except (OSError, AttributeError):
             continue
     return {"loaded": paths}
+
+
+def symbol_file(fn):
+    """The file of the shared library that defines ctypes function fn (dladdr), or None."""
+    import ctypes
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p), ("sname", ctypes.c_char_p),
+                    ("saddr", ctypes.c_void_p)]
+    try:
+        dladdr = ctypes.CDLL(None).dladdr
+    except AttributeError:
+        return None
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(DlInfo)]
+    info = DlInfo()
+    if dladdr(ctypes.cast(fn, ctypes.c_void_p), ctypes.byref(info)) == 0 or not info.fname:
+        return None
+    return info.fname.decode(errors="replace")
 
 
 def md_table(headers, rows):

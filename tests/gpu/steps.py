@@ -901,6 +901,9 @@ def step_recreate(s):
         values = [f for res in rec["results"] if res for f in res.get("failures", [])]
         if values:
             ok, verdict = False, f"wrong values: {values[0]}"
+        wrong_nccl = [f for f in rec["failures"] if " ran, not " in f]  # LD_PRELOAD did not put that NCCL in
+        if wrong_nccl:
+            ok, verdict = False, wrong_nccl[0]
         if rec["timed_out"]:
             ok, verdict = False, f"still running after {rec['limit']}s: killed"
         advice, _ = evidence(rec["logs"][:1], ADVICE_RX, 1)

@@ -334,6 +334,20 @@ class NcclRuntimeTest(unittest.TestCase):
             self.assertEqual((r["version"], r["path"]), ("2.30.7", lib))
             p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
             self.assertNotIn("version", json.loads(p.stdout))
+            # PyTorch's own copy mapped too, as under LD_PRELOAD: the preloaded one is what runs.
+            own = os.path.join(d, "libnccl.so.2")
+            with open(src, "w") as f:
+                f.write("int ncclGetVersion(int *v) { *v = 22809; return 0; }\n")
+            subprocess.run(["gcc", "-shared", "-fPIC", "-o", own, src], check=True)
+            both = f"import ctypes; ctypes.CDLL({own!r}); " + code
+            p = subprocess.run([sys.executable, "-c", both], capture_output=True, text=True,
+                               env=dict(os.environ, LD_PRELOAD=lib))
+            r = json.loads(p.stdout)
+            self.assertEqual((r["version"], r["path"]), ("2.30.7", lib))
+            self.assertEqual(sorted(r["loaded"]), sorted([lib, own]))
+            p = subprocess.run([sys.executable, "-c", both], capture_output=True, text=True)
+            r = json.loads(p.stdout)  # loaded privately (RTLD_LOCAL): found through the mapped files
+            self.assertEqual((r["version"], r["path"]), ("2.28.9", own))
 
 
 FAKE_WORKER = r'''
@@ -809,6 +823,23 @@ class StepsTest(unittest.TestCase):
         self.assertTrue(d["numbers"]["plugin-nccl-lib"]["ok"])
         self.assertEqual(d["numbers"]["plugin-nccl-lib"]["nccl"], "2.30.7")
         self.assertEqual(d["numbers"]["plugin"]["nccl"], "2.28.9")  # PyTorch's own, whatever the env says
+
+    def test_recreate_on_the_wrong_nccl(self):
+        """A pair whose ranks ran another NCCL than the one LD_PRELOAD named fails the case, whatever it observed."""
+        inner = self.recreate_fake({"plugin": plans.NET_PLUGIN_FAIL, "plugin-refcount": "ok", "nccl-socket": "ok",
+                                    "plugin-nccl-lib": "ok"})
+
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            rec = inner(work, run, config, worker, task, timeout, params, extra_env, **kw)
+            if kw.get("nccl_lib"):
+                rec["failures"].append(f"{run} rank 0: NCCL 2.28.9 ran, not 2.30.7 from LD_PRELOAD={kw['nccl_lib']}")
+            return rec
+        with tempfile.NamedTemporaryFile(suffix="libnccl.so.2") as lib:
+            d = self.run_step("recreate", fake, {"ROCE_GATHER_GPU_NCCL_LIB": lib.name})
+        self.assertEqual(d["status"], "fail")
+        self.assertFalse(d["numbers"]["plugin-nccl-lib"]["ok"])
+        self.assertIn("ran, not 2.30.7", d["numbers"]["plugin-nccl-lib"]["verdict"])
+        self.assertTrue(d["numbers"]["plugin"]["ok"])
 
     def test_recreate_unexpected(self):
         fake = self.recreate_fake({"plugin": "ok", "plugin-refcount": "some other error", "nccl-socket": "ok",
