@@ -54,8 +54,8 @@ type Config struct {
 	// size tuner v6 returns for it, 0 leaving NCCL's choice. Both are agreed at connect.
 	OneShotChannels int
 	OneShotChunk    uint64
-	// PlaceByCopy is ROCE_GATHER_PLACEMENT=copy: eager gathers on CUDA memory are placed
-	// with cuMemcpyAsync instead of the gather kernel.
+	// PlaceByCopy: eager gathers on CUDA memory are placed with cuMemcpyAsync (the default,
+	// ROCE_GATHER_PLACEMENT=copy), not the gather kernel (=kernel): docs/benchmarks.md.
 	PlaceByCopy bool
 	// TracePath is ROCE_GATHER_TRACE, the timeline's file ("" for none; %p and %h as in
 	// StatsPath); TraceEvery samples one call in that many (ROCE_GATHER_TRACE_EVERY), and
@@ -146,6 +146,8 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		GIDIndex: -1,
 		Timeout:  DefaultTimeoutMS * time.Millisecond,
 		Mode:     ModeAuto,
+		// The gather kernel was never faster end to end than the two copies (docs/benchmarks.md).
+		PlaceByCopy: true,
 
 		OneShotChannels: DefaultOneShotChannels,
 		TraceEvery:      DefaultTraceEvery,

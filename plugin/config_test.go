@@ -24,7 +24,7 @@ func TestConfigDefaultsMatchTheDesignTable(t *testing.T) {
 	require.False(t, c.DirectWithoutNVSwitch)
 	require.Equal(t, 1, c.OneShotChannels)
 	require.Zero(t, c.OneShotChunk, "NCCL's choice")
-	require.False(t, c.PlaceByCopy, "the gather kernel places eager calls on CUDA memory")
+	require.True(t, c.PlaceByCopy, "two cuMemcpyAsync place eager calls on CUDA memory")
 	require.Equal(t, "", c.TracePath)
 	require.Equal(t, uint64(1), c.TraceEvery)
 	require.Equal(t, uint64(16384), c.TraceRecords)
@@ -41,7 +41,7 @@ func TestConfigReadsEveryVariable(t *testing.T) {
 		"ROCE_GATHER_TCP_IF":                  "eth0",
 		"ROCE_GATHER_TIMEOUT_MS":              "2500",
 		"ROCE_GATHER_MODE":                    "eager",
-		"ROCE_GATHER_PLACEMENT":               "copy",
+		"ROCE_GATHER_PLACEMENT":               "kernel",
 		"ROCE_GATHER_STATS":                   "/tmp/s.%p.json",
 		"ROCE_GATHER_TCP_CUDA":                "1",
 		"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": "1",
@@ -67,7 +67,7 @@ func TestConfigReadsEveryVariable(t *testing.T) {
 	require.Equal(t, "^docker", c.SocketIf)
 	require.Equal(t, 2500*time.Millisecond, c.Timeout)
 	require.Equal(t, ModeEager, c.Mode)
-	require.True(t, c.PlaceByCopy)
+	require.False(t, c.PlaceByCopy)
 	require.Equal(t, "/tmp/s.%p.json", c.StatsPath)
 	require.Equal(t, 4, c.OneShotChannels)
 	require.Equal(t, uint64(128<<10), c.OneShotChunk)
@@ -97,7 +97,7 @@ func TestConfigRefusesEveryBadValueAndKeepsTheDefault(t *testing.T) {
 		{"ROCE_GATHER_TIMEOUT_MS", "0", "30000"},
 		{"ROCE_GATHER_TIMEOUT_MS", "-5", "30000"},
 		{"ROCE_GATHER_MODE", "fast", "auto"},
-		{"ROCE_GATHER_PLACEMENT", "gpu", "kernel"},
+		{"ROCE_GATHER_PLACEMENT", "gpu", "copy"},
 		{"ROCE_GATHER_TCP_CUDA", "yes", "0"},
 		{"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH", "true", "0"},
 		{"ROCE_GATHER_ONESHOT_CHANNELS", "3", "1"},

@@ -56,6 +56,8 @@ CONFIGS = {
     # application's blocking copy queued behind a collective stalls (docs/roce-gather.md):
     # the workers wait for the device before they copy anything to the host.
     "oneshot-gdr": dict(GDR),
+    # The gather kernel in place of the default copies (ROCE_GATHER_PLACEMENT=copy), eager calls.
+    "oneshot-gdr-kernel": dict(GDR, ROCE_GATHER_PLACEMENT="kernel"),
     "oneshot-gdr-rendezvous": dict(GDR, ROCE_GATHER_MODE="rendezvous"),
     "ring-over-plugin": dict(RING),
     "nccl-socket": {"NCCL_NET_PLUGIN": "none"},
