@@ -60,9 +60,10 @@ def stats_check(stats, ledger, oneshot_on, mode=None):
     t, o, L = stats["tuner"], stats["oneshot"], ledger
     info = {}
     F = []
-    if not oneshot_on:  # ROCE_GATHER_ENABLE=0: NCCL's ring for every gather
+    if not oneshot_on:  # ROCE_GATHER_ENABLE=0, or the tcp fabric's default: NCCL's ring for every gather
         if t["oneshot_gathers"] or o["calls"]:
-            F.append(f"one-shot path used with ROCE_GATHER_ENABLE=0: tuner.oneshot_gathers={t['oneshot_gathers']} "
+            F.append(f"one-shot path used while off (ROCE_GATHER_ENABLE=0, or the tcp fabric's default): "
+                     f"tuner.oneshot_gathers={t['oneshot_gathers']} "
                      f"oneshot.calls={o['calls']}")
         total = L["small_enq"] + L["big_enq"]
         lists = L["list_small"] + L["list_big"]

@@ -42,6 +42,10 @@ PLUGIN = {"NCCL_NET_PLUGIN": LIB, "NCCL_NET": "roce_gather", "NCCL_COLLNET_ENABL
           "ROCE_GATHER_MIN_BYTES": "1"}
 GDR = dict(PLUGIN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1")
 RING = dict(PLUGIN, ROCE_GATHER_ENABLE="0")
+# The plugin as a user loads it, with no variable of its own but the fabric and interface: over
+# tcp the one-shot path is then off (the fabric's default window), and every gather is NCCL's.
+DEFAULTS = {k: PLUGIN[k] for k in ("NCCL_NET_PLUGIN", "NCCL_NET", "NCCL_COLLNET_ENABLE", "ROCE_GATHER_FABRIC",
+                                   "ROCE_GATHER_TCP_IF")}
 # The sweep and the calibration open the cap to 1 MiB, so that every size they measure (16 B
 # to 1 MiB) goes one-shot in the one-shot configs.
 OPEN_CAP = 1 << 20
@@ -60,6 +64,7 @@ CONFIGS = {
     "oneshot-gdr-kernel": dict(GDR, ROCE_GATHER_PLACEMENT="kernel"),
     "oneshot-gdr-rendezvous": dict(GDR, ROCE_GATHER_MODE="rendezvous"),
     "ring-over-plugin": dict(RING),
+    "defaults": dict(DEFAULTS),
     "nccl-socket": {"NCCL_NET_PLUGIN": "none"},
     # Step sweep (and calibrate: os-staged). One factor changed at a time from os-staged.
     "os-staged": dict(OPEN),
@@ -107,7 +112,11 @@ def uses_plugin(config):
 
 
 def oneshot_on(config):
-    return uses_plugin(config) and CONFIGS[config].get("ROCE_GATHER_ENABLE") != "0"
+    c = CONFIGS[config]
+    if not uses_plugin(config) or c.get("ROCE_GATHER_ENABLE") == "0":
+        return False
+    # Over tcp the path is off unless the cap is given (plugin/config.go, DefaultWindows).
+    return c.get("ROCE_GATHER_FABRIC") != "tcp" or "ROCE_GATHER_MAX_BYTES" in c
 
 
 def gather_mode(config):

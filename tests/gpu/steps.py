@@ -274,7 +274,8 @@ def step_gather(s):
     ref = s.pair("gather.nccl-socket", "nccl-socket", "torch_cases.py", "matrix", 90)
     ref_ok = ref and all(x and x.get("completed") for x in ref["results"])
     recs = [ref]
-    for c, params in (("oneshot-mode-eager", {}), ("oneshot-mode-rendezvous", {}), ("oneshot-gdr", {"graph": True})):
+    for c, params in (("defaults", {}), ("oneshot-mode-eager", {}), ("oneshot-mode-rendezvous", {}),
+                      ("oneshot-gdr", {"graph": True})):
         rec = s.pair(f"gather.{c}", c, "torch_cases.py", "matrix", 90, params)
         recs.append(rec)
         if rec and ref_ok and all(x and x.get("completed") for x in rec["results"]):

@@ -188,6 +188,12 @@ class SweepPlanTest(unittest.TestCase):
             if c.startswith("ring-"):
                 self.assertFalse(launch.oneshot_on(c))
         self.assertEqual(launch.cap_of("oneshot"), 524288)
+        # The plugin's own defaults: no window given, so over tcp the one-shot path is off.
+        self.assertFalse(any(k.startswith("ROCE_GATHER_") and k not in ("ROCE_GATHER_FABRIC", "ROCE_GATHER_TCP_IF")
+                             for k in launch.CONFIGS["defaults"]))
+        self.assertTrue(launch.uses_plugin("defaults"))
+        self.assertFalse(launch.oneshot_on("defaults"))
+        self.assertTrue(launch.oneshot_on("oneshot"))
 
     def test_plan(self):
         all_, unknown = plans.sweep_plan("", launch.CONFIGS)
