@@ -24,7 +24,8 @@ def load_step(work, name):
     meta = os.path.join(work, "steps", name + ".meta")
     rc, secs = None, None
     if os.path.exists(meta):
-        parts = open(meta).read().split()
+        with open(meta) as f:
+            parts = f.read().split()
         rc, secs = int(parts[0]), int(parts[1])
     path = os.path.join(work, "steps", name + ".json")
     try:
