@@ -74,7 +74,7 @@ func rgGoCollListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listen
 	floor, capBytes, offByDefault := cfg.Window(tr.Kind())
 	gl, err := gather.Listen(tr, gather.Config{Enable: cfg.Enable, MinBytes: floor, MaxBytes: capBytes, OffByDefault: offByDefault,
 		Mode: gatherMode(cfg.Mode), DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch,
-		Channels: cfg.OneShotChannels, Chunk: cfg.OneShotChunk, PlaceByCopy: cfg.PlaceByCopy, CommID: commID},
+		Channels: cfg.OneShotChannels, Chunk: cfg.OneShotChunk, PlaceByKernel: !cfg.PlaceByCopy, CommID: commID},
 		unsafe.Slice((*byte)(handle), roce.HandleSize))
 	if err != nil {
 		nlog.Warnf("collNet listen: %v", err)

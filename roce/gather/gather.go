@@ -71,16 +71,15 @@ const EagerMaxAuto = 1 << 20
 
 // Listener is one rank's side of a collNet group between listen and connect.
 type Listener struct {
-	t      *roce.Transport
-	l      *roce.Listener
-	offer  Offer
-	agreed chan struct{} // closed once connect has computed the outcome
-	mu     sync.Mutex
-	out    Outcome
-	side   *side
-	commID uint64
-	// useKernel: eager calls on CUDA memory are placed by the gather kernel (Config.PlaceByCopy unset).
-	useKernel bool
+	t         *roce.Transport
+	l         *roce.Listener
+	offer     Offer
+	agreed    chan struct{} // closed once connect has computed the outcome
+	mu        sync.Mutex
+	out       Outcome
+	side      *side
+	commID    uint64
+	useKernel bool // Config.PlaceByKernel
 }
 
 // Config is this rank's configuration of the one-shot path.
@@ -98,9 +97,9 @@ type Config struct {
 	// ROCE_GATHER_ONESHOT_CHUNK (0: NCCL's choice).
 	Channels int
 	Chunk    uint64
-	// PlaceByCopy is ROCE_GATHER_PLACEMENT=copy: eager calls on CUDA memory are placed with
-	// cuMemcpyAsync, not the gather kernel. Local to this rank: the peer never sees it.
-	PlaceByCopy bool
+	// PlaceByKernel is ROCE_GATHER_PLACEMENT=kernel: the gather kernel places eager calls on
+	// CUDA memory; otherwise cuMemcpyAsync does. Local to this rank: the peer never sees it.
+	PlaceByKernel bool
 	// CommID is NCCL's id of the communicator, which the timeline's records carry.
 	CommID uint64
 }
@@ -113,7 +112,7 @@ func Listen(t *roce.Transport, cfg Config, handle []byte) (*Listener, error) {
 	if !ValidChannels(cfg.Channels) || !ValidChunk(cfg.Chunk) {
 		return nil, fmt.Errorf("one-shot channels %d or chunk %d out of range", cfg.Channels, cfg.Chunk)
 	}
-	gl := &Listener{t: t, agreed: make(chan struct{}), commID: cfg.CommID, useKernel: !cfg.PlaceByCopy}
+	gl := &Listener{t: t, agreed: make(chan struct{}), commID: cfg.CommID, useKernel: cfg.PlaceByKernel}
 	gl.offer = Offer{Version: roce.ProtocolVersion, On: cfg.Enable, Fabric: fabricCode(t.Kind()), Mode: cfg.Mode,
 		Lanes: uint8(t.Device().Info().Lanes), MinBytes: cfg.MinBytes, MaxBytes: cfg.MaxBytes, SlotBytes: SlotBytesFor(cfg.MaxBytes),
 		DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch, Channels: uint8(cfg.Channels), Chunk: cfg.Chunk}

@@ -551,7 +551,7 @@ def step_topology(s):
         nvlink_free = [{"NCCL_TOPO_FILE": f} for f in files["nvlink-free"]]
         recs["nvlink-free"] = run("nvlink-free", rank_extra=nvlink_free)
         # The same topology with both ranks asking for the Direct entry NCCL dropped: the
-        # small cases, then the full matrix staged and GPUDirect (kernel, registered buffers),
+        # small cases, then the full matrix staged and GPUDirect (copies, registered buffers),
         # each judged by its ledger against ROCE_GATHER_STATS as well as by its values.
         recs["nvlink-free-direct"] = run("nvlink-free-direct", extra=DIRECT_ENV, rank_extra=nvlink_free)
     else:
@@ -770,8 +770,10 @@ def step_sweep(s):
         if left < plans.SWEEP_MIN_START_S:
             results[c] = {"status": "not run", "note": f"the step's time ran out ({left:.0f}s left)"}
             continue
-        limit = plans.SWEEP_GDR_LIMIT_S if "gdr" in c else plans.SWEEP_LIMIT_S
         mode = plans.sweep_mode(c)
+        # GPUDirect over tcp hangs under back-to-back graph replays: those pairs get the short limit.
+        gdr_graph = launch.CONFIGS[c].get("ROCE_GATHER_TCP_CUDA") == "1" and mode == "graph"
+        limit = plans.SWEEP_GDR_LIMIT_S if gdr_graph else plans.SWEEP_LIMIT_S
         rec = s.pair(f"sweep.{c}", c, "bench.py", "latency", limit,
                      dict(plans.SWEEP_PARAMS, cap=launch.cap_of(c), modes=[mode]),
                      SWEEP_ENV, judge=False, min_left=plans.SWEEP_MIN_START_S)
@@ -787,9 +789,10 @@ def step_sweep(s):
              "stats": common.stats_brief(rec["stats"][0]), "agreed": n.get("agreed", False),
              "note": why + (f"; last progress: {n.get('progress')}" if status == "killed" else "")}
         r.update(sweep_evidence(rec))
-        bad = plans.placement_mismatch(c, r["stats"])
+        bad = next((f"rank {i}: {b}" for i, st in enumerate(rec["stats"])
+                    for b in [plans.placement_mismatch(c, common.stats_brief(st))] if b), "")
         if status == "ok" and bad:
-            status, why = "path differs", f"sweep.{c}: {bad}"
+            status, why = "path differs", bad
             r.update(status=status, note=why)
         if rec["limit"] < limit:
             r["note"] += f"; its limit was cut from {limit}s to the {rec['limit']}s the step had left"

@@ -772,6 +772,58 @@ class StepsTest(unittest.TestCase):
         self.assertIn("| os-gdr | killed |", md)
         self.assertIn("| 4 KiB | 6.0 (5.9-6.1) | 4.5 (4.4-4.6) | 1.33 (1.28-1.39) | slower |", md)
 
+    def test_sweep_placement_is_checked_on_both_ranks(self):
+        sizes = plans.SWEEP_SIZES
+        seen = {}
+
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            seen[config] = timeout
+            mode = params["modes"][0]
+            rec = record(run, config, {"samples": {mode: samples_for({b: 30 + b / 2048 for b in sizes})},
+                                       "agreed": True}, work, sizes=sizes)
+            if config.startswith("os-place"):
+                good = {"eager": 100, "eager_by_kernel": 100 if config == "os-place-kernel" else 0}
+                rec["stats"] = [json.loads(json.dumps(st)) for st in rec["stats"]]
+                for st in rec["stats"]:
+                    st["oneshot"].update(good)
+                if config == "os-place-copy":  # rank 1's eager calls went to the kernel
+                    rec["stats"][1]["oneshot"]["eager_by_kernel"] = 100
+            return rec
+        d = self.run_step("sweep", fake, {"ROCE_GATHER_GPU_SWEEP": "placement"})
+        res = d["numbers"]["results"]
+        self.assertEqual(res["os-place-kernel"]["status"], "ok")
+        self.assertEqual(res["os-place-copy"]["status"], "path differs")
+        self.assertIn("rank 1: 100 of 100 eager calls placed by the gather kernel; expected none",
+                      res["os-place-copy"]["note"])
+        self.assertIn("sweep.os-place-copy: rank 1: 100 of 100", d["notes"][0])  # the run's name once
+        self.assertNotIn("Placement of eager gathers", read(os.path.join(self.work, "sweep.md")))  # one pair wrong: no table
+        # Timed with eager calls, they do not hang: the normal limit, not the short GPUDirect one.
+        self.assertEqual(seen["os-place-copy"], plans.SWEEP_LIMIT_S)
+
+    def test_capi_checks_the_placement_asked_for(self):
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            rec = record(run, config, {}, work, sizes=[4096])
+            if launch.CONFIGS[config].get("ROCE_GATHER_TCP_CUDA") and not launch.gather_mode(config):
+                kernel = 318 if config == "oneshot-gdr-kernel" else 0
+                if config == "oneshot-gdr" and params.get("registered"):
+                    kernel = 0
+                rec["stats"] = [{"tuner": st["tuner"], "oneshot": dict(st["oneshot"], eager=318, eager_by_kernel=kernel)}
+                                for st in rec["stats"]]
+            return rec
+        d = self.run_step("capi", fake)
+        self.assertEqual(d["failures"], [])
+        placed = {"oneshot-gdr": 318}  # copies asked for, yet every call by the kernel: caught
+
+        def wrong(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            rec = fake(work, run, config, worker, task, timeout, params, extra_env, **kw)
+            if config in placed and not params.get("registered"):
+                for st in rec["stats"]:
+                    st["oneshot"]["eager_by_kernel"] = placed[config]
+            return rec
+        d = self.run_step("capi", wrong)
+        self.assertTrue(any("capi.oneshot-gdr rank 0: 318 of 318 eager calls placed by the gather kernel; expected none"
+                            in f for f in d["failures"]), d["failures"])
+
     def test_calibrate(self):
         sizes = calibrate.SIZES
 
