@@ -1,6 +1,7 @@
 /* The p2p message protocol (see p2p.h). Runs on NCCL's proxy progress thread. */
 #include <string.h>
 #include "../internal/nlog/nlog.h"
+#include "flush.h"
 #include "p2p.h"
 
 #define POLL_BATCH 16
@@ -280,19 +281,9 @@ int rg_p2p_iflush(rg_p2p_recv* r, int n, void** data, const int* sizes, const rg
     RG_WARN("flush of a buffer from %s that has no registration", link->peer);
     return ncclInvalidArgument;
   }
-  int fi = 0;
-  while (fi < RG_P2P_FLUSH_REQS && r->flush_reqs[fi].kind != RG_REQ_FREE) fi++;
+  int fi = rg_flush_free_slot(r->flush_reqs, RG_P2P_FLUSH_REQS);
   if (fi == RG_P2P_FLUSH_REQS) return ncclSuccess; /* all flush requests in flight: retry */
-  /* Reading the buffer back through the NIC orders the GPU's view after the NIC's writes. */
-  rg_wr wr = {.wr_id = (uint64_t)fi + 1,
-              .local = link->flush_dst,
-              .mr = link->flush_dst_mr,
-              .len = 1,
-              .remote = (uint64_t)(uintptr_t)data[last],
-              .rkey = mrs[last]->rkey[link->flush.hca],
-              .op = RG_OP_READ,
-              .flags = RG_WR_SIGNALED};
-  int rc = rg_post(&link->flush, &wr, 1);
+  int rc = rg_flush_post(link, fi, data[last], mrs[last]);
   if (rc == RG_ERR_FULL) return ncclSuccess;
   if (rc != RG_OK) return recv_failed(r, "posting the flush", r->flushes);
   rg_request* req = &r->flush_reqs[fi];
@@ -305,16 +296,8 @@ int rg_p2p_iflush(rg_p2p_recv* r, int n, void** data, const int* sizes, const rg
 
 static ncclResult_t test_flush(rg_request* req, int* done) {
   rg_p2p_recv* r = req->comm;
-  if (!req->done) {
-    rg_cqe c[POLL_BATCH];
-    int n = rg_poll_send(&r->link->flush, c, POLL_BATCH);
-    if (n < 0) return recv_failed(r, "flushing", req->id);
-    for (int i = 0; i < n; i++) {
-      if (c[i].status != 0 || c[i].wr_id == 0 || c[i].wr_id > RG_P2P_FLUSH_REQS)
-        return recv_failed(r, "flushing", req->id);
-      r->flush_reqs[c[i].wr_id - 1].done = 1;
-    }
-  }
+  if (!req->done && rg_flush_reap(r->link, r->flush_reqs, RG_P2P_FLUSH_REQS) != 0)
+    return recv_failed(r, "flushing", req->id);
   if (!req->done) return ncclSuccess;
   *done = 1;
   req->kind = RG_REQ_FREE;

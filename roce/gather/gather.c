@@ -4,6 +4,7 @@
 #include <time.h>
 #include "../../internal/cudadrv/cudadrv.h"
 #include "../../internal/nlog/nlog.h"
+#include "../flush.h"
 #include "../p2p.h" /* the immediate classes every link shares */
 #include "gather.h"
 #include "stats.h"
@@ -590,15 +591,7 @@ int rg_gather_iallgather(void* collComm, void* sendData, int nRecvParts, const r
 
 static ncclResult_t test_flush(rg_request* req, int* done) {
   rg_gather_comm* g = req->comm;
-  if (!req->done) {
-    rg_cqe c[POLL_BATCH];
-    int n = rg_poll_send(&g->link->flush, c, POLL_BATCH);
-    if (n < 0) return fail(g, NULL, "flushing");
-    for (int i = 0; i < n; i++) {
-      if (c[i].status != 0 || c[i].wr_id == 0 || c[i].wr_id > RG_GATHER_FLUSH_REQS) return fail(g, NULL, "flushing");
-      g->flush_reqs[c[i].wr_id - 1].done = 1;
-    }
-  }
+  if (!req->done && rg_flush_reap(g->link, g->flush_reqs, RG_GATHER_FLUSH_REQS) != 0) return fail(g, NULL, "flushing");
   if (!req->done) return ncclSuccess;
   *done = 1;
   req->kind = RG_REQ_FREE;
@@ -663,13 +656,9 @@ int rg_gather_iflush(void* collComm, void* data, int size, void* mhandle, void**
     RG_WARN("collNet flush of a buffer that has no registration");
     return ncclInvalidArgument;
   }
-  int fi = 0;
-  while (fi < RG_GATHER_FLUSH_REQS && g->flush_reqs[fi].kind != RG_REQ_FREE) fi++;
+  int fi = rg_flush_free_slot(g->flush_reqs, RG_GATHER_FLUSH_REQS);
   if (fi == RG_GATHER_FLUSH_REQS) return ncclSuccess;
-  rg_wr wr = {.wr_id = (uint64_t)fi + 1, .local = link->flush_dst, .mr = link->flush_dst_mr, .len = 1,
-              .remote = (uint64_t)(uintptr_t)data, .rkey = mr->rkey[link->flush.hca], .op = RG_OP_READ,
-              .flags = RG_WR_SIGNALED};
-  int rc = rg_post(&link->flush, &wr, 1);
+  int rc = rg_flush_post(link, fi, data, mr);
   if (rc == RG_ERR_FULL) return ncclSuccess;
   if (rc != RG_OK) return fail(g, NULL, "posting the flush");
   rg_request* req = &g->flush_reqs[fi];
