@@ -172,6 +172,13 @@ static void wake_fd(int fd) {
   (void)r; /* a full counter already wakes its reader */
 }
 
+/* Clears a wake-up the thread that polls fd has seen. */
+static void clear_wake(int fd) {
+  uint64_t v;
+  ssize_t r = read(fd, &v, sizeof(v));
+  (void)r; /* poll saw it readable, and no other thread reads it */
+}
+
 static void wake_helper(rg_tcp_conn* c) { wake_fd(c->wfd); }
 
 static void conn_fail(rg_tcp_conn* c, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -987,11 +994,7 @@ static void* helper_main(void* arg) {
         if (p[1].events) np = 2;
       }
     }
-    if (poll(p, (nfds_t)np, timeout_ms) > 0 && (p[0].revents & POLLIN)) {
-      uint64_t v;
-      ssize_t r = read(c->wfd, &v, sizeof(v));
-      (void)r;
-    }
+    if (poll(p, (nfds_t)np, timeout_ms) > 0 && (p[0].revents & POLLIN)) clear_wake(c->wfd);
   }
   free_staging(c->rx_bounce, c->rx_ctx, c->rx_stream);
   c->rx_bounce = NULL;
@@ -1005,11 +1008,7 @@ static void* cuda_tx_main(void* arg) {
   while (!atomic_load(&c->stopping)) {
     if (!atomic_load(&c->dead) && head_is_cuda(c)) send_cuda_writes(c);
     struct pollfd p = {.fd = c->cwfd, .events = POLLIN};
-    if (poll(&p, 1, HELPER_SLICE_MS) > 0) {
-      uint64_t v;
-      ssize_t r = read(c->cwfd, &v, sizeof(v));
-      (void)r;
-    }
+    if (poll(&p, 1, HELPER_SLICE_MS) > 0) clear_wake(c->cwfd);
   }
   free_staging(c->tx_bounce, c->tx_ctx, c->tx_stream);
   c->tx_bounce = NULL;
