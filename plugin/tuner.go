@@ -96,17 +96,26 @@ func (g TunerGroup) c(nRanks int) C.rg_tuner {
 	return t
 }
 
-// TunePolicy runs the C policy on a cost table of numAlgo x numProto entries and returns
-// its decision and the nChannels it set.
-func TunePolicy(nRanks int, g TunerGroup, collType int, nBytes uint64, table []float32, numAlgo, numProto int) (TunerDecision, int) {
-	t := g.c(nRanks)
+// withCostTable hands f a C copy of table, as NCCL's cost table, and copies back what f
+// left in it.
+func withCostTable(table []float32, f func(ct **C.float)) {
 	ct := (*C.float)(C.malloc(C.size_t(len(table) * 4)))
 	defer C.free(unsafe.Pointer(ct))
 	cs := unsafe.Slice((*float32)(unsafe.Pointer(ct)), len(table))
 	copy(cs, table)
-	var nch C.int
-	d := C.rg_tuner_policy(&t, C.int(collType), C.size_t(nBytes), (**C.float)(unsafe.Pointer(ct)), C.int(numAlgo), C.int(numProto), &nch)
+	f((**C.float)(unsafe.Pointer(ct)))
 	copy(table, cs)
+}
+
+// TunePolicy runs the C policy on a cost table of numAlgo x numProto entries and returns
+// its decision and the nChannels it set.
+func TunePolicy(nRanks int, g TunerGroup, collType int, nBytes uint64, table []float32, numAlgo, numProto int) (TunerDecision, int) {
+	t := g.c(nRanks)
+	var nch C.int
+	var d C.int
+	withCostTable(table, func(ct **C.float) {
+		d = C.rg_tuner_policy(&t, C.int(collType), C.size_t(nBytes), ct, C.int(numAlgo), C.int(numProto), &nch)
+	})
 	return TunerDecision(d), int(nch)
 }
 
@@ -123,13 +132,10 @@ func ChunkPolicy(nRanks int, g TunerGroup, collType int, nBytes uint64, algo, pr
 // the decision in the stats, and returns the nChannels it set.
 func GetCollInfo(nRanks int, g TunerGroup, collType int, nBytes uint64, table []float32, numAlgo, numProto int) int {
 	t := g.c(nRanks)
-	ct := (*C.float)(C.malloc(C.size_t(len(table) * 4)))
-	defer C.free(unsafe.Pointer(ct))
-	cs := unsafe.Slice((*float32)(unsafe.Pointer(ct)), len(table))
-	copy(cs, table)
 	var nch C.int
-	C.rg_tuner_get_coll_info(unsafe.Pointer(&t), C.ncclFunc_t(collType), C.size_t(nBytes), 1, (**C.float)(unsafe.Pointer(ct)),
-		C.int(numAlgo), C.int(numProto), 0, &nch)
-	copy(table, cs)
+	withCostTable(table, func(ct **C.float) {
+		C.rg_tuner_get_coll_info(unsafe.Pointer(&t), C.ncclFunc_t(collType), C.size_t(nBytes), 1, ct,
+			C.int(numAlgo), C.int(numProto), 0, &nch)
+	})
 	return int(nch)
 }
