@@ -32,16 +32,6 @@ func (c *collComm) close() {
 	c.g.Close()
 }
 
-func gatherMode(m Mode) gather.Mode {
-	switch m {
-	case ModeRendezvous:
-		return gather.ModeRendezvous
-	case ModeEager:
-		return gather.ModeEager
-	}
-	return gather.ModeAuto
-}
-
 //export rgGoCollInit
 func rgGoCollInit(ctx *unsafe.Pointer, commID C.uint64_t, abi C.int, logger unsafe.Pointer) C.int {
 	rc := initContext(ctx, uint64(commID), int(abi), true, logger)
@@ -73,7 +63,7 @@ func rgGoCollListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listen
 	state.mu.Unlock()
 	floor, capBytes, offByDefault := cfg.Window(tr.Kind())
 	gl, err := gather.Listen(tr, gather.Config{Enable: cfg.Enable, MinBytes: floor, MaxBytes: capBytes, OffByDefault: offByDefault,
-		Mode: gatherMode(cfg.Mode), DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch,
+		Mode: cfg.Mode, DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch,
 		Channels: cfg.OneShotChannels, Chunk: cfg.OneShotChunk, PlaceByKernel: !cfg.PlaceByCopy, CommID: commID},
 		unsafe.Slice((*byte)(handle), roce.HandleSize))
 	if err != nil {

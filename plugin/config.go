@@ -9,24 +9,14 @@ import (
 	"github.com/roce-gather/roce_gather/roce/gather"
 )
 
-// Mode is how a one-shot gather moves a shard (docs/roce-gather.md, "Modes").
-type Mode int
+// Mode is ROCE_GATHER_MODE, as the gather's handle carries it.
+type Mode = gather.Mode
 
 const (
-	ModeAuto       Mode = iota // chosen by size from measurement
-	ModeRendezvous             // the receiver's ready token first, then a zero-copy write
-	ModeEager                  // a write into plugin-owned landing slots, no wait
+	ModeAuto       = gather.ModeAuto
+	ModeRendezvous = gather.ModeRendezvous
+	ModeEager      = gather.ModeEager
 )
-
-func (m Mode) String() string {
-	switch m {
-	case ModeRendezvous:
-		return "rendezvous"
-	case ModeEager:
-		return "eager"
-	}
-	return "auto"
-}
 
 // Config is the plugin's configuration, read from the environment once per init from
 // idle. Each invalid value is refused with a WARN and replaced by the default.

@@ -45,13 +45,14 @@ import (
 	"github.com/roce-gather/roce_gather/roce/fabric"
 )
 
-// Mode is a rank's ROCE_GATHER_MODE as it travels in the handle.
+// Mode is how a one-shot gather moves a shard (docs/roce-gather.md, "Modes"): a rank's
+// ROCE_GATHER_MODE as it travels in the handle.
 type Mode uint8
 
 const (
-	ModeAuto       Mode = 0
-	ModeRendezvous Mode = C.RG_MODE_RENDEZVOUS
-	ModeEager      Mode = C.RG_MODE_EAGER
+	ModeAuto       Mode = 0                    // chosen by size from measurement
+	ModeRendezvous Mode = C.RG_MODE_RENDEZVOUS // the receiver's ready token first, then a zero-copy write
+	ModeEager      Mode = C.RG_MODE_EAGER      // a write into plugin-owned landing slots, no wait
 )
 
 func (m Mode) String() string {
