@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import common
 import measure
-from torch_cases import worker_main
+from torch_cases import elapsed_ms, worker_main
 
 GRAPH_GATHERS = 4
 WARMUP = 5
@@ -52,17 +52,6 @@ def agree_max(ctx, values):
 def equal_when_idle(a, b):
     torch.cuda.synchronize()
     return torch.equal(a, b)
-
-
-def elapsed_ms(fn, n):
-    """Milliseconds for n back-to-back fn() calls, CUDA events around them."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 class Case:

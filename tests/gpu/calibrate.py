@@ -112,17 +112,9 @@ def load_dir(d):
     for path in sorted(glob.glob(os.path.join(d, "cal.*.json"))):
         _, i, role, _ = os.path.basename(path).split(".")
         stats = os.path.join(d, f"stats.{i}.{role}.json")
-        runs.append({"name": f"run {i} ({role})", "role": role, "result": _load(path),
-                     "stats": _load(stats) if os.path.exists(stats) else None})
+        runs.append({"name": f"run {i} ({role})", "role": role, "result": common.load_json(path),
+                     "stats": common.load_json(stats) if os.path.exists(stats) else None})
     return runs
-
-
-def _load(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def write_answer(d, a):

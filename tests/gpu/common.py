@@ -188,6 +188,16 @@ def symbol_file(fn):
     return info.fname.decode(errors="replace")
 
 
+def load_json(path):
+    """The JSON document in path, or None when it is missing or not whole (a rank that died
+    mid-write)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def md_table(headers, rows):
     out = ["| " + " | ".join(str(h) for h in headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join("" if c is None else str(c) for c in row) + " |" for row in rows]

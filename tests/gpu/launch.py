@@ -231,14 +231,6 @@ def tail(path, n=25):
         return f"(no log: {e})"
 
 
-def _load(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=None, rank_env_extra=None,
              expect_rcs=(0, 0), check_stats=True, nccl_lib=None):
     """Runs `worker --task task` as ranks 0 and 1 under config; returns a record (dict).
@@ -308,7 +300,7 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
 
     rec = {"run": run, "config": config, "seconds": seconds, "rcs": rcs, "limit": round(timeout),
            "exit_times": exit_times, "timed_out": timed_out, "cut_short": cut_short,
-           "results": [_load(f) for f in results], "stats": [_load(f) for f in stats], "logs": logs,
+           "results": [common.load_json(f) for f in results], "stats": [common.load_json(f) for f in stats], "logs": logs,
            "failures": [], "notes": [], "tails": [], "nccl_lib": nccl_lib or None, "mps_restart": None}
     rec["nccl"] = [(res or {}).get("numbers", {}).get("nccl") for res in rec["results"]]
     fail = rec["failures"].append

@@ -81,13 +81,18 @@ class Ctx:
         for _ in range(warmup):
             fn()
         self.sync_peers()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1000.0 / iters
+        return elapsed_ms(fn, iters) * 1000.0 / iters
+
+
+def elapsed_ms(fn, n):
+    """Milliseconds for n back-to-back fn() calls, CUDA events around them."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def host(t):
