@@ -128,7 +128,6 @@ func (t tcpPeer) recv() (string, bool) {
 
 // result collects what one rank reported.
 type result struct {
-	mu      sync.Mutex
 	passed  int
 	failed  int
 	cases   []caseLine
