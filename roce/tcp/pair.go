@@ -429,7 +429,8 @@ func (e *endpoint) joinAsDialer(conn *net.TCPConn) (*fabric.Link, error) {
 	var link *fabric.Link
 	if cr != nil {
 		defer C.rg_tcp_conn_release(cr.conn)
-		link, err = d.openLane(cr.conn, 1, conn.RemoteAddr().String(), nil, false)
+		// A carrier that cannot open the lane leaves the link to go alone, below.
+		link, _ = d.openLane(cr.conn, 1, conn.RemoteAddr().String(), nil, false)
 	}
 	if link == nil {
 		if cr != nil {
