@@ -113,6 +113,18 @@ def stats_brief(stats):
             "p99_us": o["p99_us"], "max_us": o["max_us"]}
 
 
+def placement_failure(brief, kernel):
+    """Why one rank's stats (stats_brief) show its eager calls placed otherwise than asked,
+    by the gather kernel (kernel) or by copies, or "" when they are as asked."""
+    st = brief or {}
+    eager, by_kernel = st.get("eager") or 0, st.get("by_kernel") or 0
+    if not eager:
+        return "no eager one-shot call was made"
+    if by_kernel != (eager if kernel else 0):
+        return f"{by_kernel} of {eager} eager calls placed by the gather kernel; expected {'all' if kernel else 'none'}"
+    return ""
+
+
 def compare_digests(ref_name, ref, name, other):
     """ref, other: [rank0 digests, rank1 digests]. Every case ref ran must match in other."""
     F, n = [], 0

@@ -185,18 +185,10 @@ def sweep_markdown(nccl, results, sizes, summ):
 
 
 def placement_mismatch(config, stats):
-    """Why a placement config's rank-0 stats show another placement than the one asked for, or ""."""
+    """Why a placement config's stats (one rank's stats_brief) show another placement than the one asked for, or ""."""
     if family_of(config) != "placement":
         return ""
-    st = stats or {}
-    eager, by_kernel = st.get("eager") or 0, st.get("by_kernel") or 0
-    if not eager:
-        return "no eager one-shot call was made"
-    if config == "os-place-kernel" and by_kernel != eager:
-        return f"{by_kernel} of {eager} eager calls placed by the gather kernel; expected all"
-    if config == "os-place-copy" and by_kernel:
-        return f"{by_kernel} of {eager} eager calls placed by the gather kernel; expected none"
-    return ""
+    return common.placement_failure(stats, config == "os-place-kernel")
 
 
 def placement_rows(results, sizes, summ):

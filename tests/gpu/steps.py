@@ -426,10 +426,9 @@ def step_capi(s):
             # GPUDirect in auto mode: every eager call placed the way the config asks, by the kernel or by copies.
             kernel = launch.CONFIGS[c].get("ROCE_GATHER_PLACEMENT") == "kernel"
             for r, st in enumerate(rec["stats"]):
-                o = (st or {}).get("oneshot", {})
-                if not o.get("eager") or o.get("eager_by_kernel") != (o.get("eager") if kernel else 0):
-                    s.fail(f"{run} rank {r}: {o.get('eager_by_kernel')} of {o.get('eager')} eager calls placed by "
-                           f"the gather kernel; expected {'all' if kernel else 'none'}, of more than 0")
+                why = common.placement_failure(common.stats_brief(st), kernel)
+                if why:
+                    s.fail(f"{run} rank {r}: {why}")
     runs_table(s, recs)
     good = [r["run"] for r in recs if r and not r["failures"]]
     cases = next((r["results"][0]["cases"] for r in recs if r and r["results"][0]), 0)
