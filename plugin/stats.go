@@ -69,18 +69,9 @@ func ReadStats() Stats {
 	var s Stats
 	s.PID = os.Getpid()
 	s.Host, _ = os.Hostname()
-	s.Tuner.OneShot = v(C.RG_STAT_TUNER_ONESHOT)
-	s.Tuner.OneShotBytes = v(C.RG_STAT_TUNER_ONESHOT_BYTES)
-	s.Tuner.NCCL = v(C.RG_STAT_TUNER_NCCL)
-	s.Tuner.NCCLBytes = v(C.RG_STAT_TUNER_NCCL_BYTES)
-	s.Tuner.NCCLNotOffered = v(C.RG_STAT_TUNER_NCCL_IGNORED)
-	s.Tuner.OneShotUnoffered = v(C.RG_STAT_TUNER_ONESHOT_UNOFFERED)
-	s.OneShot.Calls = v(C.RG_STAT_GATHERS)
-	s.OneShot.Bytes = v(C.RG_STAT_GATHER_BYTES)
-	s.OneShot.Rendezvous = v(C.RG_STAT_GATHERS_RENDEZVOUS)
-	s.OneShot.Eager = v(C.RG_STAT_GATHERS_EAGER)
-	s.OneShot.Kernel = v(C.RG_STAT_GATHERS_KERNEL)
-	s.OneShot.Errors = v(C.RG_STAT_GATHER_ERRORS)
+	for _, c := range counterSlots {
+		*c.field(&s) = v(c.stat)
+	}
 	var hist [C.RG_LAT_BUCKETS]uint64
 	for i := range hist {
 		hist[i] = uint64(g.gather_lat[i])
@@ -133,23 +124,25 @@ func percentileMicros(hist []uint64, q float64) float64 {
 // statsRefresh is how often the percentiles are brought up to date while gathers run.
 const statsRefresh = 100 * time.Millisecond
 
-// counterSlots names each counter's slot: its section and key in the document.
+// counterSlots names each counter's slot: its section and key in the document, and the
+// field of Stats that ReadStats fills from it.
 var counterSlots = []struct {
 	section, key string
 	stat         C.enum_rg_stat
+	field        func(*Stats) *uint64
 }{
-	{"tuner", "oneshot_gathers", C.RG_STAT_TUNER_ONESHOT},
-	{"tuner", "oneshot_bytes", C.RG_STAT_TUNER_ONESHOT_BYTES},
-	{"tuner", "nccl_gathers", C.RG_STAT_TUNER_NCCL},
-	{"tuner", "nccl_bytes", C.RG_STAT_TUNER_NCCL_BYTES},
-	{"tuner", "nccl_not_offered", C.RG_STAT_TUNER_NCCL_IGNORED},
-	{"tuner", "oneshot_unoffered", C.RG_STAT_TUNER_ONESHOT_UNOFFERED},
-	{"oneshot", "calls", C.RG_STAT_GATHERS},
-	{"oneshot", "bytes", C.RG_STAT_GATHER_BYTES},
-	{"oneshot", "rendezvous", C.RG_STAT_GATHERS_RENDEZVOUS},
-	{"oneshot", "eager", C.RG_STAT_GATHERS_EAGER},
-	{"oneshot", "eager_by_kernel", C.RG_STAT_GATHERS_KERNEL},
-	{"oneshot", "errors", C.RG_STAT_GATHER_ERRORS},
+	{"tuner", "oneshot_gathers", C.RG_STAT_TUNER_ONESHOT, func(s *Stats) *uint64 { return &s.Tuner.OneShot }},
+	{"tuner", "oneshot_bytes", C.RG_STAT_TUNER_ONESHOT_BYTES, func(s *Stats) *uint64 { return &s.Tuner.OneShotBytes }},
+	{"tuner", "nccl_gathers", C.RG_STAT_TUNER_NCCL, func(s *Stats) *uint64 { return &s.Tuner.NCCL }},
+	{"tuner", "nccl_bytes", C.RG_STAT_TUNER_NCCL_BYTES, func(s *Stats) *uint64 { return &s.Tuner.NCCLBytes }},
+	{"tuner", "nccl_not_offered", C.RG_STAT_TUNER_NCCL_IGNORED, func(s *Stats) *uint64 { return &s.Tuner.NCCLNotOffered }},
+	{"tuner", "oneshot_unoffered", C.RG_STAT_TUNER_ONESHOT_UNOFFERED, func(s *Stats) *uint64 { return &s.Tuner.OneShotUnoffered }},
+	{"oneshot", "calls", C.RG_STAT_GATHERS, func(s *Stats) *uint64 { return &s.OneShot.Calls }},
+	{"oneshot", "bytes", C.RG_STAT_GATHER_BYTES, func(s *Stats) *uint64 { return &s.OneShot.Bytes }},
+	{"oneshot", "rendezvous", C.RG_STAT_GATHERS_RENDEZVOUS, func(s *Stats) *uint64 { return &s.OneShot.Rendezvous }},
+	{"oneshot", "eager", C.RG_STAT_GATHERS_EAGER, func(s *Stats) *uint64 { return &s.OneShot.Eager }},
+	{"oneshot", "eager_by_kernel", C.RG_STAT_GATHERS_KERNEL, func(s *Stats) *uint64 { return &s.OneShot.Kernel }},
+	{"oneshot", "errors", C.RG_STAT_GATHER_ERRORS, func(s *Stats) *uint64 { return &s.OneShot.Errors }},
 }
 
 // derivedSlots are the values the Go side computes, after the counters of "oneshot".
