@@ -26,6 +26,19 @@ static void bench_row(const char* name, double value, const char* unit, double f
 
 static size_t heap_in_use(void) { return mallinfo2().uordblks; }
 
+/* The process's thread count: a thread that starts mallocs its own few KiB (seen: 3,216
+ * bytes for the Go runtime's next thread), which heap_in_use counts too. */
+static int thread_count(void) {
+  int n = -1;
+  char line[128];
+  FILE* f = fopen("/proc/self/status", "r");
+  if (f == NULL) return -1;
+  while (fgets(line, sizeof(line), f))
+    if (strncmp(line, "Threads:", 8) == 0) n = atoi(line + 8);
+  fclose(f);
+  return n;
+}
+
 static int post_recv(conn_pair* cp, reg_bufs* b, int slot, size_t size, int tag, void** req) {
   void* data[1] = {b->recv + (size_t)slot * SLOT_BYTES};
   size_t sizes[1] = {size};
@@ -63,14 +76,26 @@ static void bench_idle_test(conn_pair* cp, reg_bufs* b) {
     }
     int done = 0;
     for (int i = 0; i < 10000; i++) R.net->test(req, &done, NULL); /* warm */
-    size_t heap0 = heap_in_use();
-    uint64_t t0 = now_ns();
-    for (int i = 0; i < CALLS && !done; i++) R.net->test(req, &done, NULL);
-    uint64_t t1 = now_ns();
-    size_t heap1 = heap_in_use();
-    char how[160];
-    snprintf(how, sizeof(how), "%d calls on a receive nothing was sent to; heap bytes in use before %zu, after %zu",
-             CALLS, heap0, heap1);
+    /* A window in which another thread of the process started measures that thread's heap,
+     * not test()'s: it is taken again, at most twice. */
+    size_t heap0, heap1;
+    uint64_t t0, t1;
+    int retaken = -1, threads0, threads1;
+    do {
+      retaken++;
+      threads0 = thread_count();
+      heap0 = heap_in_use();
+      t0 = now_ns();
+      for (int i = 0; i < CALLS && !done; i++) R.net->test(req, &done, NULL);
+      t1 = now_ns();
+      heap1 = heap_in_use();
+      threads1 = thread_count();
+    } while (threads1 != threads0 && retaken < 2 && !done);
+    char how[200];
+    snprintf(how, sizeof(how),
+             "%d calls on a receive nothing was sent to; heap bytes in use before %zu, after %zu; "
+             "windows taken again after a thread started: %d",
+             CALLS, heap0, heap1, retaken);
     bench_row("test-nothing-complete", (double)(t1 - t0) / CALLS, "ns/call", 0, how);
     bench_row("test-heap-growth", (double)heap1 - (double)heap0, "bytes", 0, "heap growth over those calls");
     barrier("idle-done");
