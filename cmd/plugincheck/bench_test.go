@@ -37,5 +37,5 @@ func TestBenchRowsStandBesideTheirFloor(t *testing.T) {
 	require.Equal(t, "us", rows["p2p-oneway-8B"].Unit)
 	require.Equal(t, "GB/s", rows["p2p-bandwidth-64MiB"].Unit)
 	require.Greater(t, rows["test-nothing-complete"].Value, 0.0)
-	require.Zero(t, rows["test-heap-growth"].Value, "heap bytes test() left behind")
+	require.Zero(t, rows["test-heap-growth"].Value, "heap bytes test() left behind (%s)", rows["test-nothing-complete"].How)
 }
