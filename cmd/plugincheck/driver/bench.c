@@ -64,9 +64,9 @@ static void bench_idle_test(conn_pair* cp, reg_bufs* b) {
     int done = 0;
     for (int i = 0; i < 10000; i++) R.net->test(req, &done, NULL); /* warm */
     /* heap_in_use counts every thread's malloc, and another thread of the process can
-     * allocate once during a window: the Go runtime's next thread took 3,216 bytes, 2,912
-     * of them while the thread count stayed the same. A leak in test() grows every window;
-     * a window that grew is taken again, at most twice, and its growth is told. */
+     * allocate once during a window (seen: 2,912 bytes under load, with no new thread; one
+     * more thread came with 3,216 bytes more heap). A leak in test() grows every window; a
+     * window that grew is taken again, at most twice, and its growth is told. */
     enum { WINDOWS = 3 };
     size_t heap0, heap1, retaken_growth[WINDOWS];
     uint64_t t0, t1;
