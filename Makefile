@@ -5,7 +5,7 @@ BUILD := build
 DRIVER_CFLAGS := -O2 -g -std=gnu11 -Wall -Wextra -Werror -Iinclude
 LIB := $(BUILD)/libroce_gather.so
 
-.PHONY: all check test test-rxe vet fmt lint clean kernels install
+.PHONY: all check test test-rxe vet fmt lint clean kernels kernels-oneshot install
 all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl
 
 GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/roce_gather.ptx go.mod go.sum build/exports.map
@@ -46,6 +46,17 @@ kernels:
 	$(NVCC) -ptx -arch=$(KERNEL_ARCH) -o kernels/roce_gather.ptx.tmp kernels/roce_gather.cu
 	{ echo "// source-sha256: $$(sha256sum kernels/roce_gather.cu | cut -d' ' -f1)"; cat kernels/roce_gather.ptx.tmp; } >kernels/roce_gather.ptx
 	rm -f kernels/roce_gather.ptx.tmp
+
+# Rebuilds the embedded PTX of the intercepted gather's kernel with clang's CUDA mode, which
+# needs no CUDA toolkit (Debian's clang-14). PTX ISA 6.3 for compute_75 loads on every
+# CUDA 11 and later driver; the first line records the sources it came from.
+CLANG_CUDA ?= clang-14
+ONESHOT_SRC := kernels/oneshot.h kernels/oneshot_body.h kernels/oneshot.cu
+ONESHOT_CFLAGS := --cuda-device-only -nocudainc -nocudalib --cuda-gpu-arch=sm_75 -O3 -Wall -Wextra -Werror -S
+kernels-oneshot:
+	$(CLANG_CUDA) $(ONESHOT_CFLAGS) -o kernels/oneshot.ptx.tmp kernels/oneshot.cu
+	{ echo "// source-sha256: $$(cat $(ONESHOT_SRC) | sha256sum | cut -d' ' -f1)"; cat kernels/oneshot.ptx.tmp; } >kernels/oneshot.ptx
+	rm -f kernels/oneshot.ptx.tmp
 
 # make install [PREFIX=/usr/local] [DESTDIR=]: the library under both names in lib/ (with
 # PREFIX/lib on the library path, NCCL_NET_PLUGIN=roce_gather finds it), plugincheck in

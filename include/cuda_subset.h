@@ -38,5 +38,7 @@ typedef struct CUevent_st* CUevent;
 #define CU_STREAM_NON_BLOCKING 0x1
 #define CU_EVENT_DISABLE_TIMING 0x2
 #define CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD 0x1
+/* cuStreamIsCapturing */
+#define CU_STREAM_CAPTURE_STATUS_NONE 0
 
 #endif

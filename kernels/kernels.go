@@ -6,6 +6,7 @@ package kernels
 #cgo CFLAGS: -Wall -Wextra -Werror
 #include <stdlib.h>
 #include "place.h"
+#include "oneshot_load.h"
 */
 import "C"
 
@@ -25,9 +26,19 @@ import (
 //go:embed roce_gather.ptx
 var ptx string
 
+// oneshotPTX is `make kernels`'s output for the intercepted gather: clang's CUDA mode on
+// oneshot.cu, with a first line naming the SHA-256 of its sources.
+//
+//go:embed oneshot.ptx
+var oneshotPTX string
+
 func init() {
-	C.rg_place_set_ptx(C.CString(ptx)) // kept for the life of the process
+	C.rg_place_set_ptx(C.CString(ptx))               // kept for the life of the process
+	C.rg_os_set_ptx(C.CString(oneshotPTX))
 }
+
+// OneShotPTX returns the embedded PTX of the intercepted gather's kernel.
+func OneShotPTX() string { return oneshotPTX }
 
 // PTX returns the embedded PTX text.
 func PTX() string { return ptx }

@@ -239,6 +239,10 @@ var stampMeaning = map[gather.Stamp]string{
 	gather.StampFirstTest:  "NCCL's first test",
 	gather.StampReported:   "NCCL's test reports it done",
 	gather.StampNext:       "NCCL's next iallgather on the communicator",
+	gather.StampOSDoorbell: "the proxy sees the kernel's first doorbell",
+	gather.StampOSPosted:   "the proxy has posted the last chunk and its flag",
+	gather.StampOSPeer:     "the peer's last chunk is in place (its flags)",
+	gather.StampOSRows:     "the kernel reports both rows written",
 }
 
 func printTimeline(w io.Writer, r fileRecord) {

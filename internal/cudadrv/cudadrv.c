@@ -62,6 +62,12 @@ static void load(void) {
   RESOLVE(cuModuleUnload, "cuModuleUnload");
   RESOLVE(cuModuleGetFunction, "cuModuleGetFunction");
   RESOLVE(cuLaunchKernel, "cuLaunchKernel");
+  RESOLVE(cuStreamWaitEvent, "cuStreamWaitEvent");
+  RESOLVE(cuStreamIsCapturing, "cuStreamIsCapturing");
+  RESOLVE(cuEventSynchronize, "cuEventSynchronize");
+  RESOLVE(cuCtxPushCurrent, "cuCtxPushCurrent_v2");
+  RESOLVE(cuCtxPopCurrent, "cuCtxPopCurrent_v2");
+  RESOLVE(cuMemsetD8Async, "cuMemsetD8Async");
   /* Present from CUDA 11.7; dma-buf export is skipped where it is missing. */
   *(void**)&api.cuMemGetHandleForAddressRange = dlsym(lib, "cuMemGetHandleForAddressRange");
   CUresult r = api.cuInit(0);

@@ -45,6 +45,12 @@ typedef struct rg_cuda_api {
   CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
   CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
                              unsigned int, unsigned int, CUstream, void**, void**);
+  CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
+  CUresult (*cuStreamIsCapturing)(CUstream, int*);
+  CUresult (*cuEventSynchronize)(CUevent);
+  CUresult (*cuCtxPushCurrent)(CUcontext);
+  CUresult (*cuCtxPopCurrent)(CUcontext*);
+  CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
 } rg_cuda_api;
 
 /* Returns the driver API, or NULL when libcuda cannot be loaded or initialised;

@@ -11,23 +11,12 @@ package gather
 #include "gather.h"
 #include "../../internal/cudadrv/cudadrv.h"
 
+#include "pinned.h"
+
 // Landing memory is pinned through CUDA where a driver exists, so copies out of it
 // run asynchronously and the gather kernel can read it; plain pages otherwise.
-static void* rg_landing_alloc(size_t n, int* pinned) {
-  const rg_cuda_api* cu = rg_cuda();
-  void* p = NULL;
-  *pinned = 0;
-  if (cu != NULL && cu->cuMemHostAlloc(&p, n, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP) == CUDA_SUCCESS) {
-    *pinned = 1;
-    return p;
-  }
-  if (posix_memalign(&p, 4096, n) != 0) return NULL;
-  return p;
-}
-static void rg_landing_free(void* p, int pinned) {
-  if (pinned) rg_cuda()->cuMemFreeHost(p);
-  else free(p);
-}
+static void* rg_landing_alloc(size_t n, int* pinned) { return rg_pinned_alloc(n, pinned); }
+static void rg_landing_free(void* p, int pinned) { rg_pinned_free(p, 0, pinned); }
 */
 import "C"
 

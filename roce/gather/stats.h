@@ -36,17 +36,28 @@ enum rg_stat {
   RG_STAT_GATHERS_EAGER,
   RG_STAT_GATHER_ERRORS,
   RG_STAT_GATHERS_KERNEL, /* eager calls the gather kernel placed */
+  /* The intercepted gather (plugin/oneshot.c, oneshot.c). */
+  RG_STAT_OS_LAUNCHES,       /* ncclAllGather calls the one-shot path took (a captured call counts once) */
+  RG_STAT_OS_LAUNCH_BYTES,
+  RG_STAT_OS_FORWARDED,      /* ncclAllGather calls of communicators the interceptor knows, handed to NCCL */
+  RG_STAT_OS_FORWARDED_BYTES,
+  RG_STAT_OS_GATHERS,        /* one-shot gathers the kernel finished, graph replays included */
+  RG_STAT_OS_BYTES,
+  RG_STAT_OS_ERRORS,
   RG_STATS_N
 };
 
 /* Adds d to counter s and shows its new value in the stats file, if one is attached. */
 void rg_stats_add(enum rg_stat s, uint64_t d);
 void rg_stats_latency(uint64_t ns);
+/* The intercepted gather's kernel time, start to rows written. */
+void rg_stats_os_latency(uint64_t ns);
 
 /* The counters as plain numbers, for readers that cannot see atomics (cgo). */
 typedef struct rg_stats_snapshot {
   uint64_t v[RG_STATS_N];
   uint64_t gather_lat[RG_LAT_BUCKETS];
+  uint64_t os_lat[RG_LAT_BUCKETS];
 } rg_stats_snapshot;
 
 void rg_stats_read(rg_stats_snapshot* out);

@@ -38,6 +38,11 @@ const (
 	StampFirstTest  Stamp = C.RG_T_FIRST_TEST
 	StampReported   Stamp = C.RG_T_REPORTED
 	StampNext       Stamp = C.RG_T_NEXT
+	// The intercepted gather, as its proxy sees it.
+	StampOSDoorbell Stamp = C.RG_T_OS_DOORBELL
+	StampOSPosted   Stamp = C.RG_T_OS_POSTED
+	StampOSPeer     Stamp = C.RG_T_OS_PEER
+	StampOSRows     Stamp = C.RG_T_OS_ROWS
 	// Stamps is how many there are.
 	Stamps = int(C.RG_T_N)
 )
@@ -47,6 +52,8 @@ var stampNames = [Stamps]string{
 	StampTokenSeen: "token_seen", StampPosted: "posted", StampWritesDone: "writes_done",
 	StampPeerSeen: "peer_seen", StampLaunched: "launched", StampGo: "go", StampPlaced: "placed",
 	StampDone: "done", StampFirstTest: "first_test", StampReported: "reported", StampNext: "next",
+	StampOSDoorbell: "doorbell_seen", StampOSPosted: "write_posted", StampOSPeer: "peer_flag_seen",
+	StampOSRows: "rows_written",
 }
 
 // String is the stamp's name as the CSV header gives it.

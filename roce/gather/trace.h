@@ -18,7 +18,7 @@
 #include <stdint.h>
 
 #define RG_TRACE_MAGIC 0x3145434152544752ull /* "RGTRACE1" */
-#define RG_TRACE_VERSION 1
+#define RG_TRACE_VERSION 2
 #define RG_TRACE_RECORD_BYTES 256
 
 enum rg_stamp {
@@ -36,8 +36,15 @@ enum rg_stamp {
   RG_T_FIRST_TEST,  /* NCCL's first test of the request */
   RG_T_REPORTED,    /* NCCL's test that found the call done, as it reports it */
   RG_T_NEXT,        /* NCCL's next iallgather on the group, after the report */
+  /* The intercepted gather (mode RG_TRACE_MODE_INTERCEPTED), as its proxy sees it. */
+  RG_T_OS_DOORBELL, /* the kernel's first doorbell: its first chunk is staged */
+  RG_T_OS_POSTED,   /* the last chunk and its flag are posted to the peer */
+  RG_T_OS_PEER,     /* the peer's last chunk is in place, as its flags show */
+  RG_T_OS_ROWS,     /* the kernel's report: both rows are written */
   RG_T_N
 };
+
+#define RG_TRACE_MODE_INTERCEPTED 3
 
 enum rg_trace_flag { RG_TRACE_CUDA = 1, RG_TRACE_KERNEL = 2, RG_TRACE_FAILED = 4 };
 

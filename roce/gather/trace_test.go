@@ -19,7 +19,7 @@ func TestTraceLayoutIsTheCOne(t *testing.T) {
 		"r.bytes_per_rank": 40, "r.rank": 48, "r.mode": 52, "r.lanes": 56, "r.flags": 60, "r.test_calls": 64,
 		"r.max_test_gap_ns": 72, "r.t": 80,
 	}, cTraceLayout())
-	require.Equal(t, 14, Stamps)
+	require.Equal(t, 18, Stamps)
 }
 
 func TestTraceAttachWritesAnEmptyRing(t *testing.T) {
@@ -28,7 +28,7 @@ func TestTraceAttachWritesAnEmptyRing(t *testing.T) {
 	t.Cleanup(DetachTrace)
 	h, recs, err := ReadTrace(path)
 	require.NoError(t, err)
-	require.Equal(t, TraceHeader{Version: 1, Capacity: 8, Begun: 0, Every: 3, PID: uint64(os.Getpid())}, h)
+	require.Equal(t, TraceHeader{Version: 2, Capacity: 8, Begun: 0, Every: 3, PID: uint64(os.Getpid())}, h)
 	require.Empty(t, recs)
 	st, err := os.Stat(path)
 	require.NoError(t, err)
@@ -57,10 +57,10 @@ func traceBytes(capacity uint64, recs map[uint64]func(p []byte)) []byte {
 	b := make([]byte, 64+capacity*256)
 	le := binary.LittleEndian
 	le.PutUint64(b[0:], 0x3145434152544752)
-	le.PutUint32(b[8:], 1)
+	le.PutUint32(b[8:], 2)
 	le.PutUint32(b[12:], 256)
 	le.PutUint64(b[16:], capacity)
-	le.PutUint32(b[48:], 14)
+	le.PutUint32(b[48:], 18)
 	for slot, f := range recs {
 		f(b[64+slot*256:])
 	}
@@ -93,9 +93,9 @@ func TestParseTraceRefusesWhatIsNotATrace(t *testing.T) {
 	_, _, err = ParseTrace(b)
 	require.ErrorContains(t, err, "not a roce_gather trace file")
 	b = traceBytes(2, nil)
-	binary.LittleEndian.PutUint32(b[8:], 2)
+	binary.LittleEndian.PutUint32(b[8:], 3)
 	_, _, err = ParseTrace(b)
-	require.EqualError(t, err, "trace file version 2 with 256-byte records and 14 stamps; this library reads version 1, 256, 14")
+	require.EqualError(t, err, "trace file version 3 with 256-byte records and 18 stamps; this library reads version 2, 256, 18")
 	_, _, err = ParseTrace(traceBytes(2, nil)[:64+256])
 	require.EqualError(t, err, "a trace file of 2 records is 576 bytes, not 320")
 }

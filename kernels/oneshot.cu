@@ -1,0 +1,128 @@
+// The intercepted one-shot gather's kernel: one launch a gather, on the caller's stream,
+// capturable in CUDA graphs (the sequence lives in device memory, never in the arguments).
+// The protocol is oneshot_body.h, shared with the host stand-in; this file gives it the
+// GPU's primitives. Built by clang's CUDA mode without the CUDA headers (`make kernels`),
+// into PTX for compute_75 that the library embeds.
+
+#define __global__ __attribute__((global))
+#define __device__ __attribute__((device))
+#define __shared__ __attribute__((shared))
+
+#include "oneshot.h"
+
+typedef struct {
+  unsigned int x, y, z, w;
+} rg_v4;
+
+__device__ static inline unsigned int rg_tid(void) { return __nvvm_read_ptx_sreg_tid_x(); }
+__device__ static inline unsigned int rg_nthreads(void) { return __nvvm_read_ptx_sreg_ntid_x(); }
+
+__device__ static inline rg_u64 rg_load_acquire(const volatile rg_u64* p) {
+  rg_u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ static inline void rg_store_release(volatile rg_u64* p, rg_u64 v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ static inline rg_u64 rg_globaltimer(void) {
+  rg_u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ static inline rg_u32 rg_atomic_add(rg_u32* p, rg_u32 v) {
+  rg_u32 old;
+  asm volatile("atom.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ static inline void rg_atomic_keep_first(rg_u32* p, rg_u32 v) {
+  rg_u32 old;
+  asm volatile("atom.global.cas.b32 %0, [%1], 0, %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  (void)old;
+}
+
+// Loads that bypass the caches: host memory the peer writes, and device memory other
+// blocks of this launch wrote.
+__device__ static inline rg_v4 rg_ld_cv(const void* p) {
+  rg_v4 v;
+  asm volatile("ld.global.cv.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ static inline unsigned char rg_ld_cv_byte(const void* p) {
+  unsigned short v;
+  asm volatile("ld.global.cv.u8 %0, [%1];" : "=h"(v) : "l"(p));
+  return (unsigned char)v;
+}
+
+// Stores 16 bytes at d, whose address is align bytes past a 16-byte boundary, with the
+// widest stores that alignment allows (align is the same for every thread of a copy).
+__device__ static inline void rg_store16(unsigned char* d, rg_v4 v, unsigned int align) {
+  if (align == 0) {
+    *(rg_v4*)d = v;
+  } else if ((align & 7) == 0) {
+    ((rg_u64*)d)[0] = ((rg_u64)v.y << 32) | v.x;
+    ((rg_u64*)d)[1] = ((rg_u64)v.w << 32) | v.z;
+  } else if ((align & 3) == 0) {
+    unsigned int* p = (unsigned int*)d;
+    p[0] = v.x, p[1] = v.y, p[2] = v.z, p[3] = v.w;
+  } else if ((align & 1) == 0) {
+    unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 8; k++) ((unsigned short*)d)[k] = (unsigned short)(w[k >> 1] >> (16 * (k & 1)));
+  } else {
+    unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 16; k++) d[k] = (unsigned char)(w[k >> 2] >> (8 * (k & 3)));
+  }
+}
+
+#define RG_UNROLL 4
+
+// Copies n bytes with the whole block: byte copies up to the source's 16-byte boundary,
+// then 16-byte loads (the widest stores the destination's alignment allows), then the
+// tail. Loads go around the caches (cv) when volatile_src: the source is host memory the
+// peer wrote, or device memory other blocks wrote.
+__device__ static inline __attribute__((always_inline)) void rg_block_copy(unsigned char* dst, const unsigned char* src, rg_u64 n, int volatile_src) {
+  const unsigned int t = rg_tid(), nt = rg_nthreads();
+  rg_u64 head = (16 - ((rg_u64)src & 15)) & 15;
+  if (head > n) head = n;
+  for (rg_u64 b = t; b < head; b += nt) dst[b] = volatile_src ? rg_ld_cv_byte(src + b) : src[b];
+  const unsigned char* s = src + head;
+  unsigned char* d = dst + head;
+  const unsigned int align = (unsigned int)((rg_u64)d & 15);
+  const rg_u64 words = (n - head) / 16, stride = (rg_u64)nt * RG_UNROLL;
+  rg_u64 w = t;
+  for (; w + (RG_UNROLL - 1) * (rg_u64)nt < words; w += stride) {
+    rg_v4 v[RG_UNROLL];
+#pragma unroll
+    for (int k = 0; k < RG_UNROLL; k++) {
+      const void* p = s + (w + (rg_u64)k * nt) * 16;
+      v[k] = volatile_src ? rg_ld_cv(p) : *(const rg_v4*)p;
+    }
+#pragma unroll
+    for (int k = 0; k < RG_UNROLL; k++) rg_store16(d + (w + (rg_u64)k * nt) * 16, v[k], align);
+  }
+  for (; w < words; w += nt) rg_store16(d + w * 16, volatile_src ? rg_ld_cv(s + w * 16) : *(const rg_v4*)(s + w * 16), align);
+  for (rg_u64 b = head + words * 16 + t; b < n; b += nt) dst[b] = volatile_src ? rg_ld_cv_byte(src + b) : src[b];
+}
+
+#define RG_OS_FN __device__
+#define RG_OS_SHARED __shared__
+#define RG_OS_LEADER (rg_tid() == 0)
+#define RG_OS_SYNC() __syncthreads()
+#define RG_OS_FENCE_SYS() __nvvm_membar_sys()
+#define RG_OS_LOAD_ACQUIRE(p) rg_load_acquire(p)
+#define RG_OS_STORE_RELEASE(p, v) rg_store_release((p), (v))
+#define RG_OS_NOW() rg_globaltimer()
+#define RG_OS_RELAX() ((void)0)
+#define RG_OS_ARRIVE(p) rg_atomic_add((p), 1)
+#define RG_OS_FAIL(p, v) rg_atomic_keep_first((p), (v))
+#define rg_os_copy_out(dst, src, n) rg_block_copy((dst), (src), (n), 0)
+#define rg_os_copy_in(dst, src, n) rg_block_copy((dst), (src), (n), 1)
+#define rg_os_copy_dev(dst, src, n) rg_block_copy((dst), (src), (n), 1)
+
+#include "oneshot_body.h"
+
+extern "C" __global__ void roce_gather_oneshot(const rg_os_args a) {
+  rg_os_block(&a, __nvvm_read_ptx_sreg_ctaid_x(), __nvvm_read_ptx_sreg_nctaid_x());
+}

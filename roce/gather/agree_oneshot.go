@@ -1,0 +1,206 @@
+package gather
+
+// The intercepted gather's agreement: the proposal each rank brings (128 bytes that cross
+// the communicator through NCCL's own all-gather) and the outcome both ranks compute from
+// the same two proposals.
+
+import (
+	"encoding/binary"
+	"fmt"
+
+	"github.com/roce-gather/roce_gather/roce"
+	"github.com/roce-gather/roce_gather/roce/fabric"
+)
+
+// ProposalSize is the bytes a proposal takes on the wire.
+const ProposalSize = 128
+
+// Proposal is what one rank brings to a communicator's agreement.
+type Proposal struct {
+	Version  uint16
+	On       bool
+	Reason   uint8 // why the rank is off (Reason* constants)
+	Fabric   uint8 // 1 tcp, 2 verbs
+	Lanes    uint8
+	MinBytes uint64 // this rank's floor, bytes a rank
+	MaxBytes uint64 // this rank's cap
+	MinChunk uint64 // this rank's smallest chunk (ROCE_GATHER_CHUNK_BYTES)
+	Addr     roce.Addr
+	Token    roce.Token // the listener's secret; its first 8 bytes are also this rank's live-check word
+}
+
+const (
+	proposalMagic = 0x314f_4752 // "RGO1"
+	pOffVerdict   = 7
+	pOffAddr      = 8 // 20 bytes
+	pOffReason    = 28
+	pOffFabric    = 29
+	pOffLanes     = 30
+	pOffToken     = 32
+	pOffMax       = 48
+	pOffMin       = 56
+	pOffChunk     = 64
+	pOffEnd       = 72 // bytes from here on, and byte 31, are zero
+)
+
+// Chunk sizes are whole pages, at least one and at most MaxMinChunk.
+const (
+	ChunkAlign  = 4096
+	MaxMinChunk = 16 << 20
+)
+
+// ValidMinChunk says whether n may be a rank's smallest chunk.
+func ValidMinChunk(n uint64) bool { return n >= ChunkAlign && n%ChunkAlign == 0 && n <= MaxMinChunk }
+
+// OffProposal is the proposal of a rank that is off for reason.
+func OffProposal(reason uint8) Proposal {
+	return Proposal{Version: roce.ProtocolVersion, Reason: reason}
+}
+
+// Encode writes the proposal's 128 bytes.
+func (p Proposal) Encode() []byte {
+	h := make([]byte, ProposalSize)
+	binary.LittleEndian.PutUint32(h[roce.HandleOffMagic:], proposalMagic)
+	binary.LittleEndian.PutUint16(h[roce.HandleOffVersion:], p.Version)
+	h[roce.HandleOffPurpose] = byte(roce.PurposeOneShot)
+	if p.On {
+		h[pOffVerdict] = 1
+	}
+	if p.Addr.IP != nil {
+		p.Addr.Put(h[pOffAddr : pOffAddr+roce.AddrSize])
+	}
+	h[pOffReason], h[pOffFabric], h[pOffLanes] = p.Reason, p.Fabric, p.Lanes
+	copy(h[pOffToken:pOffToken+16], p.Token[:])
+	binary.LittleEndian.PutUint64(h[pOffMax:], p.MaxBytes)
+	binary.LittleEndian.PutUint64(h[pOffMin:], p.MinBytes)
+	binary.LittleEndian.PutUint64(h[pOffChunk:], p.MinChunk)
+	return h
+}
+
+// DecodeProposal reads a proposal, refusing anything malformed, foreign or of another
+// protocol version with an error that says which.
+func DecodeProposal(h []byte) (Proposal, error) {
+	var p Proposal
+	if len(h) != ProposalSize {
+		return p, fmt.Errorf("proposal is %d bytes, expected %d", len(h), ProposalSize)
+	}
+	if m := binary.LittleEndian.Uint32(h[roce.HandleOffMagic:]); m != proposalMagic {
+		return p, fmt.Errorf("not a roce_gather proposal (magic 0x%08x): does this rank load libroce_gather.so?", m)
+	}
+	p.Version = binary.LittleEndian.Uint16(h[roce.HandleOffVersion:])
+	if p.Version != roce.ProtocolVersion {
+		return p, fmt.Errorf("speaks roce_gather protocol version %d, this library speaks version %d", p.Version, roce.ProtocolVersion)
+	}
+	if roce.Purpose(h[roce.HandleOffPurpose]) != roce.PurposeOneShot {
+		return p, fmt.Errorf("proposal purpose %d is not the intercepted gather", h[roce.HandleOffPurpose])
+	}
+	for i := range h {
+		if (i == 31 || i >= pOffEnd) && h[i] != 0 {
+			return p, fmt.Errorf("reserved proposal byte %d is 0x%02x, not zero", i, h[i])
+		}
+	}
+	switch h[pOffVerdict] {
+	case 0, 1:
+		p.On = h[pOffVerdict] == 1
+	default:
+		return p, fmt.Errorf("verdict byte is %d, neither 0 nor 1", h[pOffVerdict])
+	}
+	p.Reason, p.Fabric, p.Lanes = h[pOffReason], h[pOffFabric], h[pOffLanes]
+	copy(p.Token[:], h[pOffToken:pOffToken+16])
+	p.MaxBytes = binary.LittleEndian.Uint64(h[pOffMax:])
+	p.MinBytes = binary.LittleEndian.Uint64(h[pOffMin:])
+	p.MinChunk = binary.LittleEndian.Uint64(h[pOffChunk:])
+	if !p.On {
+		if _, ok := reasonText[p.Reason]; !ok {
+			return p, fmt.Errorf("verdict is off with unknown reason code %d", p.Reason)
+		}
+		return p, nil
+	}
+	if p.Fabric != 1 && p.Fabric != 2 {
+		return p, fmt.Errorf("fabric code %d is neither tcp (1) nor verbs (2)", p.Fabric)
+	}
+	if p.Lanes < 1 || int(p.Lanes) > fabric.MaxLanes {
+		return p, fmt.Errorf("lane count %d is outside 1..%d", p.Lanes, fabric.MaxLanes)
+	}
+	if p.MaxBytes == 0 {
+		return p, fmt.Errorf("cap is 0 bytes")
+	}
+	if !ValidMinChunk(p.MinChunk) {
+		return p, fmt.Errorf("smallest chunk %d is not a whole number of %d-byte pages up to %d", p.MinChunk, ChunkAlign, MaxMinChunk)
+	}
+	a, err := roce.ParseAddr(h[pOffAddr : pOffAddr+roce.AddrSize])
+	if err != nil {
+		return p, fmt.Errorf("address: %w", err)
+	}
+	p.Addr = a
+	return p, nil
+}
+
+// ProbeWord is the word a rank writes into its peer's probe word in the live check.
+func (p Proposal) ProbeWord() uint64 { return binary.LittleEndian.Uint64(p.Token[:8]) | 1 }
+
+// OneShotOutcome is what both ranks conclude from the same two proposals.
+type OneShotOutcome struct {
+	On bool
+	// The agreed window, bytes a rank: a gather takes the path when Floor <= bytes a rank
+	// <= Cap. Floor is the larger of the two floors, Cap the smaller of the two caps.
+	Floor, Cap uint64
+	MinChunk   uint64 // the larger of the two smallest chunks
+	Lanes      int
+	Fabric     string
+	Why        string // why the path is off
+	Config     bool   // off by configuration, not by a failure
+	Notes      []string
+	Peer       Proposal
+	PeerRank   int
+}
+
+// AgreeOneShot computes a communicator's outcome from both ranks' proposals. Every input
+// is the same bytes on both ranks, so both reach the same verdict and the same window.
+func AgreeOneShot(proposals [][]byte, rank int) OneShotOutcome {
+	if len(proposals) != 2 {
+		return OneShotOutcome{Why: fmt.Sprintf("the one-shot gather serves two ranks; this communicator has %d", len(proposals))}
+	}
+	if rank != 0 && rank != 1 {
+		return OneShotOutcome{Why: fmt.Sprintf("rank %d is outside this two-rank communicator", rank)}
+	}
+	var ps [2]Proposal
+	for i, h := range proposals {
+		p, err := DecodeProposal(h)
+		if err != nil {
+			return OneShotOutcome{Why: fmt.Sprintf("rank %d's proposal is not usable: %v", i, err)}
+		}
+		ps[i] = p
+	}
+	peer := 1 - rank
+	out := OneShotOutcome{Peer: ps[peer], PeerRank: peer}
+	for i, p := range ps {
+		if !p.On {
+			out.Why = fmt.Sprintf("rank %d is off: %s", i, reason(Offer{Reason: p.Reason, Fabric: p.Fabric}))
+			out.Config = p.Reason == ReasonDisabled || p.Reason == ReasonFabricDefault
+			return out
+		}
+	}
+	if ps[0].Fabric != ps[1].Fabric {
+		out.Why = fmt.Sprintf("rank 0 uses the %s fabric and rank 1 the %s fabric", fabricName(ps[0].Fabric), fabricName(ps[1].Fabric))
+		return out
+	}
+	out.Fabric = fabricName(ps[0].Fabric)
+	out.Floor = max(ps[0].MinBytes, ps[1].MinBytes)
+	out.Cap = min(ps[0].MaxBytes, ps[1].MaxBytes)
+	if out.Floor > out.Cap {
+		out.Why = fmt.Sprintf("the agreed one-shot window is empty: floor %d (the larger of rank 0's %d and rank 1's %d) "+
+			"is above cap %d (the smaller of rank 0's %d and rank 1's %d)", out.Floor, ps[0].MinBytes, ps[1].MinBytes,
+			out.Cap, ps[0].MaxBytes, ps[1].MaxBytes)
+		out.Floor, out.Cap = 0, 0
+		return out
+	}
+	out.Lanes = int(min(ps[0].Lanes, ps[1].Lanes))
+	out.MinChunk = max(ps[0].MinChunk, ps[1].MinChunk)
+	if ps[0].MinChunk != ps[1].MinChunk {
+		out.Notes = append(out.Notes, fmt.Sprintf("ROCE_GATHER_CHUNK_BYTES differs: rank 0 %d, rank 1 %d; both ranks use %d",
+			ps[0].MinChunk, ps[1].MinChunk, out.MinChunk))
+	}
+	out.On = true
+	return out
+}
