@@ -33,7 +33,7 @@ var ptx string
 var oneshotPTX string
 
 func init() {
-	C.rg_place_set_ptx(C.CString(ptx))               // kept for the life of the process
+	C.rg_place_set_ptx(C.CString(ptx)) // kept for the life of the process
 	C.rg_os_set_ptx(C.CString(oneshotPTX))
 }
 

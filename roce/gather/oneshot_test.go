@@ -337,7 +337,7 @@ func TestOneShotWindowFloorAboveThePeersCapIsOffOnBoth(t *testing.T) {
 }
 
 func TestOneShotOneRankDisabledIsOffOnBothAndSaysWhy(t *testing.T) {
-	props := [][]byte{mustProposal(t, osConfig(1 << 20)), OffProposal(ReasonDisabled).Encode()}
+	props := [][]byte{mustProposal(t, osConfig(1<<20)), OffProposal(ReasonDisabled).Encode()}
 	for r := 0; r < 2; r++ {
 		out := AgreeOneShot(props, r)
 		require.False(t, out.On)
