@@ -7,6 +7,7 @@ package kernels
 #include <stdlib.h>
 #include "place.h"
 #include "oneshot_load.h"
+#include "oneshot.h"
 */
 import "C"
 
@@ -36,6 +37,9 @@ func init() {
 	C.rg_place_set_ptx(C.CString(ptx)) // kept for the life of the process
 	C.rg_os_set_ptx(C.CString(oneshotPTX))
 }
+
+// OneShotArgsBytes is the size of the one-shot kernel's single parameter.
+func OneShotArgsBytes() int { return int(C.sizeof_rg_os_args) }
 
 // OneShotPTX returns the embedded PTX of the intercepted gather's kernel.
 func OneShotPTX() string { return oneshotPTX }

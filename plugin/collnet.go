@@ -7,7 +7,6 @@ import "C"
 
 import (
 	"fmt"
-	"os"
 	"unsafe"
 
 	"github.com/roce-gather/roce_gather/internal/nlog"
@@ -35,7 +34,10 @@ func (c *collComm) close() {
 //export rgGoCollInit
 func rgGoCollInit(ctx *unsafe.Pointer, commID C.uint64_t, abi C.int, logger unsafe.Pointer) C.int {
 	rc := initContext(ctx, uint64(commID), int(abi), true, logger)
-	if rc == rcSuccess && !collNetEnabled() {
+	state.mu.Lock()
+	net := state.net
+	state.mu.Unlock()
+	if rc == rcSuccess && net && !collNetEnabled() {
 		nlog.Infof(nlog.Init|nlog.Net, "the one-shot gather is off: NCCL_COLLNET_ENABLE is not 1, so NCCL will not use collNet (the net works as usual)")
 	}
 	return rc
@@ -43,7 +45,7 @@ func rgGoCollInit(ctx *unsafe.Pointer, commID C.uint64_t, abi C.int, logger unsa
 
 // collNetEnabled reports NCCL's own switch, for the log line that says why the path is off.
 func collNetEnabled() bool {
-	v, ok := lookup(os.Getenv, "NCCL_COLLNET_ENABLE")
+	v, ok := lookup(getenv, "NCCL_COLLNET_ENABLE")
 	return ok && v == "1"
 }
 
@@ -61,7 +63,7 @@ func rgGoCollListen(ctx unsafe.Pointer, dev C.int, handle unsafe.Pointer, listen
 	state.mu.Lock()
 	cfg := state.cfg
 	state.mu.Unlock()
-	floor, capBytes, offByDefault := cfg.Window(tr.Kind())
+	floor, capBytes, offByDefault := cfg.CollNetWindow(tr.Kind())
 	gl, err := gather.Listen(tr, gather.Config{Enable: cfg.Enable, MinBytes: floor, MaxBytes: capBytes, OffByDefault: offByDefault,
 		Mode: cfg.Mode, DirectWithoutNVSwitch: cfg.DirectWithoutNVSwitch,
 		Channels: cfg.OneShotChannels, Chunk: cfg.OneShotChunk, PlaceByKernel: !cfg.PlaceByCopy, CommID: commID},

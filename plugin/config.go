@@ -53,6 +53,15 @@ type Config struct {
 	TracePath    string
 	TraceEvery   uint64
 	TraceRecords uint64
+	// Net is ROCE_GATHER_NET=1: the net and collNet tables offer NCCL this library's
+	// fabric, which the CollNet route needs; by default NCCL uses its own transports.
+	Net bool
+	// ChunkBytes is ROCE_GATHER_CHUNK_BYTES, the smallest chunk an intercepted gather is
+	// cut into; both ranks use the larger of theirs.
+	ChunkBytes uint64
+	// ProxyIdle is ROCE_GATHER_PROXY_IDLE_MS: how long the proxy spins without a gather
+	// before it naps between sweeps; 0 never naps.
+	ProxyIdle time.Duration
 }
 
 // Defaults, as README.md's configuration table gives them.
@@ -67,6 +76,11 @@ const (
 	DefaultTraceEvery   = 1
 	DefaultTraceRecords = 16384
 	MaxTraceRecords     = 1 << 20
+	// DefaultChunkBytes is the smallest chunk of an intercepted gather (docs/benchmarks.md).
+	DefaultChunkBytes = 16 << 10
+	// DefaultProxyIdleMS is how long the proxy spins without a gather before it naps.
+	DefaultProxyIdleMS = 100
+	MaxProxyIdleMS     = 3600 * 1000
 )
 
 // FabricWindow is a fabric's one-shot window when the environment gives none, in bytes a
@@ -78,19 +92,35 @@ type FabricWindow struct {
 	MaxBytes uint64 // the cap ROCE_GATHER_MAX_BYTES replaces
 }
 
-// DefaultWindows holds each fabric's default one-shot window: the one place to change
-// them. docs/benchmarks.md has the measurements behind them.
+// DefaultWindows holds each fabric's default window of the intercepted gather: the one
+// place to change them. docs/benchmarks.md has the measurements behind them.
 var DefaultWindows = map[string]FabricWindow{
+	"verbs": {MinBytes: 0, MaxBytes: 512 << 10},
+	"tcp":   {MinBytes: 0, MaxBytes: 1 << 20},
+}
+
+// CollNetDefaultWindows holds each fabric's default window of the CollNet route
+// (ROCE_GATHER_NET=1, NCCL_COLLNET_ENABLE=1).
+var CollNetDefaultWindows = map[string]FabricWindow{
 	"verbs": {MinBytes: 0, MaxBytes: 512 << 10},
 	// Measured slower than NCCL's ring over TCP at every size.
 	"tcp": {Off: true, MinBytes: 0, MaxBytes: 512 << 10},
 }
 
-// Window is this rank's one-shot window on fabric: the floor and the cap in bytes a rank,
-// and whether the fabric's default keeps the path off (ROCE_GATHER_MAX_BYTES unset where
-// the fabric's default is off).
+// Window is this rank's window of the intercepted gather on fabric: the floor and the
+// cap in bytes a rank, and whether the fabric's default keeps the path off
+// (ROCE_GATHER_MAX_BYTES unset where the fabric's default is off).
 func (c Config) Window(fabric string) (floor, capBytes uint64, offByDefault bool) {
-	d := DefaultWindows[fabric]
+	return c.windowFrom(DefaultWindows, fabric)
+}
+
+// CollNetWindow is the same for the CollNet route.
+func (c Config) CollNetWindow(fabric string) (floor, capBytes uint64, offByDefault bool) {
+	return c.windowFrom(CollNetDefaultWindows, fabric)
+}
+
+func (c Config) windowFrom(defaults map[string]FabricWindow, fabric string) (floor, capBytes uint64, offByDefault bool) {
+	d := defaults[fabric]
 	floor, capBytes, offByDefault = d.MinBytes, d.MaxBytes, d.Off
 	if c.MinBytesSet {
 		floor = c.MinBytes
@@ -142,6 +172,8 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		OneShotChannels: DefaultOneShotChannels,
 		TraceEvery:      DefaultTraceEvery,
 		TraceRecords:    DefaultTraceRecords,
+		ChunkBytes:      DefaultChunkBytes,
+		ProxyIdle:       DefaultProxyIdleMS * time.Millisecond,
 	}
 	var warns []Warning
 	refuse := func(name, value, used, why string) {
@@ -283,6 +315,27 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 	}
 	count("ROCE_GATHER_TRACE_EVERY", 1<<32, &c.TraceEvery)
 	count("ROCE_GATHER_TRACE_RECORDS", MaxTraceRecords, &c.TraceRecords)
+	flag("ROCE_GATHER_NET", &c.Net)
+	if v, ok := lookup(getenv, "ROCE_GATHER_CHUNK_BYTES"); ok {
+		n, err := ParseBytes(v)
+		switch {
+		case err != nil:
+			refuse("ROCE_GATHER_CHUNK_BYTES", v, fmt.Sprint(DefaultChunkBytes), "is not a byte count ("+err.Error()+")")
+		case !gather.ValidMinChunk(n):
+			refuse("ROCE_GATHER_CHUNK_BYTES", v, fmt.Sprint(DefaultChunkBytes),
+				fmt.Sprintf("is not a multiple of %d bytes from %d to %d", gather.ChunkAlign, gather.ChunkAlign, gather.MaxMinChunk))
+		default:
+			c.ChunkBytes = n
+		}
+	}
+	if v, ok := lookup(getenv, "ROCE_GATHER_PROXY_IDLE_MS"); ok {
+		n, err := strconv.ParseUint(v, 10, 32)
+		if err != nil || n > MaxProxyIdleMS {
+			refuse("ROCE_GATHER_PROXY_IDLE_MS", v, fmt.Sprint(DefaultProxyIdleMS), fmt.Sprintf("is not a whole number of milliseconds from 0 to %d", MaxProxyIdleMS))
+		} else {
+			c.ProxyIdle = time.Duration(n) * time.Millisecond
+		}
+	}
 	return c, warns
 }
 

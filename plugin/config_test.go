@@ -148,21 +148,29 @@ func TestWindowDefaultsPerFabric(t *testing.T) {
 	floor, capBytes, off := c.Window("verbs")
 	require.Equal(t, [3]any{uint64(0), uint64(512 << 10), false}, [3]any{floor, capBytes, off})
 	floor, capBytes, off = c.Window("tcp")
+	require.Equal(t, [3]any{uint64(0), uint64(1 << 20), false}, [3]any{floor, capBytes, off})
+}
+
+func TestCollNetWindowDefaultsPerFabric(t *testing.T) {
+	c, _ := ParseConfig(env(nil))
+	floor, capBytes, off := c.CollNetWindow("verbs")
+	require.Equal(t, [3]any{uint64(0), uint64(512 << 10), false}, [3]any{floor, capBytes, off})
+	floor, capBytes, off = c.CollNetWindow("tcp")
 	require.Equal(t, [3]any{uint64(0), uint64(512 << 10), true}, [3]any{floor, capBytes, off})
 }
 
 func TestWindowMaxBytesTurnsTheTCPDefaultOn(t *testing.T) {
 	c, _ := ParseConfig(env(map[string]string{"ROCE_GATHER_MAX_BYTES": "128K"}))
-	floor, capBytes, off := c.Window("tcp")
+	floor, capBytes, off := c.CollNetWindow("tcp")
 	require.Equal(t, [3]any{uint64(0), uint64(128 << 10), false}, [3]any{floor, capBytes, off})
 }
 
 // A floor alone does not turn on a fabric that is off by default: only the cap does.
 func TestWindowMinBytesAloneKeepsTheTCPDefaultOff(t *testing.T) {
 	c, _ := ParseConfig(env(map[string]string{"ROCE_GATHER_MIN_BYTES": "32K"}))
-	floor, capBytes, off := c.Window("tcp")
+	floor, capBytes, off := c.CollNetWindow("tcp")
 	require.Equal(t, [3]any{uint64(32 << 10), uint64(512 << 10), true}, [3]any{floor, capBytes, off})
-	floor, capBytes, off = c.Window("verbs")
+	floor, capBytes, off = c.CollNetWindow("verbs")
 	require.Equal(t, [3]any{uint64(32 << 10), uint64(512 << 10), false}, [3]any{floor, capBytes, off})
 }
 
@@ -180,9 +188,48 @@ func TestWindowFloorAboveTheCapIsKeptAsGiven(t *testing.T) {
 func TestWindowDescriptionSaysWhereEachEndCameFrom(t *testing.T) {
 	c, _ := ParseConfig(env(nil))
 	require.Equal(t, "window 0 to 524288 bytes a rank (the verbs fabric's default)", c.describeWindow("verbs"))
-	require.Equal(t, "off by default on the tcp fabric (set ROCE_GATHER_MAX_BYTES to use it)", c.describeWindow("tcp"))
+	require.Equal(t, "window 0 to 1048576 bytes a rank (the tcp fabric's default)", c.describeWindow("tcp"))
 	c, _ = ParseConfig(env(map[string]string{"ROCE_GATHER_MIN_BYTES": "4K"}))
 	require.Equal(t, "window 4096 to 524288 bytes a rank (ROCE_GATHER_MIN_BYTES and the verbs fabric's default cap)", c.describeWindow("verbs"))
 	c, _ = ParseConfig(env(map[string]string{"ROCE_GATHER_MAX_BYTES": "4K"}))
 	require.Equal(t, "window 0 to 4096 bytes a rank (ROCE_GATHER_MAX_BYTES and the tcp fabric's default floor)", c.describeWindow("tcp"))
+}
+
+func TestNetIsOffByDefaultAndTakesZeroOrOne(t *testing.T) {
+	c, warns := ParseConfig(env(nil))
+	require.Empty(t, warns)
+	require.False(t, c.Net)
+	c, _ = ParseConfig(env(map[string]string{"ROCE_GATHER_NET": "1"}))
+	require.True(t, c.Net)
+	c, warns = ParseConfig(env(map[string]string{"ROCE_GATHER_NET": "yes"}))
+	require.False(t, c.Net)
+	require.Len(t, warns, 1)
+	require.Equal(t, `ROCE_GATHER_NET="yes" is not 0 or 1; using 0`, warns[0].String())
+}
+
+func TestChunkBytesIsWholePagesFrom4KiBTo16MiB(t *testing.T) {
+	c, _ := ParseConfig(env(nil))
+	require.Equal(t, uint64(DefaultChunkBytes), c.ChunkBytes)
+	c, warns := ParseConfig(env(map[string]string{"ROCE_GATHER_CHUNK_BYTES": "64K"}))
+	require.Empty(t, warns)
+	require.Equal(t, uint64(64<<10), c.ChunkBytes)
+	for _, bad := range []string{"1000", "0", "32M", "12x"} {
+		c, warns = ParseConfig(env(map[string]string{"ROCE_GATHER_CHUNK_BYTES": bad}))
+		require.Equal(t, uint64(DefaultChunkBytes), c.ChunkBytes, bad)
+		require.Len(t, warns, 1, bad)
+		require.Equal(t, "ROCE_GATHER_CHUNK_BYTES", warns[0].Var)
+		require.Equal(t, "16384", warns[0].Used)
+	}
+	require.Contains(t, warns[0].Why, "not a byte count")
+}
+
+func TestProxyIdleTakesMillisecondsAndZeroMeansNever(t *testing.T) {
+	c, _ := ParseConfig(env(nil))
+	require.Equal(t, 100*time.Millisecond, c.ProxyIdle)
+	c, _ = ParseConfig(env(map[string]string{"ROCE_GATHER_PROXY_IDLE_MS": "0"}))
+	require.Equal(t, time.Duration(0), c.ProxyIdle)
+	c, warns := ParseConfig(env(map[string]string{"ROCE_GATHER_PROXY_IDLE_MS": "-5"}))
+	require.Equal(t, 100*time.Millisecond, c.ProxyIdle)
+	require.Len(t, warns, 1)
+	require.Equal(t, `ROCE_GATHER_PROXY_IDLE_MS="-5" is not a whole number of milliseconds from 0 to 3600000; using 100`, warns[0].String())
 }

@@ -7,7 +7,6 @@ package plugin
 import "C"
 
 import (
-	"os"
 	"unsafe"
 
 	"github.com/roce-gather/roce_gather/internal/nlog"
@@ -40,14 +39,32 @@ func initContext(ctx *unsafe.Pointer, commID uint64, abi int, coll bool, logger 
 	if coll {
 		kind = "collNet"
 	}
-	if err := state.acquire(); err != nil {
+	if cfg := state.config(); !cfg.Net {
+		openStats(cfg.StatsPath)
+		openTrace(cfg)
+		state.mu.Lock()
+		state.net = false
+		say := !state.saidBare
+		state.saidBare = true
+		state.mu.Unlock()
+		if say {
+			nlog.Infof(nlog.Init|nlog.Net, "roce_gather %s: NCCL's own transports carry its traffic (ROCE_GATHER_NET=0), so this library "+
+				"offers NCCL no network device; two-rank gathers are intercepted at ncclAllGather", Version)
+		}
+		*ctx = handles.add(&context{commID: commID, bare: true})
+		return rcSuccess
+	}
+	state.mu.Lock()
+	state.net = true
+	state.mu.Unlock()
+	if _, err := state.acquire(); err != nil {
 		nlog.Warnf("%s init failed, NCCL will not use this plugin: %v", kind, err)
 		return rcSystemError
 	}
 	*ctx = newContextHandle(commID)
 	nlog.Infof(nlog.Init|nlog.Net, "%s ABI v%d initialised for communicator 0x%x", kind, abi, commID)
 	if !coll {
-		state.unload.check(abi, os.Getenv, func(msg string) { nlog.Warnf("%s", msg) })
+		state.unload.check(abi, getenv, func(msg string) { nlog.Warnf("%s", msg) })
 	}
 	return rcSuccess
 }
@@ -59,7 +76,7 @@ func rgGoFinalize(ctx unsafe.Pointer) C.int {
 		return rcInvalidArgument
 	}
 	handles.remove(ctx)
-	if c.gen == state.gen {
+	if !c.bare && c.gen == state.gen {
 		state.release()
 	}
 	return rcSuccess
@@ -67,6 +84,13 @@ func rgGoFinalize(ctx unsafe.Pointer) C.int {
 
 //export rgGoDevices
 func rgGoDevices(ndev *C.int) C.int {
+	state.mu.Lock()
+	net := state.net
+	state.mu.Unlock()
+	if !net {
+		*ndev = 0 // ROCE_GATHER_NET=0: NCCL's own transports carry its traffic
+		return rcSuccess
+	}
 	if _, err := state.transport(); err != nil {
 		nlog.Warnf("devices: %v", err)
 		*ndev = 0

@@ -6,14 +6,16 @@ package plugin
 /*
 #cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter -Werror
 #cgo CFLAGS: -I${SRCDIR}/../include
+#include <stdint.h>
 #include "abi.h"
+#include "../roce/gather/oneshot.h"
 */
 import "C"
 
 import (
 	"fmt"
-	"os"
 	"sync"
+	"time"
 	"unsafe"
 
 	"github.com/roce-gather/roce_gather/internal/nlog"
@@ -52,6 +54,10 @@ type runtimeState struct {
 	colls    map[unsafe.Pointer]*collComm
 	warned   map[Warning]bool
 	unload   unloadNotice // NCCL 2.27-2.29's unload after the last communicator, said once
+	// net is ROCE_GATHER_NET as the last NCCL init read it: whether the net and collNet
+	// tables offer NCCL a device.
+	net      bool
+	saidBare bool // the line that says NCCL's own transports carry its traffic
 }
 
 var state = &runtimeState{warned: map[Warning]bool{}}
@@ -67,14 +73,16 @@ type rgProps struct {
 type context struct {
 	commID uint64
 	gen    uint64 // the fabric's generation it was made in
+	bare   bool   // ROCE_GATHER_NET=0: it holds no fabric
 }
 
-// acquire opens the fabric if this is the first live context.
-func (s *runtimeState) acquire() error {
+// acquire opens the fabric if this is the first live context (an NCCL init with
+// ROCE_GATHER_NET=1, or an intercepted gather's engine), and returns it.
+func (s *runtimeState) acquire() (*roce.Transport, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.contexts == 0 {
-		cfg, warns := ParseConfig(os.Getenv)
+		cfg, warns := ParseConfig(getenv)
 		for _, w := range warns {
 			// The environment does not change within a process: say it once, not per communicator.
 			if !s.warned[w] {
@@ -87,9 +95,10 @@ func (s *runtimeState) acquire() error {
 			TCPInterface: cfg.TCPIf, NCCLSocketIfname: cfg.SocketIf, TCPCUDA: cfg.TCPCUDA, Timeout: cfg.Timeout,
 		})
 		if err != nil {
-			return err
+			return nil, err
 		}
 		s.cfg, s.tr = cfg, tr
+		setProxyIdle(cfg.ProxyIdle)
 		s.gen++
 		s.sends = map[unsafe.Pointer]*roce.SendComm{}
 		s.recvs = map[unsafe.Pointer]*roce.RecvComm{}
@@ -107,7 +116,7 @@ func (s *runtimeState) acquire() error {
 		}
 	}
 	s.contexts++
-	return nil
+	return s.tr, nil
 }
 
 // setProps keeps the C strings NCCL reads; the previous ones stay allocated because NCCL
@@ -169,3 +178,26 @@ func newContextHandle(commID uint64) unsafe.Pointer {
 }
 
 func contextOf(p unsafe.Pointer) (*context, bool) { return handleOf[*context](p) }
+
+// config reads the configuration, saying each refused value once a process.
+func (s *runtimeState) config() Config {
+	cfg, warns := ParseConfig(getenv)
+	s.mu.Lock()
+	for _, w := range warns {
+		if !s.warned[w] {
+			s.warned[w] = true
+			nlog.Warnf("%s", w)
+		}
+	}
+	s.mu.Unlock()
+	return cfg
+}
+
+// setProxyIdle passes ROCE_GATHER_PROXY_IDLE_MS to the proxy (0: never nap).
+func setProxyIdle(d time.Duration) {
+	ns := C.uint64_t(C.UINT64_MAX)
+	if d > 0 {
+		ns = C.uint64_t(d.Nanoseconds())
+	}
+	C.rg_os_proxy_set_idle(ns)
+}

@@ -59,7 +59,42 @@ type Stats struct {
 		// crash may have counted a few calls more than they cover.
 		LatencyCalls uint64 `json:"latency_calls"`
 	} `json:"oneshot"`
+	// The intercepted gather: ncclAllGather calls the interceptor took or handed to NCCL,
+	// and the gathers its kernel finished (graph replays included), with the kernel's time
+	// from its start to both rows written.
+	Intercepted struct {
+		Launches       uint64  `json:"launches"`
+		LaunchBytes    uint64  `json:"launch_bytes"`
+		Forwarded      uint64  `json:"forwarded"`
+		ForwardedBytes uint64  `json:"forwarded_bytes"`
+		Gathers        uint64  `json:"gathers"`
+		Bytes          uint64  `json:"bytes"`
+		Errors         uint64  `json:"errors"`
+		ProxyNaps      uint64  `json:"proxy_naps"`
+		ProxyWoke      uint64  `json:"proxy_woke_to_work"`
+		P50us          float64 `json:"p50_us"`
+		P90us          float64 `json:"p90_us"`
+		P99us          float64 `json:"p99_us"`
+		MaxUs          float64 `json:"max_us"`
+		LatencyCalls   uint64  `json:"latency_calls"`
+	} `json:"intercepted"`
 }
+
+// latency is one section's percentiles, as ReadStats fills them.
+type latency struct {
+	p50, p90, p99, max *float64
+	calls              *uint64
+}
+
+func (s *Stats) latencies() map[string]latency {
+	return map[string]latency{
+		"oneshot":     {&s.OneShot.P50us, &s.OneShot.P90us, &s.OneShot.P99us, &s.OneShot.MaxUs, &s.OneShot.LatencyCalls},
+		"intercepted": {&s.Intercepted.P50us, &s.Intercepted.P90us, &s.Intercepted.P99us, &s.Intercepted.MaxUs, &s.Intercepted.LatencyCalls},
+	}
+}
+
+// statsSections are the document's sections of counters, in order.
+var statsSections = []string{"tuner", "oneshot", "intercepted"}
 
 // ReadStats snapshots the counters.
 func ReadStats() Stats {
@@ -72,15 +107,21 @@ func ReadStats() Stats {
 	for _, c := range counterSlots {
 		*c.field(&s) = v(c.stat)
 	}
-	var hist [C.RG_LAT_BUCKETS]uint64
-	for i := range hist {
-		hist[i] = uint64(g.gather_lat[i])
-		s.OneShot.LatencyCalls += hist[i]
+	lat := s.latencies()
+	fill := func(section string, h *[C.RG_LAT_BUCKETS]C.uint64_t) {
+		var hist [C.RG_LAT_BUCKETS]uint64
+		l := lat[section]
+		for i := range hist {
+			hist[i] = uint64(h[i])
+			*l.calls += hist[i]
+		}
+		*l.p50 = percentileMicros(hist[:], 0.50)
+		*l.p90 = percentileMicros(hist[:], 0.90)
+		*l.p99 = percentileMicros(hist[:], 0.99)
+		*l.max = percentileMicros(hist[:], 1.0)
 	}
-	s.OneShot.P50us = percentileMicros(hist[:], 0.50)
-	s.OneShot.P90us = percentileMicros(hist[:], 0.90)
-	s.OneShot.P99us = percentileMicros(hist[:], 0.99)
-	s.OneShot.MaxUs = percentileMicros(hist[:], 1.0)
+	fill("oneshot", &g.gather_lat)
+	fill("intercepted", &g.os_lat)
 	return s
 }
 
@@ -143,7 +184,19 @@ var counterSlots = []struct {
 	{"oneshot", "eager", C.RG_STAT_GATHERS_EAGER, func(s *Stats) *uint64 { return &s.OneShot.Eager }},
 	{"oneshot", "eager_by_kernel", C.RG_STAT_GATHERS_KERNEL, func(s *Stats) *uint64 { return &s.OneShot.Kernel }},
 	{"oneshot", "errors", C.RG_STAT_GATHER_ERRORS, func(s *Stats) *uint64 { return &s.OneShot.Errors }},
+	{"intercepted", "launches", C.RG_STAT_OS_LAUNCHES, func(s *Stats) *uint64 { return &s.Intercepted.Launches }},
+	{"intercepted", "launch_bytes", C.RG_STAT_OS_LAUNCH_BYTES, func(s *Stats) *uint64 { return &s.Intercepted.LaunchBytes }},
+	{"intercepted", "forwarded", C.RG_STAT_OS_FORWARDED, func(s *Stats) *uint64 { return &s.Intercepted.Forwarded }},
+	{"intercepted", "forwarded_bytes", C.RG_STAT_OS_FORWARDED_BYTES, func(s *Stats) *uint64 { return &s.Intercepted.ForwardedBytes }},
+	{"intercepted", "gathers", C.RG_STAT_OS_GATHERS, func(s *Stats) *uint64 { return &s.Intercepted.Gathers }},
+	{"intercepted", "bytes", C.RG_STAT_OS_BYTES, func(s *Stats) *uint64 { return &s.Intercepted.Bytes }},
+	{"intercepted", "errors", C.RG_STAT_OS_ERRORS, func(s *Stats) *uint64 { return &s.Intercepted.Errors }},
+	{"intercepted", "proxy_naps", C.RG_STAT_OS_NAPS, func(s *Stats) *uint64 { return &s.Intercepted.ProxyNaps }},
+	{"intercepted", "proxy_woke_to_work", C.RG_STAT_OS_WOKE, func(s *Stats) *uint64 { return &s.Intercepted.ProxyWoke }},
 }
+
+// derivedSection says whether a section ends with the percentiles (derivedSlots).
+func derivedSection(section string) bool { return section == "oneshot" || section == "intercepted" }
 
 // derivedSlots are the values the Go side computes, after the counters of "oneshot".
 var derivedSlots = []string{"p50_us", "p90_us", "p99_us", "max_us", "latency_calls"}
@@ -190,7 +243,7 @@ func buildStatsLayout(s Stats) (statsLayout, error) {
 	line("  \"host\": %s,", host)
 	var snap C.rg_stats_snapshot
 	C.rg_stats_read(&snap)
-	for i, section := range []string{"tuner", "oneshot"} {
+	for i, section := range statsSections {
 		line("  %q: {", section)
 		var keys []int
 		for j, c := range counterSlots {
@@ -200,15 +253,15 @@ func buildStatsLayout(s Stats) (statsLayout, error) {
 		}
 		for n, j := range keys {
 			c := counterSlots[j]
-			last := section == "tuner" && n == len(keys)-1
+			last := !derivedSection(section) && n == len(keys)-1
 			l.counters[c.stat] = C.uint32_t(slot(c.key, strconv.FormatUint(uint64(snap.v[c.stat]), 10), last))
 		}
-		if section == "oneshot" {
+		if derivedSection(section) {
 			for n, key := range derivedSlots {
-				l.derived[key] = slot(key, "0", n == len(derivedSlots)-1)
+				l.derived[section+"."+key] = slot(key, "0", n == len(derivedSlots)-1)
 			}
 		}
-		if i == 0 {
+		if i < len(statsSections)-1 {
 			line("  },")
 		} else {
 			line("  }")
@@ -305,14 +358,17 @@ func (sf *statsFile) refreshLocked() {
 		return
 	}
 	s := ReadStats()
-	if sf.shown && s.OneShot.LatencyCalls == sf.covered {
+	covered := s.OneShot.LatencyCalls + s.Intercepted.LatencyCalls
+	if sf.shown && covered == sf.covered {
 		return
 	}
-	for key, v := range map[string]float64{"p50_us": s.OneShot.P50us, "p90_us": s.OneShot.P90us, "p99_us": s.OneShot.P99us, "max_us": s.OneShot.MaxUs} {
-		sf.show(key, strconv.FormatFloat(v, 'f', 2, 64))
+	for section, l := range s.latencies() {
+		for key, v := range map[string]float64{"p50_us": *l.p50, "p90_us": *l.p90, "p99_us": *l.p99, "max_us": *l.max} {
+			sf.show(section+"."+key, strconv.FormatFloat(v, 'f', 2, 64))
+		}
+		sf.show(section+".latency_calls", strconv.FormatUint(*l.calls, 10))
 	}
-	sf.show("latency_calls", strconv.FormatUint(s.OneShot.LatencyCalls, 10))
-	sf.shown, sf.covered = true, s.OneShot.LatencyCalls
+	sf.shown, sf.covered = true, covered
 }
 
 func (sf *statsFile) show(key, value string) {

@@ -199,13 +199,7 @@ static struct {
   int running, stop;
   pthread_t thread;
   uint64_t idle_ns;
-  atomic_uint_fast64_t naps, woke;
 } proxy = {.mu = PTHREAD_MUTEX_INITIALIZER, .idle_ns = DEFAULT_IDLE_NS};
-
-void rg_os_proxy_read(rg_os_proxy_counters* out) {
-  out->naps = atomic_load(&proxy.naps);
-  out->woke_to_work = atomic_load(&proxy.woke);
-}
 
 static uint64_t load_acquire(const volatile uint64_t* p) { return __atomic_load_n((const uint64_t*)p, __ATOMIC_ACQUIRE); }
 
@@ -419,11 +413,11 @@ static void* proxy_main(void* arg) {
      * cores that may be the one the gather waits for. */
     if (!(busy & STEP_PROGRESS)) sched_yield();
     if (busy) {
-      if (napping) atomic_fetch_add(&proxy.woke, 1);
+      if (napping) rg_stats_add(RG_STAT_OS_WOKE, 1);
       napping = 0;
       last_busy = now;
     } else if (now - last_busy > proxy.idle_ns) {
-      if (!napping) atomic_fetch_add(&proxy.naps, 1);
+      if (!napping) rg_stats_add(RG_STAT_OS_NAPS, 1);
       napping = 1;
       nap();
     }

@@ -108,11 +108,5 @@ int rg_os_error(rg_os_engine* e, char* why, int whylen);
 /* The host stand-in of the kernel (oneshot_host.c). */
 void rg_os_host_gather(const rg_os_args* a, rg_u32 nblocks);
 
-/* Proxy counters since load, for the stats. */
-typedef struct rg_os_proxy_counters {
-  uint64_t naps;         /* times the proxy went to sleep after being idle */
-  uint64_t woke_to_work; /* doorbells the proxy found right after a nap */
-} rg_os_proxy_counters;
-void rg_os_proxy_read(rg_os_proxy_counters* out);
 
 #endif

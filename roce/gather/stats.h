@@ -44,6 +44,8 @@ enum rg_stat {
   RG_STAT_OS_GATHERS,        /* one-shot gathers the kernel finished, graph replays included */
   RG_STAT_OS_BYTES,
   RG_STAT_OS_ERRORS,
+  RG_STAT_OS_NAPS, /* times the proxy went to sleep after being idle */
+  RG_STAT_OS_WOKE, /* times it found a gather in flight right after a nap */
   RG_STATS_N
 };
 

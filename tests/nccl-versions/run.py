@@ -208,7 +208,8 @@ def clean_env():
 def rank_env(base, lib_dir, rank, tag, stats, extra):
     env = dict(base)
     env["LD_LIBRARY_PATH"] = ":".join(p for p in (lib_dir, BUILD, base.get("LD_LIBRARY_PATH", "")) if p)
-    env.update(NCCL_NET_PLUGIN="roce_gather", NCCL_NET="roce_gather", NCCL_COLLNET_ENABLE="1",
+    # The matrix measures the plugin tables and the CollNet route: this library carries NCCL's traffic.
+    env.update(NCCL_NET_PLUGIN="roce_gather", NCCL_NET="roce_gather", NCCL_COLLNET_ENABLE="1", ROCE_GATHER_NET="1",
                ROCE_GATHER_FABRIC="tcp", ROCE_GATHER_TCP_IF="lo", ROCE_GATHER_MAX_BYTES="524288",
                ROCE_GATHER_STATS=stats, NCCL_HOSTID=f"{tag}-{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_MNNVL_ENABLE="0",
                NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET,TUNING,ENV")

@@ -119,6 +119,9 @@ static int usage(void) {
 }
 
 int main(int argc, char** argv) {
+  /* The driver exercises the net and collNet tables, which offer NCCL a device only where
+   * ROCE_GATHER_NET=1 (the library's default leaves NCCL on its own transports). */
+  setenv("ROCE_GATHER_NET", "1", 0);
   int a = 1;
   if (a < argc && strcmp(argv[a], "-v") == 0) {
     driver_verbose = 1;
