@@ -148,6 +148,42 @@ func TestABICatchesPropertiesOfTheWrongVersion(t *testing.T) {
 	}
 }
 
+// Each tuner table's decision, read under both of NCCL's selection rules.
+func TestABIChecksEachTunerTableLikeNCCLWould(t *testing.T) {
+	r, code, _ := runABI(t, nil)
+	require.Equal(t, 0, code)
+	details := map[string]string{}
+	for _, c := range r.Checks {
+		details[c.Table+"/"+c.Check] = c.Detail
+	}
+	decision := "AllGather with no collNet group: left to NCCL, CollNet priced out at 3e+38; NCCL 2.30's and 2.31's rules both pick algo 0 / proto 0, NCCL's own best"
+	for _, v := range []string{"v6", "v5", "v4", "v3"} {
+		require.Equal(t, decision, details["ncclTunerPlugin_"+v+"/getCollInfo"], v)
+	}
+}
+
+// A tuner that writes NCCL's -1 onto an entry NCCL offered is caught: NCCL 2.31 takes it as
+// the cheapest.
+func TestABICatchesATunerThatMisleadsNCCL(t *testing.T) {
+	_, lib, _ := built(t)
+	broken := breakLib(t)
+	for _, tc := range []struct{ brk, check, detail string }{
+		{"ncclTunerPlugin_v6:ignore", "getCollInfo", "AllGather with no collNet group: algo 2 / proto 0 set to -1: NCCL 2.31 takes a negative cost as the cheapest"},
+		{"ncclTunerPlugin_v4:ignore", "getCollInfo", "AllGather with no collNet group: algo 2 / proto 0 set to -1: NCCL 2.31 takes a negative cost as the cheapest"},
+	} {
+		r, code, _ := runABI(t, []string{"RG_REAL_LIB=" + lib, "RG_BREAK=" + tc.brk}, "--lib", broken)
+		require.Equal(t, 1, code, tc.brk)
+		var failed []string
+		for _, c := range r.Checks {
+			if !c.OK {
+				failed = append(failed, c.Table+"/"+c.Check+": "+c.Detail)
+			}
+		}
+		table := strings.SplitN(tc.brk, ":", 2)[0]
+		require.Equal(t, []string{table + "/" + tc.check + ": " + tc.detail}, failed, tc.brk)
+	}
+}
+
 // Every variable of the configuration table given a bad value: one WARN each, naming the
 // variable, the value and what was used instead, and the library still works.
 func TestBadEnvironmentValuesAreRefusedWithAWarning(t *testing.T) {

@@ -15,7 +15,9 @@
 #define NCCL_PROTO_LL 0
 #define NCCL_PROTO_LL128 1
 #define NCCL_PROTO_SIMPLE 2
-/* A cost-table entry NCCL will not schedule. */
+/* The cost NCCL gives an entry it does not offer. NCCL 2.30 and earlier also skip an
+ * entry a tuner sets to it; NCCL 2.31 and later take the plain minimum of the entries
+ * they offered, where it is the cheapest of all. */
 #define NCCL_ALGO_PROTO_IGNORE -1.0f
 
 /* v3 (NCCL 2.22): the plugin edits NCCL's cost table. */

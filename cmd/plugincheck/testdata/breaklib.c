@@ -1,7 +1,9 @@
 /* A stand-in plugin for plugincheck's own tests: it loads the real library and exports
  * copies of its tables with one thing broken, as RG_BREAK says:
  *   TABLE:N        sets entry N (counting from 0 after the name) of TABLE to NULL
- *   TABLE:props12  makes TABLE's getProperties write a v12 properties struct */
+ *   TABLE:props12  makes TABLE's getProperties write a v12 properties struct
+ *   TABLE:ignore   makes tuner TABLE (v4 on) write NCCL's -1 onto every CollNet entry, as
+ *                  the tuner did before NCCL 2.31 made -1 the cheapest */
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +39,20 @@ static struct {
 #undef T
 };
 
+/* The real function the broken one wraps. */
+typedef ncclResult_t (*coll_info_fn)(void*, ncclFunc_t, size_t, int, float**, int, int, int, int*);
+static coll_info_fn real_coll_info;
+
+static ncclResult_t coll_info_writing_ignore(void* ctx, ncclFunc_t coll, size_t nBytes, int pipeOps, float** table,
+                                             int numAlgo, int numProto, int regBuff, int* nChannels) {
+  ncclResult_t r = real_coll_info(ctx, coll, nBytes, pipeOps, table, numAlgo, numProto, regBuff, nChannels);
+  for (int p = 0; p < numProto; p++) {
+    ((float*)table)[NCCL_ALGO_COLLNET_DIRECT * numProto + p] = NCCL_ALGO_PROTO_IGNORE;
+    ((float*)table)[NCCL_ALGO_COLLNET_CHAIN * numProto + p] = NCCL_ALGO_PROTO_IGNORE;
+  }
+  return r;
+}
+
 __attribute__((constructor)) static void load(void) {
   void* real = dlopen(getenv("RG_REAL_LIB"), RTLD_NOW | RTLD_LOCAL);
   if (real == NULL) {
@@ -56,6 +72,11 @@ __attribute__((constructor)) static void load(void) {
       /* getProperties is entry 2 in every net and collNet table. */
       void** slots = (void**)((char*)tables[i].copy + sizeof(char*));
       slots[2] = (void*)ncclNetPlugin_v12.getProperties;
+    } else if (strcmp(colon + 1, "ignore") == 0) {
+      /* getCollInfo is entry 1 of every tuner table. */
+      void** slots = (void**)((char*)tables[i].copy + sizeof(char*));
+      real_coll_info = (coll_info_fn)slots[1];
+      slots[1] = (void*)coll_info_writing_ignore;
     } else {
       void** slots = (void**)((char*)tables[i].copy + sizeof(char*));
       slots[atoi(colon + 1)] = NULL;
