@@ -151,6 +151,11 @@ ncclResult_t rg_tuner_init_v6(void** ctx, uint64_t commId, size_t nRanks, size_t
   (void)nvl, (void)constants;
   return tuner_init(ctx, commId, 1, nRanks, nNodes, log, 6);
 }
+ncclResult_t rg_tuner_init_v7(void** ctx, uint64_t commId, size_t nRanks, size_t nNodes, ncclDebugLogger_t log,
+                              ncclNvlDomainInfo_v7_t* nvl, ncclTunerConstants_v7_t* constants) {
+  (void)nvl, (void)constants; /* NCCL's constants are left as NCCL set them */
+  return tuner_init(ctx, commId, 1, nRanks, nNodes, log, 7);
+}
 
 ncclResult_t rg_tuner_finalize(void* ctx) {
   free(ctx);

@@ -235,6 +235,26 @@ static void check_coll_info(const char* tname, ncclResult_t r, const float* befo
          table[NCCL_ALGO_COLLNET_DIRECT * 3 + NCCL_PROTO_SIMPLE], by230 / 3, by230 % 3);
 }
 
+/* NCCL's tuning constants as init gets them: a pattern, with the same pattern behind the
+ * version's struct. init must leave both alone (NCCL 2.31.2 passes them uninitialised). */
+#define CONSTANTS_BUF (sizeof(ncclTunerConstants_v7_t) + SLACK)
+static void check_constants(const char* tname, const unsigned char* buf, size_t size) {
+  for (size_t i = size; i < size + SLACK; i++) /* a bigger (newer) struct written is the worse fault */
+    if (buf[i] != CANARY) {
+      report(tname, "constants", 0, "init wrote past NCCL's constants, at byte %zu (the struct of this version has %zu)",
+             i, size);
+      return;
+    }
+  for (size_t i = 0; i < size; i++)
+    if (buf[i] != CANARY) {
+      report(tname, "constants", 0, "init changed NCCL's constants at byte %zu (the struct of this version has %zu)", i,
+             size);
+      return;
+    }
+  report(tname, "constants", 1, "init left NCCL's %zu bytes of constants, and the %d behind them, as they were", size,
+         SLACK);
+}
+
 #define TUNER_PRESENT(T, var, nfields)                                                           \
   (var == NULL ? (report(T, "present", 0, "dlsym found no %s", T), 0)                              \
                : (report(T, "present", 1, "exported"),                                            \
@@ -245,6 +265,7 @@ static void check_coll_info(const char* tname, ncclResult_t r, const float* befo
 #define TUNER_CHECK(T, var, nfields, init_call, coll_info_call, extra, fini)                       \
   do {                                                                                            \
     if (TUNER_PRESENT(T, var, nfields)) {                                                         \
+      memset(constants, CANARY, CONSTANTS_BUF);                                                   \
       ncclResult_t r = init_call;                                                                 \
       report(T, "init", r == ncclSuccess, "init returned %d", r);                                 \
       if (r == ncclSuccess) {                                                                     \
@@ -255,6 +276,15 @@ static void check_coll_info(const char* tname, ncclResult_t r, const float* befo
         report(T, "finalize", var->fini(tctx) == ncclSuccess, #fini "(ctx)");                     \
       }                                                                                           \
     }                                                                                             \
+  } while (0)
+
+/* Tuner v6 and later: getChunkSize leaves NCCL's chunk of a gather that is not one-shot. */
+#define CHUNK_CHECK(T, var)                                                                                     \
+  do {                                                                                                          \
+    size_t chunk = 131072;                                                                                      \
+    ncclResult_t cr = var->getChunkSize(tctx, ncclFuncAllGather, 4096, NCCL_ALGO_RING, NCCL_PROTO_SIMPLE, 2, &chunk); \
+    report(T, "getChunkSize", cr == ncclSuccess && chunk == 131072,                                             \
+           "ring AllGather: returned %d, chunk %zu (NCCL's 131072 kept)", cr, chunk);                           \
   } while (0)
 
 int run_abi(const char* path) {
@@ -296,16 +326,21 @@ int run_abi(const char* path) {
   int nch;
   void* tctx = NULL;
   ncclNvlDomainInfo_v5_t nvl = {1, 1, 1};
-  ncclTunerConstants_v5_t* constants = calloc(1, sizeof(*constants));
-  TUNER_CHECK("ncclTunerPlugin_v6", p.tuner6, 4, p.tuner6->init(&tctx, comm, 2, 2, driver_logger, &nvl, constants),
+  unsigned char* constants = malloc(CONSTANTS_BUF);
+  TUNER_CHECK("ncclTunerPlugin_v7", p.tuner7, 4,
+              p.tuner7->init(&tctx, comm, 2, 2, driver_logger, &nvl, (ncclTunerConstants_v7_t*)constants),
+              p.tuner7->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch),
+              CHUNK_CHECK("ncclTunerPlugin_v7", p.tuner7);
+              check_constants("ncclTunerPlugin_v7", constants, sizeof(ncclTunerConstants_v7_t)), finalize);
+  TUNER_CHECK("ncclTunerPlugin_v6", p.tuner6, 4,
+              p.tuner6->init(&tctx, comm, 2, 2, driver_logger, &nvl, (ncclTunerConstants_v6_t*)constants),
               p.tuner6->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch),
-              size_t chunk = 131072;
-              r = p.tuner6->getChunkSize(tctx, ncclFuncAllGather, 4096, NCCL_ALGO_RING, NCCL_PROTO_SIMPLE, 2, &chunk);
-              report("ncclTunerPlugin_v6", "getChunkSize", r == ncclSuccess && chunk == 131072,
-                     "ring AllGather: returned %d, chunk %zu (NCCL's 131072 kept)", r, chunk),
-              finalize);
-  TUNER_CHECK("ncclTunerPlugin_v5", p.tuner5, 3, p.tuner5->init(&tctx, comm, 2, 2, driver_logger, &nvl, constants),
-              p.tuner5->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch), , finalize);
+              CHUNK_CHECK("ncclTunerPlugin_v6", p.tuner6);
+              check_constants("ncclTunerPlugin_v6", constants, sizeof(ncclTunerConstants_v6_t)), finalize);
+  TUNER_CHECK("ncclTunerPlugin_v5", p.tuner5, 3,
+              p.tuner5->init(&tctx, comm, 2, 2, driver_logger, &nvl, (ncclTunerConstants_v5_t*)constants),
+              p.tuner5->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch),
+              check_constants("ncclTunerPlugin_v5", constants, sizeof(ncclTunerConstants_v5_t)), finalize);
   TUNER_CHECK("ncclTunerPlugin_v4", p.tuner4, 3, p.tuner4->init(2, 2, driver_logger, &tctx),
               p.tuner4->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch), , destroy);
   TUNER_CHECK("ncclTunerPlugin_v3", p.tuner3, 3, p.tuner3->init(2, 2, driver_logger, &tctx),
