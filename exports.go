@@ -91,6 +91,10 @@ const ncclTuner_v5_t ncclTunerPlugin_v5 = {
   RG_NET_NAME, rg_tuner_init_v5, rg_tuner_get_coll_info, rg_tuner_finalize,
 };
 
+const ncclTuner_v7_t ncclTunerPlugin_v7 = {
+  RG_NET_NAME, rg_tuner_init_v7, rg_tuner_get_coll_info, rg_tuner_finalize, rg_tuner_get_chunk_size,
+};
+
 const ncclTuner_v6_t ncclTunerPlugin_v6 = {
   RG_NET_NAME, rg_tuner_init_v6, rg_tuner_get_coll_info, rg_tuner_finalize, rg_tuner_get_chunk_size,
 };

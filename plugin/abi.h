@@ -125,6 +125,8 @@ ncclResult_t rg_tuner_init_v3(size_t nRanks, size_t nNodes, ncclDebugLogger_t lo
 ncclResult_t rg_tuner_init_v4(size_t nRanks, size_t nNodes, ncclDebugLogger_t log, void** ctx);
 ncclResult_t rg_tuner_init_v6(void** ctx, uint64_t commId, size_t nRanks, size_t nNodes, ncclDebugLogger_t log,
                               ncclNvlDomainInfo_v6_t* nvl, ncclTunerConstants_v6_t* constants);
+ncclResult_t rg_tuner_init_v7(void** ctx, uint64_t commId, size_t nRanks, size_t nNodes, ncclDebugLogger_t log,
+                              ncclNvlDomainInfo_v7_t* nvl, ncclTunerConstants_v7_t* constants);
 ncclResult_t rg_tuner_init_v5(void** ctx, uint64_t commId, size_t nRanks, size_t nNodes, ncclDebugLogger_t log,
                               ncclNvlDomainInfo_v5_t* nvl, ncclTunerConstants_v5_t* constants);
 ncclResult_t rg_tuner_get_coll_info_v3(void* ctx, ncclFunc_t collType, size_t nBytes, int numPipeOps,

@@ -13,7 +13,14 @@ static float* cell(float** table, int numProto, int algo, int proto) {
   return (float*)table + (size_t)algo * (size_t)numProto + (size_t)proto;
 }
 
+/* NCCL marks what it does not offer with a negative cost (-1); it never offers a negative one. */
 static int offered(float v) { return v >= 0.0f; }
+
+/* Prices an entry NCCL offered out of the choice on every release; one it did not offer is
+ * left as it is (a positive cost there would offer it to NCCL 2.30 and earlier). */
+static void price_out(float* entry) {
+  if (offered(*entry)) *entry = RG_TUNER_COST_NOT_THIS;
+}
 
 int rg_tuner_in_window(const rg_tuner* t, size_t nBytes) {
   /* nBytes is both ranks' bytes. An on group's window has floor <= cap <= this rank's own
@@ -30,13 +37,14 @@ int rg_tuner_policy(const rg_tuner* t, int collType, size_t nBytes, float** tabl
     /* NCCL ignores the entry without an NVSwitch (or without CollNet, which an on group
      * rules out); use it only where both ranks asked and nodes hold one rank each. */
     int unoffered = !offered(*direct);
-    if (unoffered && !t->direct_without_nvswitch) return RG_TUNE_NCCL_NOT_OFFERED;
-    *direct = 0.0f;
-    *nChannels = t->oneshot_channels;
-    return unoffered ? RG_TUNE_ONESHOT_UNOFFERED : RG_TUNE_ONESHOT;
+    if (!unoffered || t->direct_without_nvswitch) {
+      *direct = 0.0f; /* NCCL offers no cost of 0 or below: the cheapest on every release */
+      *nChannels = t->oneshot_channels;
+      return unoffered ? RG_TUNE_ONESHOT_UNOFFERED : RG_TUNE_ONESHOT;
+    }
   }
-  /* Outside the window (or with the group off) the gather belongs to NCCL's own
-   * algorithms, unless removing CollNet would leave NCCL no choice at all. */
+  /* Outside the window (or with the group off, or Direct not offered) the gather belongs to
+   * NCCL's own algorithms, unless pricing CollNet out would leave NCCL no choice at all. */
   int others = 0;
   for (int a = 0; a < numAlgo; a++)
     for (int p = 0; p < numProto; p++)
@@ -44,10 +52,10 @@ int rg_tuner_policy(const rg_tuner* t, int collType, size_t nBytes, float** tabl
         others = 1;
   if (others)
     for (int p = 0; p < numProto; p++) {
-      *cell(table, numProto, NCCL_ALGO_COLLNET_DIRECT, p) = NCCL_ALGO_PROTO_IGNORE;
-      *cell(table, numProto, NCCL_ALGO_COLLNET_CHAIN, p) = NCCL_ALGO_PROTO_IGNORE;
+      price_out(cell(table, numProto, NCCL_ALGO_COLLNET_DIRECT, p));
+      price_out(cell(table, numProto, NCCL_ALGO_COLLNET_CHAIN, p));
     }
-  return RG_TUNE_NCCL;
+  return rg_tuner_in_window(t, nBytes) ? RG_TUNE_NCCL_NOT_OFFERED : RG_TUNE_NCCL;
 }
 
 ncclResult_t rg_tuner_get_coll_info(void* ctx, ncclFunc_t collType, size_t nBytes, int numPipeOps,
@@ -142,6 +150,11 @@ ncclResult_t rg_tuner_init_v6(void** ctx, uint64_t commId, size_t nRanks, size_t
                               ncclNvlDomainInfo_v6_t* nvl, ncclTunerConstants_v6_t* constants) {
   (void)nvl, (void)constants;
   return tuner_init(ctx, commId, 1, nRanks, nNodes, log, 6);
+}
+ncclResult_t rg_tuner_init_v7(void** ctx, uint64_t commId, size_t nRanks, size_t nNodes, ncclDebugLogger_t log,
+                              ncclNvlDomainInfo_v7_t* nvl, ncclTunerConstants_v7_t* constants) {
+  (void)nvl, (void)constants; /* NCCL's constants are left as NCCL set them */
+  return tuner_init(ctx, commId, 1, nRanks, nNodes, log, 7);
 }
 
 ncclResult_t rg_tuner_finalize(void* ctx) {

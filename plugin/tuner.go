@@ -69,6 +69,9 @@ const (
 	TuneOneShotUnoffered TunerDecision = C.RG_TUNE_ONESHOT_UNOFFERED
 )
 
+// TunerCostNotThis is the cost the tuner gives an entry NCCL offered to keep NCCL off it.
+const TunerCostNotThis float32 = C.RG_TUNER_COST_NOT_THIS
+
 // TunerGroup is what a tuner knows of its communicator's collNet group, for tests.
 type TunerGroup struct {
 	On         bool

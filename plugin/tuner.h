@@ -22,11 +22,19 @@ typedef struct rg_tuner {
   int warned_not_offered, warned_unoffered_used;
 } rg_tuner;
 
+/* The cost that keeps NCCL off an entry it offered, on every release. Never negative:
+ * NCCL 2.31 takes the plain minimum of what it offered, so a negative cost (its own
+ * "ignore", -1) would win there. Above NCCL 2.31's opt-in-only cost (FLT_MAX / 2) and
+ * every real estimate, and below FLT_MAX, where NCCL 2.29 and later start their search:
+ * the entry loses to every other one NCCL offered and is still a finite cost. NCCL 2.22 to
+ * 2.28 start at an hour (3.6e9 us) and never take it. */
+#define RG_TUNER_COST_NOT_THIS 3.0e38f
+
 enum {
   RG_TUNE_NOT_OURS = 0,         /* not a two-rank AllGather: untouched */
   RG_TUNE_ONESHOT = 1,          /* steered to CollNet Direct / Simple, on the agreed channels */
-  RG_TUNE_NCCL = 2,             /* left to NCCL's own algorithms */
-  RG_TUNE_NCCL_NOT_OFFERED = 3, /* within the window, but NCCL marked CollNet Direct ignored */
+  RG_TUNE_NCCL = 2,             /* left to NCCL's own algorithms: offered CollNet entries priced out */
+  RG_TUNE_NCCL_NOT_OFFERED = 3, /* within the window, but NCCL marked CollNet Direct ignored: handled as RG_TUNE_NCCL */
   RG_TUNE_ONESHOT_UNOFFERED = 4, /* steered like RG_TUNE_ONESHOT onto the entry NCCL marked ignored */
 };
 

@@ -43,8 +43,8 @@ func TestTunerHandsAGatherOneByteOverTheCapToNCCL(t *testing.T) {
 	require.Equal(t, TuneNCCL, d)
 	require.Equal(t, 0, nch)
 	for p := 0; p < 3; p++ {
-		require.Equal(t, float32(ignore), table[algoCollNetDirect*3+p])
-		require.Equal(t, float32(ignore), table[algoCollNetChain*3+p])
+		require.Equal(t, TunerCostNotThis, table[algoCollNetDirect*3+p], "CollNet priced out, never -1")
+		require.Equal(t, TunerCostNotThis, table[algoCollNetChain*3+p], "CollNet priced out, never -1")
 	}
 	require.Equal(t, float32(50+algoTree*3), table[algoTree*3], "NCCL's own algorithms stay offered")
 }
@@ -65,6 +65,7 @@ func TestTunerNeverSchedulesOntoAnEntryNCCLIgnored(t *testing.T) {
 	require.Equal(t, TuneNCCLNotOffered, d)
 	require.Equal(t, 0, nch)
 	require.Equal(t, float32(ignore), table[algoCollNetDirect*3+protoSimple])
+	require.Equal(t, TunerCostNotThis, table[algoCollNetChain*3+protoSimple], "the gather is NCCL's: CollNet priced out")
 }
 
 // With ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1 on both ranks the dropped entry is used within
@@ -114,7 +115,7 @@ func TestTunerWithTheGroupOffKeepsGathersOffCollNet(t *testing.T) {
 	table := offered()
 	d, _ := TunePolicy(2, TunerGroup{}, allGather, 4096, table, 7, 3)
 	require.Equal(t, TuneNCCL, d)
-	require.Equal(t, float32(ignore), table[algoCollNetDirect*3+protoSimple])
+	require.Equal(t, TunerCostNotThis, table[algoCollNetDirect*3+protoSimple])
 }
 
 // Removing CollNet must never leave NCCL with no algorithm at all.

@@ -55,7 +55,7 @@ func runABI(t *testing.T, env []string, args ...string) (abiReport, int, string)
 var tables = map[string]int{ // entries after the name, per table
 	"ncclNetPlugin_v12": 21, "ncclNetPlugin_v11": 21, "ncclNetPlugin_v10": 19, "ncclNetPlugin_v9": 19, "ncclNetPlugin_v8": 18,
 	"ncclCollNetPlugin_v12": 18, "ncclCollNetPlugin_v11": 18, "ncclCollNetPlugin_v10": 17, "ncclCollNetPlugin_v9": 17, "ncclCollNetPlugin_v8": 16,
-	"ncclTunerPlugin_v6": 4, "ncclTunerPlugin_v5": 3, "ncclTunerPlugin_v4": 3, "ncclTunerPlugin_v3": 3,
+	"ncclTunerPlugin_v7": 4, "ncclTunerPlugin_v6": 4, "ncclTunerPlugin_v5": 3, "ncclTunerPlugin_v4": 3, "ncclTunerPlugin_v3": 3,
 }
 
 func TestABIEveryTableOfEveryVersionIsPresentAndComplete(t *testing.T) {
@@ -145,6 +145,49 @@ func TestABICatchesPropertiesOfTheWrongVersion(t *testing.T) {
 			}
 		}
 		require.True(t, found, table)
+	}
+}
+
+// The tuner tables' own checks: the decision read under both of NCCL's selection rules, and
+// NCCL's constants, whose size tuner v7 changed, left alone.
+func TestABIChecksEachTunerTableLikeNCCLWould(t *testing.T) {
+	r, code, _ := runABI(t, nil)
+	require.Equal(t, 0, code)
+	details := map[string]string{}
+	for _, c := range r.Checks {
+		details[c.Table+"/"+c.Check] = c.Detail
+	}
+	decision := "AllGather with no collNet group: left to NCCL, CollNet priced out at 3e+38; NCCL 2.30's and 2.31's rules both pick algo 0 / proto 0, NCCL's own best"
+	for _, v := range []string{"v7", "v6", "v5", "v4", "v3"} {
+		require.Equal(t, decision, details["ncclTunerPlugin_"+v+"/getCollInfo"], v)
+	}
+	require.Equal(t, "init left NCCL's 1272 bytes of constants, and the 64 behind them, as they were", details["ncclTunerPlugin_v7/constants"])
+	require.Equal(t, "init left NCCL's 1152 bytes of constants, and the 64 behind them, as they were", details["ncclTunerPlugin_v6/constants"])
+	require.Equal(t, "init left NCCL's 1152 bytes of constants, and the 64 behind them, as they were", details["ncclTunerPlugin_v5/constants"])
+	require.Equal(t, "ring AllGather: returned 0, chunk 131072 (NCCL's 131072 kept)", details["ncclTunerPlugin_v7/getChunkSize"])
+}
+
+// A tuner that writes NCCL's -1 onto an entry NCCL offered is caught: NCCL 2.31 takes it as
+// the cheapest. So is an init that writes a v7 constants struct where NCCL gave a v6 one.
+func TestABICatchesATunerThatMisleadsNCCL(t *testing.T) {
+	_, lib, _ := built(t)
+	broken := breakLib(t)
+	for _, tc := range []struct{ brk, check, detail string }{
+		{"ncclTunerPlugin_v7:ignore", "getCollInfo", "AllGather with no collNet group: algo 2 / proto 0 set to -1: NCCL 2.31 takes a negative cost as the cheapest"},
+		{"ncclTunerPlugin_v4:ignore", "getCollInfo", "AllGather with no collNet group: algo 2 / proto 0 set to -1: NCCL 2.31 takes a negative cost as the cheapest"},
+		{"ncclTunerPlugin_v6:constants7", "constants", "init wrote past NCCL's constants, at byte 1152 (the struct of this version has 1152)"},
+		{"ncclTunerPlugin_v7:constants7", "constants", "init changed NCCL's constants at byte 0 (the struct of this version has 1272)"},
+	} {
+		r, code, _ := runABI(t, []string{"RG_REAL_LIB=" + lib, "RG_BREAK=" + tc.brk}, "--lib", broken)
+		require.Equal(t, 1, code, tc.brk)
+		var failed []string
+		for _, c := range r.Checks {
+			if !c.OK {
+				failed = append(failed, c.Table+"/"+c.Check+": "+c.Detail)
+			}
+		}
+		table := strings.SplitN(tc.brk, ":", 2)[0]
+		require.Equal(t, []string{table + "/" + tc.check + ": " + tc.detail}, failed, tc.brk)
 	}
 }
 

@@ -70,6 +70,23 @@ RG_PIN_SIZE(ncclTuner_v3_t, 32);
 RG_PIN_SIZE(ncclTuner_v4_t, 32);
 RG_PIN_SIZE(ncclTuner_v5_t, 32);
 RG_PIN_SIZE(ncclTuner_v6_t, 40);
+RG_PIN_SIZE(ncclTuner_v7_t, 40);
+RG_PIN_OFF(ncclTuner_v7_t, getChunkSize, 32);
+
+/* Constants: 7x3 base latencies, 3x7x3 hardware latencies, then five per-capability
+ * tables of 3 scales, 4 capabilities a table in v5 and v6, 5 in v7. */
 RG_PIN_SIZE(ncclTunerConstants_v5_t, (21 + 63 + 5 * 12) * 8);
+RG_PIN_OFF(ncclTunerConstants_v5_t, hwLatencies, 21 * 8);
+RG_PIN_OFF(ncclTunerConstants_v5_t, llMaxBws, (21 + 63) * 8);
+RG_PIN_OFF(ncclTunerConstants_v5_t, perChMaxRingLL128Bws, (21 + 63 + 12) * 8);
+RG_PIN_OFF(ncclTunerConstants_v5_t, perChMaxNVLSTreeBws, (21 + 63 + 4 * 12) * 8);
+RG_PIN_SIZE(ncclTunerConstants_v7_t, (21 + 63 + 5 * 15) * 8);
+RG_PIN_OFF(ncclTunerConstants_v7_t, hwLatencies, 21 * 8);
+RG_PIN_OFF(ncclTunerConstants_v7_t, llMaxBws, (21 + 63) * 8);
+RG_PIN_OFF(ncclTunerConstants_v7_t, perChMaxRingLL128Bws, (21 + 63 + 15) * 8);
+RG_PIN_OFF(ncclTunerConstants_v7_t, perChMaxTreeLL128Bws, (21 + 63 + 2 * 15) * 8);
+RG_PIN_OFF(ncclTunerConstants_v7_t, perChMaxTreeBws, (21 + 63 + 3 * 15) * 8);
+RG_PIN_OFF(ncclTunerConstants_v7_t, perChMaxNVLSTreeBws, (21 + 63 + 4 * 15) * 8);
+RG_PIN_SIZE(ncclNvlDomainInfo_v7_t, 12);
 
 #endif

@@ -1,4 +1,4 @@
-/* The tuner table, versions 3 to 6 (NCCL 2.22 to 2.30). */
+/* The tuner table, versions 3 to 7 (NCCL 2.22 to 2.32). */
 #ifndef RG_NCCL_TUNER_H
 #define RG_NCCL_TUNER_H
 
@@ -15,7 +15,9 @@
 #define NCCL_PROTO_LL 0
 #define NCCL_PROTO_LL128 1
 #define NCCL_PROTO_SIMPLE 2
-/* A cost-table entry NCCL will not schedule. */
+/* The cost NCCL gives an entry it does not offer. NCCL 2.30 and earlier also skip an
+ * entry a tuner sets to it; NCCL 2.31 and later take the plain minimum of the entries
+ * they offered, where it is the cheapest of all. */
 #define NCCL_ALGO_PROTO_IGNORE -1.0f
 
 /* v3 (NCCL 2.22): the plugin edits NCCL's cost table. */
@@ -82,5 +84,31 @@ typedef struct {
   ncclResult_t (*getChunkSize)(void* context, ncclFunc_t collType, size_t nBytes, int algo, int proto,
                                int nChannels, size_t* chunkSize);
 } ncclTuner_v6_t;
+
+/* v7 (NCCL 2.32): v6's functions; the constants gain a fifth compute-capability row
+ * (Rubin) in each per-capability table. The NVLink domain info is v5's. */
+#define RG_NCCL_TUNER_COMPCAPS_V7 5
+typedef ncclNvlDomainInfo_v5_t ncclNvlDomainInfo_v7_t;
+
+typedef struct {
+  double baseLatencies[RG_NCCL_TUNER_ALGOS_V5][RG_NCCL_TUNER_PROTOS_V5];
+  double hwLatencies[RG_NCCL_TUNER_HW_LINKS_V5][RG_NCCL_TUNER_ALGOS_V5][RG_NCCL_TUNER_PROTOS_V5];
+  double llMaxBws[RG_NCCL_TUNER_COMPCAPS_V7][RG_NCCL_TUNER_SCALES_V5];
+  double perChMaxRingLL128Bws[RG_NCCL_TUNER_COMPCAPS_V7][RG_NCCL_TUNER_SCALES_V5];
+  double perChMaxTreeLL128Bws[RG_NCCL_TUNER_COMPCAPS_V7][RG_NCCL_TUNER_SCALES_V5];
+  double perChMaxTreeBws[RG_NCCL_TUNER_COMPCAPS_V7][RG_NCCL_TUNER_SCALES_V5];
+  double perChMaxNVLSTreeBws[RG_NCCL_TUNER_COMPCAPS_V7][RG_NCCL_TUNER_SCALES_V5];
+} ncclTunerConstants_v7_t;
+
+typedef struct {
+  const char* name;
+  ncclResult_t (*init)(void** ctx, uint64_t commId, size_t nRanks, size_t nNodes, ncclDebugLogger_t logFunction,
+                       ncclNvlDomainInfo_v7_t* nvlDomainInfo, ncclTunerConstants_v7_t* constants);
+  ncclResult_t (*getCollInfo)(void* context, ncclFunc_t collType, size_t nBytes, int numPipeOps,
+                              float** collCostTable, int numAlgo, int numProto, int regBuff, int* nChannels);
+  ncclResult_t (*finalize)(void* context);
+  ncclResult_t (*getChunkSize)(void* context, ncclFunc_t collType, size_t nBytes, int algo, int proto,
+                               int nChannels, size_t* chunkSize);
+} ncclTuner_v7_t;
 
 #endif

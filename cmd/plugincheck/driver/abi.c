@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "driver.h"
+#include "select.h"
 
 static int failures;
 
@@ -190,25 +191,68 @@ static void check_reduce_support(const char* table, ncclResult_t (*reduce_suppor
   TABLE_CHECK(T, var, coll8_fields, props_t, offp2p, offcoll, init_call,                              \
               check_reduce_support(tname, var->reduceSupport), finalize_call)
 
-/* Checks one version's getCollInfo on a table fill_table prepared. */
-static void check_coll_info(const char* tname, ncclResult_t r, const float* table, int nch) {
+/* NCCL's cost table for a two-rank AllGather with every entry offered, CollNet the
+ * cheapest (as NCCL may rate it), Tree / LL the cheapest of NCCL's own algorithms. */
+static void fill_table(float* before, float* table, int* nch) {
+  for (int i = 0; i < 21; i++) {
+    int collnet = i / 3 == NCCL_ALGO_COLLNET_DIRECT || i / 3 == NCCL_ALGO_COLLNET_CHAIN;
+    before[i] = table[i] = (collnet ? 1.0f : 10.0f) + (float)i;
+  }
+  *nch = 0;
+}
+
+/* Checks one version's getCollInfo on fill_table's table. Without a collNet group the tuner
+ * leaves the gather to NCCL: NCCL's own entries and channels untouched, CollNet priced out
+ * with no negative cost, so that NCCL 2.30's rule and 2.31's both pick NCCL's own best. */
+static void check_coll_info(const char* tname, ncclResult_t r, const float* before, const float* table, int nch) {
   if (r != ncclSuccess) {
     report(tname, "getCollInfo", 0, "returned %d", r);
     return;
   }
-  /* Without a collNet group the tuner leaves every choice to NCCL and keeps AllGathers off CollNet. */
-  int ok = nch == 0;
-  for (int a = 0; a < 7; a++)
-    for (int p = 0; p < 3; p++) {
-      float want = (a == NCCL_ALGO_COLLNET_DIRECT || a == NCCL_ALGO_COLLNET_CHAIN) ? NCCL_ALGO_PROTO_IGNORE : 10.0f;
-      if (table[a * 3 + p] != want) ok = 0;
-    }
-  report(tname, "getCollInfo", ok, "AllGather with no collNet group: %s", ok ? "left to NCCL, CollNet entries ignored" : "unexpected table or channel change");
+  const int own_best = NCCL_ALGO_TREE * 3 + NCCL_PROTO_LL;
+  int by230 = nccl_pick_skipping_negatives(table, 21), by231 = nccl_pick_plain_minimum(before, table, 21);
+  char why[256] = "";
+  if (nch != 0) snprintf(why, sizeof(why), "nChannels set to %d, expected 0 (NCCL's choice)", nch);
+  for (int i = 0; i < 21 && !why[0]; i++) {
+    int collnet = i / 3 == NCCL_ALGO_COLLNET_DIRECT || i / 3 == NCCL_ALGO_COLLNET_CHAIN;
+    if (table[i] < 0.0f)
+      snprintf(why, sizeof(why), "algo %d / proto %d set to %g: NCCL 2.31 takes a negative cost as the cheapest", i / 3,
+               i % 3, table[i]);
+    else if (!collnet && table[i] != before[i])
+      snprintf(why, sizeof(why), "NCCL's own algo %d / proto %d changed from %g to %g", i / 3, i % 3, before[i],
+               table[i]);
+  }
+  if (!why[0] && (by230 != own_best || by231 != own_best))
+    snprintf(why, sizeof(why), "NCCL 2.30's rule picks algo %d / proto %d, 2.31's algo %d / proto %d; NCCL's own best is %d / %d",
+             by230 / 3, by230 % 3, by231 / 3, by231 % 3, own_best / 3, own_best % 3);
+  if (why[0]) {
+    report(tname, "getCollInfo", 0, "AllGather with no collNet group: %s", why);
+    return;
+  }
+  report(tname, "getCollInfo", 1,
+         "AllGather with no collNet group: left to NCCL, CollNet priced out at %g; NCCL 2.30's and 2.31's rules both "
+         "pick algo %d / proto %d, NCCL's own best",
+         table[NCCL_ALGO_COLLNET_DIRECT * 3 + NCCL_PROTO_SIMPLE], by230 / 3, by230 % 3);
 }
 
-static void fill_table(float* t, int* nch) {
-  for (int i = 0; i < 21; i++) t[i] = 10.0f;
-  *nch = 0;
+/* NCCL's tuning constants as init gets them: a pattern, with the same pattern behind the
+ * version's struct. init must leave both alone (NCCL 2.31.2 passes them uninitialised). */
+#define CONSTANTS_BUF (sizeof(ncclTunerConstants_v7_t) + SLACK)
+static void check_constants(const char* tname, const unsigned char* buf, size_t size) {
+  for (size_t i = size; i < size + SLACK; i++) /* a bigger (newer) struct written is the worse fault */
+    if (buf[i] != CANARY) {
+      report(tname, "constants", 0, "init wrote past NCCL's constants, at byte %zu (the struct of this version has %zu)",
+             i, size);
+      return;
+    }
+  for (size_t i = 0; i < size; i++)
+    if (buf[i] != CANARY) {
+      report(tname, "constants", 0, "init changed NCCL's constants at byte %zu (the struct of this version has %zu)", i,
+             size);
+      return;
+    }
+  report(tname, "constants", 1, "init left NCCL's %zu bytes of constants, and the %d behind them, as they were", size,
+         SLACK);
 }
 
 #define TUNER_PRESENT(T, var, nfields)                                                           \
@@ -221,16 +265,26 @@ static void fill_table(float* t, int* nch) {
 #define TUNER_CHECK(T, var, nfields, init_call, coll_info_call, extra, fini)                       \
   do {                                                                                            \
     if (TUNER_PRESENT(T, var, nfields)) {                                                         \
+      memset(constants, CANARY, CONSTANTS_BUF);                                                   \
       ncclResult_t r = init_call;                                                                 \
       report(T, "init", r == ncclSuccess, "init returned %d", r);                                 \
       if (r == ncclSuccess) {                                                                     \
-        fill_table(table, &nch);                                                                  \
+        fill_table(before, table, &nch);                                                          \
         r = coll_info_call;                                                                       \
-        check_coll_info(T, r, table, nch);                                                        \
+        check_coll_info(T, r, before, table, nch);                                                \
         extra;                                                                                    \
         report(T, "finalize", var->fini(tctx) == ncclSuccess, #fini "(ctx)");                     \
       }                                                                                           \
     }                                                                                             \
+  } while (0)
+
+/* Tuner v6 and later: getChunkSize leaves NCCL's chunk of a gather that is not one-shot. */
+#define CHUNK_CHECK(T, var)                                                                                     \
+  do {                                                                                                          \
+    size_t chunk = 131072;                                                                                      \
+    ncclResult_t cr = var->getChunkSize(tctx, ncclFuncAllGather, 4096, NCCL_ALGO_RING, NCCL_PROTO_SIMPLE, 2, &chunk); \
+    report(T, "getChunkSize", cr == ncclSuccess && chunk == 131072,                                             \
+           "ring AllGather: returned %d, chunk %zu (NCCL's 131072 kept)", cr, chunk);                           \
   } while (0)
 
 int run_abi(const char* path) {
@@ -268,20 +322,25 @@ int run_abi(const char* path) {
   COLL_CHECK("ncclCollNetPlugin_v9", p.coll9, ncclNetProperties_v9_t, 88, 96, p.coll9->init(driver_logger), );
   COLL_CHECK("ncclCollNetPlugin_v8", p.coll8, ncclNetProperties_v8_t, 0, 0, p.coll8->init(driver_logger), );
 
-  float table[21];
+  float before[21], table[21];
   int nch;
   void* tctx = NULL;
   ncclNvlDomainInfo_v5_t nvl = {1, 1, 1};
-  ncclTunerConstants_v5_t* constants = calloc(1, sizeof(*constants));
-  TUNER_CHECK("ncclTunerPlugin_v6", p.tuner6, 4, p.tuner6->init(&tctx, comm, 2, 2, driver_logger, &nvl, constants),
+  unsigned char* constants = malloc(CONSTANTS_BUF);
+  TUNER_CHECK("ncclTunerPlugin_v7", p.tuner7, 4,
+              p.tuner7->init(&tctx, comm, 2, 2, driver_logger, &nvl, (ncclTunerConstants_v7_t*)constants),
+              p.tuner7->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch),
+              CHUNK_CHECK("ncclTunerPlugin_v7", p.tuner7);
+              check_constants("ncclTunerPlugin_v7", constants, sizeof(ncclTunerConstants_v7_t)), finalize);
+  TUNER_CHECK("ncclTunerPlugin_v6", p.tuner6, 4,
+              p.tuner6->init(&tctx, comm, 2, 2, driver_logger, &nvl, (ncclTunerConstants_v6_t*)constants),
               p.tuner6->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch),
-              size_t chunk = 131072;
-              r = p.tuner6->getChunkSize(tctx, ncclFuncAllGather, 4096, NCCL_ALGO_RING, NCCL_PROTO_SIMPLE, 2, &chunk);
-              report("ncclTunerPlugin_v6", "getChunkSize", r == ncclSuccess && chunk == 131072,
-                     "ring AllGather: returned %d, chunk %zu (NCCL's 131072 kept)", r, chunk),
-              finalize);
-  TUNER_CHECK("ncclTunerPlugin_v5", p.tuner5, 3, p.tuner5->init(&tctx, comm, 2, 2, driver_logger, &nvl, constants),
-              p.tuner5->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch), , finalize);
+              CHUNK_CHECK("ncclTunerPlugin_v6", p.tuner6);
+              check_constants("ncclTunerPlugin_v6", constants, sizeof(ncclTunerConstants_v6_t)), finalize);
+  TUNER_CHECK("ncclTunerPlugin_v5", p.tuner5, 3,
+              p.tuner5->init(&tctx, comm, 2, 2, driver_logger, &nvl, (ncclTunerConstants_v5_t*)constants),
+              p.tuner5->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch),
+              check_constants("ncclTunerPlugin_v5", constants, sizeof(ncclTunerConstants_v5_t)), finalize);
   TUNER_CHECK("ncclTunerPlugin_v4", p.tuner4, 3, p.tuner4->init(2, 2, driver_logger, &tctx),
               p.tuner4->getCollInfo(tctx, ncclFuncAllGather, 4096, 1, (float**)table, 7, 3, 0, &nch), , destroy);
   TUNER_CHECK("ncclTunerPlugin_v3", p.tuner3, 3, p.tuner3->init(2, 2, driver_logger, &tctx),

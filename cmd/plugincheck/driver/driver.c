@@ -58,6 +58,7 @@ int plugin_open(const char* path, plugin* p, char* err, int errlen) {
   p->coll10 = dlsym(p->lib, "ncclCollNetPlugin_v10");
   p->coll9 = dlsym(p->lib, "ncclCollNetPlugin_v9");
   p->coll8 = dlsym(p->lib, "ncclCollNetPlugin_v8");
+  p->tuner7 = dlsym(p->lib, "ncclTunerPlugin_v7");
   p->tuner6 = dlsym(p->lib, "ncclTunerPlugin_v6");
   p->tuner5 = dlsym(p->lib, "ncclTunerPlugin_v5");
   p->tuner4 = dlsym(p->lib, "ncclTunerPlugin_v4");

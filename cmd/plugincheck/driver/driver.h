@@ -22,6 +22,7 @@ typedef struct plugin {
   const ncclCollNet_v10_t* coll10;
   const ncclCollNet_v9_t* coll9;
   const ncclCollNet_v8_t* coll8;
+  const ncclTuner_v7_t* tuner7;
   const ncclTuner_v6_t* tuner6;
   const ncclTuner_v5_t* tuner5;
   const ncclTuner_v4_t* tuner4;

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 #include "rank.h"
+#include "select.h"
 
 enum path { PATH_NCCL = 0, PATH_ONESHOT = 1 };
 
@@ -116,23 +117,35 @@ static int via_p2p(conn_pair* cp, uint8_t* result, const uint8_t* shard, size_t 
 
 /* NCCL's cost table as it looks to the tuner: its own algorithms offered, CollNet offered
  * only when the group connected, and CollNet Direct dropped when no_nvswitch says the
- * topology has no NVSwitch (NCCL >= 2.24). The tuner edits it; NCCL takes the cheapest entry. */
-static int choose_path(void* tctx, const ncclTuner_v6_t* T, size_t total, int no_nvswitch, int* nch) {
-  float table[7 * 3];
+ * topology has no NVSwitch (NCCL 2.24 to 2.30). The tuner edits it; NCCL takes the cheapest
+ * entry by its release's rule, and both rules must agree. Where Direct was dropped, only
+ * 2.30's rule applies: NCCL 2.31 does not drop it with NCCL_COLLNET_ENABLE=1.
+ * Returns the path, or -1 with why set. */
+static int choose_path(void* tctx, const ncclTuner_v6_t* T, size_t total, int no_nvswitch, int* nch, char* why,
+                       size_t whylen) {
+  float before[7 * 3], table[7 * 3];
   for (int a = 0; a < 7; a++)
     for (int p = 0; p < 3; p++) {
       int collnet = a == NCCL_ALGO_COLLNET_DIRECT || a == NCCL_ALGO_COLLNET_CHAIN;
       int nvls = a == NCCL_ALGO_NVLS || a == NCCL_ALGO_NVLS_TREE;
       int dropped = a == NCCL_ALGO_COLLNET_DIRECT && no_nvswitch;
-      table[a * 3 + p] =
+      before[a * 3 + p] =
           nvls || dropped || (collnet && coll == NULL) ? NCCL_ALGO_PROTO_IGNORE : 100.0f + (float)(a * 3 + p);
+      table[a * 3 + p] = before[a * 3 + p];
     }
   *nch = 0;
   float* tp = table;
-  if (T->getCollInfo(tctx, ncclFuncAllGather, total, 1, (float**)tp, 7, 3, 0, nch) != ncclSuccess) return -1;
-  int best = -1;
-  for (int i = 0; i < 21; i++)
-    if (table[i] >= 0 && (best < 0 || table[i] < table[best])) best = i;
+  if (T->getCollInfo(tctx, ncclFuncAllGather, total, 1, (float**)tp, 7, 3, 0, nch) != ncclSuccess) {
+    snprintf(why, whylen, "the tuner's getCollInfo failed");
+    return -1;
+  }
+  int best = nccl_pick_skipping_negatives(table, 21);
+  int by231 = no_nvswitch ? best : nccl_pick_plain_minimum(before, table, 21);
+  if (best < 0 || best != by231) {
+    snprintf(why, whylen, "from the tuner's table NCCL 2.30's rule picks algo %d / proto %d, NCCL 2.31's algo %d / proto %d",
+             best / 3, best % 3, by231 / 3, by231 % 3);
+    return -1;
+  }
   return best / 3 == NCCL_ALGO_COLLNET_DIRECT ? PATH_ONESHOT : PATH_NCCL;
 }
 
@@ -228,10 +241,15 @@ int suite_gather(void) {
       char name[64];
       snprintf(name, sizeof(name), "gather/%zuB/seed%d", S, seed);
       int nch = 0;
-      int path = choose_path(tctx, T, 2 * S, no_nvswitch, &nch);
+      char why[160] = "";
+      int path = choose_path(tctx, T, 2 * S, no_nvswitch, &nch, why, sizeof(why));
       uint8_t mine = (uint8_t)path, peers = 0xff;
       exchange(name, &mine, &peers, 1);
-      if (path < 0 || peers != mine) {
+      if (path < 0) {
+        case_result(name, 0, "%s", why);
+        continue;
+      }
+      if (peers != mine) {
         case_result(name, 0, "the ranks took different paths (this rank %d, the peer %d)", path, peers);
         continue;
       }
