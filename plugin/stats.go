@@ -3,6 +3,7 @@ package plugin
 /*
 #include <stdlib.h>
 #include "../roce/gather/stats.h"
+#include "bind.h"
 void rg_register_at_exit(void);
 */
 import "C"
@@ -59,6 +60,24 @@ type Stats struct {
 		// crash may have counted a few calls more than they cover.
 		LatencyCalls uint64 `json:"latency_calls"`
 	} `json:"oneshot"`
+	// Interceptor is how calls reach the library's own NCCL functions (docs/interceptor.md)
+	// and how many calls reached each of them.
+	Interceptor struct {
+		// WayIn: "pending", "no_nccl", "preempting" (LD_PRELOAD), "rebound", "none" or
+		// "unsupported" (plugin/bind.h).
+		WayIn              string `json:"way_in"`
+		AllGather          uint64 `json:"ncclAllGather"`
+		CommInitRank       uint64 `json:"ncclCommInitRank"`
+		CommInitRankConfig uint64 `json:"ncclCommInitRankConfig"`
+		CommInitAll        uint64 `json:"ncclCommInitAll"`
+		CommSplit          uint64 `json:"ncclCommSplit"`
+		CommFinalize       uint64 `json:"ncclCommFinalize"`
+		CommDestroy        uint64 `json:"ncclCommDestroy"`
+		CommAbort          uint64 `json:"ncclCommAbort"`
+		CommGetAsyncError  uint64 `json:"ncclCommGetAsyncError"`
+		GroupStart         uint64 `json:"ncclGroupStart"`
+		GroupEnd           uint64 `json:"ncclGroupEnd"`
+	} `json:"interceptor"`
 }
 
 // ReadStats snapshots the counters.
@@ -72,6 +91,7 @@ func ReadStats() Stats {
 	for _, c := range counterSlots {
 		*c.field(&s) = v(c.stat)
 	}
+	s.Interceptor.WayIn = C.GoString(C.rg_bind_way_in())
 	var hist [C.RG_LAT_BUCKETS]uint64
 	for i := range hist {
 		hist[i] = uint64(g.gather_lat[i])
@@ -143,10 +163,37 @@ var counterSlots = []struct {
 	{"oneshot", "eager", C.RG_STAT_GATHERS_EAGER, func(s *Stats) *uint64 { return &s.OneShot.Eager }},
 	{"oneshot", "eager_by_kernel", C.RG_STAT_GATHERS_KERNEL, func(s *Stats) *uint64 { return &s.OneShot.Kernel }},
 	{"oneshot", "errors", C.RG_STAT_GATHER_ERRORS, func(s *Stats) *uint64 { return &s.OneShot.Errors }},
+	{"interceptor", "ncclAllGather", C.RG_STAT_CALL_ALLGATHER, func(s *Stats) *uint64 { return &s.Interceptor.AllGather }},
+	{"interceptor", "ncclCommInitRank", C.RG_STAT_CALL_COMM_INIT_RANK, func(s *Stats) *uint64 { return &s.Interceptor.CommInitRank }},
+	{"interceptor", "ncclCommInitRankConfig", C.RG_STAT_CALL_COMM_INIT_RANK_CONFIG, func(s *Stats) *uint64 { return &s.Interceptor.CommInitRankConfig }},
+	{"interceptor", "ncclCommInitAll", C.RG_STAT_CALL_COMM_INIT_ALL, func(s *Stats) *uint64 { return &s.Interceptor.CommInitAll }},
+	{"interceptor", "ncclCommSplit", C.RG_STAT_CALL_COMM_SPLIT, func(s *Stats) *uint64 { return &s.Interceptor.CommSplit }},
+	{"interceptor", "ncclCommFinalize", C.RG_STAT_CALL_COMM_FINALIZE, func(s *Stats) *uint64 { return &s.Interceptor.CommFinalize }},
+	{"interceptor", "ncclCommDestroy", C.RG_STAT_CALL_COMM_DESTROY, func(s *Stats) *uint64 { return &s.Interceptor.CommDestroy }},
+	{"interceptor", "ncclCommAbort", C.RG_STAT_CALL_COMM_ABORT, func(s *Stats) *uint64 { return &s.Interceptor.CommAbort }},
+	{"interceptor", "ncclCommGetAsyncError", C.RG_STAT_CALL_COMM_GET_ASYNC_ERROR, func(s *Stats) *uint64 { return &s.Interceptor.CommGetAsyncError }},
+	{"interceptor", "ncclGroupStart", C.RG_STAT_CALL_GROUP_START, func(s *Stats) *uint64 { return &s.Interceptor.GroupStart }},
+	{"interceptor", "ncclGroupEnd", C.RG_STAT_CALL_GROUP_END, func(s *Stats) *uint64 { return &s.Interceptor.GroupEnd }},
 }
 
-// derivedSlots are the values the Go side computes, after the counters of "oneshot".
-var derivedSlots = []string{"p50_us", "p90_us", "p99_us", "max_us", "latency_calls"}
+// statsSections are the document's sections in order, each with the values the Go side
+// computes (shown after its counters).
+var statsSections = []struct {
+	name    string
+	derived []string
+}{
+	{"tuner", nil},
+	{"oneshot", []string{"p50_us", "p90_us", "p99_us", "max_us", "latency_calls"}},
+	{"interceptor", []string{"way_in"}},
+}
+
+// derivedInitial is what a derived slot shows before its first refresh.
+func derivedInitial(key string) string {
+	if key == "way_in" {
+		return strconv.Quote(C.GoString(C.rg_bind_way_in()))
+	}
+	return "0"
+}
 
 // statsLayout is the document's text and where each slot is.
 type statsLayout struct {
@@ -190,25 +237,23 @@ func buildStatsLayout(s Stats) (statsLayout, error) {
 	line("  \"host\": %s,", host)
 	var snap C.rg_stats_snapshot
 	C.rg_stats_read(&snap)
-	for i, section := range []string{"tuner", "oneshot"} {
-		line("  %q: {", section)
+	for i, section := range statsSections {
+		line("  %q: {", section.name)
 		var keys []int
 		for j, c := range counterSlots {
-			if c.section == section {
+			if c.section == section.name {
 				keys = append(keys, j)
 			}
 		}
 		for n, j := range keys {
 			c := counterSlots[j]
-			last := section == "tuner" && n == len(keys)-1
+			last := n == len(keys)-1 && len(section.derived) == 0
 			l.counters[c.stat] = C.uint32_t(slot(c.key, strconv.FormatUint(uint64(snap.v[c.stat]), 10), last))
 		}
-		if section == "oneshot" {
-			for n, key := range derivedSlots {
-				l.derived[key] = slot(key, "0", n == len(derivedSlots)-1)
-			}
+		for n, key := range section.derived {
+			l.derived[key] = slot(key, derivedInitial(key), n == len(section.derived)-1)
 		}
-		if i == 0 {
+		if i < len(statsSections)-1 {
 			line("  },")
 		} else {
 			line("  }")
@@ -230,6 +275,7 @@ type statsFile struct {
 	layout  statsLayout
 	shown   bool   // the file shows percentiles of covered calls
 	covered uint64 // calls the percentiles in the file cover
+	wayIn   string // the interceptor's way in the file shows
 	stop    chan struct{}
 	stopped chan struct{}
 	warned  map[string]bool // paths that could not be attached, said once
@@ -274,7 +320,7 @@ func (sf *statsFile) attach(path string) error {
 	if sf.f != nil {
 		sf.f.Close() // its mapping stays, no longer written
 	}
-	sf.path, sf.f, sf.layout, sf.shown = path, f, l, false
+	sf.path, sf.f, sf.layout, sf.shown, sf.wayIn = path, f, l, false, ""
 	sf.refreshLocked()
 	return nil
 }
@@ -305,6 +351,10 @@ func (sf *statsFile) refreshLocked() {
 		return
 	}
 	s := ReadStats()
+	if s.Interceptor.WayIn != sf.wayIn {
+		sf.show("way_in", strconv.Quote(s.Interceptor.WayIn))
+		sf.wayIn = s.Interceptor.WayIn
+	}
 	if sf.shown && s.OneShot.LatencyCalls == sf.covered {
 		return
 	}
