@@ -4,23 +4,29 @@
 #include "../roce/gather/gather.h"
 #include "_cgo_export.h"
 #include "abi.h"
+#include "bind.h"
 
 /* The context of NCCL before 2.28, which calls init once per process and never finalize. */
 static void* process_ctx;
 
 ncclResult_t rg_coll_init_v8(ncclDebugLogger_t log) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   return (ncclResult_t)rgGoCollInit(&process_ctx, 0, 8, (void*)log);
 }
 ncclResult_t rg_coll_init_v9(ncclDebugLogger_t log) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   return (ncclResult_t)rgGoCollInit(&process_ctx, 0, 9, (void*)log);
 }
 ncclResult_t rg_coll_init_v10(ncclDebugLogger_t log) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   return (ncclResult_t)rgGoCollInit(&process_ctx, 0, 10, (void*)log);
 }
 ncclResult_t rg_coll_init_v11(void** ctx, uint64_t commId, ncclDebugLogger_t log) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   return (ncclResult_t)rgGoCollInit(ctx, commId, 11, (void*)log);
 }
 ncclResult_t rg_coll_init_v12(void** ctx, uint64_t commId, ncclDebugLogger_t log) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   return (ncclResult_t)rgGoCollInit(ctx, commId, 12, (void*)log);
 }
 

@@ -5,6 +5,7 @@
 #include "../roce/p2p.h"
 #include "_cgo_export.h"
 #include "abi.h"
+#include "bind.h"
 
 /* Contexts for NCCL before 2.28, which calls init once per process and never finalize. */
 static void* process_ctx_v8;
@@ -12,23 +13,28 @@ static void* process_ctx_v9;
 static void* process_ctx_v10;
 
 ncclResult_t rg_net_init_v8(ncclDebugLogger_t log) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   return (ncclResult_t)rgGoNetInit(&process_ctx_v8, 0, RG_NCCL_TRAFFIC_CLASS_UNDEF, 8, (void*)log);
 }
 ncclResult_t rg_net_init_v9(ncclDebugLogger_t log) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   return (ncclResult_t)rgGoNetInit(&process_ctx_v9, 0, RG_NCCL_TRAFFIC_CLASS_UNDEF, 9, (void*)log);
 }
 ncclResult_t rg_net_init_v10(ncclDebugLogger_t log, ncclProfilerCallback_t prof) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   (void)prof;
   return (ncclResult_t)rgGoNetInit(&process_ctx_v10, 0, RG_NCCL_TRAFFIC_CLASS_UNDEF, 10, (void*)log);
 }
 ncclResult_t rg_net_init_v11(void** ctx, uint64_t commId, ncclNetCommConfig_v11_t* config, ncclDebugLogger_t log,
                              ncclProfilerCallback_t prof) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   (void)prof;
   return (ncclResult_t)rgGoNetInit(ctx, commId, config ? config->trafficClass : RG_NCCL_TRAFFIC_CLASS_UNDEF, 11,
                                    (void*)log);
 }
 ncclResult_t rg_net_init_v12(void** ctx, uint64_t commId, ncclNetCommConfig_v12_t* config, ncclDebugLogger_t log,
                              ncclProfilerCallback_t prof) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   (void)prof;
   return (ncclResult_t)rgGoNetInit(ctx, commId, config ? config->trafficClass : RG_NCCL_TRAFFIC_CLASS_UNDEF, 12,
                                    (void*)log);

@@ -3,6 +3,7 @@ package plugin
 /*
 #include <stdlib.h>
 #include "../roce/gather/stats.h"
+#include "bind.h"
 void rg_register_at_exit(void);
 */
 import "C"
@@ -78,23 +79,25 @@ type Stats struct {
 		MaxUs          float64 `json:"max_us"`
 		LatencyCalls   uint64  `json:"latency_calls"`
 	} `json:"intercepted"`
+	// Interceptor is how calls reach the library's own NCCL functions (docs/interceptor.md)
+	// and how many calls reached each of them.
+	Interceptor struct {
+		// WayIn: "pending", "no_nccl", "preempting" (LD_PRELOAD), "rebound", "none" or
+		// "unsupported" (plugin/bind.h).
+		WayIn              string `json:"way_in"`
+		AllGather          uint64 `json:"ncclAllGather"`
+		CommInitRank       uint64 `json:"ncclCommInitRank"`
+		CommInitRankConfig uint64 `json:"ncclCommInitRankConfig"`
+		CommInitAll        uint64 `json:"ncclCommInitAll"`
+		CommSplit          uint64 `json:"ncclCommSplit"`
+		CommFinalize       uint64 `json:"ncclCommFinalize"`
+		CommDestroy        uint64 `json:"ncclCommDestroy"`
+		CommAbort          uint64 `json:"ncclCommAbort"`
+		CommGetAsyncError  uint64 `json:"ncclCommGetAsyncError"`
+		GroupStart         uint64 `json:"ncclGroupStart"`
+		GroupEnd           uint64 `json:"ncclGroupEnd"`
+	} `json:"interceptor"`
 }
-
-// latency is one section's percentiles, as ReadStats fills them.
-type latency struct {
-	p50, p90, p99, max *float64
-	calls              *uint64
-}
-
-func (s *Stats) latencies() map[string]latency {
-	return map[string]latency{
-		"oneshot":     {&s.OneShot.P50us, &s.OneShot.P90us, &s.OneShot.P99us, &s.OneShot.MaxUs, &s.OneShot.LatencyCalls},
-		"intercepted": {&s.Intercepted.P50us, &s.Intercepted.P90us, &s.Intercepted.P99us, &s.Intercepted.MaxUs, &s.Intercepted.LatencyCalls},
-	}
-}
-
-// statsSections are the document's sections of counters, in order.
-var statsSections = []string{"tuner", "oneshot", "intercepted"}
 
 // ReadStats snapshots the counters.
 func ReadStats() Stats {
@@ -107,6 +110,7 @@ func ReadStats() Stats {
 	for _, c := range counterSlots {
 		*c.field(&s) = v(c.stat)
 	}
+	s.Interceptor.WayIn = C.GoString(C.rg_bind_way_in())
 	lat := s.latencies()
 	fill := func(section string, h *[C.RG_LAT_BUCKETS]C.uint64_t) {
 		var hist [C.RG_LAT_BUCKETS]uint64
@@ -123,6 +127,19 @@ func ReadStats() Stats {
 	fill("oneshot", &g.gather_lat)
 	fill("intercepted", &g.os_lat)
 	return s
+}
+
+// latency is one section's percentiles, as ReadStats fills them.
+type latency struct {
+	p50, p90, p99, max *float64
+	calls              *uint64
+}
+
+func (s *Stats) latencies() map[string]latency {
+	return map[string]latency{
+		"oneshot":     {&s.OneShot.P50us, &s.OneShot.P90us, &s.OneShot.P99us, &s.OneShot.MaxUs, &s.OneShot.LatencyCalls},
+		"intercepted": {&s.Intercepted.P50us, &s.Intercepted.P90us, &s.Intercepted.P99us, &s.Intercepted.MaxUs, &s.Intercepted.LatencyCalls},
+	}
 }
 
 // bucketUpperNanos is the exclusive upper bound of latency bucket i (stats.c: quarter
@@ -193,13 +210,41 @@ var counterSlots = []struct {
 	{"intercepted", "errors", C.RG_STAT_OS_ERRORS, func(s *Stats) *uint64 { return &s.Intercepted.Errors }},
 	{"intercepted", "proxy_naps", C.RG_STAT_OS_NAPS, func(s *Stats) *uint64 { return &s.Intercepted.ProxyNaps }},
 	{"intercepted", "proxy_woke_to_work", C.RG_STAT_OS_WOKE, func(s *Stats) *uint64 { return &s.Intercepted.ProxyWoke }},
+	{"interceptor", "ncclAllGather", C.RG_STAT_CALL_ALLGATHER, func(s *Stats) *uint64 { return &s.Interceptor.AllGather }},
+	{"interceptor", "ncclCommInitRank", C.RG_STAT_CALL_COMM_INIT_RANK, func(s *Stats) *uint64 { return &s.Interceptor.CommInitRank }},
+	{"interceptor", "ncclCommInitRankConfig", C.RG_STAT_CALL_COMM_INIT_RANK_CONFIG, func(s *Stats) *uint64 { return &s.Interceptor.CommInitRankConfig }},
+	{"interceptor", "ncclCommInitAll", C.RG_STAT_CALL_COMM_INIT_ALL, func(s *Stats) *uint64 { return &s.Interceptor.CommInitAll }},
+	{"interceptor", "ncclCommSplit", C.RG_STAT_CALL_COMM_SPLIT, func(s *Stats) *uint64 { return &s.Interceptor.CommSplit }},
+	{"interceptor", "ncclCommFinalize", C.RG_STAT_CALL_COMM_FINALIZE, func(s *Stats) *uint64 { return &s.Interceptor.CommFinalize }},
+	{"interceptor", "ncclCommDestroy", C.RG_STAT_CALL_COMM_DESTROY, func(s *Stats) *uint64 { return &s.Interceptor.CommDestroy }},
+	{"interceptor", "ncclCommAbort", C.RG_STAT_CALL_COMM_ABORT, func(s *Stats) *uint64 { return &s.Interceptor.CommAbort }},
+	{"interceptor", "ncclCommGetAsyncError", C.RG_STAT_CALL_COMM_GET_ASYNC_ERROR, func(s *Stats) *uint64 { return &s.Interceptor.CommGetAsyncError }},
+	{"interceptor", "ncclGroupStart", C.RG_STAT_CALL_GROUP_START, func(s *Stats) *uint64 { return &s.Interceptor.GroupStart }},
+	{"interceptor", "ncclGroupEnd", C.RG_STAT_CALL_GROUP_END, func(s *Stats) *uint64 { return &s.Interceptor.GroupEnd }},
 }
 
-// derivedSection says whether a section ends with the percentiles (derivedSlots).
-func derivedSection(section string) bool { return section == "oneshot" || section == "intercepted" }
+// statsSections are the document's sections in order, each with the values the Go side
+// computes (shown after its counters).
+var statsSections = []struct {
+	name    string
+	derived []string
+}{
+	{"tuner", nil},
+	{"oneshot", latencyKeys},
+	{"intercepted", latencyKeys},
+	{"interceptor", []string{"way_in"}},
+}
 
-// derivedSlots are the values the Go side computes, after the counters of "oneshot".
-var derivedSlots = []string{"p50_us", "p90_us", "p99_us", "max_us", "latency_calls"}
+// latencyKeys are the derived values of a section with a latency histogram.
+var latencyKeys = []string{"p50_us", "p90_us", "p99_us", "max_us", "latency_calls"}
+
+// derivedInitial is what a derived slot shows before its first refresh.
+func derivedInitial(key string) string {
+	if key == "way_in" {
+		return strconv.Quote(C.GoString(C.rg_bind_way_in()))
+	}
+	return "0"
+}
 
 // statsLayout is the document's text and where each slot is.
 type statsLayout struct {
@@ -244,22 +289,20 @@ func buildStatsLayout(s Stats) (statsLayout, error) {
 	var snap C.rg_stats_snapshot
 	C.rg_stats_read(&snap)
 	for i, section := range statsSections {
-		line("  %q: {", section)
+		line("  %q: {", section.name)
 		var keys []int
 		for j, c := range counterSlots {
-			if c.section == section {
+			if c.section == section.name {
 				keys = append(keys, j)
 			}
 		}
 		for n, j := range keys {
 			c := counterSlots[j]
-			last := !derivedSection(section) && n == len(keys)-1
+			last := n == len(keys)-1 && len(section.derived) == 0
 			l.counters[c.stat] = C.uint32_t(slot(c.key, strconv.FormatUint(uint64(snap.v[c.stat]), 10), last))
 		}
-		if derivedSection(section) {
-			for n, key := range derivedSlots {
-				l.derived[section+"."+key] = slot(key, "0", n == len(derivedSlots)-1)
-			}
+		for n, key := range section.derived {
+			l.derived[section.name+"."+key] = slot(key, derivedInitial(key), n == len(section.derived)-1)
 		}
 		if i < len(statsSections)-1 {
 			line("  },")
@@ -283,6 +326,7 @@ type statsFile struct {
 	layout  statsLayout
 	shown   bool   // the file shows percentiles of covered calls
 	covered uint64 // calls the percentiles in the file cover
+	wayIn   string // the interceptor's way in the file shows
 	stop    chan struct{}
 	stopped chan struct{}
 	warned  map[string]bool // paths that could not be attached, said once
@@ -327,7 +371,7 @@ func (sf *statsFile) attach(path string) error {
 	if sf.f != nil {
 		sf.f.Close() // its mapping stays, no longer written
 	}
-	sf.path, sf.f, sf.layout, sf.shown = path, f, l, false
+	sf.path, sf.f, sf.layout, sf.shown, sf.wayIn = path, f, l, false, ""
 	sf.refreshLocked()
 	return nil
 }
@@ -358,6 +402,10 @@ func (sf *statsFile) refreshLocked() {
 		return
 	}
 	s := ReadStats()
+	if s.Interceptor.WayIn != sf.wayIn {
+		sf.show("interceptor.way_in", strconv.Quote(s.Interceptor.WayIn))
+		sf.wayIn = s.Interceptor.WayIn
+	}
 	covered := s.OneShot.LatencyCalls + s.Intercepted.LatencyCalls
 	if sf.shown && covered == sf.covered {
 		return

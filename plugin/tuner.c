@@ -7,6 +7,7 @@
 #include "../roce/gather/stats.h"
 #include "_cgo_export.h"
 #include "abi.h"
+#include "bind.h"
 #include "tuner.h"
 
 static float* cell(float** table, int numProto, int algo, int proto) {
@@ -136,18 +137,22 @@ static ncclResult_t tuner_init(void** ctx, uint64_t commId, int hasCommId, size_
 }
 
 ncclResult_t rg_tuner_init_v3(size_t nRanks, size_t nNodes, ncclDebugLogger_t log, void** ctx) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   return tuner_init(ctx, 0, 0, nRanks, nNodes, log, 3);
 }
 ncclResult_t rg_tuner_init_v4(size_t nRanks, size_t nNodes, ncclDebugLogger_t log, void** ctx) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   return tuner_init(ctx, 0, 0, nRanks, nNodes, log, 4);
 }
 ncclResult_t rg_tuner_init_v5(void** ctx, uint64_t commId, size_t nRanks, size_t nNodes, ncclDebugLogger_t log,
                               ncclNvlDomainInfo_v5_t* nvl, ncclTunerConstants_v5_t* constants) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   (void)nvl, (void)constants;
   return tuner_init(ctx, commId, 1, nRanks, nNodes, log, 5);
 }
 ncclResult_t rg_tuner_init_v6(void** ctx, uint64_t commId, size_t nRanks, size_t nNodes, ncclDebugLogger_t log,
                               ncclNvlDomainInfo_v6_t* nvl, ncclTunerConstants_v6_t* constants) {
+  rg_bind_from_nccl(__builtin_return_address(0), log);
   (void)nvl, (void)constants;
   return tuner_init(ctx, commId, 1, nRanks, nNodes, log, 6);
 }

@@ -177,7 +177,7 @@ func AgreeOneShot(proposals [][]byte, rank int) OneShotOutcome {
 	for i, p := range ps {
 		if !p.On {
 			out.Why = fmt.Sprintf("rank %d is off: %s", i, reason(Offer{Reason: p.Reason, Fabric: p.Fabric}))
-			out.Config = p.Reason == ReasonDisabled || p.Reason == ReasonFabricDefault
+			out.Config = p.Reason == ReasonDisabled || p.Reason == ReasonFabricDefault || p.Reason == ReasonCollNetRoute
 			return out
 		}
 	}

@@ -20,6 +20,9 @@ const (
 	// ReasonFabricDefault: the rank's fabric keeps the path off by default and
 	// ROCE_GATHER_MAX_BYTES is unset (the per-fabric defaults are plugin.DefaultWindows).
 	ReasonFabricDefault
+	// ReasonCollNetRoute: the rank serves its gathers through the CollNet route
+	// (ROCE_GATHER_NET=1 and NCCL_COLLNET_ENABLE=1), so the interceptor steps aside.
+	ReasonCollNetRoute
 )
 
 var reasonText = map[uint8]string{
@@ -27,6 +30,7 @@ var reasonText = map[uint8]string{
 	ReasonNoMemory:      "its landing slots could not be allocated",
 	ReasonLocalError:    "a local set-up error (see its log)",
 	ReasonFabricDefault: "the one-shot path is off by default on the %s fabric and ROCE_GATHER_MAX_BYTES is unset (set it on both ranks to use the path)",
+	ReasonCollNetRoute:  "it serves gathers through the CollNet route (ROCE_GATHER_NET=1 and NCCL_COLLNET_ENABLE=1)",
 }
 
 // reason says why an offer is off, the same words on both ranks.

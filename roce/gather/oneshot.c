@@ -280,6 +280,34 @@ static void trace_begin(rg_os_engine* e, uint64_t seq, uint64_t bytes, uint64_t 
 
 enum { STEP_IN_FLIGHT = 1, STEP_PROGRESS = 2 };
 
+/* Reads the kernels' reports, in order: each finished gather is counted once. */
+static void reports(rg_os_engine* e, uint64_t now, int* progress) {
+  rg_os_ctrl* ctrl = (rg_os_ctrl*)e->region;
+  for (;;) {
+    const uint64_t seq = e->done_seq + 1;
+    rg_os_report* r = &ctrl->report[seq & 1];
+    const uint64_t got = load_acquire(&r->seq);
+    if (got < seq) break;
+    if (got > seq) {
+      /* Kernels ran past reports nobody read: only aborted gathers end that fast. */
+      e->done_seq = got - 1;
+      continue;
+    }
+    if (r->status == RG_OS_OK) {
+      account(e, r, now);
+    } else if (r->status == RG_OS_TIMED_OUT) {
+      rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "the peer's data did not arrive within %llu ms",
+                 (unsigned long long)(e->timeout_ns / 1000000));
+    } else {
+      /* Stopped by the host: an error already raised, or the communicator's abort or destroy. */
+      rg_os_fail(e, RESULT_SYSTEM_ERROR, 1, "the gather was stopped (status %llu)", (unsigned long long)r->status);
+      if (!atomic_load(&e->closing)) warn_failed(e, seq);
+    }
+    e->done_seq = seq;
+    *progress = STEP_PROGRESS;
+  }
+}
+
 /* One sweep over an engine: whether a gather is in flight, and whether the sweep moved it. */
 static int step(rg_os_engine* e, uint64_t now) {
   int progress = 0;
@@ -359,24 +387,7 @@ static int step(rg_os_engine* e, uint64_t now) {
     if (all) e->tr->t[RG_T_OS_PEER] = now;
   }
 
-  /* Read the kernels' reports, in order. */
-  for (;;) {
-    const uint64_t seq = e->done_seq + 1;
-    rg_os_report* r = &ctrl->report[seq & 1];
-    if (load_acquire(&r->seq) != seq) break;
-    if (r->status == RG_OS_OK) {
-      account(e, r, now);
-    } else if (r->status == RG_OS_TIMED_OUT) {
-      rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "the peer's data did not arrive within %llu ms",
-                 (unsigned long long)(e->timeout_ns / 1000000));
-    } else {
-      /* Stopped by the host: an error already raised, or the communicator's abort or destroy. */
-      rg_os_fail(e, RESULT_SYSTEM_ERROR, 1, "the gather was stopped (status %llu)", (unsigned long long)r->status);
-      if (!atomic_load(&e->closing)) warn_failed(e, seq);
-    }
-    e->done_seq = seq;
-    progress = STEP_PROGRESS;
-  }
+  reports(e, now, &progress);
 
   const int in_flight = e->post_nchunks != 0 || e->done_seq + 1 < e->post_seq;
   if (in_flight && !failed && now - e->last_check_ns > CHECK_NS) {
@@ -459,6 +470,9 @@ void rg_os_proxy_remove(rg_os_engine* e) {
       *p = e->next;
       break;
     }
+  /* The gathers that ended since the last sweep are counted before the engine goes. */
+  int progress = 0;
+  reports(e, rg_now_ns(), &progress);
   int join = proxy.running && proxy.engines == NULL;
   if (join) proxy.stop = 1;
   pthread_mutex_unlock(&proxy.mu);

@@ -1,5 +1,6 @@
-/* Process-wide counters (ROCE_GATHER_STATS): the tuner's decisions (plugin/tuner.c) and
- * the one-shot calls (gather.c), updated with atomics from the hot path and read by Go.
+/* Process-wide counters (ROCE_GATHER_STATS): the tuner's decisions (plugin/tuner.c), the
+ * one-shot calls (gather.c) and the calls that reached the interceptor's wrappers
+ * (plugin/intercept.c), updated with atomics from the hot path and read by Go.
  *
  * Where ROCE_GATHER_STATS names a file, the file is a JSON document mapped shared into
  * the process (plugin/stats.go), with every counter's value in a slot of fixed width.
@@ -46,6 +47,18 @@ enum rg_stat {
   RG_STAT_OS_ERRORS,
   RG_STAT_OS_NAPS, /* times the proxy went to sleep after being idle */
   RG_STAT_OS_WOKE, /* times it found a gather in flight right after a nap */
+  /* Calls that reached each of the interceptor's wrappers, in plugin/intercept.h's order. */
+  RG_STAT_CALL_ALLGATHER,
+  RG_STAT_CALL_COMM_INIT_RANK,
+  RG_STAT_CALL_COMM_INIT_RANK_CONFIG,
+  RG_STAT_CALL_COMM_INIT_ALL,
+  RG_STAT_CALL_COMM_SPLIT,
+  RG_STAT_CALL_COMM_FINALIZE,
+  RG_STAT_CALL_COMM_DESTROY,
+  RG_STAT_CALL_COMM_ABORT,
+  RG_STAT_CALL_COMM_GET_ASYNC_ERROR,
+  RG_STAT_CALL_GROUP_START,
+  RG_STAT_CALL_GROUP_END,
   RG_STATS_N
 };
 

@@ -1,0 +1,189 @@
+/* The interceptor's wrappers: this library's own ncclAllGather and the calls it must see
+ * (communicator creation, split, finalize, destroy, abort, ncclCommGetAsyncError, groups).
+ * Each counts the call, lets the one-shot engine look (oneshot_hooks.h) and otherwise
+ * forwards to NCCL's pncclX with its arguments and result unchanged. Pure C; the
+ * ncclAllGather path takes no lock and allocates nothing once NCCL is found. */
+#define _GNU_SOURCE
+#include "intercept.h"
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include "../internal/nlog/nlog.h"
+#include "../roce/gather/stats.h"
+#include "bind.h"
+#include "oneshot_hooks.h"
+
+const char* const rg_wrapped_names[RG_WRAP_N] = {
+    "ncclAllGather",   "ncclCommInitRank",  "ncclCommInitRankConfig", "ncclCommInitAll",
+    "ncclCommSplit",   "ncclCommFinalize",  "ncclCommDestroy",        "ncclCommAbort",
+    "ncclCommGetAsyncError", "ncclGroupStart", "ncclGroupEnd",
+};
+_Static_assert(RG_STAT_CALL_GROUP_END - RG_STAT_CALL_ALLGATHER + 1 == RG_WRAP_N, "one counter a wrapper");
+
+/* The calling thread's group depth (NCCL keeps its own the same way, per thread). The
+ * library's TLS is static already (Go's runtime uses initial-exec): no __tls_get_addr. */
+static __thread int group_depth __attribute__((tls_model("initial-exec")));
+
+int rg_intercept_group_depth(void) { return group_depth; }
+
+static void counted(enum rg_wrapped w) { rg_stats_add((enum rg_stat)(RG_STAT_CALL_ALLGATHER + (int)w), 1); }
+
+/* What a wrapper returns when it has nothing to forward to; said once a function. */
+static ncclResult_t unavailable(enum rg_wrapped w, const rg_nccl_api* api) {
+  static atomic_int warned[RG_WRAP_N];
+  if (atomic_exchange(&warned[w], 1) == 0) {
+    if (api == NULL)
+      RG_WARN("%s: no NCCL in this process (no loaded object defines pncclAllGather); returning ncclInvalidUsage",
+              rg_wrapped_names[w]);
+    else
+      RG_WARN("%s: the NCCL in use (%s) has no p%s to forward it to; returning ncclInvalidUsage",
+              rg_wrapped_names[w], api->path, rg_wrapped_names[w]);
+  }
+  return ncclInvalidUsage;
+}
+
+/* The blocking mode NCCL gives a communicator made with config: its blocking field where
+ * the caller set it (configs from nccl.h 2.14 on), else NCCL's default, 1; NCCL_COMM_BLOCKING
+ * (0 or 1) overrides both, as in NCCL. */
+static int blocking_of(const ncclConfig_t* config) {
+  int blocking = 1;
+  if (config != NULL && config->magic == NCCL_API_MAGIC && config->version >= NCCL_VERSION_2_14 &&
+      config->blocking != NCCL_CONFIG_UNDEF_INT)
+    blocking = config->blocking;
+  const char* env = getenv("NCCL_COMM_BLOCKING");
+  if (env != NULL && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0)) blocking = env[0] - '0';
+  return blocking;
+}
+
+static int made(ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; }
+
+static ncclResult_t wrap_AllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
+                                   ncclComm_t comm, cudaStream_t stream) {
+  counted(RG_WRAP_AllGather);
+  const rg_nccl_api* api = rg_nccl();
+  if (api == NULL || api->AllGather == NULL) return unavailable(RG_WRAP_AllGather, api);
+  ncclResult_t result;
+  if (rg_oneshot_allgather(sendbuff, recvbuff, sendcount, datatype, comm, stream, &result)) return result;
+  return api->AllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream);
+}
+
+static ncclResult_t wrap_CommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
+  counted(RG_WRAP_CommInitRank);
+  const rg_nccl_api* api = rg_nccl();
+  if (api == NULL || api->CommInitRank == NULL) return unavailable(RG_WRAP_CommInitRank, api);
+  ncclResult_t r = api->CommInitRank(comm, nranks, commId, rank);
+  if (made(r) && comm != NULL && *comm != NULL) rg_oneshot_comm_created(*comm, blocking_of(NULL), "ncclCommInitRank");
+  return r;
+}
+
+static ncclResult_t wrap_CommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
+                                            ncclConfig_t* config) {
+  counted(RG_WRAP_CommInitRankConfig);
+  const rg_nccl_api* api = rg_nccl();
+  if (api == NULL || api->CommInitRankConfig == NULL) return unavailable(RG_WRAP_CommInitRankConfig, api);
+  ncclResult_t r = api->CommInitRankConfig(comm, nranks, commId, rank, config);
+  if (made(r) && comm != NULL && *comm != NULL)
+    rg_oneshot_comm_created(*comm, blocking_of(config), "ncclCommInitRankConfig");
+  return r;
+}
+
+static ncclResult_t wrap_CommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
+  counted(RG_WRAP_CommInitAll);
+  const rg_nccl_api* api = rg_nccl();
+  if (api == NULL || api->CommInitAll == NULL) return unavailable(RG_WRAP_CommInitAll, api);
+  ncclResult_t r = api->CommInitAll(comms, ndev, devlist);
+  if (made(r) && comms != NULL)
+    for (int i = 0; i < ndev; i++)
+      if (comms[i] != NULL) rg_oneshot_comm_created(comms[i], blocking_of(NULL), "ncclCommInitAll");
+  return r;
+}
+
+static ncclResult_t wrap_CommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config) {
+  counted(RG_WRAP_CommSplit);
+  const rg_nccl_api* api = rg_nccl();
+  if (api == NULL || api->CommSplit == NULL) return unavailable(RG_WRAP_CommSplit, api);
+  ncclResult_t r = api->CommSplit(comm, color, key, newcomm, config);
+  if (made(r) && newcomm != NULL && *newcomm != NULL)
+    rg_oneshot_comm_created(*newcomm, blocking_of(config), "ncclCommSplit");
+  return r;
+}
+
+static ncclResult_t wrap_CommFinalize(ncclComm_t comm) {
+  counted(RG_WRAP_CommFinalize);
+  const rg_nccl_api* api = rg_nccl();
+  if (api == NULL || api->CommFinalize == NULL) return unavailable(RG_WRAP_CommFinalize, api);
+  if (comm != NULL) rg_oneshot_comm_closing(comm, 0);
+  return api->CommFinalize(comm);
+}
+
+static ncclResult_t wrap_CommDestroy(ncclComm_t comm) {
+  counted(RG_WRAP_CommDestroy);
+  const rg_nccl_api* api = rg_nccl();
+  if (api == NULL || api->CommDestroy == NULL) return unavailable(RG_WRAP_CommDestroy, api);
+  if (comm != NULL) rg_oneshot_comm_closing(comm, 0);
+  ncclResult_t r = api->CommDestroy(comm);
+  if (comm != NULL) rg_oneshot_comm_gone(comm);
+  return r;
+}
+
+static ncclResult_t wrap_CommAbort(ncclComm_t comm) {
+  counted(RG_WRAP_CommAbort);
+  const rg_nccl_api* api = rg_nccl();
+  if (api == NULL || api->CommAbort == NULL) return unavailable(RG_WRAP_CommAbort, api);
+  if (comm != NULL) rg_oneshot_comm_closing(comm, 1);
+  ncclResult_t r = api->CommAbort(comm);
+  if (comm != NULL) rg_oneshot_comm_gone(comm);
+  return r;
+}
+
+static ncclResult_t wrap_CommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
+  counted(RG_WRAP_CommGetAsyncError);
+  const rg_nccl_api* api = rg_nccl();
+  if (api == NULL || api->CommGetAsyncError == NULL) return unavailable(RG_WRAP_CommGetAsyncError, api);
+  ncclResult_t r = api->CommGetAsyncError(comm, asyncError);
+  if (r == ncclSuccess && asyncError != NULL) *asyncError = rg_oneshot_async_error(comm, *asyncError);
+  return r;
+}
+
+static ncclResult_t wrap_GroupStart(void) {
+  counted(RG_WRAP_GroupStart);
+  const rg_nccl_api* api = rg_nccl();
+  if (api == NULL || api->GroupStart == NULL) return unavailable(RG_WRAP_GroupStart, api);
+  ncclResult_t r = api->GroupStart();
+  if (r == ncclSuccess) group_depth++;
+  return r;
+}
+
+static ncclResult_t wrap_GroupEnd(void) {
+  counted(RG_WRAP_GroupEnd);
+  const rg_nccl_api* api = rg_nccl();
+  if (api == NULL || api->GroupEnd == NULL) return unavailable(RG_WRAP_GroupEnd, api);
+  ncclResult_t r = api->GroupEnd();
+  /* NCCL leaves a group at any depth above 0, whatever the group's result. */
+  if (group_depth > 0) group_depth--;
+  return r;
+}
+
+/* The exported names are aliases: inside this library the wrappers are reached by their
+ * own (local) names, so a NCCL earlier in the global scope can never stand in for them. */
+#define EXPORT(f) extern __typeof(wrap_##f) nccl##f __attribute__((alias("wrap_" #f), visibility("default")))
+EXPORT(AllGather);
+EXPORT(CommInitRank);
+EXPORT(CommInitRankConfig);
+EXPORT(CommInitAll);
+EXPORT(CommSplit);
+EXPORT(CommFinalize);
+EXPORT(CommDestroy);
+EXPORT(CommAbort);
+EXPORT(CommGetAsyncError);
+EXPORT(GroupStart);
+EXPORT(GroupEnd);
+
+void* rg_wrapper(enum rg_wrapped w) {
+  static void* const wrappers[RG_WRAP_N] = {
+      (void*)wrap_AllGather, (void*)wrap_CommInitRank, (void*)wrap_CommInitRankConfig, (void*)wrap_CommInitAll,
+      (void*)wrap_CommSplit, (void*)wrap_CommFinalize, (void*)wrap_CommDestroy,         (void*)wrap_CommAbort,
+      (void*)wrap_CommGetAsyncError, (void*)wrap_GroupStart, (void*)wrap_GroupEnd,
+  };
+  return (unsigned)w < RG_WRAP_N ? wrappers[w] : NULL;
+}

@@ -1,0 +1,349 @@
+/* The interceptor's hooks for the intercepted gather (oneshot_hooks.h): which communicators
+ * the library knows, whether each one's ranks agreed the path, and the decision for each
+ * ncclAllGather. The decision and the launch are C; the agreement is Go (oneshot.go). */
+#define _GNU_SOURCE
+#include "oneshot.h"
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include "../internal/cudadrv/cudadrv.h"
+#include "../internal/nlog/nlog.h"
+#include "../roce/gather/oneshot.h"
+#include "../roce/gather/stats.h"
+#include "_cgo_export.h"
+#include "bind.h"
+#include "intercept.h"
+#include "oneshot_hooks.h"
+
+/* One communicator the interceptor has seen. */
+typedef struct rg_icomm {
+  ncclComm_t comm;
+  int nranks, rank, device;
+  int blocking; /* 1, 0, or -1 when its creation went past the interceptor */
+  atomic_int state;
+  rg_os_engine* engine;
+  uint64_t floor, cap;
+  int failed_result;
+  atomic_int said_deferred, said_error;
+  pthread_mutex_t mu; /* agreement and close */
+} rg_icomm;
+
+/* Communicators by address: lookups are lock-free; adding and removing take table_mu. */
+#define SLOTS 4096
+static _Atomic(rg_icomm*) table[SLOTS];
+static rg_icomm tombstone;
+static pthread_mutex_t table_mu = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int said_full;
+static atomic_int seen_any;
+
+static size_t slot_of(ncclComm_t c) {
+  uint64_t x = (uint64_t)(uintptr_t)c;
+  x ^= x >> 29;
+  x *= 0x9e3779b97f4a7c15ull;
+  return (size_t)(x >> 40) & (SLOTS - 1);
+}
+
+static rg_icomm* find(ncclComm_t c) {
+  size_t i = slot_of(c);
+  for (size_t n = 0; n < SLOTS; n++, i = (i + 1) & (SLOTS - 1)) {
+    rg_icomm* p = atomic_load_explicit(&table[i], memory_order_acquire);
+    if (p == NULL) return NULL;
+    if (p != &tombstone && p->comm == c) return p;
+  }
+  return NULL;
+}
+
+static size_t dtype_bytes(ncclDataType_t t) {
+  switch ((int)t) {
+  case ncclInt8: case ncclUint8: return 1;
+  case ncclFloat16: case ncclBfloat16: return 2;
+  case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
+  case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
+  case 10: case 11: return 1; /* ncclFloat8e4m3, ncclFloat8e5m2 (NCCL 2.24 and later) */
+  default: return 0;          /* NCCL decides what an unknown type means */
+  }
+}
+
+static rg_icomm* insert(ncclComm_t comm, int nranks, int rank, int device, int blocking, int state);
+
+/* Tracks a non-blocking communicator without asking NCCL: its gathers take NCCL's path. */
+static rg_icomm* adopt_offline(ncclComm_t comm) {
+  rg_icomm* c = insert(comm, -1, -1, -1, 0, RG_IC_OFF);
+  if (c != NULL)
+    RG_INFO(NCCL_INIT | NCCL_COLL, "communicator %p is non-blocking: its gathers take NCCL's path on both ranks", (void*)comm);
+  return c;
+}
+
+/* Starts tracking comm, asking NCCL its size, rank and device. NULL when NCCL cannot say
+ * (a communicator still initialising) or the table is full: the call then goes to NCCL. */
+static rg_icomm* adopt(ncclComm_t comm, int blocking) {
+  const rg_nccl_api* nccl = rg_nccl();
+  if (nccl == NULL || nccl->CommCount == NULL || nccl->CommUserRank == NULL) return NULL;
+  int nranks = 0, rank = 0, device = -1;
+  if (nccl->CommCount(comm, &nranks) != ncclSuccess || nccl->CommUserRank(comm, &rank) != ncclSuccess) return NULL;
+  if (nccl->CommCuDevice != NULL) nccl->CommCuDevice(comm, &device);
+  return insert(comm, nranks, rank, device, blocking, RG_IC_PENDING);
+}
+
+static rg_icomm* insert(ncclComm_t comm, int nranks, int rank, int device, int blocking, int state) {
+  pthread_mutex_lock(&table_mu);
+  rg_icomm* c = find(comm);
+  if (c == NULL) {
+    size_t i = slot_of(comm);
+    for (size_t n = 0; n < SLOTS; n++, i = (i + 1) & (SLOTS - 1)) {
+      rg_icomm* p = atomic_load(&table[i]);
+      if (p != NULL && p != &tombstone) continue;
+      c = calloc(1, sizeof(*c));
+      if (c == NULL) break;
+      c->comm = comm;
+      c->nranks = nranks;
+      c->rank = rank;
+      c->device = device;
+      c->blocking = blocking;
+      atomic_store(&c->state, state);
+      pthread_mutex_init(&c->mu, NULL);
+      atomic_store_explicit(&table[i], c, memory_order_release);
+      break;
+    }
+    if (c == NULL && !atomic_exchange(&said_full, 1))
+      RG_WARN("more than %d communicators at once: the gathers of the others take NCCL's path", SLOTS);
+  }
+  pthread_mutex_unlock(&table_mu);
+  if (c != NULL && !atomic_exchange(&seen_any, 1)) rgGoInterceptFirstComm();
+  return c;
+}
+
+void rg_oneshot_comm_created(ncclComm_t comm, int blocking, const char* how) {
+  RG_INFO(NCCL_INIT, "communicator %p made by %s (%s)", (void*)comm, how, blocking ? "blocking" : "non-blocking");
+  rg_icomm* c = find(comm);
+  /* A non-blocking communicator may still be initialising, and NCCL cannot say its size yet. */
+  if (c == NULL) c = blocking ? adopt(comm, blocking) : adopt_offline(comm);
+  if (c != NULL) c->blocking = blocking;
+}
+
+static void say_once(atomic_int* said, ncclComm_t comm, const char* what) {
+  if (!atomic_exchange(said, 1)) RG_INFO(NCCL_INIT | NCCL_COLL, "communicator %p: %s", (void*)comm, what);
+}
+
+/* Settles a pending communicator where this call may: outside any group and any capture,
+ * both ranks reach the same call (the first gather each issues outside them). */
+static int settle(rg_icomm* c, cudaStream_t stream) {
+  pthread_mutex_lock(&c->mu);
+  int st = atomic_load(&c->state);
+  if (st != RG_IC_PENDING) goto out;
+  if (c->nranks != 2) {
+    RG_INFO(NCCL_INIT | NCCL_COLL, "communicator %p has %d ranks: the one-shot gather serves two, so its gathers take NCCL's path",
+            (void*)c->comm, c->nranks);
+    st = RG_IC_OFF;
+    goto out;
+  }
+  if (c->blocking == 0) {
+    RG_INFO(NCCL_INIT | NCCL_COLL, "communicator %p is non-blocking: its gathers take NCCL's path on both ranks", (void*)c->comm);
+    st = RG_IC_OFF;
+    goto out;
+  }
+  if (rg_intercept_group_depth() > 0) {
+    say_once(&c->said_deferred, c->comm, "a gather inside ncclGroupStart/End cannot agree the one-shot path; "
+             "it and the next ones take NCCL's path until one outside a group and a capture agrees it");
+    goto out;
+  }
+  const rg_cuda_api* cu = rg_cuda();
+  int capturing = 0;
+  if (cu != NULL && cu->cuStreamIsCapturing((CUstream)stream, &capturing) == CUDA_SUCCESS &&
+      capturing != CU_STREAM_CAPTURE_STATUS_NONE) {
+    say_once(&c->said_deferred, c->comm, "a gather inside a CUDA graph capture cannot agree the one-shot path; "
+             "it and the next ones take NCCL's path until one outside a group and a capture agrees it");
+    goto out;
+  }
+  rg_oneshot_agreed a;
+  memset(&a, 0, sizeof(a));
+  rgGoOneShotAgree(c->comm, c->rank, c->device, cu == NULL, &a);
+  c->engine = a.engine;
+  c->floor = a.floor;
+  c->cap = a.cap;
+  c->failed_result = a.result;
+  st = a.state;
+out:
+  atomic_store(&c->state, st);
+  pthread_mutex_unlock(&c->mu);
+  return st;
+}
+
+int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm,
+                         cudaStream_t stream, ncclResult_t* result) {
+  const size_t esz = dtype_bytes(datatype);
+  if (comm == NULL || esz == 0 || count > UINT64_MAX / esz) return 0;
+  const uint64_t bytes = (uint64_t)count * esz;
+  rg_icomm* c = find(comm);
+  if (c == NULL && (c = adopt(comm, -1)) == NULL) return 0;
+  int st = atomic_load_explicit(&c->state, memory_order_acquire);
+  if (st == RG_IC_PENDING) st = settle(c, stream);
+  if (st == RG_IC_ON) {
+    rg_os_engine* e = c->engine;
+    int err = atomic_load_explicit(&e->error, memory_order_relaxed);
+    if (err != 0) {
+      if (!atomic_exchange(&c->said_error, 1))
+        RG_WARN("ncclAllGather on communicator %p returns error %d: its one-shot path failed: %s", (void*)comm, err, e->why);
+      *result = (ncclResult_t)err;
+      return 1;
+    }
+    if (bytes != 0 && bytes >= c->floor && bytes <= c->cap) {
+      int r = rg_os_launch(e, sendbuff, recvbuff, bytes, (CUstream)stream);
+      if (r != CUDA_SUCCESS) {
+        rg_os_fail(e, ncclUnhandledCudaError, 0, "launching the gather kernel: %s", rg_cuda_strerror(r));
+        *result = ncclUnhandledCudaError;
+        return 1;
+      }
+      rg_stats_add(RG_STAT_OS_LAUNCH_BYTES, bytes);
+      *result = ncclSuccess;
+      return 1;
+    }
+  } else if (st == RG_IC_FAILED) {
+    *result = (ncclResult_t)c->failed_result;
+    return 1;
+  }
+  rg_stats_add(RG_STAT_OS_FORWARDED, 1);
+  rg_stats_add(RG_STAT_OS_FORWARDED_BYTES, bytes);
+  return 0;
+}
+
+void rg_oneshot_comm_closing(ncclComm_t comm, int abort) {
+  rg_icomm* c = find(comm);
+  if (c == NULL) return;
+  pthread_mutex_lock(&c->mu);
+  if (atomic_load(&c->state) == RG_IC_ON && c->engine != NULL) {
+    rgGoOneShotClose(c->engine, abort);
+    /* What the engine said stays the communicator's answer until NCCL forgets it. */
+    c->failed_result = atomic_load(&c->engine->error);
+    c->engine = NULL;
+    atomic_store(&c->state, c->failed_result != 0 ? RG_IC_FAILED : RG_IC_OFF);
+  }
+  pthread_mutex_unlock(&c->mu);
+}
+
+void rg_oneshot_comm_gone(ncclComm_t comm) {
+  pthread_mutex_lock(&table_mu);
+  size_t i = slot_of(comm);
+  rg_icomm* gone = NULL;
+  for (size_t n = 0; n < SLOTS; n++, i = (i + 1) & (SLOTS - 1)) {
+    rg_icomm* p = atomic_load(&table[i]);
+    if (p == NULL) break;
+    if (p != &tombstone && p->comm == comm) {
+      atomic_store(&table[i], &tombstone);
+      gone = p;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&table_mu);
+  if (gone == NULL) return;
+  pthread_mutex_lock(&gone->mu);
+  if (gone->engine != NULL) rgGoOneShotClose(gone->engine, 1); /* destroyed without finalize or abort first */
+  pthread_mutex_unlock(&gone->mu);
+  pthread_mutex_destroy(&gone->mu);
+  free(gone);
+}
+
+ncclResult_t rg_oneshot_async_error(ncclComm_t comm, ncclResult_t nccl_result) {
+  if (nccl_result != ncclSuccess) return nccl_result;
+  rg_icomm* c = find(comm);
+  if (c == NULL) return nccl_result;
+  int st = atomic_load(&c->state);
+  if (st == RG_IC_ON && c->engine != NULL) {
+    int err = atomic_load(&c->engine->error);
+    if (err != 0) return (ncclResult_t)err;
+  } else if (st == RG_IC_FAILED) {
+    return (ncclResult_t)c->failed_result;
+  }
+  return nccl_result;
+}
+
+/* ---- The agreement's exchange through NCCL ---- */
+
+static int exchange_cuda(const rg_nccl_api* nccl, ncclComm_t comm, int device, const void* mine, void* all, size_t n,
+                         uint64_t timeout_ns, char* err, int errlen) {
+  const rg_cuda_api* cu = rg_cuda();
+  CUcontext cur = NULL, ctx = NULL;
+  CUdevice dev = device;
+  int pushed = 0, retained = 0;
+  cu->cuCtxGetCurrent(&cur);
+  if (cur == NULL && device >= 0) {
+    /* NCCL's communicators live in the device's primary context, which PyTorch and JAX use. */
+    if (cu->cuDevicePrimaryCtxRetain(&ctx, dev) == CUDA_SUCCESS) {
+      retained = 1;
+      pushed = cu->cuCtxPushCurrent(ctx) == CUDA_SUCCESS;
+    }
+  }
+  CUdeviceptr buf = 0;
+  CUstream s = NULL;
+  int result = ncclUnhandledCudaError;
+  const char* what = "cuMemAlloc";
+  CUresult r = cu->cuMemAlloc(&buf, 3 * n);
+  if (r == CUDA_SUCCESS) {
+    what = "cuMemcpyHtoD";
+    r = cu->cuMemcpyHtoD(buf, mine, n);
+  }
+  if (r == CUDA_SUCCESS) {
+    what = "cuStreamCreate";
+    r = cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
+  }
+  if (r != CUDA_SUCCESS) {
+    snprintf(err, errlen, "preparing the exchange (%s: %s)", what, rg_cuda_strerror(r));
+    goto done;
+  }
+  result = nccl->AllGather((const void*)(uintptr_t)buf, (void*)(uintptr_t)(buf + n), n, ncclUint8, comm, (cudaStream_t)s);
+  if (result != ncclSuccess && result != ncclInProgress) {
+    snprintf(err, errlen, "NCCL's all-gather returned %d", result);
+    goto done;
+  }
+  const uint64_t deadline = rg_now_ns() + timeout_ns;
+  for (;;) {
+    r = cu->cuStreamQuery(s);
+    if (r == CUDA_SUCCESS) break;
+    ncclResult_t async = ncclSuccess;
+    if (r != CUDA_ERROR_NOT_READY) {
+      snprintf(err, errlen, "waiting for NCCL's all-gather (cuStreamQuery: %s)", rg_cuda_strerror(r));
+      result = ncclUnhandledCudaError;
+      goto done;
+    }
+    if (nccl->CommGetAsyncError != NULL && nccl->CommGetAsyncError(comm, &async) == ncclSuccess && async != ncclSuccess &&
+        async != ncclInProgress) {
+      snprintf(err, errlen, "NCCL reported error %d on the communicator during the exchange", async);
+      result = async;
+      goto done;
+    }
+    if (rg_now_ns() > deadline) {
+      snprintf(err, errlen, "the peer did not join within %llu ms: does every rank load libroce_gather.so?",
+               (unsigned long long)(timeout_ns / 1000000));
+      result = ncclSystemError;
+      goto done;
+    }
+    struct timespec ts = {0, 20000};
+    nanosleep(&ts, NULL);
+  }
+  r = cu->cuMemcpyDtoH(all, buf + n, 2 * n);
+  result = r == CUDA_SUCCESS ? ncclSuccess : ncclUnhandledCudaError;
+  if (r != CUDA_SUCCESS) snprintf(err, errlen, "reading the exchange (cuMemcpyDtoH: %s)", rg_cuda_strerror(r));
+done:
+  if (s != NULL && result == ncclSuccess) cu->cuStreamDestroy(s); /* a stream NCCL may still use stays */
+  if (buf != 0 && result == ncclSuccess) cu->cuMemFree(buf);
+  if (pushed) cu->cuCtxPopCurrent(&cur);
+  if (retained) cu->cuDevicePrimaryCtxRelease(dev);
+  return result;
+}
+
+int rg_oneshot_exchange(ncclComm_t comm, int device, const void* mine, void* all, size_t n, int standin, uint64_t timeout_ns,
+                        char* err, int errlen) {
+  const rg_nccl_api* nccl = rg_nccl();
+  if (nccl == NULL || nccl->AllGather == NULL) {
+    snprintf(err, errlen, "no NCCL with pncclAllGather is loaded");
+    return ncclInvalidUsage;
+  }
+  if (!standin) return exchange_cuda(nccl, comm, device, mine, all, n, timeout_ns, err, errlen);
+  /* Without CUDA (tests): NCCL's stand-in gathers host memory before it returns. */
+  int r = nccl->AllGather(mine, all, n, ncclUint8, comm, NULL);
+  if (r != ncclSuccess) snprintf(err, errlen, "NCCL's all-gather returned %d", r);
+  return r;
+}

@@ -1,0 +1,222 @@
+package plugin
+
+// The intercepted gather's agreement, once per two-rank communicator (docs/roce-gather.md,
+// "The intercepted gather"): each rank's proposal crosses the communicator through NCCL's
+// own all-gather, both ranks compute the same outcome, the link is made and checked live,
+// and a second exchange confirms that both ranks are ready, so that both take the path or
+// neither does.
+
+/*
+#include <stdlib.h>
+#include "oneshot.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"sync"
+	"unsafe"
+
+	"github.com/roce-gather/roce_gather/internal/nlog"
+	"github.com/roce-gather/roce_gather/roce/gather"
+)
+
+// engines are the live engines, by their C engine, with the transport reference each holds.
+var engines = struct {
+	mu sync.Mutex
+	m  map[unsafe.Pointer]*gather.Engine
+}{m: map[unsafe.Pointer]*gather.Engine{}}
+
+// exchange runs one all-gather of b through NCCL on comm and returns both ranks' bytes.
+func exchange(comm unsafe.Pointer, device int, standin bool, timeoutNs uint64, b []byte) ([][]byte, C.int, error) {
+	mine := C.CBytes(b)
+	defer C.free(mine)
+	all := C.malloc(C.size_t(2 * len(b)))
+	defer C.free(all)
+	var errBuf [256]C.char
+	sd := C.int(0)
+	if standin {
+		sd = 1
+	}
+	r := C.rg_oneshot_exchange((C.ncclComm_t)(comm), C.int(device), mine, all, C.size_t(len(b)), sd, C.uint64_t(timeoutNs),
+		&errBuf[0], C.int(len(errBuf)))
+	if r != rcSuccess {
+		return nil, r, fmt.Errorf("%s", C.GoString(&errBuf[0]))
+	}
+	both := C.GoBytes(all, C.int(2*len(b)))
+	return [][]byte{both[:len(b)], both[len(b):]}, rcSuccess, nil
+}
+
+// confirmation is the second exchange: whether this rank is ready, and if not why.
+func confirmation(ready bool, why string) []byte {
+	b := make([]byte, gather.ProposalSize)
+	if ready {
+		b[0] = 1
+	}
+	copy(b[1:], why)
+	return b
+}
+
+func readConfirmation(b []byte) (bool, string) {
+	why := b[1:]
+	for i, c := range why {
+		if c == 0 {
+			why = why[:i]
+			break
+		}
+	}
+	return b[0] == 1, string(why)
+}
+
+//export rgGoOneShotAgree
+func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, out *C.rg_oneshot_agreed) {
+	cfg := state.config()
+	commID := uint64(uintptr(comm))
+	timeoutNs := uint64(cfg.Timeout.Nanoseconds())
+	sd := standin != 0
+	fail := func(r C.int, err error) {
+		nlog.Warnf("communicator 0x%x: the one-shot agreement failed, so every ncclAllGather on it returns error %d: %v", commID, int(r), err)
+		out.state, out.result = C.RG_IC_FAILED, r
+	}
+
+	prop := gather.OffProposal(gather.ReasonDisabled)
+	var st *gather.Starter
+	held := false
+	if cfg.Enable && cfg.Net && collNetEnabled() {
+		prop = gather.OffProposal(gather.ReasonCollNetRoute)
+	} else if cfg.Enable {
+		prop = gather.OffProposal(gather.ReasonLocalError)
+		tr, err := state.acquire()
+		if err != nil {
+			nlog.Warnf("communicator 0x%x: this rank cannot offer the one-shot path: %v", commID, err)
+		} else {
+			held = true
+			floor, capBytes, off := cfg.Window(tr.Kind())
+			if off {
+				prop = gather.OffProposal(gather.ReasonFabricDefault)
+				prop.Fabric = fabricCode(tr.Kind())
+			} else if st, prop, err = gather.PrepareOneShot(tr, gather.OneShotConfig{MinBytes: floor, MaxBytes: capBytes,
+				MinChunk: cfg.ChunkBytes, CommID: commID}); err != nil {
+				nlog.Warnf("communicator 0x%x: this rank cannot offer the one-shot path: %v", commID, err)
+			}
+		}
+	}
+	release := func() {
+		if st != nil {
+			st.Close()
+		}
+		if held {
+			state.release()
+			held = false
+		}
+	}
+
+	all, r, err := exchange(comm, int(device), sd, timeoutNs, prop.Encode())
+	if err != nil {
+		release()
+		fail(r, fmt.Errorf("exchanging the proposals through NCCL: %w", err))
+		return
+	}
+	o := gather.AgreeOneShot(all, int(rank))
+	var e *gather.Engine
+	why := o.Why
+	if o.On {
+		e, err = st.Connect(o, int(rank))
+		if err == nil {
+			if err = e.SetUp(sd); err != nil {
+				e.Close(true)
+				e = nil
+			}
+		}
+		if err != nil {
+			why = err.Error()
+		}
+	}
+	confirms, r, err := exchange(comm, int(device), sd, timeoutNs, confirmation(e != nil, why))
+	if err != nil {
+		if e != nil {
+			e.Close(true)
+		}
+		release()
+		fail(r, fmt.Errorf("exchanging the live checks' outcomes through NCCL: %w", err))
+		return
+	}
+	ok0, why0 := readConfirmation(confirms[0])
+	ok1, why1 := readConfirmation(confirms[1])
+	if o.On && (!ok0 || !ok1) {
+		switch {
+		case !ok0:
+			why = "rank 0 is not ready: " + why0
+		default:
+			why = "rank 1 is not ready: " + why1
+		}
+	}
+	if e != nil && ok0 && ok1 {
+		if err = e.Start(); err != nil {
+			why = err.Error() // the peer is ready and will wait: fail loudly on both (the peer times out)
+			e.Close(true)
+			release()
+			fail(C.int(rcSystemError), err)
+			return
+		}
+		engines.mu.Lock()
+		engines.m[e.C()] = e
+		engines.mu.Unlock()
+		for _, n := range o.Notes {
+			nlog.Infof(nlog.Init|nlog.Coll, "communicator 0x%x: %s", commID, n)
+		}
+		where := "the GPU kernel"
+		if sd {
+			where = "the host stand-in of the kernel (no CUDA driver)"
+		}
+		mem := "pinned host memory"
+		if !e.Pinned() {
+			mem = "plain host memory"
+		}
+		nlog.Infof(nlog.Init|nlog.Coll, "one-shot gather on for communicator 0x%x, rank %d of 2 (peer %s): window %d to %d bytes a rank, "+
+			"chunks from %d bytes, %s fabric, %d lane(s), slots in %s, %s", commID, int(rank), e.Peer(), o.Floor, o.Cap, o.MinChunk,
+			o.Fabric, e.Lanes(), mem, where)
+		out.state, out.engine, out.floor, out.cap = C.RG_IC_ON, e.C(), C.uint64_t(o.Floor), C.uint64_t(o.Cap)
+		return
+	}
+	if e != nil {
+		e.Close(true)
+	}
+	release()
+	if o.Config {
+		nlog.Infof(nlog.Init|nlog.Coll, "one-shot gather off for communicator 0x%x: %s; its gathers take NCCL's path on both ranks", commID, why)
+	} else {
+		nlog.Warnf("one-shot gather off for communicator 0x%x: %s; its gathers take NCCL's path on both ranks", commID, why)
+	}
+	out.state = C.RG_IC_OFF
+}
+
+//export rgGoInterceptFirstComm
+func rgGoInterceptFirstComm() {
+	// With LD_PRELOAD alone NCCL never inits this library: the stats and the timeline start here.
+	cfg := state.config()
+	openStats(cfg.StatsPath)
+	openTrace(cfg)
+}
+
+//export rgGoOneShotClose
+func rgGoOneShotClose(engine unsafe.Pointer, abort C.int) {
+	engines.mu.Lock()
+	e, ok := engines.m[engine]
+	delete(engines.m, engine)
+	engines.mu.Unlock()
+	if !ok {
+		return
+	}
+	if err := e.Close(abort != 0); err != nil {
+		nlog.Warnf("closing the one-shot gather: %v", err)
+	}
+	state.release()
+}
+
+func fabricCode(kind string) uint8 {
+	if kind == "verbs" {
+		return 2
+	}
+	return 1
+}
