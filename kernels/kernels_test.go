@@ -115,3 +115,14 @@ func TestOneShotKernelTakesTheArgumentsStruct(t *testing.T) {
 	require.Len(t, params, 1)
 	require.Equal(t, strconv.Itoa(OneShotArgsBytes()), params[0][2])
 }
+
+// The block's shared words pass values between threads across barriers: clang moved a
+// plain load of one above the barrier once (a block then copied with one thread only), so
+// every shared access must be volatile.
+func TestOneShotSharedWordsAreReadAndWrittenVolatile(t *testing.T) {
+	plain := regexp.MustCompile(`(?m)^\s*(ld|st)\.shared\.`).FindAllString(OneShotPTX(), -1)
+	require.Empty(t, plain, "non-volatile shared accesses in kernels/oneshot.ptx")
+	require.Regexp(t, `ld\.volatile\.shared\.u32`, OneShotPTX())
+	// And the barriers are the asm ones with a memory clobber, in every block-wide step.
+	require.GreaterOrEqual(t, strings.Count(OneShotPTX(), "bar.sync 0;"), 4)
+}

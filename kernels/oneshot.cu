@@ -107,10 +107,13 @@ __device__ static inline __attribute__((always_inline)) void rg_block_copy(unsig
 }
 
 #define RG_OS_FN __device__
-#define RG_OS_SHARED __shared__
+/* Volatile: clang may move a load of a static __shared__ variable above a barrier, since
+ * no call in this thread can write it; only another thread does. */
+#define RG_OS_SHARED __shared__ volatile
 #define RG_OS_LEADER (rg_tid() == 0)
-#define RG_OS_SYNC() __syncthreads()
+#define RG_OS_SYNC() asm volatile("bar.sync 0;" ::: "memory")
 #define RG_OS_FENCE_SYS() __nvvm_membar_sys()
+#define RG_OS_FENCE_GPU() __nvvm_membar_gl()
 #define RG_OS_LOAD_ACQUIRE(p) rg_load_acquire(p)
 #define RG_OS_STORE_RELEASE(p, v) rg_store_release((p), (v))
 #define RG_OS_NOW() rg_globaltimer()

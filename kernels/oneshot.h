@@ -48,9 +48,11 @@ typedef struct rg_os_report {
   volatile rg_u64 bytes;   /* bytes a rank; written before ready[parity][0] */
   volatile rg_u64 chunk;   /* chunk size; written with bytes */
   volatile rg_u64 status;  /* enum rg_os_status */
-  volatile rg_u64 t_start; /* the kernel's clock (%globaltimer, or CLOCK_MONOTONIC in the stand-in) */
+  volatile rg_u64 t_start;   /* the kernel's clock (%globaltimer, or CLOCK_MONOTONIC in the stand-in) */
+  volatile rg_u64 t_staged;  /* the first chunk's doorbell rang */
+  volatile rg_u64 t_arrived; /* the finishing block saw the last of its chunks from the peer */
   volatile rg_u64 t_end;
-  rg_u64 pad[RG_OS_LINE / 8 - 6];
+  rg_u64 pad[RG_OS_LINE / 8 - 8];
 } rg_os_report;
 
 typedef struct rg_os_line {
@@ -75,7 +77,8 @@ typedef struct rg_os_dev {
   rg_u32 arrived; /* blocks done with the current gather */
   rg_u32 failed;  /* the first failure a block saw, as enum rg_os_status */
   rg_u64 t_start;
-  rg_u64 pad[5];
+  rg_u64 t_staged;
+  rg_u64 pad[4];
 } rg_os_dev;
 
 /* One launch's arguments, passed by value as the kernel's single parameter. */

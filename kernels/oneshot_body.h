@@ -8,6 +8,7 @@
  *   RG_OS_LEADER                  true in the one thread of a block that polls and rings
  *   RG_OS_SYNC()                  a barrier of the block
  *   RG_OS_FENCE_SYS()             orders this thread's writes before later ones, for the host and NIC too
+ *   RG_OS_FENCE_GPU()             the same for the other blocks of this launch only
  *   RG_OS_LOAD_ACQUIRE(p)         a load of a 64-bit word others write, ordered before later loads
  *   RG_OS_STORE_RELEASE(p, v)     a store ordered after every earlier write of the block
  *   RG_OS_NOW()                   nanoseconds of a clock that only goes forward
@@ -22,14 +23,18 @@
 
 #include "oneshot.h"
 
-/* Waits until every lane's flag reaches level; returns RG_OS_OK, or why it stopped. */
+/* Waits until every lane's flag reaches level; returns RG_OS_OK, or why it stopped. The
+ * abort word and the clock are read one poll in 16: each read of host memory is a round
+ * trip over PCIe, and the flags are what the wait is for. */
 RG_OS_FN static rg_u32 rg_os_wait(const rg_os_args* a, rg_u64 level, rg_u64 deadline) {
-  for (;;) {
+  for (rg_u32 polls = 0;; polls++) {
     rg_u32 seen = 0;
     for (rg_u32 l = 0; l < a->lanes; l++) seen += RG_OS_LOAD_ACQUIRE(&a->ctrl->flag[l].word) >= level;
-    if (a->ctrl->abort.word != 0) return RG_OS_ABORTED;
-    if (seen == a->lanes) return RG_OS_OK;
-    if (RG_OS_NOW() > deadline) return RG_OS_TIMED_OUT;
+    if (seen == a->lanes) return a->ctrl->abort.word != 0 ? RG_OS_ABORTED : RG_OS_OK;
+    if ((polls & 15) == 15) {
+      if (a->ctrl->abort.word != 0) return RG_OS_ABORTED;
+      if (RG_OS_NOW() > deadline) return RG_OS_TIMED_OUT;
+    }
     RG_OS_RELAX();
   }
 }
@@ -37,6 +42,7 @@ RG_OS_FN static rg_u32 rg_os_wait(const rg_os_args* a, rg_u64 level, rg_u64 dead
 RG_OS_FN static void rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nblocks) {
   RG_OS_SHARED rg_u32 verdict;
   RG_OS_SHARED rg_u32 last;
+  RG_OS_SHARED rg_u64 arrived_at;
   const rg_u64 seq = *(volatile rg_u64*)&a->dev->seq + 1; /* the previous gather's kernel ended before this one began */
   const rg_u32 parity = (rg_u32)(seq & 1);
   unsigned char* send_slot = a->send_slots + parity * a->slot_bytes;
@@ -55,6 +61,7 @@ RG_OS_FN static void rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbloc
         a->ctrl->report[parity].chunk = a->chunk;
       }
       RG_OS_STORE_RELEASE(&a->ctrl->ready[parity][c], seq);
+      if (c == 0) a->dev->t_staged = RG_OS_NOW();
     }
   }
 
@@ -75,14 +82,19 @@ RG_OS_FN static void rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbloc
 
   /* The last block to finish writes the rows, or none if any block failed. */
   if (RG_OS_LEADER) {
-    if (failed != RG_OS_OK) RG_OS_FAIL(&a->dev->failed, failed);
-    RG_OS_FENCE_SYS();
-    last = RG_OS_ARRIVE(&a->dev->arrived) == nblocks - 1;
-    if (last) RG_OS_FENCE_SYS();
+    arrived_at = RG_OS_NOW();
+    if (nblocks == 1) {
+      last = 1;
+    } else {
+      if (failed != RG_OS_OK) RG_OS_FAIL(&a->dev->failed, failed);
+      RG_OS_FENCE_GPU(); /* this block's scratch before its arrival */
+      last = RG_OS_ARRIVE(&a->dev->arrived) == nblocks - 1;
+      if (last) RG_OS_FENCE_GPU();
+    }
   }
   RG_OS_SYNC();
   if (!last) return;
-  const rg_u32 status = *(volatile rg_u32*)&a->dev->failed;
+  const rg_u32 status = nblocks == 1 ? failed : *(volatile rg_u32*)&a->dev->failed;
   if (status == RG_OS_OK) {
     const rg_u32 peer = 1 - a->rank;
     unsigned char* peer_row = a->recv + peer * a->bytes;
@@ -98,10 +110,11 @@ RG_OS_FN static void rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbloc
     rg_os_report* r = &a->ctrl->report[parity];
     r->status = status;
     r->t_start = a->dev->t_start;
+    r->t_staged = a->dev->t_staged;
+    r->t_arrived = arrived_at;
     r->t_end = RG_OS_NOW();
     a->dev->failed = 0;
     a->dev->arrived = 0;
-    RG_OS_FENCE_SYS();
     RG_OS_STORE_RELEASE(&r->seq, seq);
     *(volatile rg_u64*)&a->dev->seq = seq;
   }

@@ -57,7 +57,7 @@ type Config struct {
 	// fabric, which the CollNet route needs; by default NCCL uses its own transports.
 	Net bool
 	// ChunkBytes is ROCE_GATHER_CHUNK_BYTES, the smallest chunk an intercepted gather is
-	// cut into; both ranks use the larger of theirs.
+	// cut into (0: the fabric's default, ChunkFor); both ranks use the larger of theirs.
 	ChunkBytes uint64
 	// ProxyIdle is ROCE_GATHER_PROXY_IDLE_MS: how long the proxy spins without a gather
 	// before it naps between sweeps; 0 never naps.
@@ -76,8 +76,9 @@ const (
 	DefaultTraceEvery   = 1
 	DefaultTraceRecords = 16384
 	MaxTraceRecords     = 1 << 20
-	// DefaultChunkBytes is the smallest chunk of an intercepted gather (docs/benchmarks.md).
-	DefaultChunkBytes = 16 << 10
+	// DefaultChunkBytes is the smallest chunk of an intercepted gather on a fabric with no
+	// default of its own (DefaultWindows).
+	DefaultChunkBytes = 64 << 10
 	// DefaultProxyIdleMS is how long the proxy spins without a gather before it naps.
 	DefaultProxyIdleMS = 100
 	MaxProxyIdleMS     = 3600 * 1000
@@ -90,13 +91,18 @@ type FabricWindow struct {
 	Off      bool
 	MinBytes uint64 // the floor ROCE_GATHER_MIN_BYTES replaces
 	MaxBytes uint64 // the cap ROCE_GATHER_MAX_BYTES replaces
+	// MinChunk is the smallest chunk of the intercepted gather ROCE_GATHER_CHUNK_BYTES replaces.
+	MinChunk uint64
 }
 
 // DefaultWindows holds each fabric's default window of the intercepted gather: the one
 // place to change them. docs/benchmarks.md has the measurements behind them.
 var DefaultWindows = map[string]FabricWindow{
-	"verbs": {MinBytes: 0, MaxBytes: 512 << 10},
-	"tcp":   {MinBytes: 0, MaxBytes: 1 << 20},
+	// Unverified: no RDMA device has run it (docs/benchmarks.md).
+	"verbs": {MinBytes: 0, MaxBytes: 512 << 10, MinChunk: 64 << 10},
+	// Over TCP a chunk costs a system call on each side, more than chunks save by
+	// overlapping: the largest chunks measured fastest (docs/benchmarks.md).
+	"tcp": {MinBytes: 0, MaxBytes: 256 << 10, MinChunk: 256 << 10},
 }
 
 // CollNetDefaultWindows holds each fabric's default window of the CollNet route
@@ -112,6 +118,17 @@ var CollNetDefaultWindows = map[string]FabricWindow{
 // (ROCE_GATHER_MAX_BYTES unset where the fabric's default is off).
 func (c Config) Window(fabric string) (floor, capBytes uint64, offByDefault bool) {
 	return c.windowFrom(DefaultWindows, fabric)
+}
+
+// ChunkFor is this rank's smallest chunk of the intercepted gather on fabric.
+func (c Config) ChunkFor(fabric string) uint64 {
+	if c.ChunkBytes != 0 {
+		return c.ChunkBytes
+	}
+	if d := DefaultWindows[fabric].MinChunk; d != 0 {
+		return d
+	}
+	return DefaultChunkBytes
 }
 
 // CollNetWindow is the same for the CollNet route.
@@ -172,7 +189,6 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		OneShotChannels: DefaultOneShotChannels,
 		TraceEvery:      DefaultTraceEvery,
 		TraceRecords:    DefaultTraceRecords,
-		ChunkBytes:      DefaultChunkBytes,
 		ProxyIdle:       DefaultProxyIdleMS * time.Millisecond,
 	}
 	var warns []Warning
@@ -320,9 +336,9 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		n, err := ParseBytes(v)
 		switch {
 		case err != nil:
-			refuse("ROCE_GATHER_CHUNK_BYTES", v, fmt.Sprint(DefaultChunkBytes), "is not a byte count ("+err.Error()+")")
+			refuse("ROCE_GATHER_CHUNK_BYTES", v, "the fabric's default", "is not a byte count ("+err.Error()+")")
 		case !gather.ValidMinChunk(n):
-			refuse("ROCE_GATHER_CHUNK_BYTES", v, fmt.Sprint(DefaultChunkBytes),
+			refuse("ROCE_GATHER_CHUNK_BYTES", v, "the fabric's default",
 				fmt.Sprintf("is not a multiple of %d bytes from %d to %d", gather.ChunkAlign, gather.ChunkAlign, gather.MaxMinChunk))
 		default:
 			c.ChunkBytes = n

@@ -148,7 +148,9 @@ func TestWindowDefaultsPerFabric(t *testing.T) {
 	floor, capBytes, off := c.Window("verbs")
 	require.Equal(t, [3]any{uint64(0), uint64(512 << 10), false}, [3]any{floor, capBytes, off})
 	floor, capBytes, off = c.Window("tcp")
-	require.Equal(t, [3]any{uint64(0), uint64(1 << 20), false}, [3]any{floor, capBytes, off})
+	require.Equal(t, [3]any{uint64(0), uint64(256 << 10), false}, [3]any{floor, capBytes, off})
+	require.Equal(t, uint64(256<<10), c.ChunkFor("tcp"))
+	require.Equal(t, uint64(64<<10), c.ChunkFor("verbs"))
 }
 
 func TestCollNetWindowDefaultsPerFabric(t *testing.T) {
@@ -188,7 +190,7 @@ func TestWindowFloorAboveTheCapIsKeptAsGiven(t *testing.T) {
 func TestWindowDescriptionSaysWhereEachEndCameFrom(t *testing.T) {
 	c, _ := ParseConfig(env(nil))
 	require.Equal(t, "window 0 to 524288 bytes a rank (the verbs fabric's default)", c.describeWindow("verbs"))
-	require.Equal(t, "window 0 to 1048576 bytes a rank (the tcp fabric's default)", c.describeWindow("tcp"))
+	require.Equal(t, "window 0 to 262144 bytes a rank (the tcp fabric's default)", c.describeWindow("tcp"))
 	c, _ = ParseConfig(env(map[string]string{"ROCE_GATHER_MIN_BYTES": "4K"}))
 	require.Equal(t, "window 4096 to 524288 bytes a rank (ROCE_GATHER_MIN_BYTES and the verbs fabric's default cap)", c.describeWindow("verbs"))
 	c, _ = ParseConfig(env(map[string]string{"ROCE_GATHER_MAX_BYTES": "4K"}))
@@ -209,16 +211,17 @@ func TestNetIsOffByDefaultAndTakesZeroOrOne(t *testing.T) {
 
 func TestChunkBytesIsWholePagesFrom4KiBTo16MiB(t *testing.T) {
 	c, _ := ParseConfig(env(nil))
-	require.Equal(t, uint64(DefaultChunkBytes), c.ChunkBytes)
+	require.Equal(t, uint64(0), c.ChunkBytes)
 	c, warns := ParseConfig(env(map[string]string{"ROCE_GATHER_CHUNK_BYTES": "64K"}))
 	require.Empty(t, warns)
 	require.Equal(t, uint64(64<<10), c.ChunkBytes)
+	require.Equal(t, uint64(64<<10), c.ChunkFor("tcp"))
 	for _, bad := range []string{"1000", "0", "32M", "12x"} {
 		c, warns = ParseConfig(env(map[string]string{"ROCE_GATHER_CHUNK_BYTES": bad}))
-		require.Equal(t, uint64(DefaultChunkBytes), c.ChunkBytes, bad)
+		require.Equal(t, uint64(0), c.ChunkBytes, bad)
 		require.Len(t, warns, 1, bad)
 		require.Equal(t, "ROCE_GATHER_CHUNK_BYTES", warns[0].Var)
-		require.Equal(t, "16384", warns[0].Used)
+		require.Equal(t, "the fabric's default", warns[0].Used)
 	}
 	require.Contains(t, warns[0].Why, "not a byte count")
 }

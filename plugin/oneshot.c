@@ -183,7 +183,7 @@ int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncc
   if (st == RG_IC_PENDING) st = settle(c, stream);
   if (st == RG_IC_ON) {
     rg_os_engine* e = c->engine;
-    int err = atomic_load_explicit(&e->error, memory_order_relaxed);
+    int err = rg_os_check_launch(e);
     if (err != 0) {
       if (!atomic_exchange(&c->said_error, 1))
         RG_WARN("ncclAllGather on communicator %p returns error %d: its one-shot path failed: %s", (void*)comm, err, e->why);

@@ -96,7 +96,7 @@ func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, out *C.r
 				prop = gather.OffProposal(gather.ReasonFabricDefault)
 				prop.Fabric = fabricCode(tr.Kind())
 			} else if st, prop, err = gather.PrepareOneShot(tr, gather.OneShotConfig{MinBytes: floor, MaxBytes: capBytes,
-				MinChunk: cfg.ChunkBytes, CommID: commID}); err != nil {
+				MinChunk: cfg.ChunkFor(tr.Kind()), CommID: commID}); err != nil {
 				nlog.Warnf("communicator 0x%x: this rank cannot offer the one-shot path: %v", commID, err)
 			}
 		}

@@ -83,7 +83,7 @@ func writeTraceCSV(w io.Writer, recs []fileRecord) error {
 	for s := gather.Stamp(0); int(s) < gather.Stamps; s++ {
 		head = append(head, s.String()+"_us")
 	}
-	head = append(head, "peer_iallgather_us", "iallgather_ns")
+	head = append(head, "peer_iallgather_us", "iallgather_ns", "kernel_start_ns", "kernel_staged_us", "kernel_arrived_us", "kernel_us")
 	if err := cw.Write(head); err != nil {
 		return err
 	}
@@ -106,6 +106,12 @@ func writeTraceCSV(w io.Writer, recs []fileRecord) error {
 			peer = us(float64(int64(r.PeerIallgather-r.T[gather.StampIallgather])) / 1e3)
 		}
 		row = append(row, peer, strconv.FormatUint(r.T[gather.StampIallgather], 10))
+		if r.KStart != 0 {
+			k := func(t uint64) string { return us(float64(int64(t-r.KStart)) / 1e3) }
+			row = append(row, strconv.FormatUint(r.KStart, 10), k(r.KStaged), k(r.KArrived), k(r.KEnd))
+		} else {
+			row = append(row, "", "", "", "")
+		}
 		if err := cw.Write(row); err != nil {
 			return err
 		}

@@ -183,7 +183,7 @@ func TestPlugincheckTracePrintsWhereTheMicrosecondsGo(t *testing.T) {
 		"cuda", "kernel", "failed", "test_calls", "max_test_gap_us", "iallgather_us", "returned_us", "token_sent_us", "token_seen_us",
 		"posted_us", "writes_done_us", "peer_seen_us", "launched_us", "go_us", "placed_us", "done_us", "first_test_us",
 		"reported_us", "next_us", "doorbell_seen_us", "write_posted_us", "peer_flag_seen_us", "rows_written_us",
-		"peer_iallgather_us", "iallgather_ns"}, rows[0])
+		"peer_iallgather_us", "iallgather_ns", "kernel_start_ns", "kernel_staged_us", "kernel_arrived_us", "kernel_us"}, rows[0])
 	require.Equal(t, []string{files[0], "0", "0xc0ffee", "1", "eager"}, rows[1][:5])
 	require.Equal(t, "0.000", rows[1][14])
 	require.Equal(t, "", rows[1][16], "no token in eager mode")

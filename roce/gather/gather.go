@@ -42,6 +42,8 @@ const (
 	ModeAuto       Mode = 0                    // chosen by size from measurement
 	ModeRendezvous Mode = C.RG_MODE_RENDEZVOUS // the receiver's ready token first, then a zero-copy write
 	ModeEager      Mode = C.RG_MODE_EAGER      // a write into plugin-owned landing slots, no wait
+	// ModeIntercepted marks the timeline records of the intercepted gather; never a ROCE_GATHER_MODE.
+	ModeIntercepted Mode = C.RG_TRACE_MODE_INTERCEPTED
 )
 
 func (m Mode) String() string {
@@ -52,6 +54,8 @@ func (m Mode) String() string {
 		return "eager"
 	case ModeAuto:
 		return "auto"
+	case ModeIntercepted:
+		return "intercepted"
 	}
 	return fmt.Sprintf("mode(%d)", uint8(m))
 }

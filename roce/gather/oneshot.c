@@ -26,6 +26,7 @@
 /* Idle this long, the proxy naps between sweeps (ROCE_GATHER_PROXY_IDLE_MS sets it). */
 #define DEFAULT_IDLE_NS 100000000ull
 #define NAP_NS 50000
+#define YIELD_EVERY 64
 
 static rg_u32 threads_for(rg_u64 chunk) { return chunk <= 4096 ? 128 : 512; }
 
@@ -46,6 +47,24 @@ void rg_os_fail(rg_os_engine* e, int nccl_result, int quiet, const char* fmt, ..
   __atomic_store_n(&((rg_os_ctrl*)e->region)->abort.word, 1, __ATOMIC_RELEASE);
   rg_stats_add(RG_STAT_OS_ERRORS, 1);
   if (!quiet) warn_failed(e, e->done_seq + 1);
+}
+
+/* The link ended while no gather was in flight: kernels launched from now on end at once,
+ * and the next gather turns it into the engine's error. */
+static void end_quietly(rg_os_engine* e, const char* why) {
+  if (atomic_load(&e->ended)) return;
+  snprintf(e->ended_why, sizeof(e->ended_why), "%s", why);
+  __atomic_store_n(&((rg_os_ctrl*)e->region)->abort.word, 1, __ATOMIC_RELEASE);
+  atomic_store(&e->ended, 1);
+}
+
+int rg_os_check_launch(rg_os_engine* e) {
+  int err = atomic_load_explicit(&e->error, memory_order_relaxed);
+  if (err == 0 && atomic_load_explicit(&e->ended, memory_order_relaxed)) {
+    rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "the link to the peer ended before this gather: %s", e->ended_why);
+    err = atomic_load(&e->error);
+  }
+  return err;
 }
 
 /* ---- Set-up ---- */
@@ -142,6 +161,7 @@ int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, 
   rg_u32 blocks = a.nchunks < RG_OS_MAX_BLOCKS ? a.nchunks : RG_OS_MAX_BLOCKS;
   rg_stats_add(RG_STAT_OS_LAUNCHES, 1);
   if (e->standin) {
+    rg_os_check_launch(e);
     atomic_fetch_add(&e->standin_running, 1);
     if (!atomic_load(&e->closing)) rg_os_host_gather(&a, blocks);
     atomic_fetch_sub(&e->standin_running, 1);
@@ -203,8 +223,8 @@ static struct {
 
 static uint64_t load_acquire(const volatile uint64_t* p) { return __atomic_load_n((const uint64_t*)p, __ATOMIC_ACQUIRE); }
 
-static void stamp(rg_os_engine* e, int which, uint64_t now) {
-  if (e->tr != NULL && e->tr->index == e->tr_index && e->tr->t[which] == 0) e->tr->t[which] = now;
+static void stamp(rg_os_engine* e, int which) {
+  if (e->tr != NULL && e->tr->index == e->tr_index && e->tr->t[which] == 0) e->tr->t[which] = rg_now_ns();
 }
 
 /* Posts one chunk on every lane: its stripe, then the flag that announces it. Returns
@@ -253,11 +273,18 @@ static int post_chunk(rg_os_engine* e, uint32_t parity, uint32_t c) {
   return RG_OK;
 }
 
-static void account(rg_os_engine* e, const rg_os_report* r, uint64_t now) {
+static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r, uint64_t now) {
   rg_stats_add(RG_STAT_OS_GATHERS, 1);
   rg_stats_add(RG_STAT_OS_BYTES, r->bytes);
-  if (r->t_end >= r->t_start) rg_stats_os_latency(r->t_end - r->t_start);
-  stamp(e, RG_T_OS_ROWS, now);
+  const uint64_t t0 = r->t_start, t2 = r->t_end;
+  if (t2 >= t0) rg_stats_os_latency(t2 - t0);
+  if (e->tr != NULL && e->tr->index == e->tr_index && e->tr_seq == seq) {
+    e->tr->t[RG_T_OS_ROWS] = rg_now_ns();
+    e->tr->k_start = t0;
+    e->tr->k_staged = r->t_staged;
+    e->tr->k_arrived = r->t_arrived;
+    e->tr->k_end = t2;
+  }
 }
 
 /* Begins the timeline record of gather seq, where the timeline samples it. */
@@ -275,7 +302,7 @@ static void trace_begin(rg_os_engine* e, uint64_t seq, uint64_t bytes, uint64_t 
   e->tr->mode = RG_TRACE_MODE_INTERCEPTED;
   e->tr->lanes = (uint32_t)e->link->nlanes;
   e->tr_nchunks = e->post_nchunks;
-  e->tr->t[RG_T_OS_DOORBELL] = now;
+  e->tr->t[RG_T_OS_DOORBELL] = rg_now_ns();
 }
 
 enum { STEP_IN_FLIGHT = 1, STEP_PROGRESS = 2 };
@@ -294,10 +321,14 @@ static void reports(rg_os_engine* e, uint64_t now, int* progress) {
       continue;
     }
     if (r->status == RG_OS_OK) {
-      account(e, r, now);
+      account(e, seq, r, now);
     } else if (r->status == RG_OS_TIMED_OUT) {
       rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "the peer's data did not arrive within %llu ms",
                  (unsigned long long)(e->timeout_ns / 1000000));
+    } else if (atomic_load(&e->ended) && !atomic_load(&e->error)) {
+      /* A gather (a graph replay, which no launch saw) ran after the link ended. */
+      rg_os_fail(e, RESULT_REMOTE_ERROR, atomic_load(&e->closing), "the link to the peer ended before this gather: %s",
+                 e->ended_why);
     } else {
       /* Stopped by the host: an error already raised, or the communicator's abort or destroy. */
       rg_os_fail(e, RESULT_SYSTEM_ERROR, 1, "the gather was stopped (status %llu)", (unsigned long long)r->status);
@@ -313,7 +344,7 @@ static int step(rg_os_engine* e, uint64_t now) {
   int progress = 0;
   rg_os_ctrl* ctrl = (rg_os_ctrl*)e->region;
   rg_link* link = e->link;
-  int failed = atomic_load_explicit(&e->error, memory_order_relaxed) != 0;
+  int failed = atomic_load_explicit(&e->error, memory_order_relaxed) != 0 || atomic_load(&e->ended);
 
   /* Post every chunk whose doorbell rang, in order: the doorbell is a level per chunk. */
   while (!failed) {
@@ -343,23 +374,32 @@ static int step(rg_os_engine* e, uint64_t now) {
       break;
     }
     if (++e->post_chunk == e->post_nchunks) {
-      stamp(e, RG_T_OS_POSTED, now);
+      stamp(e, RG_T_OS_POSTED);
       e->post_seq++;
       e->post_nchunks = 0;
       e->post_chunk = 0;
     }
   }
 
-  /* A link that ends while no gather is in flight is said when the next gather finds it
-   * (plugin/oneshot.c): the peer may simply have destroyed its communicator first. */
+  /* The reports first: a gather that ended is not in flight when the link's end is seen. */
+  reports(e, now, &progress);
+
+  /* A link that ends while no gather is in flight is said when the next gather finds it:
+   * the peer may simply have destroyed its communicator first. */
   const int quiet_end = atomic_load(&e->closing) || !(e->post_nchunks != 0 || e->done_seq + 1 < e->post_seq);
+  char why[200];
   /* Retire signaled writes and move the lanes (tcp reads and places the peer's frames here). */
   for (int l = 0; l < link->nlanes; l++) {
     rg_cqe cqe[16];
     int n = rg_poll_send(&link->lane[l], cqe, 16);
     if (n < 0) {
-      if (!failed)
-        rg_os_fail(e, RESULT_REMOTE_ERROR, quiet_end, "the link failed: %s", rg_why(&link->lane[l]));
+      snprintf(why, sizeof(why), "the link failed: %s", rg_why(&link->lane[l]));
+      if (failed) {
+      } else if (quiet_end) {
+        end_quietly(e, why);
+      } else {
+        rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "%s", why);
+      }
       failed = 1;
       continue;
     }
@@ -374,7 +414,11 @@ static int step(rg_os_engine* e, uint64_t now) {
     }
     rg_cqe rc[4];
     if (rg_poll_recv(&link->lane[l], rc, 4) < 0 && !failed) {
-      rg_os_fail(e, RESULT_REMOTE_ERROR, quiet_end, "the link failed: %s", rg_why(&link->lane[l]));
+      snprintf(why, sizeof(why), "the link failed: %s", rg_why(&link->lane[l]));
+      if (quiet_end)
+        end_quietly(e, why);
+      else
+        rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "%s", why);
       failed = 1;
     }
   }
@@ -384,10 +428,8 @@ static int step(rg_os_engine* e, uint64_t now) {
     const uint64_t want = rg_os_level(e->tr_seq, e->tr_nchunks);
     int all = 1;
     for (int l = 0; l < link->nlanes; l++) all &= load_acquire(&ctrl->flag[l].word) >= want;
-    if (all) e->tr->t[RG_T_OS_PEER] = now;
+    if (all) e->tr->t[RG_T_OS_PEER] = rg_now_ns();
   }
-
-  reports(e, now, &progress);
 
   const int in_flight = e->post_nchunks != 0 || e->done_seq + 1 < e->post_seq;
   if (in_flight && !failed && now - e->last_check_ns > CHECK_NS) {
@@ -401,6 +443,12 @@ static int step(rg_os_engine* e, uint64_t now) {
   return (in_flight ? STEP_IN_FLIGHT : 0) | progress;
 }
 
+static inline void relax(void) {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
 static void nap(void) {
   struct timespec ts = {0, NAP_NS};
   nanosleep(&ts, NULL);
@@ -410,6 +458,7 @@ static void* proxy_main(void* arg) {
   (void)arg;
   uint64_t last_busy = rg_now_ns();
   int napping = 0;
+  uint32_t idle_sweeps = 0;
   for (;;) {
     pthread_mutex_lock(&proxy.mu);
     if (proxy.stop) {
@@ -420,9 +469,15 @@ static void* proxy_main(void* arg) {
     int busy = 0;
     for (rg_os_engine* e = proxy.engines; e != NULL; e = e->next) busy |= step(e, now);
     pthread_mutex_unlock(&proxy.mu);
-    /* A sweep that moved nothing lets another thread of this core run: on a host with few
-     * cores that may be the one the gather waits for. */
-    if (!(busy & STEP_PROGRESS)) sched_yield();
+    /* Every so many sweeps that moved nothing, another thread of this core may run: on a
+     * host with few cores it may be the one the gather waits for. */
+    if (busy & STEP_PROGRESS) {
+      idle_sweeps = 0;
+    } else if (++idle_sweeps % YIELD_EVERY == 0) {
+      sched_yield();
+    } else {
+      relax();
+    }
     if (busy) {
       if (napping) rg_stats_add(RG_STAT_OS_WOKE, 1);
       napping = 0;

@@ -66,6 +66,10 @@ struct rg_os_engine {
   atomic_int closing;
   atomic_int warned; /* the error's WARN is out */
   char why[256];
+  /* The link ended while no gather was in flight (the peer may have destroyed its
+   * communicator first): no error yet, but the next gather fails with ended_why. */
+  atomic_int ended;
+  char ended_why[256];
   rg_os_engine* next; /* the proxy's list */
 };
 
@@ -90,6 +94,10 @@ void rg_os_proxy_remove(rg_os_engine* e);
 /* Raises the engine's error (the first one wins), stops every wait of its kernels, and
  * says it in one WARN unless quiet. */
 void rg_os_fail(rg_os_engine* e, int nccl_result, int quiet, const char* fmt, ...) __attribute__((format(printf, 4, 5)));
+
+/* The error a gather launched now meets: an error raised earlier, or a link that ended
+ * while idle, which this turns into the engine's error (with its WARN). 0 if healthy. */
+int rg_os_check_launch(rg_os_engine* e);
 
 /* Waits up to timeout_ns for every gather launched so far to end (abort first stops their
  * waits). Returns 0 when they ended, -1 when they did not (the memory must then stay). */

@@ -24,6 +24,7 @@ static inline void host_copy(unsigned char* dst, const unsigned char* src, rg_u6
 #define RG_OS_LEADER 1
 #define RG_OS_SYNC() ((void)0)
 #define RG_OS_FENCE_SYS() atomic_thread_fence(memory_order_seq_cst)
+#define RG_OS_FENCE_GPU() atomic_thread_fence(memory_order_seq_cst)
 #define RG_OS_LOAD_ACQUIRE(p) host_load_acquire(p)
 #define RG_OS_STORE_RELEASE(p, v) host_store_release((p), (v))
 #define RG_OS_NOW() rg_now_ns()

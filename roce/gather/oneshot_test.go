@@ -370,3 +370,23 @@ func mustProposalBytes(cfg OneShotConfig) []byte {
 		Addr: roce.Addr{IP: []byte{127, 0, 0, 1}, Port: 1}}
 	return p.Encode()
 }
+
+// A peer that closes its side while no gather is in flight (it destroyed its communicator
+// first) is no error yet: the next gather fails at once and says why.
+func TestInterceptedGatherPeerLeavingWhileIdleFailsTheNextGatherOnly(t *testing.T) {
+	engines := osPair(t, 20*time.Second, [2]OneShotConfig{osConfig(64 << 10), osConfig(64 << 10)})
+	c := newRowsCase(rand.New(rand.NewSource(7)), 1000, 0, 0, false)
+	errs := gatherOnBoth(engines, c)
+	require.NoError(t, errs[0])
+	require.NoError(t, errs[1])
+	require.NoError(t, engines[1].Close(false))
+	time.Sleep(300 * time.Millisecond) // the proxy has seen the link end by now
+	require.NoError(t, engines[0].Err(), "an idle link's end is not the communicator's error")
+	c = newRowsCase(rand.New(rand.NewSource(8)), 1000, 0, 0, false)
+	start := time.Now()
+	err := engines[0].GatherOnHost(c.send(0), c.rows(0))
+	require.ErrorContains(t, err, "the link to the peer ended before this gather")
+	require.Less(t, time.Since(start), 2*time.Second)
+	c.checkUntouched(t, 0)
+	require.ErrorContains(t, engines[0].Err(), "closed the link")
+}

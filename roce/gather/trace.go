@@ -104,14 +104,27 @@ type TraceRecord struct {
 	MaxTestGapNs   uint64
 	T              [Stamps]uint64 // CLOCK_MONOTONIC ns; 0 where the call never got there
 	PeerIallgather uint64         // the peer's StampIallgather, where its file was read too
+	// The intercepted gather's kernel by its own clock (%globaltimer, shared by both ranks
+	// of one GPU): its start, its first doorbell, its last chunk from the peer, its end; 0
+	// where not recorded.
+	KStart, KStaged, KArrived, KEnd uint64
+}
+
+// Base is the stamp the others are measured from: NCCL's iallgather (the CollNet route)
+// or the proxy's first sight of the kernel (the intercepted gather).
+func (r TraceRecord) Base() Stamp {
+	if r.T[StampIallgather] == 0 && r.T[StampOSDoorbell] != 0 {
+		return StampOSDoorbell
+	}
+	return StampIallgather
 }
 
 // Has says whether the call reached stamp s.
 func (r TraceRecord) Has(s Stamp) bool { return r.T[s] != 0 }
 
-// Since is the time from the call's iallgather to stamp s, in microseconds.
+// Since is the time from the call's base stamp to stamp s, in microseconds.
 func (r TraceRecord) Since(s Stamp) float64 {
-	return float64(int64(r.T[s]-r.T[StampIallgather])) / 1e3
+	return float64(int64(r.T[s]-r.T[r.Base()])) / 1e3
 }
 
 // Between is the time from stamp a to stamp b, in microseconds.
@@ -212,6 +225,8 @@ func ParseTrace(b []byte) (TraceHeader, []TraceRecord, error) {
 		for s := range r.T {
 			r.T[s] = le.Uint64(p[80+8*s:])
 		}
+		k := p[80+8*Stamps:]
+		r.KStart, r.KStaged, r.KArrived, r.KEnd = le.Uint64(k[0:]), le.Uint64(k[8:]), le.Uint64(k[16:]), le.Uint64(k[24:])
 		recs = append(recs, r)
 	}
 	sort.Slice(recs, func(i, j int) bool { return recs[i].Index < recs[j].Index })
@@ -244,8 +259,9 @@ func cTraceLayout() map[string]uintptr {
 		"h.magic": unsafe.Offsetof(h.magic), "h.version": unsafe.Offsetof(h.version),
 		"h.record_bytes": unsafe.Offsetof(h.record_bytes), "h.capacity": unsafe.Offsetof(h.capacity),
 		"h.begun": unsafe.Offsetof(h.begun), "h.every": unsafe.Offsetof(h.every), "h.pid": unsafe.Offsetof(h.pid),
-		"h.stamps": unsafe.Offsetof(h.stamps),
-		"r.index":  unsafe.Offsetof(r.index), "r.comm_id": unsafe.Offsetof(r.comm_id), "r.seq": unsafe.Offsetof(r.seq),
+		"h.stamps":  unsafe.Offsetof(h.stamps),
+		"r.k_start": unsafe.Offsetof(r.k_start), "r.k_end": unsafe.Offsetof(r.k_end),
+		"r.index": unsafe.Offsetof(r.index), "r.comm_id": unsafe.Offsetof(r.comm_id), "r.seq": unsafe.Offsetof(r.seq),
 		"r.window_offset": unsafe.Offsetof(r.window_offset), "r.window_bytes": unsafe.Offsetof(r.window_bytes),
 		"r.bytes_per_rank": unsafe.Offsetof(r.bytes_per_rank), "r.rank": unsafe.Offsetof(r.rank),
 		"r.mode": unsafe.Offsetof(r.mode), "r.lanes": unsafe.Offsetof(r.lanes), "r.flags": unsafe.Offsetof(r.flags),

@@ -70,7 +70,10 @@ typedef struct rg_trace_record {
   uint64_t test_calls;     /* NCCL's tests of the request, the reporting one included */
   uint64_t max_test_gap_ns; /* the longest wait between two of them (or return and the first) */
   uint64_t t[RG_T_N];
-  uint64_t reserved[RG_TRACE_RECORD_BYTES / 8 - 10 - RG_T_N];
+  /* The intercepted gather's kernel by its own clock (%globaltimer, which both ranks share
+   * on one GPU): its start, its first doorbell, the finishing block's last chunk from the
+   * peer, and its end. */
+  uint64_t k_start, k_staged, k_arrived, k_end;
 } rg_trace_record;
 _Static_assert(sizeof(rg_trace_record) == RG_TRACE_RECORD_BYTES, "records are RG_TRACE_RECORD_BYTES");
 

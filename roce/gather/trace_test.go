@@ -17,7 +17,7 @@ func TestTraceLayoutIsTheCOne(t *testing.T) {
 		"h.pid": 40, "h.stamps": 48,
 		"r.index": 0, "r.comm_id": 8, "r.seq": 16, "r.window_offset": 24, "r.window_bytes": 32,
 		"r.bytes_per_rank": 40, "r.rank": 48, "r.mode": 52, "r.lanes": 56, "r.flags": 60, "r.test_calls": 64,
-		"r.max_test_gap_ns": 72, "r.t": 80,
+		"r.max_test_gap_ns": 72, "r.t": 80, "r.k_start": 80 + 8*18, "r.k_end": 104 + 8*18,
 	}, cTraceLayout())
 	require.Equal(t, 18, Stamps)
 }
