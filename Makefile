@@ -5,7 +5,7 @@ BUILD := build
 DRIVER_CFLAGS := -O2 -g -std=gnu11 -Wall -Wextra -Werror -Iinclude
 LIB := $(BUILD)/libroce_gather.so
 
-.PHONY: all check test test-rxe vet fmt lint clean kernels install
+.PHONY: all check test test-rxe vet fmt lint clean kernels install wheel
 all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl
 
 GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/roce_gather.ptx go.mod go.sum build/exports.map
@@ -59,6 +59,12 @@ install: $(LIB) $(BUILD)/plugincheck $(BUILD)/plugincheck-driver
 	install -m 755 $(BUILD)/plugincheck $(DESTDIR)$(PREFIX)/bin/plugincheck
 	install -m 755 $(BUILD)/plugincheck-driver $(DESTDIR)$(PREFIX)/libexec/roce_gather/plugincheck-driver
 
+# make wheel: build/roce_gather-VERSION-py3-none-linux_x86_64.whl, the library (both names),
+# plugincheck and its driver in make install's layout inside the Python package python/roce_gather
+# (build/wheel.py says why that tag). pip install it; python -m roce_gather check checks it.
+wheel: $(LIB) $(BUILD)/plugincheck $(BUILD)/plugincheck-driver
+	python3 build/wheel.py --build $(BUILD) --out $(BUILD)
+
 # Builds the library and runs plugincheck's main job: the ABI check.
 check: all
 	$(BUILD)/plugincheck abi
@@ -72,9 +78,11 @@ fmt:
 lint: vet fmt
 
 # Every test: static checks, Go unit tests, the ABI and two-process tests that drive the
-# built library through plugincheck's driver, and the GPU scripts' own logic (no GPU used).
-test: all lint
+# built library through plugincheck's driver, the wheel installed in a fresh virtual
+# environment (tests/wheel), the Python package's and the GPU scripts' own logic (no GPU used).
+test: all lint wheel
 	$(GO) test -count=1 ./...
+	python3 python/test_roce_gather.py
 	python3 tests/gpu/test_logic.py
 
 # The verbs checks on a real verbs stack: soft-RoCE (rdma_rxe) in a QEMU guest booting
@@ -87,5 +95,5 @@ test-rxe: all
 
 clean:
 	rm -rf $(BUILD)/lib* $(BUILD)/plugincheck* $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl \
-		$(BUILD)/rxe.test $(BUILD)/verbs.test
+		$(BUILD)/rxe.test $(BUILD)/verbs.test $(BUILD)/roce_gather-*.whl
 
