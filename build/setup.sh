@@ -84,7 +84,9 @@ as_root() {
 # The one line naming the packages and the command that installs them.
 say_missing() {
   if command -v apt-get >/dev/null 2>&1; then
-    echo "$1: missing Debian packages: $2; install them with: sudo apt-get update && sudo apt-get install -y --no-install-recommends $2" >&2
+    s="sudo "
+    [ "$(id -u)" != 0 ] || s=""
+    echo "$1: missing Debian packages: $2; install them with: ${s}apt-get update && ${s}apt-get install -y --no-install-recommends $2" >&2
   else
     echo "$1: missing (as Debian names them): $2; this is not Debian or Ubuntu: install their equivalents" >&2
   fi
