@@ -5,12 +5,17 @@ BUILD := build
 DRIVER_CFLAGS := -O2 -g -std=gnu11 -Wall -Wextra -Werror -Iinclude
 LIB := $(BUILD)/libroce_gather.so
 
-.PHONY: all check test test-rxe vet fmt lint clean kernels kernels-oneshot install
+.PHONY: all check test test-all test-rxe vet fmt lint clean kernels kernels-oneshot install wheel need-build need-wheel need-test need-rxe
 all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl
 
 GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/roce_gather.ptx go.mod go.sum build/exports.map
 
-$(LIB): $(GO_SOURCES)
+# What each kind of target needs from the system (build/setup.sh installs it): a missing
+# header or tool is named in one line, with the command that installs it, before anything runs.
+need-build need-wheel need-test need-rxe:
+	@build/setup.sh --check $(@:need-%=%)
+
+$(LIB): $(GO_SOURCES) | need-build
 	$(GO) build -buildmode=c-shared -trimpath \
 		-ldflags "-extldflags=-Wl,--version-script=$(CURDIR)/build/exports.map" -o $@ .
 	rm -f $(BUILD)/libroce_gather.h
@@ -19,22 +24,22 @@ $(LIB): $(GO_SOURCES)
 $(BUILD)/libnccl-net-roce_gather.so: $(LIB)
 	ln -sf libroce_gather.so $@
 
-$(BUILD)/plugincheck: $(GO_SOURCES)
+$(BUILD)/plugincheck: $(GO_SOURCES) | need-build
 	$(GO) build -trimpath -o $@ ./cmd/plugincheck
 
-$(BUILD)/plugincheck-driver: $(wildcard cmd/plugincheck/driver/*.c cmd/plugincheck/driver/*.h) $(wildcard include/nccl/*.h)
+$(BUILD)/plugincheck-driver: $(wildcard cmd/plugincheck/driver/*.c cmd/plugincheck/driver/*.h) $(wildcard include/nccl/*.h) | need-build
 	$(CC) $(DRIVER_CFLAGS) -o $@ $(filter %.c,$^) -ldl -lpthread
 
 # The GPU check of the gather kernel (tests/gpu/kernel_check.c); builds anywhere, runs where a GPU is.
 KERNEL_CHECK_SRC := tests/gpu/kernel_check.c kernels/place.c internal/cudadrv/cudadrv.c
-$(BUILD)/kernel-check: $(KERNEL_CHECK_SRC) kernels/place.h internal/cudadrv/cudadrv.h include/cuda_subset.h
+$(BUILD)/kernel-check: $(KERNEL_CHECK_SRC) kernels/place.h internal/cudadrv/cudadrv.h include/cuda_subset.h | need-build
 	$(CC) $(DRIVER_CFLAGS) -o $@ $(KERNEL_CHECK_SRC) -ldl -lpthread
 
 # NCCL through its C API for tests/gpu: ncclCommAbort after the peer's death, and gathers
 # with no framework around them. NCCL is opened at run time.
 NCCL_MIN := tests/gpu/nccl_min.c internal/cudadrv/cudadrv.c
 NCCL_MIN_H := tests/gpu/nccl_min.h internal/cudadrv/cudadrv.h include/cuda_subset.h
-$(BUILD)/abort-nccl $(BUILD)/gather-nccl: $(BUILD)/%-nccl: tests/gpu/%_nccl.c $(NCCL_MIN) $(NCCL_MIN_H)
+$(BUILD)/abort-nccl $(BUILD)/gather-nccl: $(BUILD)/%-nccl: tests/gpu/%_nccl.c $(NCCL_MIN) $(NCCL_MIN_H) | need-build
 	$(CC) $(DRIVER_CFLAGS) -o $@ $< $(NCCL_MIN) -ldl -lpthread
 
 # Rebuilds the embedded PTX of the gather kernel; needs nvcc (any CUDA 11.8 or newer).
@@ -70,6 +75,12 @@ install: $(LIB) $(BUILD)/plugincheck $(BUILD)/plugincheck-driver
 	install -m 755 $(BUILD)/plugincheck $(DESTDIR)$(PREFIX)/bin/plugincheck
 	install -m 755 $(BUILD)/plugincheck-driver $(DESTDIR)$(PREFIX)/libexec/roce_gather/plugincheck-driver
 
+# make wheel: build/roce_gather-VERSION-py3-none-linux_x86_64.whl, the library (both names),
+# plugincheck and its driver in make install's layout inside the Python package python/roce_gather
+# (build/wheel.py says why that tag). pip install it; python -m roce_gather check checks it.
+wheel: $(LIB) $(BUILD)/plugincheck $(BUILD)/plugincheck-driver | need-wheel
+	python3 build/wheel.py --build $(BUILD) --out $(BUILD)
+
 # Builds the library and runs plugincheck's main job: the ABI check.
 check: all
 	$(BUILD)/plugincheck abi
@@ -82,15 +93,21 @@ fmt:
 
 lint: vet fmt
 
-# Every test: static checks, Go unit tests, the ABI and two-process tests that drive the
-# built library through plugincheck's driver, and the GPU scripts' own logic (no GPU used).
-test: all lint
+# The tests that need no guest: static checks, Go unit tests, the ABI and two-process tests
+# that drive the built library through plugincheck's driver, the wheel installed in a fresh
+# virtual environment (tests/wheel), the Python package's and the GPU scripts' own logic.
+test: all lint wheel | need-test
 	$(GO) test -count=1 ./...
+	python3 python/test_roce_gather.py
 	python3 tests/gpu/test_logic.py
+
+# Every test, the README's second command: make test, then the soft-RoCE guest.
+test-all: test
+	$(MAKE) test-rxe
 
 # The verbs checks on a real verbs stack: soft-RoCE (rdma_rxe) in a QEMU guest booting
 # Debian's kernel (tests/rxe/README.md). The first run downloads Debian packages into a cache.
-test-rxe: all
+test-rxe: all | need-rxe
 	$(GO) test -c -o $(BUILD)/rxe.test ./tests/rxe
 	$(GO) test -c -o $(BUILD)/verbs.test ./roce/verbs
 	$(GO) test -c -o $(BUILD)/plugincheck.test ./cmd/plugincheck
@@ -98,5 +115,5 @@ test-rxe: all
 
 clean:
 	rm -rf $(BUILD)/lib* $(BUILD)/plugincheck* $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl \
-		$(BUILD)/rxe.test $(BUILD)/verbs.test
+		$(BUILD)/rxe.test $(BUILD)/verbs.test $(BUILD)/roce_gather-*.whl
 

@@ -1,0 +1,133 @@
+#!/bin/sh
+# The Debian packages that building and testing roce_gather need: installs the missing ones
+# (as root, or through sudo where it needs no password), or, where it cannot, says in one line
+# which are missing and the command that installs them. With nothing missing it takes
+# milliseconds and never calls sudo.
+#
+# usage: build/setup.sh                 install what any make target needs, then say so
+#        build/setup.sh --check GROUP...  only say what GROUP lacks (exit 1 when something does):
+#                                       build (make all), wheel (make wheel), test (make test),
+#                                       rxe (make test-rxe); the Makefile runs this before each
+set -eu
+
+# Each need: its group, the Debian package that provides it, and a probe that succeeds when it
+# is there. Probes look for what the build uses (a header the compiler finds, a command), not
+# for the package, so headers from elsewhere (MLNX_OFED, a source build) count too.
+NEEDS="
+build gcc cmd:gcc
+build libc6-dev header:stdio.h
+# rdma-core's headers build the verbs backend (it loads libibverbs at run time).
+build libibverbs-dev header:infiniband/verbs.h
+build make cmd:make
+# go build stamps the commit; go and the soft-RoCE guest download over https.
+build git cmd:git
+build ca-certificates file:/etc/ssl/certs/ca-certificates.crt
+wheel python3 cmd:python3
+# python3 runs the Python package's and the GPU and NCCL-version scripts' own tests;
+# python3-venv (Debian leaves ensurepip out of python3) makes the wheel test's fresh environment.
+test python3 cmd:python3
+test python3-venv py:ensurepip
+# ip makes the network namespaces of the fault tests.
+test iproute2 ip:ip
+# clang-14 rebuilds the one-shot kernel's PTX to check the embedded one (kernels_test.go).
+test clang-14 cmd:clang-14
+# xz unpacks the soft-RoCE guest's kernel (tests/rxe downloads the rest into its cache).
+rxe xz-utils cmd:xz
+"
+
+has_header() {
+  if command -v "${CC:-gcc}" >/dev/null 2>&1; then
+    printf '#include <%s>\n' "$1" | "${CC:-gcc}" -E -x c - >/dev/null 2>&1
+  else
+    [ -f "/usr/include/$1" ]
+  fi
+}
+
+probe() {
+  what=${1#*:}
+  case "$1" in
+  cmd:*) command -v "$what" >/dev/null 2>&1 ;;
+  header:*) has_header "$what" ;;
+  file:*) [ -f "$what" ] ;;
+  py:*) command -v python3 >/dev/null 2>&1 && python3 -c "import $what" >/dev/null 2>&1 ;;
+  # ip lives in /sbin on some systems, which a user's PATH may lack.
+  ip:*) command -v ip >/dev/null 2>&1 || [ -x /sbin/ip ] || [ -x /usr/sbin/ip ] ;;
+  *) echo "setup.sh: unknown probe $1" >&2; exit 2 ;;
+  esac
+}
+
+# missing GROUP...: the packages the groups need that are not here, once each, in NEEDS' order.
+missing() {
+  out=""
+  while read -r group pkg check; do
+    case "$group" in "" | "#"*) continue ;; esac
+    want=0
+    for g in "$@"; do [ "$g" = "$group" ] && want=1; done
+    [ $want = 1 ] || continue
+    case " $out " in *" $pkg "*) continue ;; esac
+    probe "$check" || out="${out:+$out }$pkg"
+  done <<EOF
+$NEEDS
+EOF
+  echo "$out"
+}
+
+# How this user can run apt-get: "" as root, "sudo -n" with passwordless sudo, else "no".
+as_root() {
+  if [ "$(id -u)" = 0 ]; then
+    echo ""
+  elif command -v sudo >/dev/null 2>&1 && sudo -n true >/dev/null 2>&1; then
+    echo "sudo -n"
+  else
+    echo no
+  fi
+}
+
+# The one line naming the packages and the command that installs them.
+say_missing() {
+  if command -v apt-get >/dev/null 2>&1; then
+    s="sudo "
+    [ "$(id -u)" != 0 ] || s=""
+    echo "$1: missing Debian packages: $2; install them with: ${s}apt-get update && ${s}apt-get install -y --no-install-recommends $2" >&2
+  else
+    echo "$1: missing (as Debian names them): $2; this is not Debian or Ubuntu: install their equivalents" >&2
+  fi
+}
+
+ALL_GROUPS="build wheel test rxe"
+
+if [ "${1:-}" = --check ]; then
+  shift
+  [ $# -gt 0 ] || set -- $ALL_GROUPS
+  pkgs=$(missing "$@")
+  [ -z "$pkgs" ] && exit 0
+  say_missing "make" "$pkgs"
+  exit 1
+fi
+[ $# = 0 ] || { echo "usage: build/setup.sh [--check GROUP...]" >&2; exit 2; }
+
+command -v go >/dev/null 2>&1 || {
+  echo "setup: go is not on PATH; install the Go release go.mod names from https://go.dev/dl/" >&2
+  exit 1
+}
+pkgs=$(missing $ALL_GROUPS)
+if [ -z "$pkgs" ]; then
+  echo "setup: every package the build and the tests need is installed"
+  exit 0
+fi
+root=$(as_root)
+if [ "$root" = no ] || ! command -v apt-get >/dev/null 2>&1; then
+  say_missing "setup" "$pkgs"
+  exit 1
+fi
+echo "setup: installing $pkgs"
+# A fresh container has no package lists; waiting for another apt beats failing on its lock.
+$root env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 update -qq
+# shellcheck disable=SC2086 # one word a package
+$root env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends $pkgs >/dev/null
+still=$(missing $ALL_GROUPS)
+if [ -n "$still" ]; then
+  echo "setup: installed $pkgs, yet still missing: $still" >&2
+  exit 1
+fi
+echo "setup: installed $pkgs"
