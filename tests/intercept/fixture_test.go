@@ -36,7 +36,9 @@ type fixture struct {
 	libCaller        string // libcaller.so, linked with A
 	libCallerNow     string // libcaller_now.so, -z now -z relro
 	libCallerB       string // libcaller_b.so, linked with the second copy B
+	libCtor          string // libctor.so: its constructor opens CTOR_DLOPEN through the executable's dlopen
 	recorder         string // libintercept_recorder.so: the interceptor in C, hooks recorded
+	noRebind         string // the same built as for a machine without relocation rebinding
 }
 
 var (
@@ -99,8 +101,11 @@ func build() (fixture, error) {
 	f.libCaller, f.libCallerNow = filepath.Join(f.libDir, "libcaller.so"), filepath.Join(f.libDir, "libcaller_now.so")
 	f.libCallerB = filepath.Join(f.libDir, "libcaller_b.so")
 	f.recorder = filepath.Join(dir, "libintercept_recorder.so")
+	f.noRebind = filepath.Join(dir, "libintercept_norebind.so")
+	f.libCtor = filepath.Join(f.libDir, "libctor.so")
 	// RUNPATH (not RPATH), so that LD_LIBRARY_PATH can swap in another NCCL.
 	withA := []string{"-L" + a, "-l:libnccl.so.2", "-Wl,--enable-new-dtags,-rpath," + a, "-ldl"}
+	exported := "-Wl,--export-dynamic-symbol=caller_dlopen"
 	now := []string{"-Wl,-z,now,-z,relro"}
 	lib := []string{"-shared", "-fPIC", "-DCALLER_LIBRARY"}
 	steps := []struct {
@@ -110,19 +115,23 @@ func build() (fixture, error) {
 		{f.ncclA, []string{"-shared", "-fPIC", `-DFAKE_NAME="A"`, "-Wl,-soname,libnccl.so.2", td("fake_nccl.c"), "-ldl", "-lpthread"}},
 		{f.ncclB, []string{"-shared", "-fPIC", `-DFAKE_NAME="B"`, "-Wl,-soname,libnccl-copy.so.2", td("fake_nccl.c"), "-ldl", "-lpthread"}},
 		{f.ncclD, []string{"-shared", "-fPIC", `-DFAKE_NAME="D"`, "-DFAKE_DROP_pncclCommSplit", "-Wl,-soname,libnccl.so.2", td("fake_nccl.c"), "-ldl", "-lpthread"}},
-		{f.caller, append([]string{td("caller.c")}, withA...)},
+		{f.caller, append([]string{td("caller.c"), exported}, withA...)},
 		{f.callerNow, append(append([]string{td("caller.c")}, withA...), now...)},
 		{f.callerNoNCCL, []string{"-DCALLER_NO_NCCL", td("caller.c"), "-ldl"}},
 		{f.dlsymCaller, []string{td("dlsym_caller.c"), "-ldl"}},
 		{f.libCaller, append(append(lib, td("caller.c")), withA...)},
 		{f.libCallerNow, append(append(append(lib, td("caller.c")), withA...), now...)},
 		{f.libCallerB, append(lib, td("caller.c"), "-L"+b, "-l:libnccl-copy.so.2", "-Wl,--enable-new-dtags,-rpath,"+b, "-ldl")},
+		{f.libCtor, append(append(lib, td("caller.c"), td("ctor_lib.c")), withA...)},
+		{f.noRebind, []string{"-shared", "-fPIC", "-DRG_GOT_NO_REBIND", "-Wl,--version-script=" + repo("build/exports.map"),
+			repo("plugin/bind.c"), repo("plugin/got.c"), repo("plugin/intercept.c"), repo("internal/nlog/nlog.c"),
+			repo("roce/gather/stats.c"), td("hooks_recorder.c"), "-ldl", "-lpthread"}},
 		{f.recorder, []string{"-shared", "-fPIC", "-Wl,--version-script=" + repo("build/exports.map"),
 			repo("plugin/bind.c"), repo("plugin/got.c"), repo("plugin/intercept.c"), repo("internal/nlog/nlog.c"),
 			repo("roce/gather/stats.c"), td("hooks_recorder.c"), "-ldl", "-lpthread"}},
 	}
 	// The NCCLs first: the callers link with them.
-	for _, phase := range [][]int{{0, 1, 2}, {3, 4, 5, 6, 7, 8, 9, 10}} {
+	for _, phase := range [][]int{{0, 1, 2}, {3, 4, 5, 6, 7, 8, 9, 10, 11, 12}} {
 		errs := make(chan error, len(phase))
 		var wg sync.WaitGroup
 		for _, i := range phase {

@@ -508,3 +508,88 @@ func TestWrappersTellTheEngineWhatItNeeds(t *testing.T) {
 	require.Equal(t, line{"hook": "closing", "comm": comm1, "abort": 0.0}, hooks[3])
 	require.Equal(t, line{"hook": "gone", "comm": comm1}, hooks[4])
 }
+
+// A dlopen inside a constructor, through a hooked slot, while the outer dlopen (hooked
+// too) is still running constructors: each binds what its own call added, both finish,
+// and every caller they opened reaches the wrappers.
+func TestDlopenInsideAConstructorIsBoundWithoutDeadlock(t *testing.T) {
+	f := fixtures(t)
+	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib, "CTOR_DLOPEN="+f.libCaller)
+	runs := j.run2(t, "init", "load:"+f.libCtor, "via:lib", "gather:10:7", "load:"+f.libCaller, "via:lib", "gather:10:7",
+		"via:main", "gather:10:7", "destroy")
+	report := j.bindReport(t)
+	for _, r := range runs {
+		requireSteps(t, r, "init", "load", "gather", "load", "gather", "gather", "destroy")
+		pid := r.pid(t)
+		at := map[string][]string{}
+		for _, b := range eventsOf(report, pid, "bound") {
+			at[b.str("object")] = append(at[b.str("object")], b.str("at"))
+		}
+		require.Equal(t, []string{"dlopen"}, at[f.libCaller], "bound once, by the inner dlopen")
+		require.Equal(t, []string{"dlopen"}, at[f.libCtor])
+		var order []string
+		for _, b := range eventsOf(report, pid, "bound") {
+			if o := b.str("object"); o == f.libCaller || o == f.libCtor {
+				order = append(order, o)
+			}
+		}
+		// One scan of both would say them in load order (libctor first): the inner hook's
+		// scan said libcaller before the outer one's came to libctor.
+		require.Equal(t, []string{f.libCaller, f.libCtor}, order)
+		require.Equal(t, wrapped, boundObjects(report, pid)[f.libCaller])
+		require.Equal(t, 3, readInterceptorStats(t, r.stats).Calls["ncclAllGather"])
+	}
+}
+
+// The library defines exactly the wrapped NCCL functions and needs nothing of NCCL to load.
+func TestLibraryExportsTheWrappersAndNeedsNoNCCL(t *testing.T) {
+	f := fixtures(t)
+	e, err := elf.Open(f.lib)
+	require.NoError(t, err)
+	defer e.Close()
+	syms, err := e.DynamicSymbols()
+	require.NoError(t, err)
+	var defined, undefined []string
+	for _, s := range syms {
+		if !strings.Contains(strings.ToLower(s.Name), "nccl") || strings.HasPrefix(s.Name, "ncclNetPlugin_v") ||
+			strings.HasPrefix(s.Name, "ncclCollNetPlugin_v") || strings.HasPrefix(s.Name, "ncclTunerPlugin_v") {
+			continue
+		}
+		if s.Section == elf.SHN_UNDEF {
+			undefined = append(undefined, s.Name)
+		} else if elf.ST_BIND(s.Info) == elf.STB_GLOBAL {
+			defined = append(defined, s.Name)
+		}
+	}
+	sort.Strings(defined)
+	want := append([]string{}, wrapped...)
+	sort.Strings(want)
+	require.Equal(t, want, defined)
+	require.Empty(t, undefined)
+	needed, err := e.ImportedLibraries()
+	require.NoError(t, err)
+	for _, n := range needed {
+		require.NotContains(t, n, "nccl")
+	}
+}
+
+// Built as for a machine where relocation rebinding is not implemented, the interceptor
+// still takes the calls through LD_PRELOAD.
+func TestWithoutRebindingPreloadStillTakesTheCalls(t *testing.T) {
+	f := fixtures(t)
+	j := newJob(t, f.caller, "LD_PRELOAD="+f.noRebind)
+	j.env = append(j.env, "HOOKS_LOG="+filepath.Join(j.dir, "hooks.jsonl"))
+	runs := j.run2(t, "init", "gather:100:7", "destroy")
+	hooks := readLines(t, filepath.Join(j.dir, "hooks.jsonl"))
+	for _, r := range runs {
+		requireSteps(t, r, "init", "gather", "destroy")
+		require.Equal(t, "preempting", wayOf(j.bindReport(t), r.pid(t)))
+	}
+	var gathers int
+	for _, h := range hooks {
+		if h.str("hook") == "allgather" {
+			gathers++
+		}
+	}
+	require.Equal(t, 2, gathers, "one gather a rank reached the engine's hook")
+}

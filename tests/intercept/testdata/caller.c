@@ -312,6 +312,10 @@ int caller_step(caller_state* s, const char* step) { return nccl_step(s, step) |
 
 typedef int (*step_fn)(caller_state*, const char*);
 
+/* Exported (-Wl,--export-dynamic-symbol): a library's constructor opens through here, that
+ * is through this executable's own dlopen slot. */
+__attribute__((visibility("default"))) void* caller_dlopen(const char* path) { return dlopen(path, RTLD_NOW | RTLD_LOCAL); }
+
 /* Copies the ROCE_GATHER_STATS file as it is now to that path + "." + label. */
 static void snapshot_stats(const char* label) {
   const char* path = getenv("ROCE_GATHER_STATS");
