@@ -2,6 +2,7 @@ package intercept
 
 import (
 	"debug/elf"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -592,4 +593,22 @@ func TestWithoutRebindingPreloadStillTakesTheCalls(t *testing.T) {
 		}
 	}
 	require.Equal(t, 2, gathers, "one gather a rank reached the engine's hook")
+}
+
+// A report file that cannot be opened is said once, with the variable and the path, and
+// changes nothing else.
+func TestUnwritableBindReportIsSaidOnce(t *testing.T) {
+	f := fixtures(t)
+	bad := filepath.Join(t.TempDir(), "no", "such", "dir", "bind.%p")
+	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib, "NCCL_DEBUG=WARN")
+	j.env = append(j.env, "ROCE_GATHER_BIND_REPORT="+bad)
+	runs := j.run2(t, "init", "gather:10:7", "destroy")
+	for _, r := range runs {
+		requireSteps(t, r, "init", "gather", "destroy")
+		path := strings.ReplaceAll(bad, "%p", fmt.Sprint(r.pid(t)))
+		require.Equal(t, 1, strings.Count(r.stderr, "NCCL WARN NET/roce_gather : ROCE_GATHER_BIND_REPORT="+bad+": cannot open "+
+			path+" (No such file or directory); the binding report is not written"), r.stderr)
+		require.Equal(t, 1, strings.Count(r.stderr, "WARN"), r.stderr)
+		require.Equal(t, "rebound", readInterceptorStats(t, r.stats).WayIn)
+	}
 }
