@@ -252,8 +252,10 @@ func newJob(t *testing.T, program string, env ...string) *job {
 		"ROCE_GATHER_BIND_REPORT="+filepath.Join(dir, "bind.jsonl")), env...)}
 }
 
-func (j *job) ncclLog(t *testing.T) []line   { return readLines(t, filepath.Join(j.dir, "nccl.jsonl")) }
-func (j *job) bindReport(t *testing.T) []line { return readLines(t, filepath.Join(j.dir, "bind.jsonl")) }
+func (j *job) ncclLog(t *testing.T) []line { return readLines(t, filepath.Join(j.dir, "nccl.jsonl")) }
+func (j *job) bindReport(t *testing.T) []line {
+	return readLines(t, filepath.Join(j.dir, "bind.jsonl"))
+}
 
 // start runs the program as rank r with the steps; wait collects it.
 func (j *job) start(t *testing.T, ctx context.Context, rank int, steps []string) (*exec.Cmd, *strings.Builder, *strings.Builder, string) {
