@@ -339,7 +339,7 @@ __attribute__((visibility("hidden"), used)) void* rg_dlopen_and_scan(const char*
  * any caller: those go through rg_dlopen_and_scan, which opens and then binds what was
  * added. Every other call jumps to dlopen with the stack as the caller left it, so dlopen
  * sees the caller's own return address; what it adds is bound at the next NCCL init. */
-__asm__(".text\n"
+__asm__(".pushsection .text\n"
         ".p2align 4\n"
         ".globl rg_dlopen_hook\n"
         ".hidden rg_dlopen_hook\n"
@@ -364,7 +364,8 @@ __asm__(".text\n"
         "  jnz rg_dlopen_and_scan\n"
         "  jmp *rg_real_dlopen(%rip)\n"
         ".cfi_endproc\n"
-        ".size rg_dlopen_hook, .-rg_dlopen_hook\n");
+        ".size rg_dlopen_hook, .-rg_dlopen_hook\n"
+        ".popsection\n");
 
 int rg_dlopen_caller_free(const char* file) {
   return file != NULL && strchr(file, '/') != NULL && strchr(file, '$') == NULL;
