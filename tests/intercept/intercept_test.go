@@ -32,12 +32,12 @@ func withDlopen(fns ...string) []string { return append(append([]string{}, fns..
 func TestCallersLinkedWithNCCLAreReboundWhenNCCLLoadsTheLibrary(t *testing.T) {
 	f := fixtures(t)
 	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib)
-	runs := j.run2(t, "init", "gather:1000:7", "group:5:9", "gather:33:0:inplace", "asyncerr", "split:1:0", "allreduce:10",
-		"finalize", "destroy")
+	runs := j.run2(t, "init", "gather:1000:7", "group:5:9", "gather:33:0:inplace", "gather:3000017:1", "asyncerr",
+		"split:1:0", "allreduce:10", "finalize", "destroy")
 	report, log := j.bindReport(t), j.ncclLog(t)
 	for _, r := range runs {
-		requireSteps(t, r, "init", "gather", "group", "gather", "asyncerr", "split", "gather", "destroy", "allreduce",
-			"finalize", "destroy")
+		requireSteps(t, r, "init", "gather", "group", "gather", "gather", "asyncerr", "split", "gather", "destroy",
+			"allreduce", "finalize", "destroy")
 		pid := r.pid(t)
 		found := eventsOf(report, pid, "nccl")
 		require.Len(t, found, 1)
@@ -57,9 +57,9 @@ func TestCallersLinkedWithNCCLAreReboundWhenNCCLLoadsTheLibrary(t *testing.T) {
 		s := readInterceptorStats(t, r.stats)
 		require.Equal(t, "rebound", s.WayIn)
 		// The first init is the one inside which NCCL loads the library: it went to NCCL unseen.
-		require.Equal(t, calls("ncclAllGather", 4, "ncclCommSplit", 1, "ncclCommFinalize", 1, "ncclCommDestroy", 2,
+		require.Equal(t, calls("ncclAllGather", 5, "ncclCommSplit", 1, "ncclCommFinalize", 1, "ncclCommDestroy", 2,
 			"ncclCommGetAsyncError", 1, "ncclGroupStart", 1, "ncclGroupEnd", 1), s.Calls)
-		require.Equal(t, 4, ncclCalls(log, pid, "A", "ncclAllGather"))
+		require.Equal(t, 5, ncclCalls(log, pid, "A", "ncclAllGather"))
 		require.Equal(t, 1, ncclCalls(log, pid, "A", "ncclCommInitRank"))
 		require.Equal(t, 1, ncclCalls(log, pid, "A", "ncclAllReduce"), "a function the library does not define stays NCCL's")
 	}
