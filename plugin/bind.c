@@ -227,7 +227,7 @@ static int try_nccl(const char* name, uintptr_t base, const char* found_by) {
   uintptr_t pub[RG_WRAP_N] = {0};
   for (size_t i = 0; i < N_FORWARDED; i++) {
     void* f = dlsym(h, forwarded_names[i]);
-    if (f != NULL && map_of(f) == self) ((void**)&a)[i] = f;
+    if (f != NULL && map_of(f) == self) memcpy((char*)&a + i * sizeof(void*), &f, sizeof(f));
   }
   for (int w = 0; w < RG_WRAP_N; w++) {
     void* f = dlsym(h, rg_wrapped_names[w]);
@@ -268,7 +268,9 @@ static int try_nccl(const char* name, uintptr_t base, const char* found_by) {
   jkey(&j, "missing");
   jraw(&j, "[");
   for (size_t i = 0; i < N_FORWARDED; i++) {
-    if (((void**)&a)[i] != NULL) continue;
+    void* f;
+    memcpy(&f, (const char*)&a + i * sizeof(void*), sizeof(f));
+    if (f != NULL) continue;
     if (n < sizeof(missing))
       n += (size_t)snprintf(missing + n, sizeof(missing) - n, "%s%s", n ? ", " : "", forwarded_names[i]);
     if (j.buf[j.n - 1] != '[') jraw(&j, ",");
@@ -337,7 +339,7 @@ __attribute__((visibility("hidden"), used)) void* rg_dlopen_and_scan(const char*
  * any caller: those go through rg_dlopen_and_scan, which opens and then binds what was
  * added. Every other call jumps to dlopen with the stack as the caller left it, so dlopen
  * sees the caller's own return address; what it adds is bound at the next NCCL init. */
-__asm__(".text\n"
+__asm__(".pushsection .text\n"
         ".p2align 4\n"
         ".globl rg_dlopen_hook\n"
         ".hidden rg_dlopen_hook\n"
@@ -362,7 +364,8 @@ __asm__(".text\n"
         "  jnz rg_dlopen_and_scan\n"
         "  jmp *rg_real_dlopen(%rip)\n"
         ".cfi_endproc\n"
-        ".size rg_dlopen_hook, .-rg_dlopen_hook\n");
+        ".size rg_dlopen_hook, .-rg_dlopen_hook\n"
+        ".popsection\n");
 
 int rg_dlopen_caller_free(const char* file) {
   return file != NULL && strchr(file, '/') != NULL && strchr(file, '$') == NULL;
@@ -394,7 +397,11 @@ static const size_t wrapped_field[RG_WRAP_N] = {
     offsetof(rg_nccl_api, GroupEnd),
 };
 
-static void* api_field(const rg_nccl_api* a, size_t off) { return *(void* const*)((const char*)a + off); }
+static void* api_field(const rg_nccl_api* a, size_t off) {
+  void* f;
+  memcpy(&f, (const char*)a + off, sizeof(f));
+  return f;
+}
 
 typedef struct said_obj {
   char* path;
@@ -484,6 +491,15 @@ static void decide(slot_plan* p, const rg_objects* t, uintptr_t target) {
     leave(p, t, target);
 }
 
+/* Plans a slot from the value it holds: a lazy PLT slot still points into its own object
+ * (not at a definition of its own), and its target is what the loader will resolve it to. */
+static void plan_slot(slot_plan* p, const rg_objects* t, const rg_obj* o, const rg_slot* sl, uintptr_t value) {
+  if (sl->jump_slot && value >= o->lo && value < o->hi && value != o->defs[sl->name] && value != p->wrapper)
+    p->d = D_LAZY;
+  else
+    decide(p, t, value);
+}
+
 static void say_left(const rg_objects* t, const rg_obj* o, const slot_plan* plan) {
   char text[1024] = "";
   size_t n = 0;
@@ -552,7 +568,7 @@ static void scan(const uintptr_t* skip, size_t nskip, const char* at) {
   for (size_t i = 0; i < t.n; i++) {
     const rg_obj* o = &t.obj[i];
     int is_nccl = o->pnccl_def != 0;
-    int lazy = 0;
+    int recheck = 0;
     for (size_t s = o->first_slot; s < o->first_slot + o->nslots; s++) {
       const rg_slot* sl = &t.slot[s];
       slot_plan* p = &plan[s];
@@ -572,34 +588,33 @@ static void scan(const uintptr_t* skip, size_t nskip, const char* at) {
           continue;
         }
       }
-      /* A lazy PLT slot still points into its own object (not at a definition of its own):
-       * its target is what the loader will resolve it to. */
-      if (sl->jump_slot && sl->value >= o->lo && sl->value < o->hi && sl->value != o->defs[sl->name] &&
-          sl->value != p->wrapper) {
-        p->d = D_LAZY;
-        lazy = 1;
-      } else {
-        decide(p, &t, sl->value);
-      }
+      plan_slot(p, &t, o, sl, sl->value);
+      recheck |= p->d == D_LAZY || (p->d == D_LEAVE && sl->name != SCAN_DLOPEN);
     }
-    if (!lazy) continue;
-    /* The loader resolves a lazy slot in the global scope first, then in the object's own. */
+    if (!recheck) continue;
+    /* Pinning takes the loader's lock, so an object another thread was still loading when
+     * it was read is relocated by now: its slots are read again before anything is said. */
     pins[i] = pin(o->name, o->base);
     void* g = global_handle();
     for (size_t s = o->first_slot; s < o->first_slot + o->nslots; s++) {
+      rg_slot* sl = &t.slot[s];
       slot_plan* p = &plan[s];
-      if (p->d != D_LAZY) continue;
+      /* (A slot left for want of a pnccl name, want[1] == 0, stays left.) */
+      if (p->d != D_LAZY && (p->d != D_LEAVE || sl->name == SCAN_DLOPEN || p->want[1] == 0)) continue;
       if (pins[i] == NULL) {
-        p->d = D_LEAVE;
-        p->why = "could not be opened to resolve its slot";
+        p->d = D_NONE; /* unloaded meanwhile, or not the object read */
         continue;
       }
-      const char* name = scan_name(t.slot[s].name);
+      sl->value = __atomic_load_n((const uintptr_t*)sl->addr, __ATOMIC_ACQUIRE);
+      plan_slot(p, &t, o, sl, sl->value);
+      if (p->d != D_LAZY) continue;
+      /* The loader resolves a lazy slot in the global scope first, then in the object's own. */
+      const char* name = scan_name(sl->name);
       void* target = g ? dlsym(g, name) : NULL;
       if (target == NULL) target = dlsym(pins[i], name);
       decide(p, &t, (uintptr_t)target);
       /* The loader has not written it: it may hold the PLT address or, by now, the target. */
-      if (p->d == D_BIND) p->want[0] = t.slot[s].value, p->want[1] = (uintptr_t)target;
+      if (p->d == D_BIND) p->want[0] = sl->value, p->want[1] = (uintptr_t)target;
     }
     dlerror();
   }

@@ -27,6 +27,7 @@ commands:
   bench     cost of the hot-path calls and p2p bandwidth over the local fabric
   hw        RDMA devices, ports, GIDs, MTUs and GPUDirect support of this host
   trace     where the microseconds of traced one-shot gathers go (ROCE_GATHER_TRACE files)
+  intercept run a command and say how each of its processes' NCCL calls reach the library
 
 Run "plugincheck <command> -h" for a command's flags.
 `
@@ -49,6 +50,8 @@ func main() {
 		code = cmdHW(args)
 	case "trace":
 		code = cmdTrace(args)
+	case "intercept":
+		code = cmdIntercept(args)
 	case "help", "-h", "--help":
 		fmt.Print(usage)
 	default:

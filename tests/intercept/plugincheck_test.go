@@ -1,0 +1,61 @@
+package intercept
+
+import (
+	"fmt"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// plugincheckIntercept runs `plugincheck intercept -- sh -c script` and returns its
+// stdout, stderr and exit status.
+func plugincheckIntercept(t *testing.T, env []string, script string) (string, string, int) {
+	t.Helper()
+	f := fixtures(t)
+	cmd := exec.Command(f.plugincheck, "intercept", "--", "sh", "-c", script)
+	cmd.Env = env
+	var stdout, stderr strings.Builder
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Run()
+	if _, ok := err.(*exec.ExitError); !ok {
+		require.NoError(t, err)
+	}
+	return stdout.String(), stderr.String(), cmd.ProcessState.ExitCode()
+}
+
+// plugincheck intercept runs a two-rank job as it is, and says for each process how its
+// calls reach the library: the way in, the NCCL, the objects bound, what was left alone.
+func TestPlugincheckInterceptSaysHowEachProcessIsBound(t *testing.T) {
+	f := fixtures(t)
+	dir := t.TempDir()
+	env := append(baseEnv(), "NCCL_NET_PLUGIN="+f.lib, "FAKE_NCCL_LOG="+filepath.Join(dir, "nccl.jsonl"), "JOB_MARK=kept")
+	id := filepath.Join(dir, "id")
+	rank := func(r int) string {
+		return fmt.Sprintf("%s %d %s load:%s load:%s via:lib1 init gather:64:7 destroy", f.callerNoNCCL, r, id, f.libCallerB, f.libCaller)
+	}
+	script := fmt.Sprintf(`echo "mark=$JOB_MARK report=${ROCE_GATHER_BIND_REPORT:+set}"; %s & %s; s=$?; wait $! || exit 9; exit $s`, rank(0), rank(1))
+	out, stderr, code := plugincheckIntercept(t, env, script)
+	require.Equal(t, 0, code, "%s\n%s", out, stderr)
+	require.Contains(t, out, "mark=kept report=set\n", "the command's environment is the caller's, plus the report")
+	require.Contains(t, out, "\nplugincheck intercept: sh exited with status 0\n")
+	procs := regexp.MustCompile(`(?m)^process \d+: way in rebound: relocation slots of the callers below were rebound to the library$`).FindAllString(out, -1)
+	require.Len(t, procs, 2, out)
+	require.Equal(t, 2, strings.Count(out, "\n  NCCL: "+f.ncclA+" (version 22809), the NCCL that loaded this library\n"), out)
+	require.Equal(t, 2, strings.Count(out, "\n  bound at NCCL init: "+f.libCaller+": "+strings.Join(wrapped, ", ")+"\n"), out)
+	require.Equal(t, 2, strings.Count(out, "\n  left alone: "+f.libCallerB+": ncclAllGather goes to another NCCL ("+f.ncclB+");"), out)
+}
+
+// The command's exit status is plugincheck's, and a command that never reached NCCL is said.
+func TestPlugincheckInterceptExitsWithTheCommandsStatus(t *testing.T) {
+	out, _, code := plugincheckIntercept(t, baseEnv(), "exit 7")
+	require.Equal(t, 7, code)
+	require.Contains(t, out, "plugincheck intercept: sh exited with status 7\n")
+	require.Contains(t, out, "no process reported a binding")
+	out, _, code = plugincheckIntercept(t, baseEnv(), "kill -TERM $$")
+	require.Equal(t, 128+15, code)
+	require.Contains(t, out, "plugincheck intercept: sh exited with status 143\n")
+}
