@@ -261,7 +261,7 @@ static int post_chunk(rg_os_engine* e, uint32_t parity, uint32_t c) {
     w[k].remote = e->peer_region + offsetof(rg_os_ctrl, flag) + (uint64_t)l * sizeof(rg_os_line);
     w[k].rkey = e->peer_rkey[lane->peer_hca];
     w[k].flags = RG_WR_INLINE | (signal ? RG_WR_SIGNALED : 0);
-    w[k].wr_id = e->post_seq;
+    w[k].wr_id = e->post_seq << 1 | (uint64_t)last_chunk; /* a gather's last write says it left whole */
     k++;
     int r = rg_post(lane, w, k);
     if (r != RG_OK) return r; /* a lane that took part of a chunk never refuses the rest: each lane is checked above */
@@ -306,6 +306,24 @@ static void trace_begin(rg_os_engine* e, uint64_t seq, uint64_t bytes, uint64_t 
 }
 
 enum { STEP_IN_FLIGHT = 1, STEP_PROGRESS = 2 };
+
+/* Whether a gather this rank started still lacks some of the peer's data: the oldest one
+ * not reported, if its doorbell was seen, until every lane's flag shows its last chunk. */
+static int waits_for_peer(const rg_os_engine* e) {
+  const uint64_t seq = e->done_seq + 1;
+  uint32_t nchunks;
+  if (e->post_nchunks != 0 && e->post_seq == seq)
+    nchunks = e->post_nchunks;
+  else if (e->post_seq > seq)
+    nchunks = e->posted_nchunks;
+  else
+    return 0;
+  const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
+  const uint64_t want = rg_os_level(seq, nchunks);
+  for (int l = 0; l < e->link->nlanes; l++)
+    if (__atomic_load_n((const uint64_t*)&ctrl->flag[l].word, __ATOMIC_ACQUIRE) < want) return 1;
+  return 0;
+}
 
 /* Reads the kernels' reports, in order: each finished gather is counted once. */
 static void reports(rg_os_engine* e, uint64_t now, int* progress) {
@@ -375,6 +393,7 @@ static int step(rg_os_engine* e, uint64_t now) {
     }
     if (++e->post_chunk == e->post_nchunks) {
       stamp(e, RG_T_OS_POSTED);
+      e->posted_nchunks = e->post_nchunks;
       e->post_seq++;
       e->post_nchunks = 0;
       e->post_chunk = 0;
@@ -384,9 +403,9 @@ static int step(rg_os_engine* e, uint64_t now) {
   /* The reports first: a gather that ended is not in flight when the link's end is seen. */
   reports(e, now, &progress);
 
-  /* A link that ends while no gather is in flight is said when the next gather finds it:
-   * the peer may simply have destroyed its communicator first. */
-  const int quiet_end = atomic_load(&e->closing) || !(e->post_nchunks != 0 || e->done_seq + 1 < e->post_seq);
+  /* A link that ends while no gather waits for the peer is said when the next gather finds
+   * it: the peer may simply have destroyed its communicator after its last gather. */
+  const int quiet_end = atomic_load(&e->closing) || !waits_for_peer(e);
   char why[200];
   /* Retire signaled writes and move the lanes (tcp reads and places the peer's frames here). */
   for (int l = 0; l < link->nlanes; l++) {
@@ -406,8 +425,14 @@ static int step(rg_os_engine* e, uint64_t now) {
     if (n > 0) progress = STEP_PROGRESS;
     for (int i = 0; i < n; i++) {
       if (e->outstanding[l] > 0) e->outstanding[l]--;
+      if ((cqe[i].wr_id & 1) && cqe[i].status == 0 && (cqe[i].wr_id >> 1) > e->lane_sent[l]) {
+        e->lane_sent[l] = cqe[i].wr_id >> 1;
+        uint64_t all = e->lane_sent[0];
+        for (int k = 1; k < link->nlanes; k++) all = e->lane_sent[k] < all ? e->lane_sent[k] : all;
+        atomic_store(&e->sent_seq, all);
+      }
       if (cqe[i].status != 0 && !failed) {
-        rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "a write of sequence %llu failed: %s", (unsigned long long)cqe[i].wr_id,
+        rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "a write of sequence %llu failed: %s", (unsigned long long)(cqe[i].wr_id >> 1),
                    rg_why(&link->lane[l]));
         failed = 1;
       }
@@ -539,23 +564,41 @@ void rg_os_proxy_remove(rg_os_engine* e) {
   }
 }
 
+/* After the kernels ended: waits until the proxy has sent every gather they rang, so that
+ * the peer's last gathers get this rank's data before the link closes (a kernel ends once
+ * the peer's data is here, which can be before its own has left). */
+static int flush(rg_os_engine* e, uint64_t deadline) {
+  const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
+  const uint64_t r0 = __atomic_load_n((const uint64_t*)&ctrl->report[0].seq, __ATOMIC_ACQUIRE);
+  const uint64_t r1 = __atomic_load_n((const uint64_t*)&ctrl->report[1].seq, __ATOMIC_ACQUIRE);
+  const uint64_t last = r0 > r1 ? r0 : r1;
+  while (atomic_load(&e->sent_seq) < last) {
+    if (atomic_load(&e->error) != 0 || atomic_load(&e->ended) || rg_now_ns() > deadline) return -1;
+    struct timespec ts = {0, 20000};
+    nanosleep(&ts, NULL);
+  }
+  return 0;
+}
+
 int rg_os_quiesce(rg_os_engine* e, int abort, uint64_t timeout_ns) {
   atomic_store(&e->closing, 1);
   rg_os_ctrl* ctrl = (rg_os_ctrl*)e->region;
   if (abort) __atomic_store_n(&ctrl->abort.word, 1, __ATOMIC_RELEASE);
+  uint64_t deadline = rg_now_ns() + timeout_ns;
   if (e->standin) {
     /* The stand-in's gathers run on their callers' threads: wait for them to return. */
-    const uint64_t deadline = rg_now_ns() + timeout_ns;
     int stopped = abort;
     while (atomic_load(&e->standin_running) > 0) {
       if (rg_now_ns() > deadline) {
         if (stopped) return -1;
         __atomic_store_n(&ctrl->abort.word, 1, __ATOMIC_RELEASE);
         stopped = 1;
+        deadline = rg_now_ns() + timeout_ns; /* as long again, now that every wait ends */
       }
       struct timespec ts = {0, 100000};
       nanosleep(&ts, NULL);
     }
+    if (!abort) flush(e, deadline);
     return 0;
   }
   if (!e->launched_any) return 0;
@@ -568,7 +611,6 @@ int rg_os_quiesce(rg_os_engine* e, int abort, uint64_t timeout_ns) {
   CUresult r = cu->cuEventRecord(e->order, e->last_stream);
   pthread_mutex_unlock(&e->launch_mu);
   if (r == CUDA_SUCCESS) {
-    const uint64_t deadline = rg_now_ns() + timeout_ns;
     int stopped = abort;
     for (;;) {
       r = cu->cuEventQuery(e->order);
@@ -576,18 +618,19 @@ int rg_os_quiesce(rg_os_engine* e, int abort, uint64_t timeout_ns) {
         ok = r == CUDA_SUCCESS ? 0 : -1;
         break;
       }
-      uint64_t now = rg_now_ns();
-      if (now > deadline) {
+      if (rg_now_ns() > deadline) {
         if (stopped) break;
         /* The gathers did not end by themselves: stop their waits and give them as long again. */
         __atomic_store_n(&ctrl->abort.word, 1, __ATOMIC_RELEASE);
         stopped = 1;
+        deadline = rg_now_ns() + timeout_ns;
       }
       struct timespec ts = {0, 100000};
       nanosleep(&ts, NULL);
     }
   }
   if (pushed) cu->cuCtxPopCurrent(&cur);
+  if (ok == 0 && !abort) flush(e, deadline);
   return ok;
 }
 
