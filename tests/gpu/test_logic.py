@@ -188,9 +188,8 @@ class SweepPlanTest(unittest.TestCase):
             if c.startswith("ring-"):
                 self.assertFalse(launch.oneshot_on(c))
         self.assertEqual(launch.cap_of("oneshot"), 524288)
-        # The plugin's own defaults: no window given, so over tcp the one-shot path is off.
-        self.assertFalse(any(k.startswith("ROCE_GATHER_") and k not in ("ROCE_GATHER_FABRIC", "ROCE_GATHER_TCP_IF")
-                             for k in launch.CONFIGS["defaults"]))
+        # The library as a user loads it: NCCL_NET_PLUGIN alone, the intercepted path, no CollNet route.
+        self.assertFalse(any(k.startswith("ROCE_GATHER_") for k in launch.CONFIGS["defaults"]))
         self.assertTrue(launch.uses_plugin("defaults"))
         self.assertFalse(launch.oneshot_on("defaults"))
         self.assertTrue(launch.oneshot_on("oneshot"))
@@ -317,6 +316,246 @@ class LaunchEnvTest(unittest.TestCase):
             self.assertEqual(launch.nccl_lib_default(), os.path.join(launch.REPO, "x/lib/libnccl.so.2"))
         with mock.patch.dict(os.environ, {"ROCE_GATHER_GPU_NCCL_LIB": ""}):
             self.assertEqual(launch.nccl_lib_default(), "")
+
+
+class InterceptConfigTest(unittest.TestCase):
+    """The intercept configs: what each puts in the ranks' environment, and the window their
+    ledgers are judged by, read from plugin/config.go."""
+
+    def test_configs(self):
+        lib = launch.LIB
+        self.assertEqual(launch.CONFIGS["intercept"], {"NCCL_NET_PLUGIN": lib})  # NCCL_NET_PLUGIN alone
+        self.assertEqual(launch.CONFIGS["defaults"], launch.CONFIGS["intercept"])
+        self.assertEqual(launch.CONFIGS["intercept-preload"], {"LD_PRELOAD": lib})
+        self.assertEqual(launch.CONFIGS["intercept-nonap"], {"NCCL_NET_PLUGIN": lib, "ROCE_GATHER_PROXY_IDLE_MS": "0"})
+        for c in ("intercept", "intercept-preload", "intercept-nonap", "intercept-wide", "defaults"):
+            self.assertTrue(launch.intercepting(c), c)
+            self.assertFalse(launch.collnet_route(c), c)
+            self.assertFalse(launch.oneshot_on(c), c)
+        self.assertEqual((launch.way_in("intercept"), launch.way_in("intercept-preload")), ("rebound", "preempting"))
+        # The CollNet route: the library is NCCL's network again, the interceptor steps aside.
+        for c in launch.CONFIGS:
+            if c.startswith(("oneshot", "os-", "ring-")):
+                self.assertEqual(launch.CONFIGS[c]["ROCE_GATHER_NET"], "1", c)
+                self.assertTrue(launch.collnet_route(c), c)
+                self.assertFalse(launch.intercepting(c), c)
+                self.assertIsNone(launch.intercept_window(c), c)
+        self.assertEqual(launch.CONFIGS["ring-over-plugin"]["ROCE_GATHER_ENABLE"], "0")
+        self.assertFalse(launch.uses_plugin("nccl-socket"))
+        self.assertFalse(launch.intercepting("nccl-socket"))
+        for c in launch.CONFIGS:  # never multicast, whatever a config says
+            self.assertNotIn("NCCL_NVLS_ENABLE", launch.CONFIGS[c])
+
+    def test_window_from_config_go(self):
+        tcp = common.default_window("tcp")
+        self.assertEqual(launch.intercept_window("intercept"), tcp)
+        self.assertEqual(launch.intercept_window("intercept-preload"), tcp)
+        self.assertEqual(launch.intercept_window("intercept-wide"), (tcp[0], launch.WIDE_CAP))
+        with tempfile.TemporaryDirectory() as d:
+            go = os.path.join(d, "config.go")
+            with open(go, "w") as f:
+                f.write("package plugin\n\nconst (\n\tMaxMaxBytes = 64 << 20\n\tSmall = 4 * 1024 // four KiB\n)\n\n"
+                        "var CollNetDefaultWindows = map[string]FabricWindow{\n\t\"tcp\": {MinBytes: 7, MaxBytes: 9},\n}\n\n"
+                        "var DefaultWindows = map[string]FabricWindow{\n"
+                        "\t\"verbs\": {MinBytes: Small, MaxBytes: 512 << 10}, // measured\n"
+                        "\t\"tcp\":   {Off: true, MinBytes: 0, MaxBytes: 1 << 20},\n"
+                        "\t\"odd\":   {MaxBytes: MaxMaxBytes / 2},\n}\n")
+            self.assertEqual(common.default_window("verbs", go), (4096, 524288))
+            self.assertIsNone(common.default_window("tcp", go))  # off by the fabric's default
+            with self.assertRaisesRegex(ValueError, "no 'ib' entry"):
+                common.default_window("ib", go)
+            with self.assertRaisesRegex(ValueError, "MaxMaxBytes / 2"):
+                common.default_window("odd", go)
+            with open(go, "w") as f:
+                f.write("package plugin\n")
+            with self.assertRaisesRegex(ValueError, "no `var DefaultWindows"):
+                common.default_window("tcp", go)
+
+    def test_window_rules(self):
+        cfgs = {"a": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_MIN_BYTES": "100"},
+                "b": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_MIN_BYTES": "100", "ROCE_GATHER_MAX_BYTES": "50"},
+                "c": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_ENABLE": "0"},
+                "d": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_MAX_BYTES": "4096"}}
+        with mock.patch.dict(launch.CONFIGS, cfgs), \
+                mock.patch.object(common, "default_window", return_value=(16, 65536)) as dw:
+            self.assertEqual(launch.intercept_window("a"), (100, 65536))
+            self.assertIsNone(launch.intercept_window("b"))  # floor above cap: an empty window, the path off
+            self.assertIsNone(launch.intercept_window("c"))
+            self.assertEqual(launch.intercept_window("d"), (16, 4096))
+            dw.assert_called_with(launch.INTERCEPT_FABRIC)
+        with mock.patch.dict(launch.CONFIGS, cfgs), mock.patch.object(common, "default_window", return_value=None):
+            self.assertIsNone(launch.intercept_window("a"))  # off by the fabric's default, no cap given
+            self.assertEqual(launch.intercept_window("d"), (0, 4096))
+
+    def test_rank_env(self):
+        outer = {"LD_PRELOAD": "/x.so", "NCCL_NET_PLUGIN": "/outer.so", "ROCE_GATHER_NET": "1", "NCCL_NET": "IB",
+                 "NCCL_COLLNET_ENABLE": "1", "PATH": "/bin", "ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH": "1"}
+        with mock.patch.dict(os.environ, outer, clear=True):
+            e = launch.rank_env("intercept", 0, "/s.json")
+            mine = {k: v for k, v in e.items() if k.startswith("ROCE_GATHER_") or k in ("NCCL_NET_PLUGIN", "NCCL_NET",
+                                                                                      "NCCL_COLLNET_ENABLE")}
+            self.assertEqual(mine, {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_STATS": "/s.json",
+                                    "ROCE_GATHER_TRACE": "/s.json.trace", "ROCE_GATHER_TRACE_EVERY": "4",
+                                    "ROCE_GATHER_TRACE_RECORDS": "8192"})
+            self.assertEqual(e["LD_PRELOAD"], "/x.so")
+            # LD_PRELOAD alone: the library first, then the NCCL asked for, then what was there.
+            e = launch.rank_env("intercept-preload", 1, "/s.json", None, "/n/libnccl.so.2")
+            self.assertEqual(e["LD_PRELOAD"], f"{launch.LIB}:/n/libnccl.so.2:/x.so")
+            self.assertNotIn("NCCL_NET_PLUGIN", e)
+            self.assertEqual(e["ROCE_GATHER_STATS"], "/s.json")
+            e = launch.rank_env("oneshot", 0, "/s.json", None, "/n/libnccl.so.2")
+            self.assertEqual(e["LD_PRELOAD"], "/n/libnccl.so.2:/x.so")
+            self.assertEqual((e["ROCE_GATHER_NET"], e["NCCL_NET"], e["NCCL_COLLNET_ENABLE"]), ("1", "roce_gather", "1"))
+            e = launch.rank_env("intercept-nonap", 0, "/s.json")
+            self.assertEqual(e["ROCE_GATHER_PROXY_IDLE_MS"], "0")
+        with mock.patch.dict(os.environ, {"PATH": "/bin"}, clear=True):
+            self.assertNotIn("LD_PRELOAD", launch.rank_env("intercept", 0, "/s.json"))
+            self.assertEqual(launch.rank_env("intercept-preload", 0, "/s.json")["LD_PRELOAD"], launch.LIB)
+
+
+def calls_of(*events):
+    """A ledger from (bytes, enq, execs, listform, comm) events, in order."""
+    L = common.Ledger()
+    for b, enq, execs, listform, comm in events:
+        L.gather(b, enq=enq, execs=execs, listform=listform, comm=comm)
+    return L.n
+
+
+def istats(launches, gathers, launch_bytes=None, bytes_=None, forwarded=0, errors=0, way_in=None, **extra):
+    st = {"intercepted": {"launches": launches, "launch_bytes": launch_bytes, "forwarded": forwarded,
+                          "forwarded_bytes": None, "gathers": gathers, "bytes": bytes_, "errors": errors,
+                          "proxy_naps": 0, "proxy_woke_to_work": 0}}
+    st["intercepted"] = {k: v for k, v in st["intercepted"].items() if v is not None}
+    st["intercepted"].update(extra)
+    if way_in:
+        st["interceptor"] = {"way_in": way_in, "ncclAllGather": launches + forwarded}
+    return st
+
+
+class InterceptLedgerTest(unittest.TestCase):
+    W = (0, 1 << 20)
+    BIG = 2 << 20
+
+    def test_agreement_capture_and_replays(self):
+        L = calls_of((4096, 1, 0, False, "default"),   # captured before the agreement: NCCL's
+                     (4096, 0, 3, False, "default"),   # and so are its replays
+                     (16, 1, 1, False, "default"),     # the first eager call: the agreement
+                     (16, 4, 0, False, "default"),     # captured after it
+                     (16, 0, 40, False, "default"),
+                     (self.BIG, 2, 2, False, "default"),
+                     (16, 1, 1, False, "group2"),      # another communicator agrees on its own
+                     (16, 2, 2, True, "group2"))
+        c = L["calls"]
+        self.assertEqual(c["4096"], dict(first=0, eager=0, captured=0, list=0, replays=0, pre=1, replays_pre=3))
+        self.assertEqual(c["16"], dict(first=2, eager=2, captured=4, list=2, replays=40, pre=0, replays_pre=0))
+        self.assertEqual(c[str(self.BIG)]["eager"], 2)
+        e = common.intercept_expectation(c, self.W, True)
+        self.assertEqual((e["launches"], e["gathers"]), (2 + 4 + 2, 2 + 40 + 2))
+        self.assertEqual((e["launch_bytes"], e["bytes"]), (16 * 8, 16 * 44))
+        self.assertEqual(e["forwarded_min"], 1 + 2)  # the capture before the agreement, the two above the window
+        self.assertEqual(e["forwarded_bytes_min"], 4096 + 2 * self.BIG)
+        e0 = common.intercept_expectation(c, self.W, False)
+        self.assertEqual((e0["launches"], e0["gathers"]), (6, 42))
+        off = common.intercept_expectation(c, None, True)  # the path off: every call is NCCL's
+        self.assertEqual((off["launches"], off["gathers"], off["forwarded_min"]), (0, 0, 1 + 8 + 2))
+        # The old split is kept as it was.
+        self.assertEqual((L["small_enq"], L["big_enq"], L["list_small"]), (1 + 1 + 4 + 1, 2, 2))
+
+    def test_refused(self):
+        L = common.Ledger()
+        with self.assertRaisesRegex(ValueError, "list-form gather made 'default'.s first call"):
+            L.gather(16, listform=True)
+        with self.assertRaisesRegex(ValueError, "none was captured"):
+            L.gather(16, enq=0, execs=4)
+        with self.assertRaisesRegex(ValueError, "neither eager"):
+            L.gather(16, enq=3, execs=5)
+        L.gather(16, enq=1, execs=0)  # before the agreement
+        L.gather(16)
+        L.gather(16, enq=1, execs=0)  # after it
+        with self.assertRaisesRegex(ValueError, "before its agreement and some after"):
+            L.gather(16, enq=0, execs=1)
+
+    def ledger(self):
+        return calls_of((16, 1, 1, False, "default"), (4096, 3, 3, False, "default"), (4096, 1, 1, True, "default"),
+                        (4096, 4, 0, False, "default"), (4096, 0, 64, False, "default"),
+                        (self.BIG, 2, 2, False, "default"), (self.BIG, 1, 1, True, "default"))
+
+    def test_exact_match_passes(self):
+        L = self.ledger()
+        launches, gathers = 1 + 3 + 1 + 4, 1 + 3 + 1 + 64
+        lb, b = 16 + 4096 * 8, 16 + 4096 * 68
+        F, info = common.intercept_check(istats(launches, gathers, lb, b, forwarded=5, way_in="rebound"), L, self.W,
+                                         "rebound")
+        self.assertEqual(F, [])
+        self.assertEqual(info["list_form"], "one AllGather per call")
+        self.assertEqual(info["forwarded_extra"], 2)
+        self.assertIn("way in: rebound", info["notes"])
+        # The list form as a group of other ops: no ncclAllGather for it at all.
+        F, info = common.intercept_check(istats(launches - 1, gathers - 1, lb - 4096, b - 4096, forwarded=2), L, self.W)
+        self.assertEqual(F, [])
+        self.assertEqual(info["list_form"], "not an AllGather (no ncclAllGather call)")
+        # Bytes counted for both ranks: a note, not a failure.
+        F, info = common.intercept_check(istats(launches, gathers, 2 * lb, 2 * b, forwarded=3), L, self.W)
+        self.assertEqual(F, [])
+        self.assertTrue(any("both ranks' bytes" in n for n in info["notes"]))
+
+    def test_mismatches_fail(self):
+        L = self.ledger()
+        ok = dict(launches=9, gathers=69, launch_bytes=16 + 4096 * 8, bytes_=16 + 4096 * 68, forwarded=3)
+        F, _ = common.intercept_check(istats(**dict(ok, launches=8)), L, self.W)
+        self.assertIn("expected launches=9 gathers=69 (window 0 to 1048576 bytes a rank)", F[0])
+        self.assertIn("or launches=8 gathers=68 if the list form is no AllGather", F[0])
+        # The agreement calls went to NCCL: said so.
+        F, _ = common.intercept_check(istats(**dict(ok, launches=8, gathers=68)),
+                                      calls_of((16, 1, 1, False, "default"), (4096, 8, 8, False, "default")), self.W)
+        self.assertTrue(any("the 1 in-window calls that made each communicator's agreement" in f for f in F), F)
+        # An out-of-window call launched in place of an in-window one: the bytes give it away.
+        F, _ = common.intercept_check(istats(**dict(ok, launch_bytes=ok["launch_bytes"] - 4096 + self.BIG)), L, self.W)
+        self.assertEqual(F, [f"intercepted.launch_bytes={ok['launch_bytes'] - 4096 + self.BIG}, expected "
+                             f"{ok['launch_bytes']} (bytes a rank of the calls counted)"])
+        F, _ = common.intercept_check(istats(**dict(ok, errors=2)), L, self.W)
+        self.assertEqual(F, ["intercepted.errors=2"])
+        F, _ = common.intercept_check(istats(**dict(ok, forwarded=2)), L, self.W)
+        self.assertIn("intercepted.forwarded=2, but 3 calls were outside the window", F[0])
+        F, _ = common.intercept_check(istats(**ok, way_in="preempting"), L, self.W, "rebound")
+        self.assertEqual(F, ["interceptor.way_in='preempting', expected 'rebound' (NCCL_NET_PLUGIN alone)"])
+        F, _ = common.intercept_check(istats(**dict(ok, gathers=68)), L, self.W)  # one replay's gather lost
+        self.assertEqual(len(F), 1)
+        self.assertIn("gathers=68", F[0])
+        self.assertIn("no ROCE_GATHER_STATS file", common.intercept_check(None, L, self.W)[0][0])
+        self.assertIn("no \"intercepted\" section", common.intercept_check({"tuner": {}}, L, self.W)[0][0])
+
+    def test_path_off_and_way_in(self):
+        L = self.ledger()
+        F, _ = common.intercept_check(istats(0, 0, 0, 0, forwarded=11), L, None)
+        self.assertEqual(F, [])
+        F, _ = common.intercept_check(istats(1, 1, 16, 16, forwarded=10), L, None)
+        self.assertIn("expected launches=0 gathers=0 (window off)", F[0])
+        self.assertEqual(common.way_in_check({}, "preempting"), ([], "way in: unknown (the stats have no interceptor.way_in)"))
+        self.assertEqual(common.way_in_check({"interceptor": {"way_in": "preempting"}}, "preempting"),
+                         ([], "way in: preempting"))
+        F, note = common.way_in_check({"interceptor": {"way_in": "rebound"}}, "preempting")
+        self.assertEqual(F, ["interceptor.way_in='rebound', expected 'preempting' (LD_PRELOAD alone)"])
+
+    def test_judge_by_route(self):
+        L = calls_of((16, 5, 5, False, "default"))
+        good = istats(5, 5, 80, 80, way_in="preempting")
+        self.assertEqual(launch.judge_stats("intercept-preload", good, L)[0], [])
+        self.assertEqual(len(launch.judge_stats("intercept", good, L)[0]), 1)  # way in: rebound expected
+        # The CollNet route: the tuner's and one-shot counts, and the interceptor stepped aside.
+        st = stats_for(L, True)
+        self.assertEqual(launch.judge_stats("oneshot", st, L)[0], [])
+        st["intercepted"] = {"launches": 3}
+        F, _ = launch.judge_stats("oneshot", st, L)
+        self.assertEqual(F, ["the interceptor took 3 ncclAllGather calls (intercepted.launches) on the CollNet route "
+                             "(ROCE_GATHER_NET=1 NCCL_COLLNET_ENABLE=1), where it hands every gather to NCCL"])
+
+    def test_cli_window(self):
+        self.assertEqual(common.cli_window("intercept:16:4096", {}), (16, 4096))
+        self.assertEqual(common.cli_window("intercept", {"ROCE_GATHER_FABRIC": "tcp"}), common.default_window("tcp"))
+        self.assertEqual(common.cli_window("intercept", {}), common.default_window("verbs"))
+        self.assertEqual(common.cli_window("intercept", {"ROCE_GATHER_MAX_BYTES": "65536", "ROCE_GATHER_MIN_BYTES": "1"}),
+                         (1, 65536))
 
 
 class NcclRuntimeTest(unittest.TestCase):
@@ -622,10 +861,13 @@ def samples_for(us_by_size, n=3, jitter=0.02):
     return {str(b): [us * (1 + jitter * (i - 1)) for i in range(n)] for b, us in us_by_size.items()}
 
 
-def ledger_for(sizes, cap, enq=20):
+def ledger_for(sizes, cap, eager=16, captured=4, replays=200):
+    """A bench-like ledger: per size, eager calls, then captured ones, then the gathers of their replays."""
     L = common.Ledger(cap)
     for b in sizes:
-        L.gather(b, enq=enq, execs=enq * 10)
+        L.gather(b, enq=eager, execs=eager)
+        L.gather(b, enq=captured, execs=0)
+        L.gather(b, enq=0, execs=replays)
     return L.n
 
 
