@@ -82,7 +82,7 @@ CONFIGS = {
     "intercept-preload": {"LD_PRELOAD": LIB},
     "intercept-nonap": dict(INTERCEPT, ROCE_GATHER_PROXY_IDLE_MS="0"),
     # Step calibrate: the window opened over every size it measures.
-    "intercept-wide": dict(INTERCEPT, ROCE_GATHER_MAX_BYTES=str(WIDE_CAP)),
+    "intercept-wide": dict(INTERCEPT, ROCE_GATHER_MIN_BYTES="0", ROCE_GATHER_MAX_BYTES=str(WIDE_CAP)),
     # Step sweep (and calibrate: os-staged). One factor changed at a time from os-staged.
     "os-staged": dict(OPEN),
     "os-eager": dict(OPEN, ROCE_GATHER_MODE="eager"),
