@@ -1864,6 +1864,13 @@ class RunAllTest(unittest.TestCase):
             s = json.loads(read(os.path.join(out, "summary.json")))
             self.assertEqual(list(s["steps"]), ["env", "latency", "plot", "calibrate"])  # each once, in order
             self.assertNotEqual(p.returncode, 0)  # every step skipped: the budget of 10 s is below 15
+            env["ROCE_GATHER_GPU_STEPS"] = "intercept"
+            p = subprocess.run(["bash", os.path.join(HERE, "run_all.sh"), out], capture_output=True, text=True, env=env,
+                               timeout=120)
+            self.assertIn("steps: env gather graphs capi jax abort latency plot", p.stdout)
+            s = json.loads(read(os.path.join(out, "summary.json")))
+            # Run in the script's order: latency, which fits its rounds into what is left, last but plot.
+            self.assertEqual(list(s["steps"]), ["env", "gather", "graphs", "capi", "jax", "abort", "latency", "plot"])
         finally:
             shutil.rmtree(out)
             shutil.rmtree(tmp)
