@@ -574,9 +574,10 @@ def cuda_include_dirs():
 def linked_build_command(program, out, includes, extra=()):
     """gcc's command for program (LINKED) linked with -lnccl: nccl.h from /usr/include, the
     CUDA headers it includes from `includes` (system headers: no warnings of theirs), CUDA's
-    driver through the library's loader."""
+    driver through the library's loader. Warnings are shown, not fatal: the GPU machine's gcc
+    may warn where the one test_logic.py holds to zero warnings does not."""
     srcs = [LINKED[program], "tests/gpu/gather_linked.c", "tests/gpu/nccl_min.c", "internal/cudadrv/cudadrv.c"]
-    return (["gcc", "-O2", "-g", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-I" + os.path.join(REPO, "include"),
+    return (["gcc", "-O2", "-g", "-std=gnu11", "-Wall", "-Wextra", "-I" + os.path.join(REPO, "include"),
              "-I/usr/include"] + [f"-isystem{d}" for d in includes] + ["-o", out]
             + [os.path.join(REPO, f) for f in srcs] + list(extra) + ["-lnccl", "-ldl", "-lpthread"])
 
@@ -612,6 +613,9 @@ def build_linked(s, program, includes=None, extra=()):
             why += "; no cuda_runtime.h, which nccl.h includes, was found (CUDA_HOME, nvcc's, /usr/local/cuda, wheels)"
         s.fail(f"{program}, linked with -lnccl, did not build (exit {rc}{why}): {' '.join(cmd)}\n{text.strip()[-1500:]}")
         return None
+    info["warnings"] = [line for line in text.splitlines() if "warning:" in line]
+    if info["warnings"]:
+        s.note(f"{program}: gcc warned {len(info['warnings'])} times, the first: {info['warnings'][0]}")
     info["ncclAllGather_relocations"] = relocs = relocations(out, "ncclAllGather")
     if relocs == []:
         s.fail(f"{program} calls ncclAllGather through no relocation slot (readelf -rW): nothing for the library to rebind")

@@ -748,6 +748,8 @@ class LinkedProgramTest(unittest.TestCase):
             f.write(STANDIN_NCCL_H)
         with open(os.path.join(d, "interceptor.c"), "w") as f:
             f.write(STANDIN_INTERCEPTOR)
+        with open(os.path.join(d, "warn.h"), "w") as f:  # a warning under -Wundef, in every file
+            f.write("#if RG_NOT_DEFINED_ANYWHERE\n#endif\n")
         cc = ["gcc", "-O1", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC"]
         testdata = os.path.join(repo, "tests", "nccl-versions", "testdata")
         for cmd in (cc + ["-Wl,-soname,libnccl.so.2", "-I" + os.path.join(repo, "include"), "-DFAKE_VERSION=22803",
@@ -790,6 +792,7 @@ class LinkedProgramTest(unittest.TestCase):
     def test_builds_and_calls_by_name(self):
         s, program = self.build("gather-linked")
         self.assertEqual(s.d["failures"], [])
+        self.assertEqual(s.d["numbers"]["linked"]["gather-linked"]["warnings"], [])  # the project's zero warnings
         self.assertTrue(os.access(program, os.X_OK))
         relocs = s.d["numbers"]["linked"]["gather-linked"]["ncclAllGather_relocations"]
         if relocs is not None:  # readelf present
@@ -799,16 +802,24 @@ class LinkedProgramTest(unittest.TestCase):
         self.assertNotIn("linked", s2.d["numbers"])
         s3, abort = self.build("abort-linked")
         self.assertEqual(s3.d["failures"], [])
+        self.assertEqual(s3.d["numbers"]["linked"]["abort-linked"]["warnings"], [])
         self.assertTrue(os.access(abort, os.X_OK))
 
     def test_build_failure_says_why(self):
         s = steps.Step("capi", self.work, time.time() + 300)
         with contextlib.redirect_stdout(io.StringIO()):
-            out = steps.build_linked(s, "gather-linked", [], ["-L" + self.dir, "-DNO_SUCH_HEADER", "-include",
-                                                              "no_such_header.h"])
+            out = steps.build_linked(s, "gather-linked", [], ["-L" + self.dir, "-include", "no_such_header.h"])
         self.assertIsNone(out)
         self.assertIn("gather-linked, linked with -lnccl, did not build (exit 1", s.d["failures"][0])
         self.assertIn("no_such_header.h", s.d["failures"][0])
+
+    def test_warnings_are_shown(self):
+        s = steps.Step("capi", self.work, time.time() + 300)
+        with contextlib.redirect_stdout(io.StringIO()):
+            out = steps.build_linked(s, "gather-linked", [os.path.join(self.dir, "include")],
+                                     ["-L" + self.dir, "-Wundef", "-include", os.path.join(self.dir, "warn.h")])
+        self.assertIsNotNone(out, s.d["failures"])
+        self.assertTrue(any("gcc warned" in n for n in s.d["notes"]), s.d["notes"])
 
     def pair(self, program, cap):
         cfg = {"intercept-preload": {"LD_PRELOAD": os.path.join(self.dir, "interceptor.so")}}
@@ -1474,6 +1485,20 @@ class StepsTest(unittest.TestCase):
         with mock.patch.object(steps, "build_linked", return_value=None):  # the build failed: PyTorch's runs still go
             self.run_step("abort", self.abort_fake(calls))
         self.assertEqual([r for r, _, _ in calls], ["abort.nccl-socket", "abort.intercept"])
+
+    def test_report_intercept(self):
+        self.run_step("latency", self.intercept_latency_fake([]), {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "1"})
+        out = os.path.join(self.work, "out")
+        argv = ["report.py", "--work", self.work, "--out", out, "--steps", "latency", "--start", str(time.time())]
+        with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(self.out):
+            with self.assertRaises(SystemExit) as e:
+                report.main()
+        self.assertEqual(e.exception.code, 0)
+        text = self.out.getvalue()
+        self.assertIn("intercept/nccl-socket", text)
+        self.assertIn("goal met: intercept's median <= 0.65x NCCL socket's, 16 B to 64 KiB", text)
+        self.assertIn("4194304", text)  # every size, 16 B to 4 MiB
+        self.assertIn("## latency: pass", read(os.path.join(out, "summary.md")))
 
     def test_route_is_checked(self):
         with mock.patch.dict(os.environ, {"ROCE_GATHER_GPU_ROUTE": "ring"}):
