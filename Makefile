@@ -36,9 +36,10 @@ $(BUILD)/kernel-check: $(KERNEL_CHECK_SRC) kernels/place.h internal/cudadrv/cuda
 	$(CC) $(DRIVER_CFLAGS) -o $@ $(KERNEL_CHECK_SRC) -ldl -lpthread
 
 # NCCL through its C API for tests/gpu: ncclCommAbort after the peer's death, and gathers
-# with no framework around them. NCCL is opened at run time.
-NCCL_MIN := tests/gpu/nccl_min.c internal/cudadrv/cudadrv.c
-NCCL_MIN_H := tests/gpu/nccl_min.h internal/cudadrv/cudadrv.h include/cuda_subset.h
+# with no framework around them. NCCL is opened at run time. Steps capi and abort build the
+# same cases linked with -lnccl on the GPU machine (tests/gpu/gather_linked.c).
+NCCL_MIN := tests/gpu/nccl_min.c tests/gpu/nccl_dlopen.c internal/cudadrv/cudadrv.c
+NCCL_MIN_H := tests/gpu/nccl_min.h tests/gpu/nccl_api.h internal/cudadrv/cudadrv.h include/cuda_subset.h
 $(BUILD)/abort-nccl $(BUILD)/gather-nccl: $(BUILD)/%-nccl: tests/gpu/%_nccl.c $(NCCL_MIN) $(NCCL_MIN_H) | need-build
 	$(CC) $(DRIVER_CFLAGS) -o $@ $< $(NCCL_MIN) -ldl -lpthread
 

@@ -152,14 +152,15 @@ def nccl_abort(args, res):
     """Task abort-nccl: the same timeline through NCCL's C API (tests/gpu/abort_nccl.c), so
     that what is measured is ncclCommAbort itself, not the framework around it."""
     d = os.path.dirname(args.params["marker"])
-    p = subprocess.run([ABORT_NCCL, str(args.rank), str(args.local), d], capture_output=True, text=True, timeout=35)
+    program = args.params.get("program", ABORT_NCCL)  # or abort-linked, linked with -lnccl (gather_linked.c)
+    p = subprocess.run([program, str(args.rank), str(args.local), d], capture_output=True, text=True, timeout=35)
     print(p.stdout + p.stderr, flush=True)
     kv = dict(l.split(" ", 1) for l in p.stdout.splitlines() if " " in l and l.split(" ", 1)[0].isupper())
     if "FAIL" in kv:
         res.fail(kv["FAIL"])
     if args.rank == 1:
         if p.returncode != -signal.SIGKILL:
-            res.fail(f"abort-nccl rank 1 ended with status {p.returncode}, not its own SIGKILL")
+            res.fail(f"{os.path.basename(program)} rank 1 ended with status {p.returncode}, not its own SIGKILL")
         res.d["completed"] = True
         return
     n = res.d["numbers"]

@@ -1,21 +1,24 @@
-"""Finds the size window in which the one-shot path beats NCCL's ring over this plugin, under
-CUDA graph replay, and prints the ROCE_GATHER_MIN_BYTES / ROCE_GATHER_MAX_BYTES to set.
+"""Finds the size window in which the intercepted gather beats NCCL's own transport, under CUDA
+graph replay, and prints the ROCE_GATHER_MIN_BYTES / ROCE_GATHER_MAX_BYTES to set.
 
-On each of two hosts, one GPU each, with the plugin's environment exported as for any job
+On each of two hosts, one GPU each, with the job's environment exported as for any job
 (README.md, "Using it in a NCCL job"); host A gives --node-rank 0, host B --node-rank 1:
 
     python3 tests/gpu/calibrate.py run --node-rank 0 --master-addr hostA [--master-port 29510]
-        [--rounds 2] [--sizes 16,32,...,1048576] [--out roce_gather_calibration]
+        [--rounds 2] [--sizes 16,32,...,4194304] [--out roce_gather_calibration]
 
-`run` starts torchrun 2 x ROUNDS times, one process a host, alternating NCCL's ring over this
-plugin (ROCE_GATHER_ENABLE=0) and the one-shot path with the window opened over every size
-measured (ROCE_GATHER_MIN_BYTES=1, ROCE_GATHER_MAX_BYTES=the largest size); each run is
-`calibrate.py --task calibrate` (bench.py's sampler: per size, GRAPH_GATHERS gathers in one
-CUDA graph, replayed; REPS samples a size). Then it reads what the runs wrote, checks that
-every gather was byte-exact and took the path its run asked for (ROCE_GATHER_STATS against
-the worker's ledger), and prints a table and the window (measure.window: README.md,
-"Calibration", gives the rule). Both hosts print the same answer: every sample is the larger
-of the two ranks' values. `python3 tests/gpu/calibrate.py window DIR` prints it again from DIR.
+`run` starts torchrun 2 x ROUNDS times, one process a host, alternating NCCL on its own
+(NCCL_NET_PLUGIN=none: its IB or socket transport, whichever it picks) and the intercepted
+path (NCCL_NET_PLUGIN alone: this checkout's library unless NCCL_NET_PLUGIN names one) with
+the window opened over every size measured (ROCE_GATHER_MIN_BYTES=0, ROCE_GATHER_MAX_BYTES=the
+largest size); neither run takes the CollNet route (ROCE_GATHER_NET, NCCL_NET and
+NCCL_COLLNET_ENABLE are dropped). Each run is `calibrate.py --task calibrate` (bench.py's
+sampler: per size, GRAPH_GATHERS gathers in one CUDA graph, replayed; REPS samples a size).
+Then it reads what the runs wrote, checks that every gather was byte-exact and that every one
+of the intercepted runs took the intercepted path (ROCE_GATHER_STATS against the worker's
+ledger), and prints a table and the window (measure.window: README.md, "Calibration", gives
+the rule). Both hosts print the same answer: every sample is the larger of the two ranks'
+values. `python3 tests/gpu/calibrate.py window DIR` prints it again from DIR.
 
 The testbed runs the same worker and the same analysis as step calibrate (steps.py), with its
 pairs started by launch.py on one host.
@@ -32,10 +35,12 @@ import measure
 from common import md_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Powers of two from 16 B to 1 MiB a rank.
-SIZES = [1 << k for k in range(4, 21)]
+# Powers of two from 16 B to 4 MiB a rank.
+SIZES = [1 << k for k in range(4, 23)]
 REPS = 3
-ROLES = ("ring", "oneshot")
+ROLES = ("nccl", "intercept")
+# The library's variables that make it NCCL's network and collNet: no part of either run.
+COLLNET_VARS = ("NCCL_NET", "NCCL_COLLNET_ENABLE", "ROCE_GATHER_NET")
 
 
 def task_calibrate(ctx):
@@ -50,26 +55,32 @@ def task_calibrate(ctx):
 # ---- the analysis, shared with step calibrate ------------------------------------------------
 
 def analyse(runs):
-    """runs: [{"name", "role" ("ring"|"oneshot"), "result" (a worker's JSON), "stats"}]. Checks
-    each run (completed, byte-exact, the path taken) and pools its graph samples by role.
-    Returns {"failures", "sizes", "summaries", "window", "env" (None when a check failed)}."""
+    """runs: [{"name", "role" ("nccl"|"intercept"), "result" (a worker's JSON), "stats"}]. Checks
+    each run (completed, byte-exact; the intercepted runs' stats: every gather intercepted) and
+    pools its graph samples by role. Returns {"failures", "sizes", "summaries", "window", "env"
+    (None when a check failed)}."""
     failures, pooled = [], {r: {} for r in ROLES}
     for run in runs:
         name, role, res = run["name"], run["role"], run.get("result")
+        if role not in ROLES:
+            failures.append(f"{name}: role {role!r} is neither of {', '.join(ROLES)}")
+            continue
         if res is None:
             failures.append(f"{name}: no result file")
             continue
         failures += [f"{name}: {f}" for f in res.get("failures", [])]
+        samples = ((res.get("numbers") or {}).get("samples") or {}).get("graph", {})
         if not res.get("completed"):
             failures.append(f"{name}: did not complete")
-        elif res.get("ledger") is not None:
-            F, _ = common.stats_check(run.get("stats"), res["ledger"], role == "oneshot")
+        elif role == "intercept" and res.get("ledger") is not None:
+            cap = int((res.get("params") or {}).get("cap") or max((int(b) for b in samples), default=0))
+            F, _ = common.intercept_check(run.get("stats"), res["ledger"], (0, cap))
             failures += [f"{name} stats: {f}" for f in F]
-        for b, xs in ((res.get("numbers") or {}).get("samples") or {}).get("graph", {}).items():
+        for b, xs in samples.items():
             pooled[role].setdefault(int(b), []).extend(xs)
-    sizes = sorted(set(pooled["ring"]) | set(pooled["oneshot"]))
+    sizes = sorted(set(pooled["nccl"]) | set(pooled["intercept"]))
     summ = {r: {b: measure.summarize(xs) for b, xs in pooled[r].items()} for r in ROLES}
-    w = measure.window(sizes, summ["oneshot"], summ["ring"])
+    w = measure.window(sizes, summ["intercept"], summ["nccl"])
     return {"failures": failures, "sizes": sizes, "summaries": summ, "window": w,
             "env": None if failures else measure.window_env(w)}
 
@@ -79,18 +90,18 @@ def table(a):
     fl, cap = a["window"]["floor"], a["window"]["cap"]
     for p in a["window"]["per_size"]:
         b = p["bytes"]
-        rows.append([measure.size_label(b), measure.fmt_range(p["oneshot"]), measure.fmt_range(p["ring"]),
+        rows.append([measure.size_label(b), measure.fmt_range(p["path"]), measure.fmt_range(p["ref"]),
                      measure.fmt_ratio(p["ratio"]), p["faster"] or "-",
                      "yes" if p["win"] else "no", "yes" if fl is not None and fl <= b <= cap else "no"])
-    return md_table(["bytes a rank", "one-shot us: median (min-max)", "ring over this plugin us", "one-shot/ring",
-                     "faster (median)", "one-shot faster beyond the spread", "in the window"], rows)
+    return md_table(["bytes a rank", "intercepted us: median (min-max)", "NCCL's own transport us",
+                     "intercepted/NCCL", "faster (median)", "intercepted faster beyond the spread", "in the window"], rows)
 
 
 def report(a):
     """The answer as markdown: the table, the rule's outcome, the line to set."""
     w = a["window"]
     n = {r: max((s["n"] for s in a["summaries"][r].values() if s), default=0) for r in ROLES}
-    out = [f"Per size, µs a gather under CUDA graph replay; {n['oneshot']} one-shot and {n['ring']} ring samples "
+    out = [f"Per size, µs a gather under CUDA graph replay; {n['intercept']} intercepted and {n['nccl']} NCCL samples "
            "a size (each the mean of one timed batch of replays, the larger of the two ranks' values); "
            "spread = min-max of the samples.", "", table(a), ""]
     if a["failures"]:
@@ -141,27 +152,39 @@ def torchrun_command(a, i, role, out):
                          "--result", os.path.join(out, f"cal.{i}.{role}.json"), "--params", json.dumps(params)]
 
 
+def is_library(path, lib):
+    """path names this library (its file, or its NCCL_NET_PLUGIN name's file)."""
+    name = os.path.basename(path)
+    return os.path.realpath(path) == os.path.realpath(lib) or name.startswith(("libroce_gather", "libnccl-net-roce_gather"))
+
+
 def run_env(base, role, stats, cap, lib):
-    """The environment of one torchrun: the user's, with the plugin named (this checkout's
-    library unless NCCL_NET_PLUGIN is set), the one-shot path off (ring) or opened over every
-    size measured (oneshot), stats to a file, multicast off."""
+    """The environment of one torchrun: the user's, less the CollNet route's variables; for
+    "nccl", NCCL on its own (NCCL_NET_PLUGIN=none, the library out of LD_PRELOAD); for
+    "intercept", NCCL_NET_PLUGIN (this checkout's library unless it names one) with the window
+    opened over every size measured and stats to a file; multicast off in both."""
     import launch
-    env = dict(base)
-    if not env.get("NCCL_NET_PLUGIN"):
-        env["NCCL_NET_PLUGIN"] = lib
-    env.setdefault("NCCL_NET", "roce_gather")
-    env.update(NCCL_COLLNET_ENABLE="1", ROCE_GATHER_STATS=stats)
-    if role == "ring":
-        env["ROCE_GATHER_ENABLE"] = "0"
+    env = {k: v for k, v in base.items() if k not in COLLNET_VARS}
+    if role == "nccl":
+        env["NCCL_NET_PLUGIN"] = "none"
+        env.pop("ROCE_GATHER_STATS", None)
+        pre = [p for p in env.get("LD_PRELOAD", "").split(":") if p and not is_library(p, lib)]
+        if pre:
+            env["LD_PRELOAD"] = ":".join(pre)
+        else:
+            env.pop("LD_PRELOAD", None)
     else:
-        env.update(ROCE_GATHER_ENABLE="1", ROCE_GATHER_MIN_BYTES="1", ROCE_GATHER_MAX_BYTES=str(cap))
+        if env.get("NCCL_NET_PLUGIN", "none").lower() == "none":
+            env["NCCL_NET_PLUGIN"] = lib
+        env.update(ROCE_GATHER_ENABLE="1", ROCE_GATHER_MIN_BYTES="0", ROCE_GATHER_MAX_BYTES=str(cap),
+                   ROCE_GATHER_STATS=stats)
     env.update(launch.NO_MULTICAST)
     return env
 
 
 def drive(a):
     import launch
-    if not os.environ.get("NCCL_NET_PLUGIN") and not os.path.exists(launch.LIB):
+    if os.environ.get("NCCL_NET_PLUGIN", "none").lower() == "none" and not os.path.exists(launch.LIB):
         raise SystemExit(f"NCCL_NET_PLUGIN is not set and {launch.LIB} does not exist: run make all, or export "
                          "NCCL_NET_PLUGIN=/path/to/libroce_gather.so")
     out = os.path.abspath(a.out)
@@ -194,7 +217,7 @@ def main():
         r.add_argument("--master-addr", required=True)
         r.add_argument("--master-port", type=int, default=29510, help="run i uses this port + i")
         r.add_argument("--nnodes", type=int, default=2)
-        r.add_argument("--rounds", type=int, default=2, help="ring and one-shot runs each")
+        r.add_argument("--rounds", type=int, default=2, help="NCCL and intercepted runs each")
         r.add_argument("--reps", type=int, default=REPS, help="samples a size in each run")
         r.add_argument("--sizes", default=",".join(map(str, SIZES)), help="bytes a rank, comma-separated")
         r.add_argument("--out", default="roce_gather_calibration")

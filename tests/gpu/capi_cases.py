@@ -2,6 +2,9 @@
 
     python capi_cases.py --task gather --rank R --port P --result FILE --params '{"dir": D, "registered": false}'
 
+params "program": the program to run, build/gather-nccl (NCCL opened with dlopen) by default,
+or gather-linked (the same cases linked with -lnccl: tests/gpu/gather_linked.c).
+
 The C program checks every byte itself; this worker turns its CASE lines into the result
 file and the ledger the plugin's ROCE_GATHER_STATS are checked against. No PyTorch: the
 host waits for the stream before every copy, so no CUDA call of the application is ever
@@ -21,7 +24,7 @@ def main():
     args = common.worker_args()
     res = common.Result(args)
     ledger = common.Ledger()
-    cmd = [GATHER_NCCL, str(args.rank), str(args.local), args.params["dir"]]
+    cmd = [args.params.get("program", GATHER_NCCL), str(args.rank), str(args.local), args.params["dir"]]
     if args.params.get("registered"):
         cmd.append("registered")
     try:
@@ -29,7 +32,7 @@ def main():
         out, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
         text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-        out, rc = f"{text(e.stdout)}{text(e.stderr)}\ngather-nccl still running after {e.timeout}s", None
+        out, rc = f"{text(e.stdout)}{text(e.stderr)}\n{os.path.basename(cmd[0])} still running after {e.timeout}s", None
     print(out, flush=True)
     for line in out.splitlines():
         f = line.split()
@@ -41,9 +44,13 @@ def main():
         elif f[:1] == ["FAIL"]:
             res.fail(line)
     if rc != 0:
-        res.fail(f"gather-nccl exited with status {rc}")
+        res.fail(f"{os.path.basename(cmd[0])} exited with status {rc}")
     res.d["ledger"] = ledger.n
-    res.d["numbers"]["nccl_lib"] = next((l.split(" ", 1)[1] for l in out.splitlines() if l.startswith("NCCL_LIB ")), None)
+    lines = out.splitlines()
+    res.d["numbers"]["nccl_lib"] = next((l.split(" ", 1)[1] for l in lines if l.startswith("NCCL_LIB ")), None)
+    res.d["numbers"]["nccl"] = next((l.split(" ", 1)[1] for l in lines if l.startswith("NCCL_VERSION ")), None)
+    # The linked program says where its ncclAllGather slot leads, before and after NCCL's init.
+    res.d["numbers"]["slots"] = [l.split(" ", 2)[2] for l in lines if l.startswith("SLOT ncclAllGather ")]
     res.d["completed"] = rc == 0 and "FINALIZED" in out
     res.write()
     sys.exit(0 if res.d["completed"] and not res.d["n_failures"] else 1)

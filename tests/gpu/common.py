@@ -1,18 +1,24 @@
 """Shared by the parent steps and the rank workers. Imports neither torch nor jax.
 
-The plugin counts, per process, every two-rank AllGather its tuner decided (tuner.*) and
-every one-shot gather it executed (oneshot.*), into the ROCE_GATHER_STATS file, which it
-makes at init and keeps current as it counts (so it survives any end short of a lost disk). A worker keeps a Ledger of the gathers it asked for; the parent
-compares the two (stats_check), so the path each case took is read, not assumed.
+The library counts, per process, into the ROCE_GATHER_STATS file, which it keeps current as it
+counts (so it survives any end short of a lost disk): the ncclAllGather calls its interceptor
+took or handed to NCCL and the gathers its kernel finished (intercepted.*), and on the CollNet
+route every two-rank AllGather its tuner decided (tuner.*) and every one-shot gather it executed
+(oneshot.*). A worker keeps a Ledger of the gathers it asked for; the parent compares the two
+(intercept_check, stats_check), so the path each case took is read, not assumed.
 """
 import argparse
 import faulthandler
 import json
 import os
+import re
 import signal
 import zlib
 
-# ROCE_GATHER_MAX_BYTES' default: the per-rank shard cap both ranks agree on.
+# The library's configuration, where the intercepted gather's default windows are set.
+CONFIG_GO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "plugin",
+                         "config.go")
+# The CollNet route's per-rank shard cap both ranks agree on in the tests' configs.
 CAP = 524288
 # Shard sizes of the gather matrix: 16 B to 512 KiB, one past the cap, and an odd 100 B.
 MATRIX_SHARDS = [1 << k for k in range(4, 20)] + [CAP + 16, 100]
@@ -29,12 +35,21 @@ def seed_of(tag, rank):
 
 
 class Ledger:
-    """The AllGathers a worker asked for, split the way the plugin's stats split them.
+    """The AllGathers a worker asked for, kept the two ways the library's stats count them.
 
-    enq: collectives NCCL enqueued (the tuner decides once per enqueue; a CUDA graph's
-    gathers are enqueued once, at capture). execs: gathers that ran (graph replays count).
-    The list form dist.all_gather is kept apart: PyTorch may or may not issue it as one
-    AllGather, and the stats say which.
+    n's FIELDS, for the CollNet route, split at cap: enq, collectives NCCL enqueued (the tuner
+    decides once per enqueue; a CUDA graph's gathers are enqueued once, at capture); execs,
+    gathers that ran (graph replays count). The list form dist.all_gather is kept apart:
+    PyTorch may or may not issue it as one AllGather, and the stats say which.
+
+    n["calls"], for the intercepted path: per size (bytes a rank, as a string), each
+    ncclAllGather as the interceptor sees it (CALL_FIELDS). A communicator agrees at its first
+    call issued outside a CUDA graph capture (PyTorch issues its collectives outside
+    ncclGroupStart/End): calls captured before that go to NCCL ("pre", and "replays_pre" the
+    gathers their replays ran); from it on, eager calls ("eager", of which "first" made the
+    agreement), captured calls ("captured", once at capture), the gathers their replays ran
+    ("replays") and list-form calls ("list") are decided by the window alone, which the parent
+    applies (intercept_check). gather's comm names the communicator.
     """
 
     FIELDS = ("small_enq", "big_enq", "small_exec", "big_exec", "list_small", "list_big")
@@ -42,15 +57,202 @@ class Ledger:
     def __init__(self, cap=CAP):
         self.cap = cap
         self.n = dict.fromkeys(self.FIELDS, 0)
+        self.n["calls"] = {}
+        self.agreed = set()  # communicators whose agreement call was made
+        self.captured = {}  # (comm, bytes) -> {True: captured after the agreement, False: before}
 
-    def gather(self, shard_bytes, enq=1, execs=1, listform=False):
+    def gather(self, shard_bytes, enq=1, execs=1, listform=False, comm="default"):
+        """enq == execs > 0: eager calls; execs == 0: calls captured in a graph; enq == 0: the
+        gathers of graph replays of calls of this size captured on comm."""
+        if enq > 0 and execs in (0, enq):
+            kind = "eager" if execs else "captured"
+        elif enq == 0 and execs > 0:
+            kind = "replay"
+        else:
+            raise ValueError(f"gather({shard_bytes}, enq={enq}, execs={execs}): neither eager calls (enq == execs), "
+                             "captured calls (execs 0) nor graph replays (enq 0)")
         small = shard_bytes <= self.cap
         if listform:
-            assert enq == execs, "the list form is counted for eager calls only"
+            assert kind == "eager", "the list form is counted for eager calls only"
             self.n["list_small" if small else "list_big"] += enq
         else:
             self.n["small_enq" if small else "big_enq"] += enq
             self.n["small_exec" if small else "big_exec"] += execs
+        row = self.n["calls"].setdefault(str(shard_bytes), dict.fromkeys(CALL_FIELDS, 0))
+        if listform:
+            if comm not in self.agreed:
+                raise ValueError(f"a list-form gather made {comm!r}'s first call: whether it is one AllGather is "
+                                 "unknown, so whether it made the agreement is too; gather into a tensor first")
+            row["list"] += enq
+        elif kind == "eager":
+            if comm not in self.agreed:
+                self.agreed.add(comm)
+                row["first"] += 1
+            row["eager"] += enq
+        elif kind == "captured":
+            took = comm in self.agreed
+            row["captured" if took else "pre"] += enq
+            self.captured.setdefault((comm, shard_bytes), set()).add(took)
+        else:
+            took = self.captured.get((comm, shard_bytes), set())
+            if len(took) != 1:
+                raise ValueError(f"replays of {shard_bytes} B gathers on {comm!r}: "
+                                 + ("none was captured" if not took else
+                                    "some were captured before its agreement and some after, so the path is unknown"))
+            row["replays" if True in took else "replays_pre"] += execs
+
+
+# The interceptor's view of a ledger's calls of one size (Ledger).
+CALL_FIELDS = ("first", "eager", "captured", "list", "replays", "pre", "replays_pre")
+
+
+def intercept_expectation(calls, window, list_as_allgather):
+    """What the stats' "intercepted" section must show for a ledger's calls: launches, gathers
+    and their bytes exactly; forwarded (and its bytes) at least. window: (floor, cap) in bytes a
+    rank, None when the path is off. list_as_allgather: each list-form call is one AllGather
+    (else no AllGather at all)."""
+    k = 1 if list_as_allgather else 0
+    e = dict.fromkeys(("launches", "launch_bytes", "gathers", "bytes", "forwarded_min", "forwarded_bytes_min",
+                       "first_in"), 0)
+    for b, row in calls.items():
+        b = int(b)
+        made = row["eager"] + row["captured"] + k * row["list"]
+        ran = row["eager"] + row["replays"] + k * row["list"]
+        if window is not None and window[0] <= b <= window[1]:
+            e["launches"] += made
+            e["launch_bytes"] += made * b
+            e["gathers"] += ran
+            e["bytes"] += ran * b
+            e["first_in"] += row["first"]
+        else:
+            e["forwarded_min"] += made
+            e["forwarded_bytes_min"] += made * b
+        e["forwarded_min"] += row["pre"]
+        e["forwarded_bytes_min"] += row["pre"] * b
+    return e
+
+
+def go_int(expr, where, consts=""):
+    """The value of a Go integer constant expression of literals, <<, *, +, - and names of
+    constants that `consts` (Go source) sets as `Name = expr` (as DefaultWindows writes them:
+    512 << 10, 1 << 20)."""
+    import ast
+    ops = {ast.LShift: lambda a, b: a << b, ast.Mult: lambda a, b: a * b, ast.Add: lambda a, b: a + b,
+           ast.Sub: lambda a, b: a - b}
+
+    def bad(why):
+        return ValueError(f"{where}: {expr!r} is not an integer expression this reader knows ({why})")
+
+    def ev(n, depth):
+        if isinstance(n, ast.Constant) and type(n.value) is int:
+            return n.value
+        if isinstance(n, ast.BinOp) and type(n.op) in ops:
+            return ops[type(n.op)](ev(n.left, depth), ev(n.right, depth))
+        if isinstance(n, ast.Name) and depth < 8:
+            m = re.search(r"^\s*%s\s*=\s*([^/\n]+)" % re.escape(n.id), consts, re.M)
+            if m:
+                return ev(parse(m.group(1)), depth + 1)
+            raise bad(f"no constant {n.id}")
+        raise bad(ast.dump(n))
+
+    def parse(text):
+        try:
+            return ast.parse(text.strip(), mode="eval").body
+        except SyntaxError:
+            raise bad("syntax") from None
+    return ev(parse(expr), 0)
+
+
+def default_window(fabric, path=None):
+    """The intercepted gather's default window on fabric, (floor, cap) in bytes a rank, or None
+    where the fabric's default keeps the path off: read from DefaultWindows in plugin/config.go,
+    the one place it is set."""
+    path = path or CONFIG_GO
+    with open(path) as f:
+        text = f.read()
+    m = re.search(r"^var DefaultWindows = map\[string\]FabricWindow\{(.*?)^\}", text, re.S | re.M)
+    if not m:
+        raise ValueError(f"{path}: no `var DefaultWindows = map[string]FabricWindow{{...}}`")
+    body = "\n".join(line.split("//")[0] for line in m.group(1).splitlines())
+    e = re.search(r'"%s"\s*:\s*\{([^}]*)\}' % re.escape(fabric), body)
+    if not e:
+        raise ValueError(f"{path}: DefaultWindows has no {fabric!r} entry")
+    fields = dict((k, v.strip()) for k, v in re.findall(r"(\w+)\s*:\s*([^,]+)", e.group(1)))
+    where = f"{path}: DefaultWindows[{fabric!r}]"
+    if fields.get("Off") == "true":
+        return None
+    return go_int(fields.get("MinBytes", "0"), where, text), go_int(fields.get("MaxBytes", "0"), where, text)
+
+
+def way_in_check(stats, expected):
+    """The interceptor's way in from the stats ("rebound": NCCL_NET_PLUGIN, "preempting":
+    LD_PRELOAD) against expected. A stats file without the "interceptor" section says
+    nothing: reported as unknown, never a failure. Returns (failures, note)."""
+    sec = (stats or {}).get("interceptor")
+    got = sec.get("way_in") if isinstance(sec, dict) else None
+    if got is None:
+        return [], "way in: unknown (the stats have no interceptor.way_in)"
+    if expected and got != expected:
+        return [f"interceptor.way_in={got!r}, expected {expected!r} ("
+                + ("LD_PRELOAD alone" if expected == "preempting" else "NCCL_NET_PLUGIN alone") + ")"], f"way in: {got}"
+    return [], f"way in: {got}"
+
+
+def intercept_check(stats, ledger, window, way_in=None):
+    """One rank's ROCE_GATHER_STATS against its ledger on the intercepted path: every call
+    within the window took it (launches, launch_bytes, and gathers and bytes with every
+    replay's, exactly), none outside it did, none failed (errors 0), and NCCL got at least the
+    rest (forwarded); the way in when given. Returns (failures, info)."""
+    if stats is None:
+        return ["no ROCE_GATHER_STATS file was written (NCCL_NET_PLUGIN makes it at NCCL's load of the library, "
+                "LD_PRELOAD at the first intercepted call: neither happened)"], {}
+    s = stats.get("intercepted")
+    if s is None:
+        return ["ROCE_GATHER_STATS has no \"intercepted\" section (a library from before the interceptor?)"], {}
+    calls = (ledger or {}).get("calls")
+    if calls is None:
+        return ["the worker's ledger has no per-size calls to check the intercepted path against"], {}
+    F, notes = way_in_check(stats, way_in) if way_in else ([], None)
+    info = {"window": window, "notes": [notes] if notes else []}
+    lists_in = sum(r["list"] for b, r in calls.items() if window and window[0] <= int(b) <= window[1])
+    lists = sum(r["list"] for r in calls.values())
+    exp = {k: intercept_expectation(calls, window, k == 1) for k in (1, 0)}
+    match = [k for k in ((1, 0) if lists else (1,))
+             if (s["launches"], s["gathers"]) == (exp[k]["launches"], exp[k]["gathers"])]
+    # Both readings match when no list-form call fell within the window: the weaker bound on forwarded.
+    k = (0 if len(match) > 1 else match[0]) if match else 1
+    e = exp[k]
+    if lists:
+        info["list_form"] = ("undetermined (no list-form call was within the window)" if not lists_in else
+                             "one AllGather per call" if k == 1 else "not an AllGather (no ncclAllGather call)")
+    w = "off" if window is None else f"{window[0]} to {window[1]} bytes a rank"
+    if not match:
+        alt = (f"; or launches={exp[0]['launches']} gathers={exp[0]['gathers']} if the list form is no AllGather"
+               if lists_in else "")
+        why = ""
+        if e["first_in"] and s["launches"] == e["launches"] - e["first_in"]:
+            why = (f"; the difference is the {e['first_in']} in-window calls that made each communicator's "
+                   "agreement: they went to NCCL")
+        F.append(f"intercepted.launches={s['launches']} gathers={s['gathers']}; expected launches={e['launches']} "
+                 f"gathers={e['gathers']} (window {w}){alt}{why}")
+    for key, want in (("launch_bytes", e["launch_bytes"]), ("bytes", e["bytes"])):
+        got = s.get(key)
+        if not match or got is None or got == want:
+            continue
+        if want and got == 2 * want:
+            info["notes"].append(f"intercepted.{key} counts both ranks' bytes ({got} = 2 x {want})")
+        else:
+            F.append(f"intercepted.{key}={got}, expected {want} (bytes a rank of the calls counted)")
+    if s["errors"]:
+        F.append(f"intercepted.errors={s['errors']}")
+    if s["forwarded"] < e["forwarded_min"]:
+        F.append(f"intercepted.forwarded={s['forwarded']}, but {e['forwarded_min']} calls were outside the window "
+                 f"(window {w}) or made before their communicator's agreement")
+    fb = s.get("forwarded_bytes")
+    if fb is not None and fb < e["forwarded_bytes_min"]:
+        F.append(f"intercepted.forwarded_bytes={fb}, but the calls handed to NCCL carried {e['forwarded_bytes_min']}")
+    info.update(expected=e, forwarded_extra=s["forwarded"] - e["forwarded_min"])
+    return F, info
 
 
 def stats_check(stats, ledger, oneshot_on, mode=None):
@@ -60,6 +262,10 @@ def stats_check(stats, ledger, oneshot_on, mode=None):
     t, o, L = stats["tuner"], stats["oneshot"], ledger
     info = {}
     F = []
+    taken = (stats.get("intercepted") or {}).get("launches", 0)
+    if taken:
+        F.append(f"the interceptor took {taken} ncclAllGather calls (intercepted.launches) on the CollNet route "
+                 "(ROCE_GATHER_NET=1 NCCL_COLLNET_ENABLE=1), where it hands every gather to NCCL")
     if not oneshot_on:  # ROCE_GATHER_ENABLE=0, or the tcp fabric's default: NCCL's ring for every gather
         if t["oneshot_gathers"] or o["calls"]:
             F.append(f"one-shot path used while off (ROCE_GATHER_ENABLE=0, or the tcp fabric's default): "
@@ -106,11 +312,18 @@ def stats_brief(stats):
     """One rank's stats as a flat dict, for tables."""
     if stats is None:
         return None
-    t, o = stats["tuner"], stats["oneshot"]
-    return {"tuner_oneshot": t["oneshot_gathers"], "tuner_nccl": t["nccl_gathers"],
-            "not_offered": t["nccl_not_offered"], "unoffered": t.get("oneshot_unoffered", 0), "calls": o["calls"], "eager": o["eager"],
-            "by_kernel": o.get("eager_by_kernel", 0), "rendezvous": o["rendezvous"], "errors": o["errors"], "p50_us": o["p50_us"],
-            "p99_us": o["p99_us"], "max_us": o["max_us"]}
+    t, o = stats.get("tuner") or {}, stats.get("oneshot") or {}
+    i, w = stats.get("intercepted") or {}, stats.get("interceptor") or {}
+    return {"tuner_oneshot": t.get("oneshot_gathers", 0), "tuner_nccl": t.get("nccl_gathers", 0),
+            "not_offered": t.get("nccl_not_offered", 0), "unoffered": t.get("oneshot_unoffered", 0),
+            "calls": o.get("calls", 0), "eager": o.get("eager", 0), "by_kernel": o.get("eager_by_kernel", 0),
+            "rendezvous": o.get("rendezvous", 0), "errors": o.get("errors", 0), "p50_us": o.get("p50_us", 0),
+            "p99_us": o.get("p99_us", 0), "max_us": o.get("max_us", 0),
+            # The intercepted path (os_*: its kernel's gathers), and the interceptor's way in.
+            "launches": i.get("launches", 0), "forwarded": i.get("forwarded", 0), "os_gathers": i.get("gathers", 0),
+            "os_errors": i.get("errors", 0), "os_p50_us": i.get("p50_us", 0), "os_p99_us": i.get("p99_us", 0),
+            "os_max_us": i.get("max_us", 0), "proxy_naps": i.get("proxy_naps", 0),
+            "proxy_woke": i.get("proxy_woke_to_work", 0), "way_in": w.get("way_in", "unknown")}
 
 
 def placement_failure(brief, kernel):
@@ -264,9 +477,28 @@ class Result:
         os.replace(tmp, self.path)
 
 
+def cli_window(mode, env):
+    """The window of `python3 common.py ... intercept[:FLOOR:CAP]`: FLOOR:CAP as given, else
+    this rank's window as the library works it out (plugin/config.go, Window):
+    ROCE_GATHER_MIN_BYTES and ROCE_GATHER_MAX_BYTES over the default of ROCE_GATHER_FABRIC
+    (verbs unless it says tcp)."""
+    parts = mode.split(":")
+    if len(parts) == 3:
+        return int(parts[1]), int(parts[2])
+    fabric = "tcp" if env.get("ROCE_GATHER_FABRIC") == "tcp" else "verbs"
+    d = default_window(fabric)
+    floor = int(env["ROCE_GATHER_MIN_BYTES"]) if env.get("ROCE_GATHER_MIN_BYTES") else (d[0] if d else 0)
+    if env.get("ROCE_GATHER_MAX_BYTES"):
+        return floor, int(env["ROCE_GATHER_MAX_BYTES"])
+    return None if d is None else (floor, d[1])
+
+
 def main():
-    """python3 common.py RESULT.json STATS.json [eager|rendezvous|off]: checks one rank's
-    ROCE_GATHER_STATS against the ledger its worker wrote (for runs outside run_all.sh)."""
+    """python3 common.py RESULT.json STATS.json [intercept[:FLOOR:CAP]|eager|rendezvous|off]: checks
+    one rank's ROCE_GATHER_STATS against the ledger its worker wrote (for runs outside run_all.sh):
+    the intercepted path (the default; the window as given, else as the library works it out
+    from this environment), or the CollNet route (eager, rendezvous: its forced mode; off: no
+    one-shot gather)."""
     import sys
     if len(sys.argv) < 3:
         raise SystemExit(main.__doc__)
@@ -274,8 +506,11 @@ def main():
         res = json.load(f)
     with open(sys.argv[2]) as f:
         stats = json.load(f)
-    mode = sys.argv[3] if len(sys.argv) > 3 else None
-    failures, info = stats_check(stats, res["ledger"], mode != "off", mode if mode != "off" else None)
+    mode = sys.argv[3] if len(sys.argv) > 3 else "intercept"
+    if mode.split(":")[0] == "intercept":
+        failures, info = intercept_check(stats, res["ledger"], cli_window(mode, os.environ))
+    else:
+        failures, info = stats_check(stats, res["ledger"], mode != "off", mode if mode != "off" else None)
     print(json.dumps({"worker_failures": res["failures"], "stats": stats_brief(stats), "ledger": res["ledger"],
                       "stats_failures": failures, **info}, indent=1))
     raise SystemExit(1 if failures or res["failures"] or not res["completed"] else 0)

@@ -16,7 +16,7 @@ import numpy as np
 
 import common
 
-SIZES = [1 << k for k in range(4, 20)]  # 16 B .. 512 KiB, uint8, three seeds each
+SIZES = [1 << k for k in range(4, 20)]  # 16 B .. 512 KiB, uint8, params "seeds" each (3)
 EXTRA = [(d, b) for d in ("float32", "bfloat16", "int32") for b in (16, 4096, common.CAP)] + [("uint8", common.CAP + 16)]
 
 
@@ -29,7 +29,7 @@ def gen(tag, rank, numel, dtype):
     return rng.standard_normal(numel, dtype=np.float32).astype(dtype)
 
 
-def run(jax, rank, res, ledger):
+def run(jax, rank, res, ledger, seeds=3):
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     shard_map = getattr(jax, "shard_map", None)
@@ -52,7 +52,7 @@ def run(jax, rank, res, ledger):
     gather = jax.jit(shard_map(lambda x: jax.lax.all_gather(x, "i", tiled=True),
                                mesh=mesh, in_specs=P("i"), out_specs=P(), **unchecked))
 
-    cases = [("uint8", b, s) for b in SIZES for s in range(3)] + [(d, b, 0) for d, b in EXTRA]
+    cases = [("uint8", b, s) for b in SIZES for s in range(seeds)] + [(d, b, 0) for d, b in EXTRA]
     for dname, nbytes, s in cases:
         dt = np.dtype(dtypes[dname])
         n = nbytes // dt.itemsize
@@ -86,7 +86,7 @@ def main():
         # platform CUDA").
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
                                    process_id=args.rank, local_device_ids=[args.local])
-        run(jax, args.rank, res, ledger)
+        run(jax, args.rank, res, ledger, int(args.params.get("seeds", 3)))
         res.d["ledger"] = ledger.n
         jax.distributed.shutdown()
         res.d["completed"] = True

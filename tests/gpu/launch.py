@@ -34,20 +34,29 @@ PEER_GRACE_S = 15
 
 # Never multicast: set in every process, last, so nothing overrides it.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# Over the tcp fabric the one-shot path is off unless the cap is given (docs/benchmarks.md).
-# ROCE_GATHER_MIN_BYTES=1 opens the floor: every gather within the cap goes one-shot, whatever
-# the plugin's default floor, which is what every step's ledger assumes.
-PLUGIN = {"NCCL_NET_PLUGIN": LIB, "NCCL_NET": "roce_gather", "NCCL_COLLNET_ENABLE": "1",
+# The intercepted gather (DESIGN.md, "One intercepted gather, end to end"): the library named
+# in NCCL_NET_PLUGIN and nothing else of its own. NCCL loads it at the first communicator's
+# init, it rebinds PyTorch's ncclAllGather slots to itself, offers NCCL no network device
+# (ROCE_GATHER_NET=0), and two-rank gathers within the agreed window run outside NCCL.
+INTERCEPT = {"NCCL_NET_PLUGIN": LIB}
+# The fabric whose default window the intercept configs get: the testbed has no RDMA port, so
+# ROCE_GATHER_FABRIC=auto takes tcp there.
+INTERCEPT_FABRIC = "tcp"
+# The calibration's intercepted runs open the window over every size it measures.
+WIDE_CAP = 4 << 20
+# The CollNet route, the earlier design: the library is NCCL's network again (ROCE_GATHER_NET=1,
+# NCCL_NET) and its collNet (NCCL_COLLNET_ENABLE=1); the interceptor then steps aside and hands
+# every gather to NCCL. Over the tcp fabric its one-shot path is off unless the cap is given
+# (docs/benchmarks.md). ROCE_GATHER_MIN_BYTES=1 opens the floor: every gather within the cap
+# goes one-shot, whatever the plugin's default floor, which is what every step's ledger assumes.
+PLUGIN = {"NCCL_NET_PLUGIN": LIB, "NCCL_NET": "roce_gather", "NCCL_COLLNET_ENABLE": "1", "ROCE_GATHER_NET": "1",
           "ROCE_GATHER_FABRIC": "tcp", "ROCE_GATHER_TCP_IF": "lo", "ROCE_GATHER_MAX_BYTES": "524288",
           "ROCE_GATHER_MIN_BYTES": "1"}
 GDR = dict(PLUGIN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1")
+# NCCL's ring over this library's network (NCCL's own choice of algorithm, protocol and channels).
 RING = dict(PLUGIN, ROCE_GATHER_ENABLE="0")
-# The plugin as a user loads it, with no variable of its own but the fabric and interface: over
-# tcp the one-shot path is then off (the fabric's default window), and every gather is NCCL's.
-DEFAULTS = {k: PLUGIN[k] for k in ("NCCL_NET_PLUGIN", "NCCL_NET", "NCCL_COLLNET_ENABLE", "ROCE_GATHER_FABRIC",
-                                   "ROCE_GATHER_TCP_IF")}
-# The sweep and the calibration open the cap to 1 MiB, so that every size they measure (16 B
-# to 1 MiB) goes one-shot in the one-shot configs.
+# The sweep opens the cap to 1 MiB, so that every size it measures (16 B to 1 MiB) goes
+# one-shot in the one-shot configs.
 OPEN_CAP = 1 << 20
 OPEN = dict(PLUGIN, ROCE_GATHER_MAX_BYTES=str(OPEN_CAP))
 OPEN_GDR = dict(OPEN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1")
@@ -64,8 +73,16 @@ CONFIGS = {
     "oneshot-gdr-kernel": dict(GDR, ROCE_GATHER_PLACEMENT="kernel"),
     "oneshot-gdr-rendezvous": dict(GDR, ROCE_GATHER_MODE="rendezvous"),
     "ring-over-plugin": dict(RING),
-    "defaults": dict(DEFAULTS),
     "nccl-socket": {"NCCL_NET_PLUGIN": "none"},
+    # The intercepted gather: NCCL_NET_PLUGIN alone (defaults: the same, as a user loads it),
+    # LD_PRELOAD alone (the library's ncclAllGather preempts NCCL's), and the proxy never
+    # napping (its nap must not show in graph replays).
+    "intercept": dict(INTERCEPT),
+    "defaults": dict(INTERCEPT),
+    "intercept-preload": {"LD_PRELOAD": LIB},
+    "intercept-nonap": dict(INTERCEPT, ROCE_GATHER_PROXY_IDLE_MS="0"),
+    # Step calibrate: the window opened over every size it measures.
+    "intercept-wide": dict(INTERCEPT, ROCE_GATHER_MIN_BYTES="0", ROCE_GATHER_MAX_BYTES=str(WIDE_CAP)),
     # Step sweep (and calibrate: os-staged). One factor changed at a time from os-staged.
     "os-staged": dict(OPEN),
     "os-eager": dict(OPEN, ROCE_GATHER_MODE="eager"),
@@ -108,14 +125,34 @@ OWNED = {"NCCL_NET_PLUGIN", "NCCL_NET", "NCCL_COLLNET_ENABLE", "NCCL_NET_GDR_LEV
 
 
 def uses_plugin(config):
-    return "ROCE_GATHER_FABRIC" in CONFIGS[config]
+    """The library is in the ranks' processes (NCCL_NET_PLUGIN or LD_PRELOAD names it)."""
+    c = CONFIGS[config]
+    return c.get("NCCL_NET_PLUGIN") == LIB or LIB in c.get("LD_PRELOAD", "").split(":")
+
+
+def collnet_route(config):
+    """The library is NCCL's network and collNet: the interceptor steps aside."""
+    c = CONFIGS[config]
+    return uses_plugin(config) and c.get("ROCE_GATHER_NET") == "1" and c.get("NCCL_COLLNET_ENABLE") == "1"
+
+
+def intercepting(config):
+    """The library's ncclAllGather takes the calls: the intercepted path's stats are judged."""
+    return uses_plugin(config) and not collnet_route(config)
+
+
+def way_in(config):
+    """How the library's ncclAllGather is reached: "preempting" (LD_PRELOAD) or "rebound"
+    (NCCL_NET_PLUGIN: the callers' relocation slots rebound at NCCL's load of it)."""
+    return "preempting" if LIB in CONFIGS[config].get("LD_PRELOAD", "").split(":") else "rebound"
 
 
 def oneshot_on(config):
+    """The CollNet route's one-shot path is on."""
     c = CONFIGS[config]
-    if not uses_plugin(config) or c.get("ROCE_GATHER_ENABLE") == "0":
+    if not collnet_route(config) or c.get("ROCE_GATHER_ENABLE") == "0":
         return False
-    # Over tcp the path is off unless the cap is given (plugin/config.go, DefaultWindows).
+    # Over tcp the path is off unless the cap is given (plugin/config.go, CollNetDefaultWindows).
     return c.get("ROCE_GATHER_FABRIC") != "tcp" or "ROCE_GATHER_MAX_BYTES" in c
 
 
@@ -124,8 +161,29 @@ def gather_mode(config):
 
 
 def cap_of(config):
-    """The per-rank cap of a config (bytes): where its ledger splits one-shot from NCCL."""
+    """The per-rank cap of a CollNet-route config (bytes): where its ledger splits one-shot from NCCL."""
     return int(CONFIGS[config].get("ROCE_GATHER_MAX_BYTES", common.CAP))
+
+
+def intercept_window(config):
+    """The window both ranks of config agree on, (floor, cap) in bytes a rank: a gather takes the
+    intercepted path when floor <= bytes a rank <= cap (plugin/config.go, Window; both ranks get
+    the same environment). None where the path is off (not intercepting, ROCE_GATHER_ENABLE=0,
+    off by the fabric's default, or an empty window)."""
+    if not intercepting(config):
+        return None
+    c = CONFIGS[config]
+    if c.get("ROCE_GATHER_ENABLE") == "0":
+        return None
+    d = common.default_window(INTERCEPT_FABRIC)
+    floor = int(c["ROCE_GATHER_MIN_BYTES"]) if "ROCE_GATHER_MIN_BYTES" in c else (d[0] if d else 0)
+    if "ROCE_GATHER_MAX_BYTES" in c:
+        cap = int(c["ROCE_GATHER_MAX_BYTES"])
+    elif d is None:
+        return None
+    else:
+        cap = d[1]
+    return (floor, cap) if floor <= cap else None
 
 
 def nccl_lib_default():
@@ -141,21 +199,34 @@ def lib_version(path):
 
 
 def rank_env(config, rank, stats_path, extra=None, nccl_lib=""):
+    """Rank `rank`'s environment under config. LD_PRELOAD: the config's (the library, first, so
+    that its ncclAllGather comes before any NCCL's), then nccl_lib, then what was inherited."""
     env = {k: v for k, v in os.environ.items() if k not in OWNED and not k.startswith("ROCE_GATHER_")}
     env.update(NCCL_HOSTID=f"testhost-{rank}", NCCL_MNNVL_ENABLE="0", NCCL_SOCKET_IFNAME="lo",
                NCCL_DEBUG="WARN", PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
-    env.update(CONFIGS[config])
+    c = CONFIGS[config]
+    env.update({k: v for k, v in c.items() if k != "LD_PRELOAD"})
     if uses_plugin(config):
         env["ROCE_GATHER_STATS"] = stats_path
-    if oneshot_on(config) and stats_path:
+    if (oneshot_on(config) or intercept_window(config)) and stats_path:
         # A timeline of every fourth one-shot call, beside the stats (plugincheck trace reads it).
         env.update(ROCE_GATHER_TRACE=stats_path + ".trace", ROCE_GATHER_TRACE_EVERY="4",
                    ROCE_GATHER_TRACE_RECORDS="8192")
     env.update(extra or {})
-    if nccl_lib:
-        env["LD_PRELOAD"] = ":".join([nccl_lib] + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
+    preload = [p for p in c.get("LD_PRELOAD", "").split(":") if p] + ([nccl_lib] if nccl_lib else [])
+    preload += [p for p in env.get("LD_PRELOAD", "").split(":") if p and p not in preload]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
     env.update(NO_MULTICAST)
     return env
+
+
+def judge_stats(config, stats, ledger):
+    """One rank's ROCE_GATHER_STATS against its worker's ledger, by the route config takes.
+    Returns (failures, info)."""
+    if intercepting(config):
+        return common.intercept_check(stats, ledger, intercept_window(config), way_in(config))
+    return common.stats_check(stats, ledger, oneshot_on(config), gather_mode(config))
 
 
 def free_port():
@@ -245,7 +316,7 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
     one_gpu = os.environ.get("ROCE_GATHER_GPU_ONE_DEVICE")
     if one_gpu is not None and "device" not in (params or {}):
         params = dict(params or {}, device=int(one_gpu))  # both ranks on that GPU
-    if os.environ.get("ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH") == "1" and uses_plugin(config):
+    if os.environ.get("ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH") == "1" and collnet_route(config):
         # A step that sets the plugin's variable itself keeps its own value.
         extra_env = dict({"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": "1"}, **(extra_env or {}))
     logs = [os.path.join(work, "logs", f"{run}.rank{r}.log") for r in (0, 1)]
@@ -334,11 +405,12 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
     clean = not rec["failures"] and all(res and res.get("completed") for res in rec["results"])
     if uses_plugin(config) and clean and check_stats:
         for r in (0, 1):
-            F, info = common.stats_check(rec["stats"][r], rec["results"][r]["ledger"], oneshot_on(config),
-                                         gather_mode(config))
+            F, info = judge_stats(config, rec["stats"][r], rec["results"][r]["ledger"])
             rec["failures"] += [f"{run} rank {r} stats: {f}" for f in F]
             if info.get("list_form"):
                 rec["notes"].append(f"{run} rank {r}: the list form dist.all_gather was {info['list_form']}")
+            for n in info.get("notes", []):
+                rec["notes"].append(f"{run} rank {r}: {n}")
     if rec["failures"]:
         n = 60 if timed_out or cut_short else 25  # the stacks SIGUSR1 printed come last
         rec["tails"] = [f"--- {os.path.basename(l)} (last lines)\n{tail(l, n)}" for l in logs]

@@ -138,30 +138,30 @@ def cheapest(table, sizes, configs=None):
 
 # ---- calibration: the size window ---------------------------------------------------------
 
-def window(sizes, oneshot, ring):
-    """The one-shot window from per-size summaries {bytes: summary} of the one-shot path and
-    of NCCL's ring over this plugin. The rule (README.md, "Calibration"):
+def window(sizes, path, ref):
+    """The window of the intercepted path from per-size summaries {bytes: summary} of that path
+    (path) and of NCCL's own transport (ref). The rule (README.md, "Calibration"):
 
-    - one-shot leads at a size when its median is below the ring's, and wins there when it
-      is faster beyond the spread (its slowest sample below the ring's fastest);
-    - runs: maximal stretches of consecutive measured sizes at which one-shot leads, each
+    - the path leads at a size when its median is below NCCL's, and wins there when it is
+      faster beyond the spread (its slowest sample below NCCL's fastest);
+    - runs: maximal stretches of consecutive measured sizes at which the path leads, each
       trimmed at both ends until both ends are sizes where it wins; a run with no win is
       dropped;
     - the window is the run with the most sizes (a tie goes to the larger saving, the sum of
-      ring median minus one-shot median over the run): ROCE_GATHER_MIN_BYTES is its first
-      size, ROCE_GATHER_MAX_BYTES its last; sizes between two measured sizes of the window
-      are taken to behave like them, sizes outside it go to the ring;
-    - no run: one-shot never wins beyond the spread, and the answer is to leave it off.
+      NCCL's median minus the path's over the run): ROCE_GATHER_MIN_BYTES is its first size,
+      ROCE_GATHER_MAX_BYTES its last; sizes between two measured sizes of the window are taken
+      to behave like them, sizes outside it go to NCCL;
+    - no run: the path never wins beyond the spread, and the answer is to leave it off.
 
     Returns {"floor", "cap" (None when off), "per_size": [...], "runs": [(lo, hi), ...], "notes"}."""
     sizes = sorted(int(s) for s in sizes)
     per, runs, cur = [], [], []
     for s in sizes:
-        o, r = oneshot.get(s), ring.get(s)
+        o, r = path.get(s), ref.get(s)
         lead = bool(o and r and o["median"] < r["median"])
         win = compare(o, r) == "faster"
-        per.append({"bytes": s, "oneshot": o, "ring": r, "lead": lead, "win": win,
-                    "faster": None if not (o and r) else ("one-shot" if lead else "ring"),
+        per.append({"bytes": s, "path": o, "ref": r, "lead": lead, "win": win,
+                    "faster": None if not (o and r) else ("intercepted" if lead else "NCCL"),
                     "ratio": ratio(o, r)})
         if lead:
             cur.append(per[-1])
@@ -179,30 +179,30 @@ def window(sizes, oneshot, ring):
             j -= 1
         if i <= j:
             part = run[i:j + 1]
-            saving = sum(p["ring"]["median"] - p["oneshot"]["median"] for p in part)
+            saving = sum(p["ref"]["median"] - p["path"]["median"] for p in part)
             trimmed.append((len(part), saving, part))
     res = {"floor": None, "cap": None, "per_size": per, "notes": [],
            "runs": [(t[2][0]["bytes"], t[2][-1]["bytes"]) for t in trimmed]}
-    measured = [p["bytes"] for p in per if p["oneshot"] and p["ring"]]
+    measured = [p["bytes"] for p in per if p["path"] and p["ref"]]
     if not measured:
         res["notes"].append("no size was measured on both paths")
         return res
     if not trimmed:
-        res["notes"].append("the one-shot path is faster beyond the spread at no size measured: leave it off "
+        res["notes"].append("the intercepted path is faster beyond the spread at no size measured: leave it off "
                             "(ROCE_GATHER_ENABLE=0)")
         return res
     best = max(trimmed, key=lambda t: (t[0], t[1]))[2]
     res["floor"], res["cap"] = best[0]["bytes"], best[-1]["bytes"]
     if res["cap"] == measured[-1]:
-        res["notes"].append(f"one-shot still wins at the largest size measured ({size_label(res['cap'])}): "
+        res["notes"].append(f"the intercepted path still wins at the largest size measured ({size_label(res['cap'])}): "
                             "the cap may lie above it; measure larger sizes to find it")
     if res["floor"] == measured[0]:
-        res["notes"].append(f"one-shot wins at the smallest size measured ({size_label(res['floor'])}): "
+        res["notes"].append(f"the intercepted path wins at the smallest size measured ({size_label(res['floor'])}): "
                             "the floor may lie below it")
     for lo, hi in res["runs"]:
         if (lo, hi) != (res["floor"], res["cap"]):
-            res["notes"].append(f"one-shot also wins from {size_label(lo)} to {size_label(hi)}, outside the window "
-                                "(the plugin takes one window)")
+            res["notes"].append(f"the intercepted path also wins from {size_label(lo)} to {size_label(hi)}, outside "
+                                "the window (the library takes one window)")
     return res
 
 

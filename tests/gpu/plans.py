@@ -230,6 +230,91 @@ def sweep_runs_table(results):
                      "NCCL INFO lines on registration", "note"], rows)
 
 
+# ---- latency: the intercepted gather against NCCL socket -----------------------------------
+
+# The configs, in the order of the first round (measure.round_orders rotates them).
+LATENCY_CONFIGS = ["nccl-socket", "intercept", "intercept-preload", "intercept-nonap", "ring-over-plugin"]
+# Bytes a rank: every power of two from 16 B to 4 MiB.
+LATENCY_SIZES = [1 << k for k in range(4, 23)]
+# Graph replay only; 3 samples a size in each pair (each about 10 ms of replays).
+LATENCY_PARAMS = {"modes": ["graph"], "reps": 3, "target_ms": 10, "budget_s": 25, "sizes": LATENCY_SIZES}
+LATENCY_ROUNDS = 4
+
+
+def latency_goals(table, window):
+    """The issue's goals for the intercepted path under graph replay, judged on pooled samples
+    table {config: {bytes: [us, ...]}}; window: the intercept config's (floor, cap), whose sizes
+    take the intercepted path (the others are NCCL's own path in that config). Returns one
+    entry a goal: {"goal", "sizes", "pass", "failed": [(bytes, why)]}; a size not measured fails."""
+    S = lambda c, b: measure.summarize(table.get(c, {}).get(b))
+    inside = [b for b in LATENCY_SIZES if window and window[0] <= b <= window[1]]
+    goals = [("intercept's median <= 0.65x NCCL socket's, 16 B to 64 KiB", [1 << k for k in range(4, 17)], 0.65, None),
+             ("intercept's median <= 0.85x NCCL socket's, 128 and 256 KiB", [131072, 262144], 0.85, None),
+             ("the path the size picks is never slower than NCCL socket beyond the spread, 16 B to 4 MiB",
+              LATENCY_SIZES, None, "nccl-socket"),
+             ("the proxy's nap does not show: intercept never slower than intercept-nonap beyond the spread, "
+              "at the sizes the window takes", inside, None, "intercept-nonap")]
+    out = []
+    for goal, sizes, most, other in goals:
+        failed = []
+        for b in sizes:
+            a, ref = S("intercept", b), S(other or "nccl-socket", b)
+            if not a or not ref:
+                failed.append((b, "not measured"))
+            elif most is not None:
+                r = measure.ratio(a, ref)
+                if r["median"] > most:
+                    failed.append((b, f"{r['median']:.2f}x"))
+            elif measure.compare(a, ref) == "slower":
+                failed.append((b, f"slower: {a['min']:.1f}-{a['max']:.1f} against {ref['min']:.1f}-{ref['max']:.1f} µs"))
+        out.append({"goal": goal, "sizes": sizes, "pass": bool(sizes) and not failed, "failed": failed})
+    return out
+
+
+def latency_rows(table, window):
+    """Per size, the intercept config against NCCL socket and its other configs side by side."""
+    S = lambda c, b: measure.summarize(table.get(c, {}).get(b))
+    rows = []
+    for b in LATENCY_SIZES:
+        sock, ic = S("nccl-socket", b), S("intercept", b)
+        pre, nonap, ring = S("intercept-preload", b), S("intercept-nonap", b), S("ring-over-plugin", b)
+        goal = "<= 0.65x" if b <= 65536 else "<= 0.85x" if b <= 262144 else "not slower"
+        r = measure.ratio(ic, sock)
+        ok = (None if not r else r["median"] <= 0.65 if b <= 65536 else r["median"] <= 0.85 if b <= 262144
+              else measure.compare(ic, sock) != "slower")
+        if ok is not None and measure.compare(ic, sock) == "slower":
+            ok = False
+        rows.append({"bytes": b, "path": "intercepted" if window and window[0] <= b <= window[1] else "NCCL (outside the window)",
+                     "nccl-socket": sock, "intercept": ic, "ratio": r, "verdict": measure.compare(ic, sock), "goal": goal,
+                     "ok": ok, "intercept-preload": pre, "preload_ratio": measure.ratio(pre, sock),
+                     "intercept-nonap": nonap, "nap_verdict": measure.compare(ic, nonap), "ring-over-plugin": ring,
+                     "ring_ratio": measure.ratio(ring, sock)})
+    return rows
+
+
+def latency_markdown_intercept(rows, goals, rounds, reps, spread, window):
+    pf = lambda ok: "-" if ok is None else "pass" if ok else "FAIL"
+    w = f"{measure.size_label(window[0])} to {measure.size_label(window[1])}" if window else "off"
+    g = md_table(["goal", "sizes", "result", "where it failed"],
+                 [[x["goal"], f"{len(x['sizes'])}", "pass" if x["pass"] else "FAIL",
+                   ", ".join(f"{measure.size_label(b)} ({why})" for b, why in x["failed"]) or "-"] for x in goals])
+    t = md_table(["bytes a rank", "path in intercept", "nccl-socket", "intercept", "intercept/socket", "vs socket", "goal",
+                  "met", "intercept-preload", "preload/socket", "intercept-nonap", "intercept vs nonap",
+                  "ring-over-plugin", "ring/socket"],
+                 [[measure.size_label(r["bytes"]), r["path"], measure.fmt_range(r["nccl-socket"]),
+                   measure.fmt_range(r["intercept"]), measure.fmt_ratio(r["ratio"]), r["verdict"] or "-", r["goal"],
+                   pf(r["ok"]), measure.fmt_range(r["intercept-preload"]), measure.fmt_ratio(r["preload_ratio"]),
+                   measure.fmt_range(r["intercept-nonap"]), r["nap_verdict"] or "-", measure.fmt_range(r["ring-over-plugin"]),
+                   measure.fmt_ratio(r["ring_ratio"])] for r in rows])
+    sp = ", ".join(f"{c} {common.fmt(v)} %" for c, v in spread.items() if v is not None)
+    return (f"The issue's goals, under CUDA graph replay (4 gathers a graph), on {rounds} rounds x {reps} samples a "
+            f"config and size; the intercept config's window is {w} a rank (sizes outside it are NCCL's own path "
+            "there):\n\n" + g + "\n\nµs a gather, median (min-max); A is slower than B beyond the spread when "
+            "A's fastest sample is slower than B's slowest (min(A) > max(B)), faster when max(A) < min(B), else "
+            f"within; a ratio is of medians, with the range the spreads allow. This run's spread, the widest "
+            f"(max-min)/median over the sizes: {sp}.\n\n" + t)
+
+
 # ---- recreate ----------------------------------------------------------------------------
 
 NET_PLUGIN_FAIL = "Failed to initialize any NET plugin"

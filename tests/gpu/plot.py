@@ -1,6 +1,6 @@
 """latency.png from latency.csv (one row a sample): the median microseconds per gather against
-bytes per rank, log-log, with the min-max of the samples shaded; left panel CUDA graph replay,
-right panel eager PyTorch calls.
+bytes per rank, log-log, with the min-max of the samples shaded; a panel for CUDA graph replay
+and one for eager PyTorch calls where the run has them.
 
     python3 plot.py latency.csv latency.png
 """
@@ -14,9 +14,11 @@ import measure
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-STYLE = {"oneshot": ("tab:red", "-", 2.2), "ring-over-plugin": ("tab:blue", "-", 2.0),
-         "nccl-socket": ("tab:gray", "-", 2.0), "oneshot-mode-eager": ("tab:orange", ":", 1.2),
-         "oneshot-mode-rendezvous": ("tab:purple", ":", 1.2)}
+STYLE = {"intercept": ("tab:green", "-", 2.4), "intercept-preload": ("tab:olive", "--", 1.4),
+         "intercept-nonap": ("tab:cyan", ":", 1.4), "oneshot": ("tab:red", "-", 2.2),
+         "ring-over-plugin": ("tab:blue", "-", 2.0), "nccl-socket": ("tab:gray", "-", 2.0),
+         "oneshot-mode-eager": ("tab:orange", ":", 1.2), "oneshot-mode-rendezvous": ("tab:purple", ":", 1.2)}
+OTHER = ("black", "-.", 1.0)  # a config without a style of its own
 
 
 def label(b):
@@ -26,10 +28,16 @@ def label(b):
 def plot(src, dst):
     data = {mode: {c: sorted((b, s) for b, s in by.items() if s) for c, by in cs.items()}
             for mode, cs in measure.read_latency_csv(src).items()}
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    for ax, mode, title in zip(axes, ("graph", "eager"), ("CUDA graph replay (4 gathers a graph)", "eager PyTorch calls")):
+    titles = {"graph": "CUDA graph replay (4 gathers a graph)", "eager": "eager PyTorch calls"}
+    modes = [m for m in titles if data.get(m)] or ["graph"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes) + 1, 5), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, mode in zip(axes, modes):
+        title = titles[mode]
         sizes = set()
-        for config, (color, ls, lw) in STYLE.items():
+        configs = list(STYLE) + sorted(c for c in data.get(mode, {}) if c not in STYLE)
+        for config in configs:
+            color, ls, lw = STYLE.get(config, OTHER)
             pts = data.get(mode, {}).get(config, [])
             if pts:
                 xs = [b for b, _ in pts]

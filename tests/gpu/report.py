@@ -121,15 +121,20 @@ def main():
             print(f"{'':<23}- ... {len(s['failures']) - 4} more in summary.md")
     print("\n" + m["line"][:300])
     lat = next((s for s in steps if s["name"] == "latency"), None)
-    if lat and lat["numbers"].get("ring_vs_socket"):
+    cmp_ = (lat or {}).get("numbers", {}).get("compare")
+    if cmp_ and cmp_.get("rows"):
         L = lat["numbers"]["latency"]
-        cols = [c for c in ("ring-over-plugin", "nccl-socket", "oneshot") if L.get(c, {}).get("graph")]
+        cols = [c for c in lat["numbers"].get("configs", []) if L.get(c, {}).get("graph")]
+        name = f"{cmp_['a']}/{cmp_['b']}".replace("ring-over-plugin/nccl-socket", "ring/socket")
         print("\nus per gather under CUDA graph replay, median (min-max):")
-        print(f"{'bytes':>8} " + " ".join(f"{c:>20}" for c in cols) + f" {'ring/socket':>18} verdict")
-        for row in lat["numbers"]["ring_vs_socket"]:
+        print(f"{'bytes':>8} " + " ".join(f"{c:>20}" for c in cols) + f" {name:>22} verdict")
+        for row in cmp_["rows"]:
             b = str(row["bytes"])
             print(f"{b:>8} " + " ".join(f"{measure.fmt_range(L[c]['graph'].get(b)):>20}" for c in cols)
-                  + f" {measure.fmt_ratio(row['ratio']):>18} {row['verdict'] or '-'}")
+                  + f" {measure.fmt_ratio(row['ratio']):>22} {row['verdict'] or '-'}")
+        for g in lat["numbers"].get("goals", []):
+            print(f"goal {'met' if g['pass'] else 'MISSED'}: {g['goal']}"
+                  + ("" if g["pass"] else " (" + ", ".join(f"{measure.size_label(b)}: {w}" for b, w in g["failed"]) + ")"))
     present = ", ".join(sorted(os.listdir(a.out)))
     print(f"\nRESULT: {'PASS' if not failed else 'FAIL: ' + ', '.join(failed)} ({total} s); {a.out}: {present}")
     raise SystemExit(1 if failed else 0)

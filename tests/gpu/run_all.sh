@@ -13,9 +13,12 @@
 # tests/gpu/README.md says what each step checks.
 #
 # ROCE_GATHER_GPU_STEPS: the steps to run, by name or group (default: check):
-#   check  = env kernels p2p gather graphs capi jax abort topology recreate
-#   timing = env latency plot calibrate
-#   sweep  = env sweep
+#   check     = env kernels p2p gather graphs capi jax abort topology recreate
+#   timing    = env latency plot calibrate
+#   sweep     = env sweep
+#   intercept = env gather graphs capi jax abort latency plot
+# Steps gather, graphs, capi, jax, abort and latency run the intercepted gather beside NCCL's
+# own transport; ROCE_GATHER_GPU_ROUTE=collnet runs their CollNet-route configs instead.
 # ROCE_GATHER_GPU_ONE_DEVICE=0: both ranks of every pair on GPU 0, under CUDA MPS (started
 # here before the first pair, stopped at the end; ROCE_GATHER_GPU_MPS=0 leaves it off), and
 # ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH defaults to 1 (one GPU has no NVSwitch).
@@ -45,6 +48,7 @@ for w in ${ROCE_GATHER_GPU_STEPS:-check}; do
 	check) WANT="$WANT env kernels p2p gather graphs capi jax abort topology recreate" ;;
 	timing) WANT="$WANT env latency plot calibrate" ;;
 	sweep) WANT="$WANT env sweep" ;;
+	intercept) WANT="$WANT env gather graphs capi jax abort latency plot" ;;
 	*) WANT="$WANT $w" ;;
 	esac
 done
@@ -105,11 +109,11 @@ step gather 200
 step graphs 120
 step capi 260
 step jax 120
-step latency 240
+step abort 200
+step latency 250 # fits its rounds into what it has left
 step plot 30
 step calibrate 150
 step recreate 150
-step abort 200
 step topology 150
 step sweep 450 # last: it fits its pairs into whatever the budget has left
 

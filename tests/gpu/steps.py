@@ -7,6 +7,7 @@ one-line headline, numbers, markdown sections for summary.md, and one entry per
 process-pair run. Exit status 0 unless the step failed.
 """
 import argparse
+import glob
 import hashlib
 import json
 import os
@@ -106,7 +107,9 @@ def evidence(paths, pattern, limit=12):
 
 
 def runs_table(step, recs):
-    rows = []
+    """ROCE_GATHER_STATS of every run, per rank: the CollNet route's counts, and the intercepted
+    path's for the runs whose config intercepts."""
+    rows, irows = [], []
     for rec in recs:
         if rec is None:
             continue
@@ -114,12 +117,41 @@ def runs_table(step, recs):
             b = common.stats_brief(st)
             if b is None:
                 continue
+            if launch.intercepting(rec["config"]):
+                irows.append([rec["run"], r, b["way_in"], b["launches"], b["forwarded"], b["os_gathers"], b["os_errors"],
+                              b["os_p50_us"], b["os_p99_us"], b["os_max_us"], b["proxy_naps"], b["proxy_woke"]])
+                continue
             rows.append([rec["run"], r, b["tuner_oneshot"], b["tuner_nccl"], b["not_offered"], b["calls"],
                          b["eager"], b["by_kernel"], b["rendezvous"], b["errors"], b["p50_us"], b["p99_us"], b["max_us"]])
     if rows:
         step.d["md"].append("ROCE_GATHER_STATS per rank (tuner: AllGathers decided; oneshot: one-shot gathers run)\n\n"
                             + md_table(["run", "rank", "tuner oneshot", "tuner nccl", "not offered", "calls", "eager",
                                         "eager by kernel", "rendezvous", "errors", "p50 us", "p99 us", "max us"], rows))
+    if irows:
+        step.d["md"].append("ROCE_GATHER_STATS per rank, the intercepted path (launches: ncclAllGather calls it took, "
+                            "a captured call once; forwarded: calls handed to NCCL; gathers: gathers its kernel "
+                            "finished, graph replays included; kernel µs start to rows written)\n\n"
+                            + md_table(["run", "rank", "way in", "launches", "forwarded", "gathers", "errors", "p50 us",
+                                        "p99 us", "max us", "proxy naps", "proxy woke to work"], irows))
+
+
+ROUTES = ("intercept", "collnet")
+
+
+def route():
+    """ROCE_GATHER_GPU_ROUTE: the path steps gather, graphs, capi, jax, abort and latency run and
+    judge: "intercept" (the default: the intercepted gather beside NCCL's own transport) or
+    "collnet" (the CollNet route's configs, the earlier design)."""
+    r = os.environ.get("ROCE_GATHER_GPU_ROUTE") or "intercept"
+    if r not in ROUTES:
+        raise ValueError(f"ROCE_GATHER_GPU_ROUTE={r!r} is neither intercept (the default) nor collnet")
+    return r
+
+
+def window_cap():
+    """The cap of the intercept config's window (bytes a rank), where the steps put a size above it."""
+    w = launch.intercept_window("intercept")
+    return w[1] if w else None
 
 
 # ---- a. environment --------------------------------------------------------------------
@@ -270,13 +302,30 @@ def step_p2p(s):
 
 # ---- d. gather matrix --------------------------------------------------------------------
 
+# The CollNet route's runs, and the intercepted path's: each beside NCCL's socket transport.
+GATHER_COLLNET = [("oneshot-mode-eager", {}), ("oneshot-mode-rendezvous", {}), ("oneshot-gdr", {"graph": True})]
+GATHER_INTERCEPT = [("intercept", {}), ("intercept-preload", {})]
+
+
+def gather_params():
+    """The intercept route's additions to the matrix: a shard above the window (to NCCL, and
+    never a launch), a second group (dist.new_group) and the default group destroyed and made
+    again, each a communicator with its own agreement."""
+    cap = window_cap()
+    return {"extra_shards": [cap + 16] if cap else [], "groups": True}
+
+
 def step_gather(s):
-    ref = s.pair("gather.nccl-socket", "nccl-socket", "torch_cases.py", "matrix", 90)
+    intercept = route() == "intercept"
+    base = gather_params() if intercept else {}
+    runs = GATHER_INTERCEPT if intercept else GATHER_COLLNET
+    # A new port for each pair's second default group.
+    port2 = lambda: {"port2": launch.free_port()} if intercept else {}
+    ref = s.pair("gather.nccl-socket", "nccl-socket", "torch_cases.py", "matrix", 90, dict(base, **port2()))
     ref_ok = ref and all(x and x.get("completed") for x in ref["results"])
-    recs = [ref]
-    for c, params in (("defaults", {}), ("oneshot-mode-eager", {}), ("oneshot-mode-rendezvous", {}),
-                      ("oneshot-gdr", {"graph": True})):
-        rec = s.pair(f"gather.{c}", c, "torch_cases.py", "matrix", 90, params)
+    recs, good = [ref], []
+    for c, params in runs:
+        rec = s.pair(f"gather.{c}", c, "torch_cases.py", "matrix", 90, dict(base, **params, **port2()))
         recs.append(rec)
         if rec and ref_ok and all(x and x.get("completed") for x in rec["results"]):
             F, n = common.compare_digests("nccl-socket", [x["digests"] for x in ref["results"]],
@@ -285,9 +334,14 @@ def step_gather(s):
                 s.fail(f)
             s.note(f"gather.{c}: {rec['results'][0]['cases']} cases a rank checked against the CPU reference; "
                    f"{n} outputs identical to nccl-socket's")
+            if not F and not rec["failures"]:
+                good.append(c)
     runs_table(s, recs)
     cases = sum(r["results"][0]["cases"] for r in recs if r and r["results"][0])
     s.d["headline"] = f"{cases} cases (rank 0) over {sum(1 for r in recs if r)} runs"
+    if intercept:
+        s.d["headline"] += (f"; byte-exact with nccl-socket's, every in-window gather intercepted: "
+                            f"{', '.join(good) if good else 'none'}")
 
 
 # ---- e. CUDA graphs ---------------------------------------------------------------------
@@ -298,18 +352,28 @@ COLLNET_RX = r"(?i)collnet|roce_gather|one-shot|Algo"
 
 def step_graphs(s):
     recs = []
-    for c, extra in (("oneshot-mode-eager", INFO_ENV), ("oneshot-mode-rendezvous", None), ("oneshot-gdr", None)):
+    if route() == "intercept":
+        # The four sizes and one above the window: NCCL's kernel and the intercepted ones in one graph.
+        cap = window_cap()
+        sizes = [16, 4096, 65536, 524288] + ([2 * cap] if cap else [])
+        runs = [("intercept", INFO_ENV, {"sizes": sizes})]
+        rx = r"roce_gather"
+    else:
+        runs = [("oneshot-mode-eager", INFO_ENV, {}), ("oneshot-mode-rendezvous", None, {}), ("oneshot-gdr", None, {})]
+        rx = COLLNET_RX
+    for c, extra, params in runs:
         run = f"graphs.{c}" + (".nccl-info" if extra else "")
-        rec = s.pair(run, c, "torch_cases.py", "graphs", 60, {"replays": 64}, extra)
+        rec = s.pair(run, c, "torch_cases.py", "graphs", 60, dict(params, replays=64), extra)
         recs.append(rec)
         if rec and extra:
-            lines, n = evidence(rec["logs"][:1], COLLNET_RX)
+            lines, n = evidence(rec["logs"][:1], rx)
             s.d["numbers"]["info_log"] = f"logs/{run}.rank0.log"
-            s.d["md"].append(f"NCCL_DEBUG=INFO log of one oneshot run (logs/{run}.rank*.log): {n} lines of rank 0 "
-                             f"mention CollNet/roce_gather/Algo; the first:\n\n```\n" + "\n".join(lines) + "\n```")
+            s.d["md"].append(f"NCCL_DEBUG=INFO log of the {c} run (logs/{run}.rank*.log): {n} lines of rank 0 match "
+                             f"{rx!r}; the first:\n\n```\n" + "\n".join(lines) + "\n```")
     runs_table(s, recs)
     good = [r for r in recs if r and not r["failures"]]
-    s.d["headline"] = f"4 gathers x 64 replays: {len(good)}/{len(recs)} configs byte-exact"
+    sizes = next((r["results"][0]["numbers"].get("sizes") for r in recs if r and r["results"][0]), None) or []
+    s.d["headline"] = f"{len(sizes) or 4} gathers x 64 replays: {len(good)}/{len(recs)} configs byte-exact"
 
 
 # ---- f. abort ---------------------------------------------------------------------------
@@ -358,16 +422,27 @@ def abort_verdict(t):
 ABORT_RUNS = [("abort-nccl", c) for c in ("nccl-socket", "ring-over-plugin", "oneshot", "oneshot-gdr",
                                          "oneshot-gdr-kernel")] + \
              [("abort", c) for c in ("nccl-socket", "oneshot")]
+# The intercepted path's abort: the C API through abort-linked (its calls reach the library's
+# wrappers), and PyTorch's.
+ABORT_RUNS_INTERCEPT = [("abort-nccl", c) for c in ("nccl-socket", "intercept")] + \
+                       [("abort", c) for c in ("nccl-socket", "intercept")]
 
 
 def step_abort(s):
+    intercept = route() == "intercept"
+    program = build_linked(s, "abort-linked") if intercept else None
     recs, rows, head, verdicts = [], [], [], {}
-    for task, c in ABORT_RUNS:
+    for task, c in (ABORT_RUNS_INTERCEPT if intercept else ABORT_RUNS):
         run = f"{task}.{c}"
+        if task == "abort-nccl" and intercept and program is None:
+            continue  # the build failed, and said why
         marker = os.path.join(s.work, "raw", run, "died")
         os.makedirs(os.path.dirname(marker), exist_ok=True)
+        params = {"marker": marker}
+        if task == "abort-nccl" and program:
+            params["program"] = program
         # Rank 1's SIGKILL is its success; the stats cannot match a ledger cut short by it.
-        rec = s.pair(run, c, "abort_cases.py", task, 40, {"marker": marker}, ABORT_ENV, judge=task == "abort-nccl",
+        rec = s.pair(run, c, "abort_cases.py", task, 40, params, ABORT_ENV, judge=task == "abort-nccl",
                      expect_rcs=(0, 0 if task == "abort-nccl" else -signal.SIGKILL), check_stats=False)
         recs.append(rec)
         if rec is None:
@@ -375,6 +450,11 @@ def step_abort(s):
         t = abort_times(rec)
         s.d["numbers"][run] = t
         verdicts[(task, c)] = [f"{run}: {f}" for f in abort_verdict(t)] + ([] if task == "abort-nccl" else rec["failures"])
+        b = common.stats_brief(rec["stats"][0])
+        if launch.intercepting(c) and not (b and b["launches"]):
+            # What is aborted must be the intercepted path: rank 0's gathers took it before the death.
+            s.fail(f"{run} rank 0: no gather took the intercepted path (intercepted.launches "
+                   f"{b and b['launches']}): its abort was not tested")
         rows.append([run, t["api"] or "-", fmt(t["seen_s"], 3), fmt(t["first_error_s"], 2), fmt(t["abort_called_s"], 2),
                      fmt(t["abort_s"], 2), fmt(t["abort_returned_s"], 2), fmt(t["exit_s"], 1)])
         head.append(f"{run} {fmt(t['abort_returned_s'])}/{fmt(t['exit_s'])}")
@@ -415,6 +495,8 @@ CAPI_RUNS = [("nccl-socket", "nccl-socket", {}), ("oneshot", "oneshot", {}), ("o
 
 
 def step_capi(s):
+    if route() == "intercept":
+        return capi_linked(s)
     recs = []
     for name, c, params in CAPI_RUNS:
         run = f"capi.{name}"
@@ -433,6 +515,115 @@ def step_capi(s):
     good = [r["run"] for r in recs if r and not r["failures"]]
     cases = next((r["results"][0]["cases"] for r in recs if r and r["results"][0]), 0)
     s.d["headline"] = f"{cases} cases a rank; byte-exact and stats consistent: {len(good)}/{len(CAPI_RUNS)} runs"
+
+
+# gather-linked: gather_nccl.c's cases linked with -lnccl, so that ncclAllGather goes through
+# the program's own relocation slot, which the library rebinds (NCCL_NET_PLUGIN alone).
+CAPI_LINKED_RUNS = ["nccl-socket", "intercept"]
+
+
+def capi_linked(s):
+    program = build_linked(s, "gather-linked")
+    if program is None:
+        s.d["headline"] = "gather-linked did not build"
+        return
+    recs = []
+    for c in CAPI_LINKED_RUNS:
+        run = f"capi.linked.{c}"
+        d = os.path.join(s.work, "raw", run)
+        os.makedirs(d, exist_ok=True)
+        rec = s.pair(run, c, "capi_cases.py", "gather", 50, {"dir": d, "timeout": 45, "program": program})
+        recs.append(rec)
+        slots = ((rec or {}).get("results") or [None])[0]
+        slots = (slots or {}).get("numbers", {}).get("slots")
+        if slots:
+            s.note(f"{run} rank 0: its ncclAllGather slot leads to " + "; ".join(slots))
+    runs_table(s, recs)
+    good = [r["run"] for r in recs if r and not r["failures"]]
+    cases = next((r["results"][0]["cases"] for r in recs if r and r["results"][0]), 0)
+    relocs = s.d["numbers"].get("linked", {}).get("gather-linked", {}).get("ncclAllGather_relocations")
+    s.d["headline"] = (f"gather-linked (ncclAllGather through {', '.join(relocs) if relocs else 'an unknown slot'}): "
+                       f"{cases} cases a rank; byte-exact and stats consistent: {len(good)}/{len(CAPI_LINKED_RUNS)} runs")
+
+
+# ---- programs linked with -lnccl, built on the GPU machine ---------------------------------
+
+# make all's C programs with gather_linked.c in the place of nccl_dlopen.c.
+LINKED = {"gather-linked": "tests/gpu/gather_nccl.c", "abort-linked": "tests/gpu/abort_nccl.c"}
+
+
+def cuda_include_dirs():
+    """Folders that hold cuda_runtime.h, which nccl.h includes: the first of CUDA_HOME's,
+    nvcc's, /usr/local/cuda's and the CUDA runtime wheels' (nvidia/*/include) that has it;
+    none when /usr/include has it."""
+    if os.path.exists("/usr/include/cuda_runtime.h"):
+        return []
+    cands = [os.path.join(os.environ[v], "include") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    cands += [os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "include"), "/usr/local/cuda/include"]
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("nvidia")
+        for loc in (spec.submodule_search_locations if spec else []):
+            cands += sorted(os.path.dirname(h) for h in glob.glob(os.path.join(loc, "*", "include", "cuda_runtime.h")))
+    except (ImportError, ValueError):
+        pass
+    return next(([d] for d in cands if os.path.exists(os.path.join(d, "cuda_runtime.h"))), [])
+
+
+def linked_build_command(program, out, includes, extra=()):
+    """gcc's command for program (LINKED) linked with -lnccl: nccl.h from /usr/include, the
+    CUDA headers it includes from `includes` (system headers: no warnings of theirs), CUDA's
+    driver through the library's loader. Warnings are shown, not fatal: the GPU machine's gcc
+    may warn where the one test_logic.py holds to zero warnings does not."""
+    srcs = [LINKED[program], "tests/gpu/gather_linked.c", "tests/gpu/nccl_min.c", "internal/cudadrv/cudadrv.c"]
+    return (["gcc", "-O2", "-g", "-std=gnu11", "-Wall", "-Wextra", "-I" + os.path.join(REPO, "include"),
+             "-I/usr/include"] + [f"-isystem{d}" for d in includes] + ["-o", out]
+            + [os.path.join(REPO, f) for f in srcs] + list(extra) + ["-lnccl", "-ldl", "-lpthread"])
+
+
+def relocations(path, symbol):
+    """The relocation types of path's slots for symbol (readelf -rW), None without readelf."""
+    exe = shutil.which("readelf")
+    if exe is None:
+        return None
+    p = subprocess.run([exe, "-rW", path], capture_output=True, text=True, timeout=30)
+    return [f[2] for f in (line.split() for line in p.stdout.splitlines())
+            if len(f) >= 5 and f[2].startswith("R_") and f[4].split("@")[0] == symbol]
+
+
+def build_linked(s, program, includes=None, extra=()):
+    """Builds program (LINKED) into WORK/bin, once a run. Returns its path, or None after a
+    failure of the step that says why."""
+    out = os.path.join(s.work, "bin", program)
+    if os.path.exists(out):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    includes = cuda_include_dirs() if includes is None else includes
+    cmd = linked_build_command(program, out, includes, extra)
+    rc, text = sh(cmd, timeout=120)
+    if rc != 0 and "cannot find -lnccl" in text:  # the runtime's libnccl.so.2 without the libnccl.so link
+        cmd = ["-l:libnccl.so.2" if c == "-lnccl" else c for c in cmd]
+        rc, text = sh(cmd, timeout=120)
+    info = s.d["numbers"].setdefault("linked", {}).setdefault(program, {})
+    info["command"] = " ".join(cmd)
+    if rc != 0:
+        why = "" if os.path.exists("/usr/include/nccl.h") else "; /usr/include/nccl.h is absent (NCCL's headers)"
+        if not includes and not os.path.exists("/usr/include/cuda_runtime.h"):
+            why += "; no cuda_runtime.h, which nccl.h includes, was found (CUDA_HOME, nvcc's, /usr/local/cuda, wheels)"
+        s.fail(f"{program}, linked with -lnccl, did not build (exit {rc}{why}): {' '.join(cmd)}\n{text.strip()[-1500:]}")
+        return None
+    info["warnings"] = [line for line in text.splitlines() if "warning:" in line]
+    if info["warnings"]:
+        s.note(f"{program}: gcc warned {len(info['warnings'])} times, the first: {info['warnings'][0]}")
+    info["ncclAllGather_relocations"] = relocs = relocations(out, "ncclAllGather")
+    if relocs == []:
+        s.fail(f"{program} calls ncclAllGather through no relocation slot (readelf -rW): nothing for the library to rebind")
+    elif relocs is None:
+        s.note(f"{program}: no readelf here to show its ncclAllGather relocation")
+    else:
+        s.note(f"{program}: ncclAllGather through {', '.join(relocs)}")
+    return out
 
 
 # ---- g. topology ------------------------------------------------------------------------
@@ -612,7 +803,12 @@ def step_jax(s):
              # No command buffers: each jitted call then enqueues its ncclAllGather, and the
              # tuner's count is one per call.
              "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()}
-    rec = s.pair("jax.oneshot", "oneshot", "jax_cases.py", "gather", 120, None, extra)
+    intercept = route() == "intercept"
+    c = "intercept" if intercept else "oneshot"
+    # XLA resolves NCCL's functions with dlsym, past any rebound slot: the intercepted path's
+    # stats are reported, not judged (one seed: the cases are for values and the path taken).
+    rec = s.pair(f"jax.{c}", c, "jax_cases.py", "gather", 120, {"seeds": 1} if intercept else None, extra,
+                 check_stats=not intercept)
     if rec is None:
         return
     runs_table(s, [rec])
@@ -620,10 +816,31 @@ def step_jax(s):
     s.d["md"].append("NCCL INFO lines of the JAX run (which NCCL, which net):\n\n```\n" + "\n".join(lines) + "\n```")
     if rec["failures"]:
         s.note("evidence (NCCL INFO lines about the network):\n" + "\n".join(lines))
-        if not any(rec["stats"]):
+        if not intercept and not any(rec["stats"]):
             s.fail("JAX's NCCL did not use the roce_gather plugin (no ROCE_GATHER_STATS file); see the INFO lines above")
     res = rec["results"][0]
     s.d["headline"] = (f"{res['cases']} cases (rank 0), jax {res['numbers'].get('jax', '?')}" if res else "no result")
+    if intercept:
+        path = jax_path(rec)
+        s.d["numbers"]["path"] = path
+        s.note(f"JAX's gathers: {path}")
+        s.d["headline"] += f"; JAX's gathers: {path}"
+
+
+def jax_path(rec):
+    """Which path JAX's gathers took, from both ranks' stats: intercepted launches, or handed to
+    NCCL (forwarded), or none seen (no stats file: the library never loaded, or no call reached it)."""
+    parts = []
+    for r, st in enumerate(rec["stats"]):
+        b = common.stats_brief(st)
+        if b is None:
+            parts.append(f"rank {r}: no ROCE_GATHER_STATS file (the library was not loaded)")
+            continue
+        what = (f"{b['launches']} intercepted ({b['os_gathers']} gathers run)" if b["launches"]
+                else f"none intercepted, {b['forwarded']} forwarded to NCCL" if b["forwarded"]
+                else "none reached the interceptor")
+        parts.append(f"rank {r}: {what}, way in {b['way_in']}")
+    return "; ".join(parts)
 
 
 # ---- i. latency -------------------------------------------------------------------------
@@ -673,32 +890,106 @@ def latency_markdown(mode, t, sizes, rounds, reps):
 
 
 def step_latency(s):
-    rounds = int(os.environ.get("ROCE_GATHER_GPU_LATENCY_ROUNDS", "3"))
-    sizes = common.LATENCY_SHARDS
+    intercept = route() == "intercept"
+    configs = plans.LATENCY_CONFIGS if intercept else LAT_CONFIGS
+    params = plans.LATENCY_PARAMS if intercept else dict(LAT_PARAMS, sizes=common.LATENCY_SHARDS)
+    sizes = params["sizes"]
+    rounds = int(os.environ.get("ROCE_GATHER_GPU_LATENCY_ROUNDS", plans.LATENCY_ROUNDS if intercept else 3))
     m = mps.summary(s.work)
     if os.environ.get("ROCE_GATHER_GPU_ONE_DEVICE") is not None and not m["used"]:
         s.note("no MPS on one GPU: the ranks time-share it, these timings say little about the transports")
-    recs, runs = [], []
-    for r, order in enumerate(measure.round_orders(LAT_CONFIGS, rounds)):
+    recs, runs, done, longest = [], [], 0, 0.0
+    for r, order in enumerate(measure.round_orders(configs, rounds)):
+        left = s.deadline - time.time() - 6
+        if done and left < longest * 1.1:
+            s.note(f"rounds {r + 1} to {rounds} not started: {left:.0f}s left in the step, a round took up to "
+                   f"{longest:.0f}s")
+            break
+        t0 = time.time()
         for c in order:
-            rec = s.pair(f"latency.r{r}.{c}", c, "bench.py", "latency", 60, dict(LAT_PARAMS, cap=launch.cap_of(c)))
+            rec = s.pair(f"latency.r{r}.{c}", c, "bench.py", "latency", 60, dict(params, cap=launch.cap_of(c)))
             recs.append(rec)
             smp = complete_samples(rec)
             if smp:
                 runs.append((c, r, smp))
             elif rec:
                 s.note(f"latency.r{r}.{c}: no complete samples (its partial ones are left out)")
+        done, longest = r + 1, max(longest, time.time() - t0)
     rows = [[c, mode, b, r, i, f"{us:.3f}"] for c, r, smp in runs for mode, by in smp.items()
             for b, xs in sorted(by.items(), key=lambda kv: int(kv[0])) for i, us in enumerate(xs)]
     measure.write_csv(os.path.join(s.work, "latency.csv"), ["config", "mode", "bytes_per_rank", "round", "rep",
                                                             "us_per_gather"], rows)
+    s.d["numbers"].update(rounds=done, mps=m["line"], configs=configs, csv="latency.csv")
+    (latency_intercept if intercept else latency_collnet)(s, runs, sizes, done, params["reps"], recs)
+    runs_table(s, recs)
+
+
+def latency_intercept(s, runs, sizes, rounds, reps, recs):
+    """The intercepted path against NCCL socket under graph replay: the goal table, every
+    config side by side, and the proxy's naps."""
+    num = s.d["numbers"]
+    table = measure.pooled([(c, smp) for c, _, smp in runs], "graph")
+    num["latency"] = {c: {"graph": {str(b): measure.summarize(xs) for b, xs in by.items()}} for c, by in table.items()}
+    if not table:
+        s.fail("no graph-replay samples: nothing measured")
+        s.d["headline"] = "no latency measured"
+        return
+    window = launch.intercept_window("intercept")
+    rows = plans.latency_rows(table, window)
+    goals = plans.latency_goals(table, window)
+    spread = measure.worst_spread(table, plans.LATENCY_CONFIGS, sizes)
+    s.d["md"].append(plans.latency_markdown_intercept(rows, goals, rounds, reps, spread, window))
+    naps = proxy_naps(recs)
+    if naps:
+        s.d["md"].append("The proxy's naps (ROCE_GATHER_STATS, both ranks' sums over a config's pairs): how often it "
+                         "went to sleep after being idle, and how often it found a gather in flight right after a "
+                         "nap (a gather that waited for it to wake)\n\n"
+                         + md_table(["config", "pairs", "intercepted launches", "gathers", "proxy naps",
+                                     "woke to work"], naps))
+    num.update(goals=[{k: g[k] for k in ("goal", "pass", "failed")} for g in goals], spread_pct=spread,
+               window=window, compare={"a": "intercept", "b": "nccl-socket",
+                                       "rows": [{"bytes": r["bytes"], "ratio": r["ratio"], "verdict": r["verdict"],
+                                                 "path": r["path"]} for r in rows]},
+               proxy=[dict(zip(("config", "pairs", "launches", "gathers", "naps", "woke"), n)) for n in naps])
+    missing = [r["bytes"] for r in rows if r["verdict"] is None]
+    if missing:
+        s.fail(f"intercept or nccl-socket not measured at {', '.join(measure.size_label(b) for b in missing)}")
+    missed = [g for g in goals if not g["pass"]]
+    if missed and s.d["status"] != "fail":
+        s.d["status"] = "warn"  # a goal missed is a finding about the speed, not a broken test
+    for g in missed:
+        s.note(f"goal missed: {g['goal']}: " + ", ".join(f"{measure.size_label(b)} ({w})" for b, w in g["failed"]))
+    r = {x["bytes"]: x["ratio"] for x in rows}
+    pick = [b for b in (16, 4096, 65536, 262144, 1 << 20, 4 << 20) if r.get(b)]
+    s.d["headline"] = (f"goals met: {len(goals) - len(missed)}/{len(goals)}; intercept/socket "
+                       + ", ".join(f"{measure.size_label(b)} {measure.fmt_ratio(r[b])}" for b in pick))
+
+
+def proxy_naps(recs):
+    """[config, pairs, launches, gathers, naps, woke] summed over both ranks of each intercepting config's pairs."""
+    out = {}
+    for rec in recs:
+        if not rec or not launch.intercepting(rec["config"]):
+            continue
+        o = out.setdefault(rec["config"], [rec["config"], 0, 0, 0, 0, 0])
+        o[1] += 1
+        for st in rec["stats"]:
+            b = common.stats_brief(st)
+            if b:
+                o[2] += b["launches"]
+                o[3] += b["os_gathers"]
+                o[4] += b["proxy_naps"]
+                o[5] += b["proxy_woke"]
+    return list(out.values())
+
+
+def latency_collnet(s, runs, sizes, rounds, reps, recs):
+    """The CollNet route: NCCL's ring over this plugin against NCCL socket, the one-shot path against the ring."""
     tabs = latency_tables(runs, sizes)
     for mode in ("graph", "eager"):
         if mode in tabs:
-            s.d["md"].append(latency_markdown(mode, tabs[mode], sizes, rounds, LAT_PARAMS["reps"]))
-    runs_table(s, recs)
+            s.d["md"].append(latency_markdown(mode, tabs[mode], sizes, rounds, reps))
     num = s.d["numbers"]
-    num.update(rounds=rounds, mps=m["line"], configs=LAT_CONFIGS, csv="latency.csv")
     num["latency"] = {c: {mode: {str(b): measure.summarize(xs) for b, xs in t["table"].get(c, {}).items()}
                           for mode, t in tabs.items()} for c in LAT_CONFIGS}
     g = tabs.get("graph")
@@ -707,6 +998,7 @@ def step_latency(s):
         s.d["headline"] = "no latency measured"
         return
     num["ring_vs_socket"] = [{"bytes": x["bytes"], "ratio": x["ratio"], "verdict": x["verdict"]} for x in g["ring_vs_socket"]]
+    num["compare"] = {"a": "ring-over-plugin", "b": "nccl-socket", "rows": num["ring_vs_socket"]}
     num["oneshot_vs_ring"] = [{"bytes": x["bytes"], "ratio": x["ratio"], "verdict": x["verdict"]} for x in g["oneshot_vs_ring"]]
     num["spread_pct"] = g["spread"]
     missing = [x["bytes"] for x in g["ring_vs_socket"] if x["verdict"] is None]
@@ -841,7 +1133,7 @@ def step_sweep(s):
 
 # ---- calibrate: the window a user would set -----------------------------------------------
 
-CAL_CONFIGS = {"ring": "ring-over-plugin", "oneshot": "os-staged"}
+CAL_CONFIGS = {"nccl": "nccl-socket", "intercept": "intercept-wide"}
 
 
 def step_calibrate(s):
@@ -849,29 +1141,31 @@ def step_calibrate(s):
     runs, recs = [], []
     for i, role in calibrate.plan(rounds):
         c = CAL_CONFIGS[role]
+        w = launch.intercept_window(c)
         rec = s.pair(f"calibrate.{i}.{role}", c, "calibrate.py", "calibrate", 60,
-                     {"role": role, "cap": launch.cap_of(c), "budget_s": 25}, check_stats=False)
+                     {"role": role, "cap": w[1] if w else max(calibrate.SIZES), "sizes": calibrate.SIZES,
+                      "budget_s": 25}, check_stats=False)
         recs.append(rec)
         if rec is None:
             continue
         runs.append({"name": f"calibrate.{i}.{role}", "role": role, "result": rec["results"][0], "stats": rec["stats"][0]})
         res1 = rec["results"][1]
-        if res1 and res1.get("completed") and res1.get("ledger"):  # rank 1 took the same path too
-            F, _ = common.stats_check(rec["stats"][1], res1["ledger"], role == "oneshot")
+        if w and res1 and res1.get("completed") and res1.get("ledger"):  # rank 1 took the path too
+            F, _ = common.intercept_check(rec["stats"][1], res1["ledger"], w)
             for f in F:
                 s.fail(f"calibrate.{i}.{role} rank 1 stats: {f}")
     a = calibrate.analyse(runs)
     for f in a["failures"]:
         s.fail(f)
-    s.d["md"].append("The calibration (calibrate.py, the same analysis a user's run gets), ring-over-plugin against "
-                     "the one-shot path on host staging with its window opened over every size (os-staged):\n\n"
-                     + calibrate.report(a))
+    s.d["md"].append("The calibration (calibrate.py, the same analysis a user's run gets): NCCL's own transport "
+                     "(nccl-socket) against the intercepted path with its window opened over every size "
+                     "(intercept-wide):\n\n" + calibrate.report(a))
     runs_table(s, recs)
     w = a["window"]
     s.d["numbers"].update(window={"floor": w["floor"], "cap": w["cap"], "notes": w["notes"], "runs": w["runs"]},
                           env=a["env"], rounds=rounds)
     s.d["headline"] = (("no answer: checks failed" if a["failures"] else
-                        f"one-shot never wins beyond the spread: {a['env']}" if w["floor"] is None else
+                        f"the intercepted path never wins beyond the spread: {a['env']}" if w["floor"] is None else
                         f"window {measure.size_label(w['floor'])} to {measure.size_label(w['cap'])}: {a['env']}"))
 
 

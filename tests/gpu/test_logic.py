@@ -188,9 +188,8 @@ class SweepPlanTest(unittest.TestCase):
             if c.startswith("ring-"):
                 self.assertFalse(launch.oneshot_on(c))
         self.assertEqual(launch.cap_of("oneshot"), 524288)
-        # The plugin's own defaults: no window given, so over tcp the one-shot path is off.
-        self.assertFalse(any(k.startswith("ROCE_GATHER_") and k not in ("ROCE_GATHER_FABRIC", "ROCE_GATHER_TCP_IF")
-                             for k in launch.CONFIGS["defaults"]))
+        # The library as a user loads it: NCCL_NET_PLUGIN alone, the intercepted path, no CollNet route.
+        self.assertFalse(any(k.startswith("ROCE_GATHER_") for k in launch.CONFIGS["defaults"]))
         self.assertTrue(launch.uses_plugin("defaults"))
         self.assertFalse(launch.oneshot_on("defaults"))
         self.assertTrue(launch.oneshot_on("oneshot"))
@@ -319,6 +318,246 @@ class LaunchEnvTest(unittest.TestCase):
             self.assertEqual(launch.nccl_lib_default(), "")
 
 
+class InterceptConfigTest(unittest.TestCase):
+    """The intercept configs: what each puts in the ranks' environment, and the window their
+    ledgers are judged by, read from plugin/config.go."""
+
+    def test_configs(self):
+        lib = launch.LIB
+        self.assertEqual(launch.CONFIGS["intercept"], {"NCCL_NET_PLUGIN": lib})  # NCCL_NET_PLUGIN alone
+        self.assertEqual(launch.CONFIGS["defaults"], launch.CONFIGS["intercept"])
+        self.assertEqual(launch.CONFIGS["intercept-preload"], {"LD_PRELOAD": lib})
+        self.assertEqual(launch.CONFIGS["intercept-nonap"], {"NCCL_NET_PLUGIN": lib, "ROCE_GATHER_PROXY_IDLE_MS": "0"})
+        for c in ("intercept", "intercept-preload", "intercept-nonap", "intercept-wide", "defaults"):
+            self.assertTrue(launch.intercepting(c), c)
+            self.assertFalse(launch.collnet_route(c), c)
+            self.assertFalse(launch.oneshot_on(c), c)
+        self.assertEqual((launch.way_in("intercept"), launch.way_in("intercept-preload")), ("rebound", "preempting"))
+        # The CollNet route: the library is NCCL's network again, the interceptor steps aside.
+        for c in launch.CONFIGS:
+            if c.startswith(("oneshot", "os-", "ring-")):
+                self.assertEqual(launch.CONFIGS[c]["ROCE_GATHER_NET"], "1", c)
+                self.assertTrue(launch.collnet_route(c), c)
+                self.assertFalse(launch.intercepting(c), c)
+                self.assertIsNone(launch.intercept_window(c), c)
+        self.assertEqual(launch.CONFIGS["ring-over-plugin"]["ROCE_GATHER_ENABLE"], "0")
+        self.assertFalse(launch.uses_plugin("nccl-socket"))
+        self.assertFalse(launch.intercepting("nccl-socket"))
+        for c in launch.CONFIGS:  # never multicast, whatever a config says
+            self.assertNotIn("NCCL_NVLS_ENABLE", launch.CONFIGS[c])
+
+    def test_window_from_config_go(self):
+        tcp = common.default_window("tcp")
+        self.assertEqual(launch.intercept_window("intercept"), tcp)
+        self.assertEqual(launch.intercept_window("intercept-preload"), tcp)
+        self.assertEqual(launch.intercept_window("intercept-wide"), (tcp[0], launch.WIDE_CAP))
+        with tempfile.TemporaryDirectory() as d:
+            go = os.path.join(d, "config.go")
+            with open(go, "w") as f:
+                f.write("package plugin\n\nconst (\n\tMaxMaxBytes = 64 << 20\n\tSmall = 4 * 1024 // four KiB\n)\n\n"
+                        "var CollNetDefaultWindows = map[string]FabricWindow{\n\t\"tcp\": {MinBytes: 7, MaxBytes: 9},\n}\n\n"
+                        "var DefaultWindows = map[string]FabricWindow{\n"
+                        "\t\"verbs\": {MinBytes: Small, MaxBytes: 512 << 10}, // measured\n"
+                        "\t\"tcp\":   {Off: true, MinBytes: 0, MaxBytes: 1 << 20},\n"
+                        "\t\"odd\":   {MaxBytes: MaxMaxBytes / 2},\n}\n")
+            self.assertEqual(common.default_window("verbs", go), (4096, 524288))
+            self.assertIsNone(common.default_window("tcp", go))  # off by the fabric's default
+            with self.assertRaisesRegex(ValueError, "no 'ib' entry"):
+                common.default_window("ib", go)
+            with self.assertRaisesRegex(ValueError, "MaxMaxBytes / 2"):
+                common.default_window("odd", go)
+            with open(go, "w") as f:
+                f.write("package plugin\n")
+            with self.assertRaisesRegex(ValueError, "no `var DefaultWindows"):
+                common.default_window("tcp", go)
+
+    def test_window_rules(self):
+        cfgs = {"a": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_MIN_BYTES": "100"},
+                "b": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_MIN_BYTES": "100", "ROCE_GATHER_MAX_BYTES": "50"},
+                "c": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_ENABLE": "0"},
+                "d": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_MAX_BYTES": "4096"}}
+        with mock.patch.dict(launch.CONFIGS, cfgs), \
+                mock.patch.object(common, "default_window", return_value=(16, 65536)) as dw:
+            self.assertEqual(launch.intercept_window("a"), (100, 65536))
+            self.assertIsNone(launch.intercept_window("b"))  # floor above cap: an empty window, the path off
+            self.assertIsNone(launch.intercept_window("c"))
+            self.assertEqual(launch.intercept_window("d"), (16, 4096))
+            dw.assert_called_with(launch.INTERCEPT_FABRIC)
+        with mock.patch.dict(launch.CONFIGS, cfgs), mock.patch.object(common, "default_window", return_value=None):
+            self.assertIsNone(launch.intercept_window("a"))  # off by the fabric's default, no cap given
+            self.assertEqual(launch.intercept_window("d"), (0, 4096))
+
+    def test_rank_env(self):
+        outer = {"LD_PRELOAD": "/x.so", "NCCL_NET_PLUGIN": "/outer.so", "ROCE_GATHER_NET": "1", "NCCL_NET": "IB",
+                 "NCCL_COLLNET_ENABLE": "1", "PATH": "/bin", "ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH": "1"}
+        with mock.patch.dict(os.environ, outer, clear=True):
+            e = launch.rank_env("intercept", 0, "/s.json")
+            mine = {k: v for k, v in e.items() if k.startswith("ROCE_GATHER_") or k in ("NCCL_NET_PLUGIN", "NCCL_NET",
+                                                                                      "NCCL_COLLNET_ENABLE")}
+            self.assertEqual(mine, {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_STATS": "/s.json",
+                                    "ROCE_GATHER_TRACE": "/s.json.trace", "ROCE_GATHER_TRACE_EVERY": "4",
+                                    "ROCE_GATHER_TRACE_RECORDS": "8192"})
+            self.assertEqual(e["LD_PRELOAD"], "/x.so")
+            # LD_PRELOAD alone: the library first, then the NCCL asked for, then what was there.
+            e = launch.rank_env("intercept-preload", 1, "/s.json", None, "/n/libnccl.so.2")
+            self.assertEqual(e["LD_PRELOAD"], f"{launch.LIB}:/n/libnccl.so.2:/x.so")
+            self.assertNotIn("NCCL_NET_PLUGIN", e)
+            self.assertEqual(e["ROCE_GATHER_STATS"], "/s.json")
+            e = launch.rank_env("oneshot", 0, "/s.json", None, "/n/libnccl.so.2")
+            self.assertEqual(e["LD_PRELOAD"], "/n/libnccl.so.2:/x.so")
+            self.assertEqual((e["ROCE_GATHER_NET"], e["NCCL_NET"], e["NCCL_COLLNET_ENABLE"]), ("1", "roce_gather", "1"))
+            e = launch.rank_env("intercept-nonap", 0, "/s.json")
+            self.assertEqual(e["ROCE_GATHER_PROXY_IDLE_MS"], "0")
+        with mock.patch.dict(os.environ, {"PATH": "/bin"}, clear=True):
+            self.assertNotIn("LD_PRELOAD", launch.rank_env("intercept", 0, "/s.json"))
+            self.assertEqual(launch.rank_env("intercept-preload", 0, "/s.json")["LD_PRELOAD"], launch.LIB)
+
+
+def calls_of(*events):
+    """A ledger from (bytes, enq, execs, listform, comm) events, in order."""
+    L = common.Ledger()
+    for b, enq, execs, listform, comm in events:
+        L.gather(b, enq=enq, execs=execs, listform=listform, comm=comm)
+    return L.n
+
+
+def istats(launches, gathers, launch_bytes=None, bytes_=None, forwarded=0, errors=0, way_in=None, **extra):
+    st = {"intercepted": {"launches": launches, "launch_bytes": launch_bytes, "forwarded": forwarded,
+                          "forwarded_bytes": None, "gathers": gathers, "bytes": bytes_, "errors": errors,
+                          "proxy_naps": 0, "proxy_woke_to_work": 0}}
+    st["intercepted"] = {k: v for k, v in st["intercepted"].items() if v is not None}
+    st["intercepted"].update(extra)
+    if way_in:
+        st["interceptor"] = {"way_in": way_in, "ncclAllGather": launches + forwarded}
+    return st
+
+
+class InterceptLedgerTest(unittest.TestCase):
+    W = (0, 1 << 20)
+    BIG = 2 << 20
+
+    def test_agreement_capture_and_replays(self):
+        L = calls_of((4096, 1, 0, False, "default"),   # captured before the agreement: NCCL's
+                     (4096, 0, 3, False, "default"),   # and so are its replays
+                     (16, 1, 1, False, "default"),     # the first eager call: the agreement
+                     (16, 4, 0, False, "default"),     # captured after it
+                     (16, 0, 40, False, "default"),
+                     (self.BIG, 2, 2, False, "default"),
+                     (16, 1, 1, False, "group2"),      # another communicator agrees on its own
+                     (16, 2, 2, True, "group2"))
+        c = L["calls"]
+        self.assertEqual(c["4096"], dict(first=0, eager=0, captured=0, list=0, replays=0, pre=1, replays_pre=3))
+        self.assertEqual(c["16"], dict(first=2, eager=2, captured=4, list=2, replays=40, pre=0, replays_pre=0))
+        self.assertEqual(c[str(self.BIG)]["eager"], 2)
+        e = common.intercept_expectation(c, self.W, True)
+        self.assertEqual((e["launches"], e["gathers"]), (2 + 4 + 2, 2 + 40 + 2))
+        self.assertEqual((e["launch_bytes"], e["bytes"]), (16 * 8, 16 * 44))
+        self.assertEqual(e["forwarded_min"], 1 + 2)  # the capture before the agreement, the two above the window
+        self.assertEqual(e["forwarded_bytes_min"], 4096 + 2 * self.BIG)
+        e0 = common.intercept_expectation(c, self.W, False)
+        self.assertEqual((e0["launches"], e0["gathers"]), (6, 42))
+        off = common.intercept_expectation(c, None, True)  # the path off: every call is NCCL's
+        self.assertEqual((off["launches"], off["gathers"], off["forwarded_min"]), (0, 0, 1 + 8 + 2))
+        # The old split is kept as it was.
+        self.assertEqual((L["small_enq"], L["big_enq"], L["list_small"]), (1 + 1 + 4 + 1, 2, 2))
+
+    def test_refused(self):
+        L = common.Ledger()
+        with self.assertRaisesRegex(ValueError, "list-form gather made 'default'.s first call"):
+            L.gather(16, listform=True)
+        with self.assertRaisesRegex(ValueError, "none was captured"):
+            L.gather(16, enq=0, execs=4)
+        with self.assertRaisesRegex(ValueError, "neither eager"):
+            L.gather(16, enq=3, execs=5)
+        L.gather(16, enq=1, execs=0)  # before the agreement
+        L.gather(16)
+        L.gather(16, enq=1, execs=0)  # after it
+        with self.assertRaisesRegex(ValueError, "before its agreement and some after"):
+            L.gather(16, enq=0, execs=1)
+
+    def ledger(self):
+        return calls_of((16, 1, 1, False, "default"), (4096, 3, 3, False, "default"), (4096, 1, 1, True, "default"),
+                        (4096, 4, 0, False, "default"), (4096, 0, 64, False, "default"),
+                        (self.BIG, 2, 2, False, "default"), (self.BIG, 1, 1, True, "default"))
+
+    def test_exact_match_passes(self):
+        L = self.ledger()
+        launches, gathers = 1 + 3 + 1 + 4, 1 + 3 + 1 + 64
+        lb, b = 16 + 4096 * 8, 16 + 4096 * 68
+        F, info = common.intercept_check(istats(launches, gathers, lb, b, forwarded=5, way_in="rebound"), L, self.W,
+                                         "rebound")
+        self.assertEqual(F, [])
+        self.assertEqual(info["list_form"], "one AllGather per call")
+        self.assertEqual(info["forwarded_extra"], 2)
+        self.assertIn("way in: rebound", info["notes"])
+        # The list form as a group of other ops: no ncclAllGather for it at all.
+        F, info = common.intercept_check(istats(launches - 1, gathers - 1, lb - 4096, b - 4096, forwarded=2), L, self.W)
+        self.assertEqual(F, [])
+        self.assertEqual(info["list_form"], "not an AllGather (no ncclAllGather call)")
+        # Bytes counted for both ranks: a note, not a failure.
+        F, info = common.intercept_check(istats(launches, gathers, 2 * lb, 2 * b, forwarded=3), L, self.W)
+        self.assertEqual(F, [])
+        self.assertTrue(any("both ranks' bytes" in n for n in info["notes"]))
+
+    def test_mismatches_fail(self):
+        L = self.ledger()
+        ok = dict(launches=9, gathers=69, launch_bytes=16 + 4096 * 8, bytes_=16 + 4096 * 68, forwarded=3)
+        F, _ = common.intercept_check(istats(**dict(ok, launches=8)), L, self.W)
+        self.assertIn("expected launches=9 gathers=69 (window 0 to 1048576 bytes a rank)", F[0])
+        self.assertIn("or launches=8 gathers=68 if the list form is no AllGather", F[0])
+        # The agreement calls went to NCCL: said so.
+        F, _ = common.intercept_check(istats(**dict(ok, launches=8, gathers=68)),
+                                      calls_of((16, 1, 1, False, "default"), (4096, 8, 8, False, "default")), self.W)
+        self.assertTrue(any("the 1 in-window calls that made each communicator's agreement" in f for f in F), F)
+        # An out-of-window call launched in place of an in-window one: the bytes give it away.
+        F, _ = common.intercept_check(istats(**dict(ok, launch_bytes=ok["launch_bytes"] - 4096 + self.BIG)), L, self.W)
+        self.assertEqual(F, [f"intercepted.launch_bytes={ok['launch_bytes'] - 4096 + self.BIG}, expected "
+                             f"{ok['launch_bytes']} (bytes a rank of the calls counted)"])
+        F, _ = common.intercept_check(istats(**dict(ok, errors=2)), L, self.W)
+        self.assertEqual(F, ["intercepted.errors=2"])
+        F, _ = common.intercept_check(istats(**dict(ok, forwarded=2)), L, self.W)
+        self.assertIn("intercepted.forwarded=2, but 3 calls were outside the window", F[0])
+        F, _ = common.intercept_check(istats(**ok, way_in="preempting"), L, self.W, "rebound")
+        self.assertEqual(F, ["interceptor.way_in='preempting', expected 'rebound' (NCCL_NET_PLUGIN alone)"])
+        F, _ = common.intercept_check(istats(**dict(ok, gathers=68)), L, self.W)  # one replay's gather lost
+        self.assertEqual(len(F), 1)
+        self.assertIn("gathers=68", F[0])
+        self.assertIn("no ROCE_GATHER_STATS file", common.intercept_check(None, L, self.W)[0][0])
+        self.assertIn("no \"intercepted\" section", common.intercept_check({"tuner": {}}, L, self.W)[0][0])
+
+    def test_path_off_and_way_in(self):
+        L = self.ledger()
+        F, _ = common.intercept_check(istats(0, 0, 0, 0, forwarded=11), L, None)
+        self.assertEqual(F, [])
+        F, _ = common.intercept_check(istats(1, 1, 16, 16, forwarded=10), L, None)
+        self.assertIn("expected launches=0 gathers=0 (window off)", F[0])
+        self.assertEqual(common.way_in_check({}, "preempting"), ([], "way in: unknown (the stats have no interceptor.way_in)"))
+        self.assertEqual(common.way_in_check({"interceptor": {"way_in": "preempting"}}, "preempting"),
+                         ([], "way in: preempting"))
+        F, note = common.way_in_check({"interceptor": {"way_in": "rebound"}}, "preempting")
+        self.assertEqual(F, ["interceptor.way_in='rebound', expected 'preempting' (LD_PRELOAD alone)"])
+
+    def test_judge_by_route(self):
+        L = calls_of((16, 5, 5, False, "default"))
+        good = istats(5, 5, 80, 80, way_in="preempting")
+        self.assertEqual(launch.judge_stats("intercept-preload", good, L)[0], [])
+        self.assertEqual(len(launch.judge_stats("intercept", good, L)[0]), 1)  # way in: rebound expected
+        # The CollNet route: the tuner's and one-shot counts, and the interceptor stepped aside.
+        st = stats_for(L, True)
+        self.assertEqual(launch.judge_stats("oneshot", st, L)[0], [])
+        st["intercepted"] = {"launches": 3}
+        F, _ = launch.judge_stats("oneshot", st, L)
+        self.assertEqual(F, ["the interceptor took 3 ncclAllGather calls (intercepted.launches) on the CollNet route "
+                             "(ROCE_GATHER_NET=1 NCCL_COLLNET_ENABLE=1), where it hands every gather to NCCL"])
+
+    def test_cli_window(self):
+        self.assertEqual(common.cli_window("intercept:16:4096", {}), (16, 4096))
+        self.assertEqual(common.cli_window("intercept", {"ROCE_GATHER_FABRIC": "tcp"}), common.default_window("tcp"))
+        self.assertEqual(common.cli_window("intercept", {}), common.default_window("verbs"))
+        self.assertEqual(common.cli_window("intercept", {"ROCE_GATHER_MAX_BYTES": "65536", "ROCE_GATHER_MIN_BYTES": "1"}),
+                         (1, 65536))
+
+
 class NcclRuntimeTest(unittest.TestCase):
     def test_decode(self):
         self.assertEqual(common.decode_nccl_version(22809), "2.28.9")
@@ -424,6 +663,190 @@ class RunPairTest(unittest.TestCase):
         rec = launch.run_pair(self.work, "t.ok2", "nccl-socket", self.worker, "x", 30, {"nccl": "2.30.7"}, nccl_lib="")
         self.assertEqual(rec["failures"], [])
         self.assertIn("LD_PRELOAD None", read(rec["logs"][0]))
+
+
+# ---- the programs linked with -lnccl ---------------------------------------------------------
+
+# nccl.h's declarations that tests/gpu/gather_linked.c uses, as NCCL 2.28's header gives them;
+# the real header also includes cuda_runtime.h, which defines cudaStream_t as below.
+STANDIN_NCCL_H = """#include <stddef.h>
+typedef struct CUstream_st* cudaStream_t;
+typedef enum { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3,
+               ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6, ncclInProgress = 7 } ncclResult_t;
+typedef enum { ncclInt8 = 0, ncclUint8 = 1 } ncclDataType_t;
+typedef struct { char internal[128]; } ncclUniqueId;
+typedef struct ncclComm* ncclComm_t;
+ncclResult_t ncclGetVersion(int* version);
+ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId);
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank);
+ncclResult_t ncclCommFinalize(ncclComm_t comm);
+ncclResult_t ncclCommDestroy(ncclComm_t comm);
+ncclResult_t ncclCommAbort(ncclComm_t comm);
+const char* ncclGetErrorString(ncclResult_t result);
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError);
+ncclResult_t ncclCommRegister(const ncclComm_t comm, void* buff, size_t size, void** handle);
+ncclResult_t ncclCommDeregister(const ncclComm_t comm, void* handle);
+ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
+                           ncclComm_t comm, cudaStream_t stream);
+ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
+                      cudaStream_t stream);
+ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
+                      cudaStream_t stream);
+ncclResult_t ncclGroupStart(void);
+ncclResult_t ncclGroupEnd(void);
+"""
+
+# A stand-in for the library's LD_PRELOAD way in: its ncclAllGather takes every call made by name,
+# counts those within STANDIN_CAP bytes as launches (the others as forwarded), hands each to
+# the next definition (the stand-in NCCL), and writes ROCE_GATHER_STATS at exit.
+STANDIN_INTERCEPTOR = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+typedef int (*ag_fn)(const void*, void*, size_t, int, void*, void*);
+static unsigned long long launches, launch_bytes, forwarded, forwarded_bytes;
+int ncclAllGather(const void* s, void* r, size_t n, int type, void* comm, void* stream) {
+  static ag_fn next;
+  if (next == NULL) *(void**)&next = dlsym(RTLD_NEXT, "ncclAllGather");
+  if (n <= strtoull(getenv("STANDIN_CAP"), NULL, 10)) {
+    launches++;
+    launch_bytes += n;
+  } else {
+    forwarded++;
+    forwarded_bytes += n;
+  }
+  return next(s, r, n, type, comm, stream);
+}
+__attribute__((destructor)) static void write_stats(void) {
+  const char* path = getenv("ROCE_GATHER_STATS");
+  if (path == NULL || launches + forwarded == 0) return; /* the worker's python process made no call */
+  FILE* f = fopen(path, "w");
+  if (f == NULL) return;
+  fprintf(f, "{\"intercepted\": {\"launches\": %llu, \"launch_bytes\": %llu, \"forwarded\": %llu, "
+             "\"forwarded_bytes\": %llu, \"gathers\": %llu, \"bytes\": %llu, \"errors\": 0}, "
+             "\"interceptor\": {\"way_in\": \"preempting\"}}\n",
+          launches, launch_bytes, forwarded, forwarded_bytes, launches, launch_bytes);
+  fclose(f);
+}
+"""
+
+
+@unittest.skipUnless(shutil.which("gcc"), "needs gcc")
+class LinkedProgramTest(unittest.TestCase):
+    """gather-linked built the way step capi builds it (against a stand-in nccl.h, NCCL and
+    libcuda), run as a pair through capi_cases.py: its cases pass, and every ncclAllGather it
+    makes is reached by a library preempting the name, whose counts intercept_check holds to
+    the worker's ledger."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp()
+        d, repo = cls.dir, launch.REPO
+        os.makedirs(os.path.join(d, "include"))
+        with open(os.path.join(d, "include", "nccl.h"), "w") as f:
+            f.write(STANDIN_NCCL_H)
+        with open(os.path.join(d, "interceptor.c"), "w") as f:
+            f.write(STANDIN_INTERCEPTOR)
+        with open(os.path.join(d, "warn.h"), "w") as f:  # a warning under -Wundef, in every file
+            f.write("#if RG_NOT_DEFINED_ANYWHERE\n#endif\n")
+        cc = ["gcc", "-O1", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC"]
+        testdata = os.path.join(repo, "tests", "nccl-versions", "testdata")
+        for cmd in (cc + ["-Wl,-soname,libnccl.so.2", "-I" + os.path.join(repo, "include"), "-DFAKE_VERSION=22803",
+                          "-o", os.path.join(d, "libnccl.so.2"), os.path.join(testdata, "fake_nccl.c"), "-ldl"],
+                    cc + ["-o", os.path.join(d, "libcuda.so.1"), os.path.join(testdata, "fake_cuda.c")],
+                    cc + ["-o", os.path.join(d, "interceptor.so"), os.path.join(d, "interceptor.c"), "-ldl"]):
+            subprocess.run(cmd, check=True)
+        os.symlink("libnccl.so.2", os.path.join(d, "libnccl.so"))
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir)
+
+    def setUp(self):
+        self.work = tempfile.mkdtemp()
+        for sub in ("logs", "raw", "steps"):
+            os.makedirs(os.path.join(self.work, sub))
+
+    def tearDown(self):
+        shutil.rmtree(self.work)
+
+    def build(self, program):
+        s = steps.Step("capi", self.work, time.time() + 300)
+        with contextlib.redirect_stdout(io.StringIO()):
+            out = steps.build_linked(s, program, [os.path.join(self.dir, "include")], ["-L" + self.dir])
+        return s, out
+
+    def test_build_command(self):
+        cmd = steps.linked_build_command("gather-linked", "/o/g", ["/cuda/include"])
+        self.assertEqual(cmd[-3:], ["-lnccl", "-ldl", "-lpthread"])
+        self.assertIn("-isystem/cuda/include", cmd)
+        self.assertIn("-I/usr/include", cmd)
+        srcs = [os.path.relpath(c, launch.REPO) for c in cmd if c.endswith(".c")]
+        self.assertEqual(srcs, ["tests/gpu/gather_nccl.c", "tests/gpu/gather_linked.c", "tests/gpu/nccl_min.c",
+                                "internal/cudadrv/cudadrv.c"])
+        self.assertEqual(steps.linked_build_command("abort-linked", "/o/a", [])[
+            steps.linked_build_command("abort-linked", "/o/a", []).index("-o") + 2], os.path.join(
+            launch.REPO, "tests/gpu/abort_nccl.c"))
+
+    def test_builds_and_calls_by_name(self):
+        s, program = self.build("gather-linked")
+        self.assertEqual(s.d["failures"], [])
+        self.assertEqual(s.d["numbers"]["linked"]["gather-linked"]["warnings"], [])  # the project's zero warnings
+        self.assertTrue(os.access(program, os.X_OK))
+        relocs = s.d["numbers"]["linked"]["gather-linked"]["ncclAllGather_relocations"]
+        if relocs is not None:  # readelf present
+            self.assertTrue(relocs and set(relocs) <= {"R_X86_64_GLOB_DAT", "R_X86_64_JUMP_SLOT"}, relocs)
+        s2, again = self.build("gather-linked")  # once a run
+        self.assertEqual(again, program)
+        self.assertNotIn("linked", s2.d["numbers"])
+        s3, abort = self.build("abort-linked")
+        self.assertEqual(s3.d["failures"], [])
+        self.assertEqual(s3.d["numbers"]["linked"]["abort-linked"]["warnings"], [])
+        self.assertTrue(os.access(abort, os.X_OK))
+
+    def test_build_failure_says_why(self):
+        s = steps.Step("capi", self.work, time.time() + 300)
+        with contextlib.redirect_stdout(io.StringIO()):
+            out = steps.build_linked(s, "gather-linked", [], ["-L" + self.dir, "-include", "no_such_header.h"])
+        self.assertIsNone(out)
+        self.assertIn("gather-linked, linked with -lnccl, did not build (exit 1", s.d["failures"][0])
+        self.assertIn("no_such_header.h", s.d["failures"][0])
+
+    def test_warnings_are_shown(self):
+        s = steps.Step("capi", self.work, time.time() + 300)
+        with contextlib.redirect_stdout(io.StringIO()):
+            out = steps.build_linked(s, "gather-linked", [os.path.join(self.dir, "include")],
+                                     ["-L" + self.dir, "-Wundef", "-include", os.path.join(self.dir, "warn.h")])
+        self.assertIsNotNone(out, s.d["failures"])
+        self.assertTrue(any("gcc warned" in n for n in s.d["notes"]), s.d["notes"])
+
+    def pair(self, program, cap):
+        cfg = {"intercept-preload": {"LD_PRELOAD": os.path.join(self.dir, "interceptor.so")}}
+        with mock.patch.dict(launch.CONFIGS, cfg), mock.patch.object(launch, "LIB", cfg["intercept-preload"]["LD_PRELOAD"]), \
+                mock.patch.dict(os.environ, {"PYTHONPATH": HERE}):
+            rendezvous = tempfile.mkdtemp(dir=self.work)  # each pair its own, as step capi gives each run
+            return launch.run_pair(self.work, "capi.t", "intercept-preload", "capi_cases.py", "gather", 60,
+                                   {"dir": rendezvous, "program": program, "device": 0, "timeout": 50},
+                                   {"LD_LIBRARY_PATH": self.dir, "NCCL_NET_PLUGIN": "none", "STANDIN_CAP": str(cap)},
+                                   nccl_lib="")
+
+    def test_pair_through_the_preempted_name(self):
+        _, program = self.build("gather-linked")
+        cap = launch.intercept_window("intercept-preload")[1]
+        rec = self.pair(program, cap)
+        self.assertEqual(rec["failures"], [], rec["tails"])
+        res = rec["results"][0]
+        self.assertEqual(res["cases"], 174)  # 21 sizes x 3 seeds x in and out of place, and the burst of 48
+        self.assertEqual(res["numbers"]["nccl"], "2.28.3")
+        self.assertEqual(res["numbers"]["slots"], [f"before any communicator: {self.dir}/interceptor.so",
+                                                   f"after the first ncclCommInitRank: {self.dir}/interceptor.so"])
+        self.assertEqual(rec["stats"][0]["intercepted"]["launches"], 174)
+        self.assertIn("capi.t rank 0: way in: preempting", rec["notes"])
+        # A library that hands every call to NCCL fails the check: the ledger asked for 174 within the window.
+        rec = self.pair(program, 0)
+        self.assertTrue(any("stats: intercepted.launches=0 gathers=0; expected launches=174 gathers=174" in f
+                            for f in rec["failures"]), rec["failures"])
 
 
 # ---- MPS ----------------------------------------------------------------------------------
@@ -622,10 +1045,13 @@ def samples_for(us_by_size, n=3, jitter=0.02):
     return {str(b): [us * (1 + jitter * (i - 1)) for i in range(n)] for b, us in us_by_size.items()}
 
 
-def ledger_for(sizes, cap, enq=20):
+def ledger_for(sizes, cap, eager=16, captured=4, replays=200):
+    """A bench-like ledger: per size, eager calls, then captured ones, then the gathers of their replays."""
     L = common.Ledger(cap)
     for b in sizes:
-        L.gather(b, enq=enq, execs=enq * 10)
+        L.gather(b, enq=eager, execs=eager)
+        L.gather(b, enq=captured, execs=0)
+        L.gather(b, enq=0, execs=replays)
     return L.n
 
 
@@ -635,6 +1061,13 @@ def stats_for(ledger, oneshot):
                       "nccl_not_offered": 0, "oneshot_unoffered": small},
             "oneshot": {"calls": ledger["small_exec"] if oneshot else 0, "eager": 0, "rendezvous": 0, "eager_by_kernel": 0,
                         "errors": 0, "p50_us": 1, "p99_us": 2, "max_us": 3}}
+
+
+def istats_for(ledger, config):
+    """The stats of a run whose every call took the path its window gives (intercept_expectation)."""
+    e = common.intercept_expectation(ledger["calls"], launch.intercept_window(config), True)
+    return istats(e["launches"], e["gathers"], e["launch_bytes"], e["bytes"], forwarded=e["forwarded_min"],
+                  way_in=launch.way_in(config), proxy_naps=3, proxy_woke_to_work=1)
 
 
 def record(run, config, numbers, work, timed_out=False, failures=None, nccl="2.28.9", stats=True, completed=True,
@@ -650,7 +1083,11 @@ def record(run, config, numbers, work, timed_out=False, failures=None, nccl="2.2
         with open(p, "w") as f:
             f.write(f"NCCL INFO NCCL version {nccl}+cuda13.0\nNCCL INFO 2 coll channels, 2 collnet channels, 0 nvls channels\n")
         logs.append(p)
-    st = stats_for(led, launch.oneshot_on(config)) if stats and launch.uses_plugin(config) else None
+    st = None
+    if stats and launch.intercepting(config):
+        st = istats_for(led, config)
+    elif stats and launch.uses_plugin(config):
+        st = stats_for(led, launch.oneshot_on(config))
     return {"run": run, "config": config, "seconds": 12.0, "rcs": [0, 0], "limit": 45, "exit_times": [0, 0],
             "timed_out": timed_out, "cut_short": False, "results": results or [res, json.loads(json.dumps(res))],
             "stats": [st, st], "logs": logs, "failures": list(failures or []) + (
@@ -692,7 +1129,7 @@ class StepsTest(unittest.TestCase):
                 us = {b: (v if b < 4096 else base["nccl-socket"] + b / 4096) for b, v in us.items()}
             smp = {"graph": samples_for(us), "eager": samples_for({b: v + 40 for b, v in us.items()})}
             return record(run, config, {"samples": smp, "agreed": True}, work, sizes=sizes)
-        d = self.run_step("latency", fake, {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "3"})
+        d = self.run_step("latency", fake, {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "3", "ROCE_GATHER_GPU_ROUTE": "collnet"})
         self.assertEqual(len(calls), 9)
         self.assertEqual([c[1] for c in calls[:3]], ["ring-over-plugin", "nccl-socket", "oneshot"])
         self.assertEqual([c[1] for c in calls[3:6]], ["nccl-socket", "oneshot", "ring-over-plugin"])
@@ -713,7 +1150,7 @@ class StepsTest(unittest.TestCase):
     def test_latency_fails_without_data(self):
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
             return record(run, config, {"samples": {}, "agreed": False}, work, timed_out=True, sizes=[16])
-        d = self.run_step("latency", fake, {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "1"})
+        d = self.run_step("latency", fake, {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "1", "ROCE_GATHER_GPU_ROUTE": "collnet"})
         self.assertEqual(d["status"], "fail")
 
     def test_sweep(self):
@@ -810,7 +1247,7 @@ class StepsTest(unittest.TestCase):
                 rec["stats"] = [{"tuner": st["tuner"], "oneshot": dict(st["oneshot"], eager=318, eager_by_kernel=kernel)}
                                 for st in rec["stats"]]
             return rec
-        d = self.run_step("capi", fake)
+        d = self.run_step("capi", fake, {"ROCE_GATHER_GPU_ROUTE": "collnet"})
         self.assertEqual(d["failures"], [])
         placed = {"oneshot-gdr": 318}  # copies asked for, yet every call by the kernel: caught
 
@@ -820,39 +1257,255 @@ class StepsTest(unittest.TestCase):
                 for st in rec["stats"]:
                     st["oneshot"]["eager_by_kernel"] = placed[config]
             return rec
-        d = self.run_step("capi", wrong)
+        d = self.run_step("capi", wrong, {"ROCE_GATHER_GPU_ROUTE": "collnet"})
         self.assertTrue(any("capi.oneshot-gdr rank 0: 318 of 318 eager calls placed by the gather kernel; expected none"
                             in f for f in d["failures"]), d["failures"])
 
     def test_calibrate(self):
         sizes = calibrate.SIZES
+        seen = []
 
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
             self.assertFalse(kw.get("check_stats", True))
             role = params["role"]
+            seen.append((role, config, params["cap"], params["sizes"]))
             us = {b: 30 + b / 4096 for b in sizes}
-            if role == "oneshot":
+            if role == "intercept":
                 us = {b: (v * 0.7 if 4096 <= b <= 131072 else v * 1.4) for b, v in us.items()}
-            return record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work, sizes=sizes,
-                          cap=params["cap"])
+            rec = record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work, sizes=sizes,
+                         cap=params["cap"])
+            for res in rec["results"]:
+                res["params"] = params
+            return rec
         d = self.run_step("calibrate", fake)
         self.assertEqual(d["status"], "pass", d["failures"])
+        self.assertEqual([x[:3] for x in seen], [("nccl", "nccl-socket", launch.WIDE_CAP),
+                                                 ("intercept", "intercept-wide", launch.WIDE_CAP),
+                                                 ("intercept", "intercept-wide", launch.WIDE_CAP),
+                                                 ("nccl", "nccl-socket", launch.WIDE_CAP)])
+        self.assertEqual(seen[0][3][-1], 4 << 20)  # 16 B to 4 MiB
         self.assertEqual(d["numbers"]["window"]["floor"], 4096)
         self.assertEqual(d["numbers"]["window"]["cap"], 131072)
         self.assertEqual(d["numbers"]["env"], "export ROCE_GATHER_MIN_BYTES=4096 ROCE_GATHER_MAX_BYTES=131072")
+        self.assertIn("intercepted/NCCL", d["md"][0])
 
     def test_calibrate_wrong_path_gives_no_answer(self):
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
             rec = record(run, config, {"samples": {"graph": samples_for({16: 10})}, "agreed": True}, work, sizes=[16],
                          cap=params["cap"])
-            if params["role"] == "oneshot":
+            if params["role"] == "intercept":
                 for st in rec["stats"]:
-                    st["oneshot"]["calls"] = 0
+                    st["intercepted"].update(launches=0, gathers=0)
             return rec
         d = self.run_step("calibrate", fake)
         self.assertEqual(d["status"], "fail")
         self.assertIsNone(d["numbers"]["env"])
-        self.assertTrue(any("oneshot.calls=0" in f for f in d["failures"]))
+        self.assertTrue(any("rank 1 stats: intercepted.launches=0" in f for f in d["failures"]), d["failures"])
+        self.assertTrue(any("calibrate.1.intercept stats: intercepted.launches=0" in f for f in d["failures"]))
+
+    # ---- the intercept route (the default) ----
+
+    def intercept_latency_fake(self, calls, shape=None):
+        """A fake pair of bench.py: socket 30 + b/2048 µs; intercept 0.5x of it to 64 KiB, 0.8x to 256 KiB, then
+        equal; preload and nonap as intercept; the ring 1.2x. shape(config, bytes, us) may change one."""
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((run, config, params))
+            sock = {b: 30 + b / 2048 for b in params["sizes"]}
+            f = {"nccl-socket": lambda b: 1.0, "ring-over-plugin": lambda b: 1.2}.get(
+                config, lambda b: 0.5 if b <= 65536 else 0.8 if b <= 262144 else 1.0)
+            us = {b: v * f(b) for b, v in sock.items()}
+            if shape:
+                us = {b: shape(config, b, v) for b, v in us.items()}
+            return record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work,
+                          sizes=params["sizes"])
+        return fake
+
+    def test_latency_intercept(self):
+        calls = []
+        d = self.run_step("latency", self.intercept_latency_fake(calls))
+        self.assertEqual(len(calls), 5 * plans.LATENCY_ROUNDS)
+        self.assertEqual([c[1] for c in calls[:5]], plans.LATENCY_CONFIGS)
+        self.assertEqual([c[1] for c in calls[5:10]], plans.LATENCY_CONFIGS[1:] + plans.LATENCY_CONFIGS[:1])
+        self.assertEqual(calls[0][2]["sizes"], [1 << k for k in range(4, 23)])
+        self.assertEqual(calls[0][2]["modes"], ["graph"])
+        self.assertEqual(d["status"], "pass", d["failures"] + d["notes"])
+        self.assertEqual([g["pass"] for g in d["numbers"]["goals"]], [True] * 4)
+        self.assertIn("goals met: 4/4", d["headline"])
+        self.assertEqual(d["numbers"]["window"], launch.intercept_window("intercept"))
+        md = d["md"][0]
+        self.assertIn("| 64 KiB | intercepted |", md)
+        self.assertIn("| 4 MiB | NCCL (outside the window) |", md)
+        self.assertIn("| intercept | 4 |", d["md"][1])  # the proxy's naps: 4 pairs
+        with open(os.path.join(self.work, "latency.csv")) as f:
+            self.assertEqual(len(list(csv.DictReader(f))), 5 * plans.LATENCY_ROUNDS * 19 * 3)
+        rows = {r["bytes"]: r for r in d["numbers"]["compare"]["rows"]}
+        self.assertAlmostEqual(rows[16]["ratio"]["median"], 0.5)
+
+    def test_latency_intercept_goals_missed(self):
+        def shape(config, b, us):
+            if config == "intercept" and b == 65536:
+                return us * 1.4  # 0.70x of socket
+            if config == "intercept" and b == 4 << 20:
+                return us * 1.5  # NCCL's own path in intercept, yet slower than socket
+            if config == "intercept-nonap" and b == 4096:
+                return us * 0.5  # the nap shows
+            return us
+        d = self.run_step("latency", self.intercept_latency_fake([], shape), {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "2"})
+        self.assertEqual(d["status"], "warn")  # a finding about speed, not a broken test
+        g = d["numbers"]["goals"]
+        self.assertEqual([x["pass"] for x in g], [False, True, False, False])
+        self.assertEqual([tuple(x) for x in g[0]["failed"]], [(65536, "0.70x")])
+        self.assertEqual([b for b, _ in g[2]["failed"]], [4 << 20])
+        self.assertEqual([b for b, _ in g[3]["failed"]], [4096, 65536])  # nonap faster at 4 KiB, intercept slowed at 64
+        self.assertTrue(any(n.startswith("goal missed: intercept's median <= 0.65x") and "64 KiB (0.70x)" in n
+                            for n in d["notes"]))
+
+    def test_latency_rounds_fit_the_step(self):
+        clock = [1000.0]
+        fake = self.intercept_latency_fake([])
+
+        def slow(*a, **kw):
+            clock[0] += 50  # every pair takes 50 s: a round 250 s
+            return fake(*a, **kw)
+        s = steps.Step("latency", self.work, 1000.0 + 600)
+        with mock.patch.object(launch, "run_pair", side_effect=slow), mock.patch.object(steps.time, "time",
+                                                                                        lambda: clock[0]), \
+                contextlib.redirect_stdout(self.out):
+            steps.step_latency(s)
+        d = s.finish()
+        self.assertEqual(d["numbers"]["rounds"], 2)
+        self.assertIn("rounds 3 to 4 not started: 94s left in the step, a round took up to 250s", d["notes"])
+        self.assertEqual(d["failures"], [])
+
+    def test_gather_intercept(self):
+        calls = []
+
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((config, params))
+            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 500, "digests": {"a": "1", "b": "2"},
+                   "numbers": {"nccl": "2.28.9"}, "ledger": ledger_for([16], 524288)}
+            if config == "intercept-preload":
+                res = dict(res, digests={"a": "1", "b": "X"})
+            return record(run, config, {}, work, results=[res, json.loads(json.dumps(res))], sizes=[16])
+        d = self.run_step("gather", fake)
+        self.assertEqual([c for c, _ in calls], ["nccl-socket", "intercept", "intercept-preload"])
+        cap = launch.intercept_window("intercept")[1]
+        for _, p in calls:
+            self.assertEqual((p["extra_shards"], p["groups"]), ([cap + 16], True))
+        self.assertEqual(len({p["port2"] for _, p in calls}), 3)  # a fresh port for each pair's second default group
+        self.assertEqual(d["failures"], ["rank 0 b: output of intercept-preload differs from nccl-socket",
+                                         "rank 1 b: output of intercept-preload differs from nccl-socket"])
+        self.assertTrue(d["headline"].endswith("every in-window gather intercepted: intercept"), d["headline"])
+        self.assertTrue(any("the intercepted path" in m for m in d["md"]))
+
+    def test_graphs_intercept(self):
+        calls = []
+
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((run, config, params, extra_env))
+            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 9, "numbers": {"sizes": params["sizes"]},
+                   "ledger": ledger_for(params["sizes"], 524288)}
+            return record(run, config, {}, work, results=[res, dict(res)], sizes=params["sizes"])
+        d = self.run_step("graphs", fake)
+        cap = launch.intercept_window("intercept")[1]
+        self.assertEqual([(c[0], c[1]) for c in calls], [("graphs.intercept.nccl-info", "intercept")])
+        self.assertEqual(calls[0][2], {"sizes": [16, 4096, 65536, 524288, 2 * cap], "replays": 64})
+        self.assertEqual(calls[0][3]["NCCL_DEBUG"], "INFO")
+        self.assertEqual(d["headline"], "5 gathers x 64 replays: 1/1 configs byte-exact")
+
+    def test_capi_intercept(self):
+        calls = []
+
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((run, config, params))
+            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 174, "ledger": ledger_for([16], 524288),
+                   "numbers": {"slots": ["before any communicator: /usr/lib/libnccl.so.2",
+                                         "after the first ncclCommInitRank: /r/build/libroce_gather.so"]}}
+            return record(run, config, {}, work, results=[res, dict(res)], sizes=[16])
+
+        def built(s, program):
+            s.d["numbers"]["linked"] = {program: {"ncclAllGather_relocations": ["R_X86_64_GLOB_DAT"]}}
+            return "/w/bin/" + program
+        with mock.patch.object(steps, "build_linked", side_effect=built):
+            d = self.run_step("capi", fake)
+        self.assertEqual([(r, c) for r, c, _ in calls], [("capi.linked.nccl-socket", "nccl-socket"),
+                                                          ("capi.linked.intercept", "intercept")])
+        self.assertEqual(calls[1][2]["program"], "/w/bin/gather-linked")
+        self.assertEqual(d["failures"], [])
+        self.assertIn("gather-linked (ncclAllGather through R_X86_64_GLOB_DAT): 174 cases a rank; byte-exact and "
+                      "stats consistent: 2/2 runs", d["headline"])
+        self.assertTrue(any("leads to before any communicator: /usr/lib/libnccl.so.2; after" in n for n in d["notes"]))
+        with mock.patch.object(steps, "build_linked", return_value=None):
+            d = self.run_step("capi", fake)
+        self.assertEqual(d["headline"], "gather-linked did not build")
+
+    def test_jax_intercept_reports_the_path(self):
+        seen = {}
+
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            seen.update(config=config, params=params, check_stats=kw.get("check_stats"))
+            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 26, "numbers": {"jax": "0.7"},
+                   "ledger": ledger_for([16], 524288)}
+            rec = record(run, config, {}, work, results=[res, dict(res)], sizes=[16])
+            rec["stats"] = [istats(0, 0, forwarded=0, way_in="rebound"), None]
+            return rec
+        d = self.run_step("jax", fake)
+        self.assertEqual(seen, {"config": "intercept", "params": {"seeds": 1}, "check_stats": False})
+        self.assertEqual(d["status"], "pass")
+        self.assertEqual(d["numbers"]["path"], "rank 0: none reached the interceptor, way in rebound; "
+                                               "rank 1: no ROCE_GATHER_STATS file (the library was not loaded)")
+
+    def abort_fake(self, calls, launches=5):
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((run, config, params))
+            n = {"died_at": 100.0, "seen_at": 100.01, "abort_called_at": 101.0, "abort_returned_at": 101.5,
+                 "api": "ncclCommAbort"}
+            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 5, "numbers": n, "ledger": None}
+            rec = record(run, config, {}, work, results=[res, dict(res, numbers={})], sizes=[16])
+            rec["exit_times"] = [102.0, 100.0]
+            if launch.intercepting(config):
+                rec["stats"] = [istats(launches, launches, way_in="rebound"), None]
+            return rec
+        return fake
+
+    def test_abort_intercept(self):
+        calls = []
+        with mock.patch.object(steps, "build_linked", return_value="/w/bin/abort-linked"):
+            d = self.run_step("abort", self.abort_fake(calls))
+        self.assertEqual([(r, c) for r, c, _ in calls], [("abort-nccl.nccl-socket", "nccl-socket"),
+                                                          ("abort-nccl.intercept", "intercept"),
+                                                          ("abort.nccl-socket", "nccl-socket"), ("abort.intercept", "intercept")])
+        self.assertEqual([p.get("program") for _, _, p in calls], ["/w/bin/abort-linked"] * 2 + [None] * 2)
+        self.assertEqual(d["failures"], [])
+        with mock.patch.object(steps, "build_linked", return_value="/w/bin/abort-linked"):
+            d = self.run_step("abort", self.abort_fake([], launches=0))
+        self.assertEqual(d["failures"], [f"{r} rank 0: no gather took the intercepted path (intercepted.launches 0): its "
+                                         "abort was not tested" for r in ("abort-nccl.intercept", "abort.intercept")])
+        calls = []
+        with mock.patch.object(steps, "build_linked", return_value=None):  # the build failed: PyTorch's runs still go
+            self.run_step("abort", self.abort_fake(calls))
+        self.assertEqual([r for r, _, _ in calls], ["abort.nccl-socket", "abort.intercept"])
+
+    def test_report_intercept(self):
+        self.run_step("latency", self.intercept_latency_fake([]), {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "1"})
+        out = os.path.join(self.work, "out")
+        argv = ["report.py", "--work", self.work, "--out", out, "--steps", "latency", "--start", str(time.time())]
+        with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(self.out):
+            with self.assertRaises(SystemExit) as e:
+                report.main()
+        self.assertEqual(e.exception.code, 0)
+        text = self.out.getvalue()
+        self.assertIn("intercept/nccl-socket", text)
+        self.assertIn("goal met: intercept's median <= 0.65x NCCL socket's, 16 B to 64 KiB", text)
+        self.assertIn("4194304", text)  # every size, 16 B to 4 MiB
+        self.assertIn("## latency: pass", read(os.path.join(out, "summary.md")))
+
+    def test_route_is_checked(self):
+        with mock.patch.dict(os.environ, {"ROCE_GATHER_GPU_ROUTE": "ring"}):
+            with self.assertRaisesRegex(ValueError, "ROCE_GATHER_GPU_ROUTE='ring' is neither intercept"):
+                steps.route()
+        with mock.patch.dict(os.environ, {"ROCE_GATHER_GPU_ROUTE": ""}):
+            self.assertEqual(steps.route(), "intercept")
 
     def recreate_fake(self, second_by_case):
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
@@ -930,34 +1583,47 @@ class StepsTest(unittest.TestCase):
 
 class CalibrateDriverTest(unittest.TestCase):
     def test_plan_and_commands(self):
-        self.assertEqual(calibrate.plan(2), [(0, "ring"), (1, "oneshot"), (2, "oneshot"), (3, "ring")])
+        self.assertEqual(calibrate.plan(2), [(0, "nccl"), (1, "intercept"), (2, "intercept"), (3, "nccl")])
         a = mock.Mock(torchrun=["python3", "-m", "torch.distributed.run"], nnodes=2, node_rank=1, master_addr="hostA",
                       master_port=29510, sizes=[16, 4096], reps=3)
-        cmd = calibrate.torchrun_command(a, 2, "oneshot", "/o")
+        cmd = calibrate.torchrun_command(a, 2, "intercept", "/o")
         self.assertEqual(cmd[:13], ["python3", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                                     "--node-rank", "1", "--master-addr", "hostA", "--master-port", "29512"])
-        self.assertEqual(cmd[cmd.index("--result") + 1], "/o/cal.2.oneshot.json")
-        self.assertEqual(json.loads(cmd[cmd.index("--params") + 1]), {"role": "oneshot", "sizes": [16, 4096], "reps": 3,
+        self.assertEqual(cmd[cmd.index("--result") + 1], "/o/cal.2.intercept.json")
+        self.assertEqual(json.loads(cmd[cmd.index("--params") + 1]), {"role": "intercept", "sizes": [16, 4096], "reps": 3,
                                                                       "cap": 4096})
-        e = calibrate.run_env({"NCCL_NET_PLUGIN": "/mine.so", "ROCE_GATHER_MAX_BYTES": "64K", "NCCL_NVLS_ENABLE": "1"},
-                              "oneshot", "/o/s.json", 1 << 20, "/lib.so")
+        # What a user exported for the CollNet route, or an LD_PRELOAD of the library, takes no part.
+        user = {"NCCL_NET_PLUGIN": "/mine.so", "NCCL_NET": "roce_gather", "NCCL_COLLNET_ENABLE": "1",
+                "ROCE_GATHER_NET": "1", "ROCE_GATHER_MAX_BYTES": "64K", "NCCL_NVLS_ENABLE": "1",
+                "LD_PRELOAD": "/opt/x.so:/usr/lib/libroce_gather.so", "ROCE_GATHER_STATS": "/tmp/s"}
+        e = calibrate.run_env(user, "intercept", "/o/s.json", 1 << 20, "/lib.so")
         self.assertEqual((e["NCCL_NET_PLUGIN"], e["ROCE_GATHER_MAX_BYTES"], e["ROCE_GATHER_MIN_BYTES"],
-                          e["ROCE_GATHER_ENABLE"], e["NCCL_COLLNET_ENABLE"], e["NCCL_NVLS_ENABLE"]),
-                         ("/mine.so", "1048576", "1", "1", "1", "0"))
-        e = calibrate.run_env({}, "ring", "/o/s.json", 1 << 20, "/lib.so")
-        self.assertEqual((e["NCCL_NET_PLUGIN"], e["NCCL_NET"], e["ROCE_GATHER_ENABLE"]), ("/lib.so", "roce_gather", "0"))
+                          e["ROCE_GATHER_ENABLE"], e["ROCE_GATHER_STATS"], e["NCCL_NVLS_ENABLE"]),
+                         ("/mine.so", "1048576", "0", "1", "/o/s.json", "0"))
+        for k in calibrate.COLLNET_VARS:
+            self.assertNotIn(k, e)
+        e = calibrate.run_env(user, "nccl", "/o/s.json", 1 << 20, "/lib.so")
+        self.assertEqual((e["NCCL_NET_PLUGIN"], e["LD_PRELOAD"]), ("none", "/opt/x.so"))
+        self.assertNotIn("ROCE_GATHER_STATS", e)
+        for k in calibrate.COLLNET_VARS:
+            self.assertNotIn(k, e)
+        e = calibrate.run_env({"NCCL_NET_PLUGIN": "none"}, "intercept", "/o/s.json", 1 << 20, "/lib.so")
+        self.assertEqual(e["NCCL_NET_PLUGIN"], "/lib.so")
+        self.assertNotIn("LD_PRELOAD", calibrate.run_env({"LD_PRELOAD": "/lib.so"}, "nccl", "/s", 16, "/lib.so"))
 
     def test_window_from_files(self):
         with tempfile.TemporaryDirectory() as d:
             sizes = [16, 4096, 65536]
             for i, role in calibrate.plan(1):
-                us = {16: 20, 4096: 30, 65536: 80} if role == "ring" else {16: 40, 4096: 20, 65536: 50}
+                us = {16: 20, 4096: 30, 65536: 80} if role == "nccl" else {16: 40, 4096: 20, 65536: 50}
                 led = ledger_for(sizes, 65536)
                 with open(os.path.join(d, f"cal.{i}.{role}.json"), "w") as f:
-                    json.dump({"completed": True, "failures": [], "ledger": led,
+                    json.dump({"completed": True, "failures": [], "ledger": led, "params": {"cap": 65536},
                                "numbers": {"samples": {"graph": samples_for(us)}}}, f)
-                with open(os.path.join(d, f"stats.{i}.{role}.json"), "w") as f:
-                    json.dump(stats_for(led, role == "oneshot"), f)
+                if role == "intercept":
+                    e = common.intercept_expectation(led["calls"], (0, 65536), True)
+                    with open(os.path.join(d, f"stats.{i}.{role}.json"), "w") as f:
+                        json.dump(istats(e["launches"], e["gathers"], e["launch_bytes"], e["bytes"]), f)
             a = calibrate.analyse(calibrate.load_dir(d))
             self.assertEqual(a["failures"], [])
             self.assertEqual(a["env"], "export ROCE_GATHER_MIN_BYTES=4096 ROCE_GATHER_MAX_BYTES=65536")
@@ -968,11 +1634,12 @@ class CalibrateDriverTest(unittest.TestCase):
                                text=True)
             self.assertEqual(p.returncode, 0, p.stderr)
             self.assertIn("Window: 4 KiB to 64 KiB a rank", p.stdout)
-            os.remove(os.path.join(d, "stats.1.oneshot.json"))
+            os.remove(os.path.join(d, "stats.1.intercept.json"))
             p = subprocess.run([sys.executable, os.path.join(HERE, "calibrate.py"), "window", d], capture_output=True,
                                text=True)
             self.assertEqual(p.returncode, 1)
             self.assertIn("NO ANSWER", p.stdout)
+            self.assertIn("no ROCE_GATHER_STATS file", p.stdout)
 
 
 # ---- bench.py against a stand-in torch ------------------------------------------------------
@@ -1104,10 +1771,73 @@ class BenchTest(unittest.TestCase):
         self.assertEqual(ctx.ledger.n["small_exec"], counts["exec"])
 
     def test_calibrate_defaults(self):
-        ctx, res, counts, _ = self.run_task({"role": "oneshot", "sizes": [16, 1 << 20], "reps": 1}, task="calibrate")
+        ctx, res, counts, _ = self.run_task({"role": "intercept", "sizes": [16, 1 << 20], "reps": 1}, task="calibrate")
         self.assertEqual(ctx.ledger.cap, 1 << 20)  # the cap opened to the largest size: all one-shot
         self.assertEqual(ctx.ledger.n["big_enq"], 0)
         self.assertEqual(list(res.d["numbers"]["samples"]), ["graph"])
+
+
+class MatrixGroupsTest(unittest.TestCase):
+    """task_matrix's second group and re-made default group (torch_cases.py, against the stand-in
+    torch): which communicator each gather goes to, and that the ledger sees each one's agreement."""
+
+    def test_groups_and_default_again(self):
+        mods, _ = fake_torch()
+        done = []
+        with mock.patch.dict(sys.modules, mods):
+            sys.modules.pop("torch_cases", None)
+            import torch_cases
+            dist = mods["torch.distributed"]
+            dist.new_group = lambda ranks: done.append(("new_group", tuple(ranks))) or "G2"
+            dist.destroy_process_group = lambda g=None: done.append(("destroy", g))
+            import types
+            dtypes = {n: types.SimpleNamespace(itemsize=k) for n, k in (("float32", 4), ("bfloat16", 2), ("int32", 4),
+                                                                       ("uint8", 1))}
+            size = lambda sh: sh["n"] * getattr(sh["dt"], "itemsize", 1)  # torch.uint8 is a name in the stand-in
+
+            def into(ctx, name, shards, in_off=0, out_off=0):
+                done.append(("into", name, ctx.comm, ctx.group))
+                ctx.ledger.gather(size(shards[0]), comm=ctx.comm)
+
+            def listform(ctx, name, shards):
+                done.append(("list", name, ctx.comm, ctx.group))
+                ctx.ledger.gather(size(shards[0]), listform=True, comm=ctx.comm)
+            args = mock.Mock(rank=1, local=0, params={"extra_shards": [1048592], "groups": True, "port2": 4242})
+            ctx = torch_cases.Ctx(args, mock.Mock())
+            with mock.patch.object(torch_cases, "gather_into", into), mock.patch.object(torch_cases, "gather_list", listform), \
+                    mock.patch.object(torch_cases, "gen", lambda name, r, n, dt: {"n": n, "dt": dt}), \
+                    mock.patch.dict(torch_cases.DTYPES, dtypes), \
+                    mock.patch.object(torch_cases, "init_group", lambda a, port: done.append(("init", port))):
+                torch_cases.task_matrix(ctx)
+            sys.modules.pop("torch_cases", None)
+        ops = [d[0] for d in done if d[0] not in ("into", "list")]
+        self.assertEqual(ops, ["new_group", "destroy", "destroy", "init"])
+        self.assertEqual([d for d in done if d[0] in ("destroy", "init")], [("destroy", "G2"), ("destroy", None), ("init", 4242)])
+        g2 = [d for d in done if d[0] in ("into", "list") and d[1].startswith("group2/")]
+        self.assertEqual(g2[0][:3], ("into", "group2/into/uint8/16B", "group2"))
+        self.assertEqual(g2[1][1:4], ("group2/default-between/uint8/4096B", "default", None))
+        self.assertTrue(all(d[3] == "G2" for d in g2 if d[2] == "group2"))
+        again = [d for d in done if d[0] in ("into", "list") and d[1].startswith("default2/")]
+        self.assertEqual(again[0][:3], ("into", "default2/into/uint8/16B", "default#2"))
+        self.assertEqual({d[2] for d in again}, {"default#2"})
+        calls = ctx.ledger.n["calls"]
+        self.assertEqual(sum(r["first"] for r in calls.values()), 3)  # three communicators, three agreements
+        self.assertEqual(calls["1048592"]["list"], 4 * 3 + 2)  # the extra shard: matrix (4 dtypes x 3 seeds), group2, default2
+        self.assertEqual(calls["16"]["first"], 3)
+
+
+@unittest.skipUnless(subprocess.run(["/usr/bin/python3", "-c", "import matplotlib"], capture_output=True).returncode == 0
+                     if os.path.exists("/usr/bin/python3") else False, "needs a python3 with matplotlib")
+class PlotTest(unittest.TestCase):
+    def test_graph_only_and_unstyled_configs(self):
+        with tempfile.TemporaryDirectory() as d:
+            src, png = os.path.join(d, "l.csv"), os.path.join(d, "l.png")
+            measure.write_csv(src, ["config", "mode", "bytes_per_rank", "round", "rep", "us_per_gather"],
+                              [[c, "graph", b, 0, i, str(10 + b / 1024 + i)] for c in ("intercept", "nccl-socket", "x-new")
+                               for b in (16, 4096, 4 << 20) for i in range(3)])
+            p = subprocess.run(["/usr/bin/python3", os.path.join(HERE, "plot.py"), src, png], capture_output=True, text=True)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertGreater(os.path.getsize(png), 10000)
 
 
 # ---- run_all.sh ------------------------------------------------------------------------------
@@ -1159,6 +1889,13 @@ class RunAllTest(unittest.TestCase):
             s = json.loads(read(os.path.join(out, "summary.json")))
             self.assertEqual(list(s["steps"]), ["env", "latency", "plot", "calibrate"])  # each once, in order
             self.assertNotEqual(p.returncode, 0)  # every step skipped: the budget of 10 s is below 15
+            env["ROCE_GATHER_GPU_STEPS"] = "intercept"
+            p = subprocess.run(["bash", os.path.join(HERE, "run_all.sh"), out], capture_output=True, text=True, env=env,
+                               timeout=120)
+            self.assertIn("steps: env gather graphs capi jax abort latency plot", p.stdout)
+            s = json.loads(read(os.path.join(out, "summary.json")))
+            # Run in the script's order: latency, which fits its rounds into what is left, last but plot.
+            self.assertEqual(list(s["steps"]), ["env", "gather", "graphs", "capi", "jax", "abort", "latency", "plot"])
         finally:
             shutil.rmtree(out)
             shutil.rmtree(tmp)

@@ -43,9 +43,12 @@ def as_bytes(t):
 
 class Ctx:
     def __init__(self, args, res):
-        self.rank, self.params, self.res = args.rank, args.params, res
+        self.args, self.rank, self.params, self.res = args, args.rank, args.params, res
         self.dev = torch.device("cuda", args.local)
         self.ledger = common.Ledger()
+        # The process group the gathers go to (None: the default group) and its communicator's
+        # name in the ledger (each communicator makes its own agreement).
+        self.group, self.comm = None, "default"
 
     def fail(self, msg):
         self.res.fail(msg)
@@ -127,8 +130,8 @@ def gather_into(ctx, name, shards, in_off=0, out_off=0):
     inp = src[in_off:]  # in_off > 0 puts the shard at an address that is not 16-byte aligned
     inp.copy_(shards[ctx.rank])
     base, out = guarded(2 * n, dt, ctx.dev, out_off)
-    dist.all_gather_into_tensor(out, inp)
-    ctx.ledger.gather(n * dt.itemsize)
+    dist.all_gather_into_tensor(out, inp, group=ctx.group)
+    ctx.ledger.gather(n * dt.itemsize, comm=ctx.comm)
     check_gathered(ctx, name, base, out_off, shards)
 
 
@@ -137,15 +140,18 @@ def gather_list(ctx, name, shards):
     outs = [torch.empty_like(inp) for _ in range(2)]
     for o in outs:
         o.view(torch.uint8).fill_(POISON)
-    dist.all_gather(outs, inp)
-    ctx.ledger.gather(inp.numel() * inp.element_size(), listform=True)
+    dist.all_gather(outs, inp, group=ctx.group)
+    ctx.ledger.gather(inp.numel() * inp.element_size(), listform=True, comm=ctx.comm)
     ctx.check(name, torch.cat([host(o) for o in outs]), torch.cat(shards), rows=2)
 
 
 def task_matrix(ctx):
-    """Step d: both gather forms over sizes, dtypes and seeds; odd sizes; odd addresses."""
+    """Step d: both gather forms over sizes, dtypes and seeds; odd sizes; odd addresses. params:
+    extra_shards (more sizes, bytes a rank), graph (each size captured and replayed), groups (a
+    second group, dist.new_group), port2 (then the default group destroyed and made again on
+    that port)."""
     seeds = ctx.params.get("seeds", 3)
-    for nbytes in common.MATRIX_SHARDS:
+    for nbytes in common.MATRIX_SHARDS + [int(b) for b in ctx.params.get("extra_shards", [])]:
         for dname, dt in DTYPES.items():
             for s in range(seeds):
                 for form, fn in (("into", gather_into), ("list", gather_list)):
@@ -161,6 +167,54 @@ def task_matrix(ctx):
         gather_into(ctx, name, [gen(name, r, n, DTYPES[dname]) for r in (0, 1)], in_off, out_off)
     if ctx.params.get("graph"):
         graph_matrix(ctx)
+    if ctx.params.get("groups"):
+        second_group(ctx)
+    if ctx.params.get("port2"):
+        default_again(ctx, int(ctx.params["port2"]))
+
+
+# Sizes of the gathers on the second group and on the default group made again: small ones,
+# an odd one, and the matrix's extra shards.
+GROUP_SHARDS = [16, 100, 4096, 65536]
+
+
+def group_cases(ctx, prefix, between=None):
+    """uint8 and float32 gathers into a tensor, and the list form, on ctx's group; between(),
+    if given, after the first (the communicator's agreement)."""
+    for i, nbytes in enumerate(GROUP_SHARDS + [int(b) for b in ctx.params.get("extra_shards", [])]):
+        for dname in ("uint8", "float32"):
+            dt = DTYPES[dname]
+            name = f"{prefix}/into/{dname}/{nbytes}B"
+            gather_into(ctx, name, [gen(name, r, nbytes // dt.itemsize, dt) for r in (0, 1)])
+            if i == 0 and dname == "uint8" and between:
+                between()
+        name = f"{prefix}/list/uint8/{nbytes}B"
+        gather_list(ctx, name, [gen(name, r, nbytes, torch.uint8) for r in (0, 1)])
+
+
+def second_group(ctx):
+    """A second communicator over both ranks (dist.new_group), gathering beside the default one."""
+    g = dist.new_group([0, 1])
+
+    def on_default():
+        ctx.group, ctx.comm = None, "default"
+        name = "group2/default-between/uint8/4096B"
+        gather_into(ctx, name, [gen(name, r, 4096, torch.uint8) for r in (0, 1)])
+        ctx.group, ctx.comm = g, "group2"
+    ctx.group, ctx.comm = g, "group2"
+    group_cases(ctx, "group2", on_default)
+    ctx.group, ctx.comm = None, "default"
+    torch.cuda.synchronize()
+    dist.destroy_process_group(g)
+
+
+def default_again(ctx, port):
+    """The default process group destroyed and made again (a new communicator), then gathering."""
+    torch.cuda.synchronize()
+    dist.destroy_process_group()
+    init_group(ctx.args, port)
+    ctx.group, ctx.comm = None, "default#2"
+    group_cases(ctx, "default2")
 
 
 def capture(fn):
@@ -307,6 +361,14 @@ def record_nccl(res):
                             nccl_loaded=rt.get("loaded"))
 
 
+def init_group(args, port):
+    """The two-rank default process group, its NCCL communicator made now (device_id): on
+    127.0.0.1:port, or env:// under torchrun (port None)."""
+    init = f"tcp://127.0.0.1:{port}" if port else "env://"
+    dist.init_process_group(backend="nccl", init_method=init, rank=args.rank, world_size=2,
+                            device_id=torch.device("cuda", args.local), timeout=timedelta(seconds=120))
+
+
 def worker_main(tasks):
     """Joins the two-rank process group, runs one task, writes the result, destroys the
     group (the plugin writes ROCE_GATHER_STATS then). Exit status 1 on an exception."""
@@ -316,9 +378,7 @@ def worker_main(tasks):
     rc = 0
     try:
         torch.cuda.set_device(args.local)
-        init = f"tcp://127.0.0.1:{args.port}" if args.port else "env://"  # env://: under torchrun
-        dist.init_process_group(backend="nccl", init_method=init, rank=args.rank, world_size=2,
-                                device_id=torch.device("cuda", args.local), timeout=timedelta(seconds=120))
+        init_group(args, args.port)
         res.d["numbers"]["torch"] = torch.__version__
         record_nccl(res)
         ctx = Ctx(args, res)

@@ -3,7 +3,8 @@
  * initialised as the NCCL release FAKE_VERSION (e.g. 22809) would: the net and collNet
  * table it looks up first, init once per process (net v8-v10) or per communicator with
  * finalize (v11, v12), and its unload after the last communicator (2.28 and 2.29 forget
- * the plugin's name unless NCCL_NET_PLUGIN_REF_COUNT > 0). Nothing here is NCCL's code:
+ * the plugin's name unless NCCL_NET_PLUGIN_REF_COUNT > 0); NCCL_NET_PLUGIN=none (2.28 on)
+ * loads no plugin. Nothing here is NCCL's code:
  * it models only what the scripts read (docs/compatibility.md has the facts). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -92,12 +93,19 @@ static long refcount_param(void) {
   return v && *v ? strtol(v, NULL, 0) : def;
 }
 
+static int internal_net; /* NCCL_NET_PLUGIN=none (2.28 and later): NCCL's own transports, no plugin */
+
 static int load_plugin(void) {
-  if (plugin) return 0;
+  if (plugin || internal_net) return 0;
   if (!name_read) {
     const char* e = getenv("NCCL_NET_PLUGIN");
     snprintf(plugin_name, sizeof(plugin_name), "%s", e ? e : "");
     name_read = 1;
+  }
+  if (MINOR >= 28 && strcasecmp(plugin_name, "none") == 0) {
+    internal_net = 1;
+    logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "NET/Plugin: NCCL_NET_PLUGIN=none: internal network only");
+    return 0;
   }
   char lib[300];
   if (plugin_name[0] == 0)
@@ -125,6 +133,10 @@ static int init_plugin(comm_t c, unsigned long long commId) {
   if (load_plugin() != 0) {
     logger(NCCL_LOG_WARN, NCCL_INIT, __FILE__, __LINE__, "Failed to initialize any NET plugin");
     return ncclInvalidUsage;
+  }
+  if (internal_net) {
+    live_comms++;
+    return ncclSuccess;
   }
   int abi = net_abi();
   ncclNetCommConfig_v12_t cfg = {.trafficClass = -1};
@@ -165,6 +177,10 @@ static int init_plugin(comm_t c, unsigned long long commId) {
 }
 
 static void finalize_plugin(comm_t c) {
+  if (internal_net) {
+    live_comms--;
+    return;
+  }
   int abi = net_abi();
   if (abi >= 11) {
     if (abi == 12) {
