@@ -841,11 +841,13 @@ class LinkedProgramTest(unittest.TestCase):
         self.assertEqual(res["numbers"]["nccl"], "2.28.3")
         self.assertEqual(res["numbers"]["slots"], [f"before any communicator: {self.dir}/interceptor.so",
                                                    f"after the first ncclCommInitRank: {self.dir}/interceptor.so"])
-        self.assertEqual(rec["stats"][0]["intercepted"]["launches"], 174)
+        # Every case within the window: all 174 but the 12 of 512 KiB and 512 KiB + 16 where the cap is lower.
+        within = 174 - (12 if cap < 524288 else 0)
+        self.assertEqual(rec["stats"][0]["intercepted"]["launches"], within)
         self.assertIn("capi.t rank 0: way in: preempting", rec["notes"])
         # A library that hands every call to NCCL fails the check: the ledger asked for 174 within the window.
         rec = self.pair(program, 0)
-        self.assertTrue(any("stats: intercepted.launches=0 gathers=0; expected launches=174 gathers=174" in f
+        self.assertTrue(any(f"stats: intercepted.launches=0 gathers=0; expected launches={within} gathers={within}" in f
                             for f in rec["failures"]), rec["failures"])
 
 
