@@ -52,7 +52,11 @@ typedef struct rg_os_report {
   volatile rg_u64 t_staged;  /* the first chunk's doorbell rang */
   volatile rg_u64 t_arrived; /* the finishing block saw the last of its chunks from the peer */
   volatile rg_u64 t_end;
-  rg_u64 pad[RG_OS_LINE / 8 - 8];
+  /* Since the engine started, the gathers that wrote their rows and their bytes a rank: a
+   * reader that missed reports still counts every gather. */
+  volatile rg_u64 total_gathers;
+  volatile rg_u64 total_bytes;
+  rg_u64 pad[RG_OS_LINE / 8 - 10];
 } rg_os_report;
 
 typedef struct rg_os_line {
@@ -78,7 +82,9 @@ typedef struct rg_os_dev {
   rg_u32 failed;  /* the first failure a block saw, as enum rg_os_status */
   rg_u64 t_start;
   rg_u64 t_staged;
-  rg_u64 pad[4];
+  rg_u64 total_gathers; /* rg_os_report's */
+  rg_u64 total_bytes;
+  rg_u64 pad[2];
 } rg_os_dev;
 
 /* One launch's arguments, passed by value as the kernel's single parameter. */

@@ -108,6 +108,12 @@ RG_OS_FN static void rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbloc
   RG_OS_SYNC();
   if (RG_OS_LEADER) {
     rg_os_report* r = &a->ctrl->report[parity];
+    if (status == RG_OS_OK) {
+      a->dev->total_gathers += 1;
+      a->dev->total_bytes += a->bytes;
+    }
+    r->total_gathers = a->dev->total_gathers;
+    r->total_bytes = a->dev->total_bytes;
     r->status = status;
     r->t_start = a->dev->t_start;
     r->t_staged = a->dev->t_staged;

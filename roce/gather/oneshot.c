@@ -273,9 +273,20 @@ static int post_chunk(rg_os_engine* e, uint32_t parity, uint32_t c) {
   return RG_OK;
 }
 
+/* Brings the stats up to the kernel's totals in report r (newer ones only ever grow). */
+static void count_totals(rg_os_engine* e, const rg_os_report* r) {
+  const uint64_t g = r->total_gathers, b = r->total_bytes;
+  if (g > e->counted_gathers) {
+    rg_stats_add(RG_STAT_OS_GATHERS, g - e->counted_gathers);
+    e->counted_gathers = g;
+  }
+  if (b > e->counted_bytes) {
+    rg_stats_add(RG_STAT_OS_BYTES, b - e->counted_bytes);
+    e->counted_bytes = b;
+  }
+}
+
 static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r, uint64_t now) {
-  rg_stats_add(RG_STAT_OS_GATHERS, 1);
-  rg_stats_add(RG_STAT_OS_BYTES, r->bytes);
   const uint64_t t0 = r->t_start, t2 = r->t_end;
   if (t2 >= t0) rg_stats_os_latency(t2 - t0);
   if (e->tr != NULL && e->tr->index == e->tr_index && e->tr_seq == seq) {
@@ -334,10 +345,12 @@ static void reports(rg_os_engine* e, uint64_t now, int* progress) {
     const uint64_t got = load_acquire(&r->seq);
     if (got < seq) break;
     if (got > seq) {
-      /* Kernels ran past reports nobody read: only aborted gathers end that fast. */
+      /* Kernels ran past reports nobody read (the proxy napped, or they aborted): the
+       * report's totals still count them; their times are lost. */
       e->done_seq = got - 1;
       continue;
     }
+    count_totals(e, r);
     if (r->status == RG_OS_OK) {
       account(e, seq, r, now);
     } else if (r->status == RG_OS_TIMED_OUT) {

@@ -53,6 +53,7 @@ struct rg_os_engine {
   uint32_t post_nchunks; /* 0 until its first doorbell was seen */
   uint64_t post_chunk_bytes, post_bytes;
   uint32_t posted_nchunks; /* the chunks of the gather posted last (post_seq - 1) */
+  uint64_t counted_gathers, counted_bytes; /* what the stats hold of the reports' totals */
   uint64_t lane_sent[RG_MAX_LANES]; /* per lane, the newest gather whose last write completed */
   atomic_uint_fast64_t sent_seq;    /* the newest gather whose writes completed on every lane */
   uint64_t done_seq;     /* the newest gather whose report was read */

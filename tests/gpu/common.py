@@ -58,6 +58,9 @@ class Ledger:
         self.cap = cap
         self.n = dict.fromkeys(self.FIELDS, 0)
         self.n["calls"] = {}
+        # Communicators whose first gather reached the interceptor: each made the agreement's
+        # two exchanges, AllGathers of AGREEMENT_BYTES a rank through NCCL, which NCCL's tuner counts.
+        self.n["agreements"] = 0
         self.agreed = set()  # communicators whose agreement call was made
         self.captured = {}  # (comm, bytes) -> {True: captured after the agreement, False: before}
 
@@ -87,6 +90,7 @@ class Ledger:
         elif kind == "eager":
             if comm not in self.agreed:
                 self.agreed.add(comm)
+                self.n["agreements"] += 1
                 row["first"] += 1
             row["eager"] += enq
         elif kind == "captured":
@@ -101,6 +105,10 @@ class Ledger:
                                     "some were captured before its agreement and some after, so the path is unknown"))
             row["replays" if True in took else "replays_pre"] += execs
 
+
+# The size of each of the agreement's two exchanges, bytes a rank (gather.ProposalSize).
+AGREEMENT_BYTES = 128
+AGREEMENT_EXCHANGES = 2
 
 # The interceptor's view of a ledger's calls of one size (Ledger).
 CALL_FIELDS = ("first", "eager", "captured", "list", "replays", "pre", "replays_pre")
@@ -259,7 +267,12 @@ def stats_check(stats, ledger, oneshot_on, mode=None):
     """Compares one rank's ROCE_GATHER_STATS with its ledger. Returns (failures, info)."""
     if stats is None:
         return ["no ROCE_GATHER_STATS file was written (the plugin did not load, or never initialised its net)"], {}
-    t, o, L = stats["tuner"], stats["oneshot"], ledger
+    t, o = stats["tuner"], stats["oneshot"]
+    # The agreement's exchanges are AllGathers NCCL runs like any other: small ones.
+    L = dict(ledger)
+    extra = AGREEMENT_EXCHANGES * ledger.get("agreements", 0)
+    L["small_enq"] = ledger["small_enq"] + extra
+    L["small_exec"] = ledger["small_exec"] + extra
     info = {}
     F = []
     taken = (stats.get("intercepted") or {}).get("launches", 0)

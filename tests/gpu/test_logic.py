@@ -1058,11 +1058,15 @@ def ledger_for(sizes, cap, eager=16, captured=4, replays=200):
 
 
 def stats_for(ledger, oneshot):
-    small = ledger["small_enq"] if oneshot else 0
-    return {"tuner": {"oneshot_gathers": small, "nccl_gathers": ledger["big_enq"] + (0 if oneshot else ledger["small_enq"]),
+    """The CollNet route's stats for a ledger: the agreement's exchanges (AllGathers of 128 bytes
+    a rank the interceptor makes through NCCL) are small gathers like the rest."""
+    extra = common.AGREEMENT_EXCHANGES * ledger.get("agreements", 0)
+    small = ledger["small_enq"] + extra if oneshot else 0
+    return {"tuner": {"oneshot_gathers": small,
+                      "nccl_gathers": ledger["big_enq"] + (0 if oneshot else ledger["small_enq"] + extra),
                       "nccl_not_offered": 0, "oneshot_unoffered": small},
-            "oneshot": {"calls": ledger["small_exec"] if oneshot else 0, "eager": 0, "rendezvous": 0, "eager_by_kernel": 0,
-                        "errors": 0, "p50_us": 1, "p99_us": 2, "max_us": 3}}
+            "oneshot": {"calls": ledger["small_exec"] + extra if oneshot else 0, "eager": 0, "rendezvous": 0,
+                        "eager_by_kernel": 0, "errors": 0, "p50_us": 1, "p99_us": 2, "max_us": 3}}
 
 
 def istats_for(ledger, config):
