@@ -163,7 +163,15 @@ int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, 
   if (e->standin) {
     rg_os_check_launch(e);
     atomic_fetch_add(&e->standin_running, 1);
-    if (!atomic_load(&e->closing)) rg_os_host_gather(&a, blocks);
+    if (!atomic_load(&e->closing)) {
+      rg_os_host_gather(&a, blocks);
+      /* The stand-in ran on this thread: its failure is known now, not when the proxy reads it. */
+      const rg_os_dev* d = (const rg_os_dev*)e->host_dev;
+      const rg_os_report* r = &((const rg_os_ctrl*)e->region)->report[d->seq & 1];
+      if (r->status == RG_OS_TIMED_OUT)
+        rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "the peer's data did not arrive within %llu ms",
+                   (unsigned long long)(e->timeout_ns / 1000000));
+    }
     atomic_fetch_sub(&e->standin_running, 1);
     return CUDA_SUCCESS;
   }

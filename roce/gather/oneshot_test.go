@@ -2,8 +2,11 @@ package gather
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
+	"io"
 	"math/rand"
+	"net"
 	"sync"
 	"testing"
 	"time"
@@ -17,6 +20,13 @@ import (
 // tcp, running the host stand-in of the kernel against the real proxy.
 func osPair(t *testing.T, timeout time.Duration, cfgs [2]OneShotConfig) [2]*Engine {
 	t.Helper()
+	return osPairWith(t, timeout, cfgs, nil)
+}
+
+// osPairWith is osPair with a step between the proposals and the links: meddle sees each
+// rank's proposal (its listener's address and token).
+func osPairWith(t *testing.T, timeout time.Duration, cfgs [2]OneShotConfig, meddle func(props [2]Proposal)) [2]*Engine {
+	t.Helper()
 	var trs [2]*roce.Transport
 	var sts [2]*Starter
 	props := make([][]byte, 2)
@@ -27,6 +37,15 @@ func osPair(t *testing.T, timeout time.Duration, cfgs [2]OneShotConfig) [2]*Engi
 		require.NoError(t, err)
 		sts[r] = st
 		props[r] = p.Encode()
+	}
+	if meddle != nil {
+		var ps [2]Proposal
+		for r := range ps {
+			var err error
+			ps[r], err = DecodeProposal(props[r])
+			require.NoError(t, err)
+		}
+		meddle(ps)
 	}
 	var engines [2]*Engine
 	var errs [2]error
@@ -390,3 +409,38 @@ func TestInterceptedGatherPeerLeavingWhileIdleFailsTheNextGatherOnly(t *testing.
 	c.checkUntouched(t, 0)
 	require.ErrorContains(t, engines[0].Err(), "closed the link")
 }
+
+// Connections to a rank's one-shot listener that do not present its token are refused,
+// and the pair's own link is made and works all the same.
+func TestForeignConnectionsToTheOneShotListenerAreRefused(t *testing.T) {
+	foreign := openTCP(t, 2*time.Second)
+	t.Cleanup(func() { foreign.Close() })
+	engines := osPairWith(t, 10*time.Second, [2]OneShotConfig{osConfig(64 << 10), osConfig(64 << 10)}, func(ps [2]Proposal) {
+		for _, p := range ps {
+			wrong := p.Token
+			wrong[0] ^= 0xff
+			_, err := foreign.DialLink(p.Addr, wrong, roce.PurposeOneShot, 1, foreignSide{})
+			require.Error(t, err, "a dial with the wrong token")
+			c, err := net.Dial("tcp", p.Addr.String())
+			require.NoError(t, err)
+			c.Write([]byte("GET / HTTP/1.0\r\nHost: roce\r\n\r\n"))
+			c.SetReadDeadline(time.Now().Add(5 * time.Second))
+			_, err = io.Copy(io.Discard, c)
+			var ne net.Error
+			require.False(t, errors.As(err, &ne) && ne.Timeout(), "the listener hangs up on garbage (%v)", err)
+			c.Close()
+		}
+	})
+	c := newRowsCase(rand.New(rand.NewSource(9)), 3000, 1, 2, false)
+	errs := gatherOnBoth(engines, c)
+	require.NoError(t, errs[0])
+	require.NoError(t, errs[1])
+	c.check(t, 0)
+	c.check(t, 1)
+}
+
+// foreignSide is what a stranger brings to a link: nothing the listener would take.
+type foreignSide struct{}
+
+func (foreignSide) Blob() []byte            { return []byte("not a region") }
+func (foreignSide) PeerBlob(b []byte) error { return nil }

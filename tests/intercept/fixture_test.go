@@ -243,6 +243,7 @@ type job struct {
 	env     []string
 	program string
 	args    func(rank int) []string // program arguments after RANK IDFILE (default: the steps)
+	rankEnv func(rank int) []string // more environment for one rank
 }
 
 func newJob(t *testing.T, program string, env ...string) *job {
@@ -267,6 +268,9 @@ func (j *job) start(t *testing.T, ctx context.Context, rank int, steps []string)
 	stats := filepath.Join(j.dir, fmt.Sprintf("stats.%d", rank))
 	cmd := exec.CommandContext(ctx, j.program, args...)
 	cmd.Env = append(append([]string{}, j.env...), "ROCE_GATHER_STATS="+stats)
+	if j.rankEnv != nil {
+		cmd.Env = append(cmd.Env, j.rankEnv(rank)...)
+	}
 	var stdout, stderr strings.Builder
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	require.NoError(t, cmd.Start())

@@ -9,11 +9,15 @@
  * Usage: caller RANK IDFILE STEP...   (IDFILE: where rank 0 leaves each unique id)
  * Steps: init, initcfg:BLOCKING, init1, initcfg1:BLOCKING, initall, gather:COUNT:TYPE[:inplace],
  * group:COUNT:TYPE, groupstart, groupend, split:COLOR:KEY, asyncerr, allreduce:COUNT, finalize,
- * destroy, abort, got (this object's ncclAllGather slot and its page), load:PATH, via:libN,
+ * destroy, abort, abortafter:MS, destroyafter:MS and join (another thread aborts or destroys while the
+ * next steps run), sleepms:MS, die (SIGKILL), stop (SIGSTOP), got (this object's ncclAllGather slot and its page), load:PATH, via:libN,
  * via:lib, via:main, snap:LABEL (a copy of the ROCE_GATHER_STATS file as it is now). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <elf.h>
+#include <pthread.h>
+#include <signal.h>
+#include <time.h>
 #include <errno.h>
 #include <link.h>
 #include <stdarg.h>
@@ -67,6 +71,12 @@ static void out(const caller_state* s, const char* step, int result, const char*
   fflush(stdout);
 }
 
+static double now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
 /* Rank 0 makes the id of the n-th communicator and leaves it in IDFILE.n; rank 1 reads it. */
 static int unique_id(caller_state* s, ncclUniqueId* id) {
   char path[4096], tmp[4200];
@@ -114,18 +124,48 @@ static void gather(caller_state* s, const char* step, ncclComm_t comm, size_t co
   memset(recv, 0xee, (size_t)nranks * bytes + 1);
   for (size_t i = 0; i < bytes; i++) send[i] = pattern(rank, i);
   ncclResult_t gs = ncclSuccess, ge = ncclSuccess;
+  const double t0 = now_ms();
   if (grouped) gs = ncclGroupStart();
   ncclResult_t r = ncclAllGather(send, recv, count, t, comm, STREAM);
   if (grouped) ge = ncclGroupEnd();
+  const double took = now_ms() - t0;
   size_t bad = nranks == 0; /* a communicator NCCL did not know */
   for (int row = 0; row < nranks && r == ncclSuccess; row++)
     for (size_t i = 0; i < bytes; i++) bad += recv[(size_t)row * bytes + i] != pattern(row, i);
+  /* A failed gather writes no row: every byte still holds the poison where the data differs from it. */
+  int unwritten = 1;
+  for (int row = 0; row < nranks; row++)
+    for (size_t i = 0; i < bytes; i++)
+      if (pattern(row, i) != 0xee && recv[(size_t)row * bytes + i] != 0xee) unwritten = 0;
   out(s, step, r,
       "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"sendcount\":%zu,\"datatype\":%d,\"comm\":\"%p\",\"stream\":\"%p\","
-      "\"wrong_bytes\":%zu,\"group_start\":%d,\"group_end\":%d",
-      (void*)send, (void*)recv, count, (int)t, (void*)comm, (void*)STREAM, bad, gs, ge);
+      "\"wrong_bytes\":%zu,\"group_start\":%d,\"group_end\":%d,\"rows_unwritten\":%d,\"ms\":%.1f",
+      (void*)send, (void*)recv, count, (int)t, (void*)comm, (void*)STREAM, bad, gs, ge, unwritten, took);
   if (!in_place) free(send);
   free(recv);
+}
+
+/* abortafter:MS, destroyafter:MS: another thread aborts or destroys the communicator while
+ * the next steps run (a gather waiting in the one-shot path); the step's line comes at the
+ * next "join". */
+typedef struct later {
+  caller_state* s;
+  ncclComm_t comm;
+  int ms, destroy;
+  ncclResult_t r;
+  double took;
+  pthread_t thread;
+} later;
+static later pending;
+
+static void* later_main(void* arg) {
+  later* l = arg;
+  struct timespec ts = {l->ms / 1000, (long)(l->ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+  const double t0 = now_ms();
+  l->r = l->destroy ? ncclCommDestroy(l->comm) : ncclCommAbort(l->comm);
+  l->took = now_ms() - t0;
+  return NULL;
 }
 
 /* Runs one NCCL step; returns 1 if it knew the step. */
@@ -220,6 +260,25 @@ static int nccl_step(caller_state* s, const char* step) {
     out(s, step, ncclCommFinalize(s->comm), "\"comm\":\"%p\"", (void*)s->comm);
     return 1;
   }
+  if (sscanf(step, "abortafter:%d", &a) == 1 || sscanf(step, "destroyafter:%d", &a) == 1) {
+    pending = (later){.s = s, .comm = s->comm, .ms = a, .destroy = step[0] == 'd'};
+    pthread_create(&pending.thread, NULL, later_main, &pending);
+    return 1;
+  }
+  if (strcmp(step, "join") == 0) {
+    pthread_join(pending.thread, NULL);
+    out(s, pending.destroy ? "destroy" : "abort", pending.r, "\"comm\":\"%p\",\"ms\":%.1f", (void*)pending.comm,
+        pending.took);
+    s->comm = NULL;
+    return 1;
+  }
+  if (sscanf(step, "sleepms:%d", &a) == 1) {
+    struct timespec ts = {a / 1000, (long)(a % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+    return 1;
+  }
+  if (strcmp(step, "die") == 0) raise(SIGKILL);
+  if (strcmp(step, "stop") == 0) raise(SIGSTOP); /* silent as a cut link: the test kills it */
   if (strcmp(step, "destroy") == 0 || strcmp(step, "abort") == 0) {
     ncclResult_t r = step[0] == 'd' ? ncclCommDestroy(s->comm) : ncclCommAbort(s->comm);
     out(s, step, r, "\"comm\":\"%p\"", (void*)s->comm);
