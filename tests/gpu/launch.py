@@ -29,7 +29,9 @@ import mps
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 BUILD = os.path.join(REPO, "build")
-LIB = os.path.join(BUILD, "libroce_gather.so")
+# ROCE_GATHER_GPU_LIB runs every config on another copy of the library, such as the one an
+# installed wheel holds (python -m roce_gather env); build/'s by default.
+LIB = os.environ.get("ROCE_GATHER_GPU_LIB") or os.path.join(BUILD, "libroce_gather.so")
 PEER_GRACE_S = 15
 
 # Never multicast: set in every process, last, so nothing overrides it.
