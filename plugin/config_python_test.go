@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 	"os/exec"
 	"regexp"
 	"sort"
@@ -48,6 +49,16 @@ func configVariables(t *testing.T) []string {
 	require.NoError(t, err)
 	for _, name := range regexp.MustCompile(`ROCE_GATHER_[A-Z0-9]+(_[A-Z0-9]+)*`).FindAllString(string(src), -1) {
 		seen[name] = true
+	}
+	// And those the C side reads itself (the binding's report).
+	cfiles, err := filepath.Glob("*.c")
+	require.NoError(t, err)
+	for _, f := range cfiles {
+		src, err := os.ReadFile(f)
+		require.NoError(t, err)
+		for _, m := range regexp.MustCompile(`getenv\("(ROCE_GATHER_[A-Z0-9_]+)"\)`).FindAllStringSubmatch(string(src), -1) {
+			seen[m[1]] = true
+		}
 	}
 	var names []string
 	for n := range seen {
@@ -113,7 +124,7 @@ json.dump([settings.refusal(c["Var"], c["Value"]) if c["Var"] in settings.SETTIN
 	}
 	require.Equal(t, goSays, pythonSays, "plugin/config.go (expected) and python/roce_gather/settings.py (actual) judge these values differently")
 	// The probes reach both sides of each rule: every variable takes some, and every one with a
-	// rule (all but the two file names) refuses some.
+	// rule (all but the three file names) refuses some.
 	for _, v := range vars {
 		taken, refused := 0, 0
 		for _, s := range goSays {
@@ -126,7 +137,7 @@ json.dump([settings.refusal(c["Var"], c["Value"]) if c["Var"] in settings.SETTIN
 			}
 		}
 		require.NotZero(t, taken, "no probe is taken for %s: add one", v)
-		if v != "ROCE_GATHER_STATS" && v != "ROCE_GATHER_TRACE" {
+		if v != "ROCE_GATHER_STATS" && v != "ROCE_GATHER_TRACE" && v != "ROCE_GATHER_BIND_REPORT" {
 			require.NotZero(t, refused, "no probe is refused for %s: add one", v)
 		}
 	}

@@ -188,6 +188,8 @@ SETTINGS = {
     "ROCE_GATHER_NET": _flag,
     "ROCE_GATHER_CHUNK_BYTES": _min_chunk,
     "ROCE_GATHER_PROXY_IDLE_MS": _proxy_idle_ms,
+    # Read by the binding (plugin/bind.c), not plugin/config.go: a path, taken as given.
+    "ROCE_GATHER_BIND_REPORT": _any,
 }
 
 
