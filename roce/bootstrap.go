@@ -20,8 +20,9 @@ import (
 // added the gather handle's flag byte, version 4 its floor (ROCE_GATHER_MIN_BYTES),
 // version 5 its one-shot channels and chunk size, version 6 the tcp fabric's endpoint
 // description, channels on its connections and two-sided sends, version 7 the pairing
-// decision on every p2p link, whichever side dialed it.
-const ProtocolVersion = 7
+// decision on every p2p link, whichever side dialed it, version 8 the dialer's note of a
+// dial it sent alone, before that decision.
+const ProtocolVersion = 8
 
 // HandleSize is NCCL's handle size (NCCL_NET_HANDLE_MAXSIZE).
 const HandleSize = 128
