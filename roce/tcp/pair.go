@@ -369,10 +369,10 @@ func writeJoin(w io.Writer, m joinMsg) error {
 func readJoin(r io.Reader) (joinMsg, error) {
 	var b [13]byte
 	if _, err := io.ReadFull(r, b[:]); err != nil {
-		return joinMsg{}, fmt.Errorf("reading the pairing decision: %w", err)
+		return joinMsg{}, fmt.Errorf("reading a pairing message: %w", err)
 	}
 	if m := binary.LittleEndian.Uint32(b[0:]); m != magicJoin || b[4] > joinAnswered {
-		return joinMsg{}, fmt.Errorf("not a pairing decision (magic 0x%08x, kind %d)", m, b[4])
+		return joinMsg{}, fmt.Errorf("not a pairing message (magic 0x%08x, kind %d)", m, b[4])
 	}
 	return joinMsg{kind: b[4], connID: binary.LittleEndian.Uint64(b[5:])}, nil
 }
@@ -387,10 +387,10 @@ func (e *endpoint) joinAsListener(conn *net.TCPConn) (*fabric.Link, error) {
 	conn.SetDeadline(time.Now().Add(d.timeout))
 	note, err := readJoin(conn)
 	if err == nil && note.kind != joinAnswered {
-		err = fmt.Errorf("the dialer began with kind %d, not its note of answered dials", note.kind)
+		err = fmt.Errorf("kind %d, where the dialer's note of the dial it answered alone comes first", note.kind)
 	}
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("reading the dialer's note: %w", err)
 	}
 	deadline := time.Now().Add(min(joinWait, d.timeout))
 	d.mu.Lock()
@@ -428,7 +428,11 @@ func (e *endpoint) joinAsListener(conn *net.TCPConn) (*fabric.Link, error) {
 		if err := writeJoin(conn, joinMsg{kind: joinCarrier, connID: cr.connID}); err != nil {
 			return joinMsg{}, fmt.Errorf("sending the pairing decision: %w", err)
 		}
-		return readJoin(conn)
+		m, err := readJoin(conn)
+		if err != nil {
+			return m, fmt.Errorf("reading the dialer's answer: %w", err)
+		}
+		return m, nil
 	}()
 	if err == nil && reply.kind == joinAlone { // the dialer did not find the carrier: on its own, both
 		C.rg_tcp_conn_unexpect(cr.conn, 1)
@@ -472,7 +476,7 @@ func (e *endpoint) joinAsDialer(conn *net.TCPConn) (*fabric.Link, error) {
 	}
 	m, err := readJoin(conn)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("reading the pairing decision: %w", err)
 	}
 	if m.kind != joinCarrier {
 		return e.startAloneAsDialer(conn)
