@@ -5,7 +5,7 @@ BUILD := build
 DRIVER_CFLAGS := -O2 -g -std=gnu11 -Wall -Wextra -Werror -Iinclude
 LIB := $(BUILD)/libroce_gather.so
 
-.PHONY: all check test test-all test-rxe vet fmt lint clean kernels kernels-oneshot install wheel need-build need-wheel need-test need-rxe
+.PHONY: all check test test-all test-load test-rxe vet fmt lint clean kernels kernels-oneshot install wheel need-build need-wheel need-test need-rxe
 all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl
 
 GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/roce_gather.ptx go.mod go.sum build/exports.map
@@ -105,6 +105,13 @@ test: all lint wheel | need-test
 # Every test, the README's second command: make test, then the soft-RoCE guest.
 test-all: test
 	$(MAKE) test-rxe
+
+# make test beside one busy loop a core (LOAD_LOOPS), LOAD_RUNS times in a row, as on a CI
+# machine other jobs share; the loops stop however it ends (tests/under-load.sh).
+LOAD_LOOPS ?= $(shell nproc)
+LOAD_RUNS ?= 1
+test-load: all
+	tests/under-load.sh -l $(LOAD_LOOPS) -r $(LOAD_RUNS) -- $(MAKE) --no-print-directory test
 
 # The verbs checks on a real verbs stack: soft-RoCE (rdma_rxe) in a QEMU guest booting
 # Debian's kernel (tests/rxe/README.md). The first run downloads Debian packages into a cache.

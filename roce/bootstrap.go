@@ -21,8 +21,9 @@ import (
 // version 5 its one-shot channels and chunk size, version 6 the tcp fabric's endpoint
 // description, channels on its connections and two-sided sends, version 7 the pairing
 // decision on every p2p link, whichever side dialed it, version 8 the intercepted gather's
-// proposal and links.
-const ProtocolVersion = 8
+// proposal and links, version 9 the dialer's note of a dial it sent alone, before that
+// decision.
+const ProtocolVersion = 9
 
 // HandleSize is NCCL's handle size (NCCL_NET_HANDLE_MAXSIZE).
 const HandleSize = 128

@@ -1,4 +1,6 @@
 /* The p2p message protocol (see p2p.h). Runs on NCCL's proxy progress thread. */
+#include <stdarg.h>
+#include <stdio.h>
 #include <string.h>
 #include "../internal/nlog/nlog.h"
 #include "flush.h"
@@ -47,43 +49,64 @@ int rg_p2p_recv_outstanding(const rg_p2p_recv* r) {
   return n;
 }
 
-/* One WARN per comm: the direction, the peer, the message, what was under way, and why. */
+/* One WARN per comm: the direction, the peer, the message, what was under way, and why:
+ * the completion the protocol had no place for, or else what the lane says. */
 static ncclResult_t comm_failed(int* warned, const char* direction, const rg_link* link, rg_lane* lane,
-                                const char* what, uint64_t seq) {
+                                const char* stray, const char* what, uint64_t seq) {
   if (!*warned) {
     *warned = 1;
     RG_WARN("%s %s failed at message %llu: %s: %s", direction, link->peer, (unsigned long long)seq, what,
-            rg_why(lane));
+            stray[0] ? stray : rg_why(lane));
   }
   return ncclRemoteError;
 }
 
 static ncclResult_t send_failed(rg_p2p_send* s, const char* what, uint64_t seq) {
-  return comm_failed(&s->warned, "send to", s->link, s->lane, what, seq);
+  return comm_failed(&s->warned, "send to", s->link, s->lane, s->stray, what, seq);
 }
 
 static ncclResult_t recv_failed(rg_p2p_recv* r, const char* what, uint64_t seq) {
-  return comm_failed(&r->warned, "receive from", r->link, r->lane, what, seq);
+  return comm_failed(&r->warned, "receive from", r->link, r->lane, r->stray, what, seq);
+}
+
+/* Records a completion the protocol has no place for; the comm fails from then on, with it
+ * as the cause (the lane itself may be up: a peer or a NIC that delivered it twice). */
+static int stray_completion(char* stray, size_t n, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
+static int stray_completion(char* stray, size_t n, const char* fmt, ...) {
+  if (stray[0] == '\0') {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(stray, n, fmt, ap);
+    va_end(ap);
+  }
+  return RG_ERR_INVALID;
 }
 
 /* Drains CTS arrivals into cts_ready. The sender's lane carries nothing else inbound. */
 static int send_progress_cts(rg_p2p_send* s) {
+  if (s->stray[0]) return RG_ERR_INVALID;
   rg_cqe c[POLL_BATCH];
   int n = rg_poll_recv(s->lane, c, POLL_BATCH);
   if (n < 0) return n;
   for (int i = 0; i < n; i++) {
-    if (RG_IMM_CLASS(c[i].imm) != RG_IMM_CTS || c[i].status != 0) return RG_ERR_INVALID;
+    if (RG_IMM_CLASS(c[i].imm) != RG_IMM_CTS || c[i].status != 0)
+      return stray_completion(s->stray, sizeof(s->stray),
+                              "a receive completion with immediate 0x%08x (status %d) where only clear-to-sends arrive",
+                              c[i].imm, c[i].status);
     s->cts_ready[c[i].imm & (RG_P2P_SLOTS - 1)] = 1;
   }
   return 0;
 }
 
 static int send_progress_completions(rg_p2p_send* s) {
+  if (s->stray[0]) return RG_ERR_INVALID;
   rg_cqe c[POLL_BATCH];
   int n = rg_poll_send(s->lane, c, POLL_BATCH);
   if (n < 0) return n;
   for (int i = 0; i < n; i++) {
-    if (c[i].status != 0 || c[i].wr_id == 0 || c[i].wr_id > RG_P2P_SEND_REQS) return RG_ERR_INVALID;
+    if (c[i].status != 0 || c[i].wr_id == 0 || c[i].wr_id > RG_P2P_SEND_REQS)
+      return stray_completion(s->stray, sizeof(s->stray), "a send completion with id %llu (status %d) names no send",
+                              (unsigned long long)c[i].wr_id, c[i].status);
     s->reqs[c[i].wr_id - 1].done = 1;
   }
   return 0;
@@ -246,23 +269,48 @@ int rg_p2p_irecv(rg_p2p_recv* r, int n, void** data, const uint64_t* sizes, cons
   return ncclSuccess;
 }
 
+/* A completion that names a receive slot but fits no receive in flight there. */
+static int stray_data(rg_p2p_recv* r, const rg_cqe* c, uint32_t slot, uint32_t entry) {
+  const rg_request* q = &r->reqs[slot];
+  char what[80];
+  if (rg_has_sends(r->lane))
+    snprintf(what, sizeof(what), "a message of %llu bytes", (unsigned long long)c->len);
+  else
+    snprintf(what, sizeof(what), "a write with immediate 0x%08x (%llu bytes)", c->imm, (unsigned long long)c->len);
+  if (q->kind == RG_REQ_RECV)
+    return stray_completion(r->stray, sizeof(r->stray), "%s filled buffer %u of message %llu, which has %d", what, entry,
+                            (unsigned long long)q->id, q->n);
+  if (r->head <= slot)
+    return stray_completion(r->stray, sizeof(r->stray), "%s completed receive slot %u, where no receive was ever posted",
+                            what, slot);
+  return stray_completion(r->stray, sizeof(r->stray),
+                          "%s completed receive slot %u buffer %u, where no receive is in flight: its last receive, "
+                          "message %llu, had already completed", what, slot, entry, (unsigned long long)q->id);
+}
+
 static int recv_progress(rg_p2p_recv* r) {
+  if (r->stray[0]) return RG_ERR_INVALID;
   rg_cqe c[POLL_BATCH];
   int n = rg_poll_recv(r->lane, c, POLL_BATCH);
   if (n < 0) return n;
   int two_sided = rg_has_sends(r->lane);
   for (int i = 0; i < n; i++) {
     uint32_t imm = c[i].imm, slot, entry;
-    if (c[i].status != 0) return RG_ERR_INVALID;
+    if (c[i].status != 0)
+      return stray_completion(r->stray, sizeof(r->stray), "a receive completed with status %d", c[i].status);
     if (two_sided) { /* the receive's slot, and the buffer the send filled */
-      if (c[i].wr_id >= RG_P2P_SLOTS) return RG_ERR_INVALID;
+      if (c[i].wr_id >= RG_P2P_SLOTS)
+        return stray_completion(r->stray, sizeof(r->stray), "a message completed receive %llu of a comm's %d",
+                                (unsigned long long)c[i].wr_id, RG_P2P_SLOTS);
       slot = (uint32_t)c[i].wr_id, entry = imm;
     } else {
-      if (RG_IMM_CLASS(imm) != RG_IMM_DATA) return RG_ERR_INVALID;
+      if (RG_IMM_CLASS(imm) != RG_IMM_DATA)
+        return stray_completion(r->stray, sizeof(r->stray),
+                                "a receive completion with immediate 0x%08x where only data completions arrive", imm);
       slot = (imm >> 3) & (RG_P2P_SLOTS - 1), entry = imm & 7;
     }
     rg_request* q = &r->reqs[slot];
-    if (q->kind != RG_REQ_RECV || entry >= (uint32_t)q->n) return RG_ERR_INVALID;
+    if (q->kind != RG_REQ_RECV || entry >= (uint32_t)q->n) return stray_data(r, &c[i], slot, entry);
     q->sizes[entry] = two_sided ? c[i].len : r->cmpl[slot * RG_P2P_MAX_RECVS + entry];
     if (--q->waiting == 0) q->done = 1;
   }

@@ -59,6 +59,7 @@ typedef struct rg_p2p_send {
   int free_reqs[RG_P2P_SEND_REQS];
   int nfree;
   uint64_t sends; /* sequence number of the next isend, for log lines */
+  char stray[192]; /* a completion the protocol had no place for: the comm has failed */
   int warned;
   int logged; /* one-time INFO lines already written (bit per event) */
   uint32_t polls;
@@ -76,6 +77,7 @@ typedef struct rg_p2p_recv {
   rg_request reqs[RG_P2P_SLOTS]; /* reqs[id % RG_P2P_SLOTS] */
   rg_request flush_reqs[RG_P2P_FLUSH_REQS];
   uint64_t flushes;
+  char stray[192]; /* a completion the protocol had no place for: the comm has failed */
   int warned;
   int logged;
   uint32_t polls;

@@ -206,3 +206,35 @@ func TestALinkOfOneDirectionKeepsItsOwnConnection(t *testing.T) {
 	require.Equal(t, 1, connections(b))
 	closeAll(t, sa, rb)
 }
+
+// The lower side sent the higher side's dial alone before it dialed itself, and its own
+// link reaches the higher side's listener before that dial has read its answer: the
+// lower side's note names the dial, the listener waits for it, and the link joins it.
+func TestALinkArrivingBeforeItsCarrierReadItsAnswerJoinsIt(t *testing.T) {
+	low, high := lowHigh(openTCP(t), openTCP(t))
+	held, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	tcp.TestHookAwaitingDecision = func() {
+		once.Do(func() {
+			close(held)
+			<-release
+		})
+	}
+	t.Cleanup(func() { tcp.TestHookAwaitingDecision = nil })
+	ll, hl := listenHandle(t, low)
+	lh, hh := listenHandle(t, high)
+	ph := connect(t, high, hl)
+	<-held // the higher side's dial waits before reading the decision
+	require.Eventually(t, func() bool { return connections(low) == 1 }, 5*time.Second, time.Millisecond,
+		"the lower side sends the higher side's dial alone and starts it")
+	pl := connect(t, low, hh)
+	// Without the note the listener decides at once and its link starts alone: give it the
+	// time to, then let the higher side's dial read its answer.
+	time.Sleep(300 * time.Millisecond)
+	close(release)
+	sh, sl := connected(t, ph), connected(t, pl)
+	rs := acceptOne(t, ll, lh)
+	require.Equal(t, 1, connections(low))
+	require.Equal(t, 1, connections(high))
+	closeAll(t, sh, sl, rs[0], rs[1])
+}

@@ -120,8 +120,10 @@ func TestSelftestAcrossTwoPlugincheckProcesses(t *testing.T) {
 	peer.Env = env
 	pout, err := peer.CombinedOutput()
 	require.NoError(t, err, "%s", pout)
-	require.NoError(t, listener.Wait())
+	// Every line first: Wait closes the pipe, and what the reader had not read yet is lost.
 	<-done
+	require.NoError(t, sc.Err(), "reading the listener's output")
+	require.NoError(t, listener.Wait())
 	require.Regexp(t, summary, string(pout))
 	require.Regexp(t, summary, lout.String())
 	require.Contains(t, string(pout), "ok   rank 1  p2p/size-67108864")

@@ -30,15 +30,18 @@ import (
 // peer (a carrier), else onto a connection of its own, which becomes a carrier for the
 // other direction. Only the side with the lower device id waits, for up to joinWait, for a
 // dial of its own to the peer that is under way, so two listeners never wait for each
-// other; either side waits for a dial of its own that was sent alone and is still
-// starting, which depends on nothing of the peer's. Either side may thus dial first, and
-// the second link of the two still joins the first one's connection.
+// other; either side waits for a dial of its own that the peer has already sent alone,
+// which depends on nothing of the peer's any more: the dialer's first message names such a
+// dial (the peer's listener may decide before that dial has read its answer), and a dial
+// that has read it is counted while it starts. Either side may thus dial first, and the
+// second link of the two still joins the first one's connection.
 const (
 	describeVersion = 1
 	magicJoin       = 0x4e4a5752 // "RWJN"
 	joinAlone       = 0
 	joinCarrier     = 1
 	joinAttached    = 2
+	joinAnswered    = 3 // the dialer's first message: a dial of the listener's side it sent alone, or 0
 	joinWait        = time.Second
 )
 
@@ -59,23 +62,26 @@ type carrier struct {
 }
 
 // pairing is the device's carriers, under Device.mu: those this device dialed, by peer
-// id, and those it accepted, by connection id; the p2p dials under way, by peer id; and
-// the connections told to go alone whose carrier is not registered yet: dialed ones by
-// peer id, accepted ones by connection id. A wait for those depends on this side only.
+// id, and those it accepted, by connection id; the p2p dials under way, by peer id (from
+// the handle) and by connection id (until they start); and the connections told to go
+// alone whose carrier is not registered yet: dialed ones by peer id, accepted ones by
+// connection id (with the peer's id). A wait for those depends on this side only.
 type pairing struct {
 	dialed          map[uint64][]*carrier
 	accepted        map[uint64]*carrier
 	dialing         map[uint64]int
+	dialingConns    map[uint64]int
 	settlingDialed  map[uint64]int
-	settlingAccepts map[uint64]bool
+	settlingAccepts map[uint64]uint64
 }
 
 func (p *pairing) init() {
 	p.dialed = map[uint64][]*carrier{}
 	p.accepted = map[uint64]*carrier{}
 	p.dialing = map[uint64]int{}
+	p.dialingConns = map[uint64]int{}
 	p.settlingDialed = map[uint64]int{}
-	p.settlingAccepts = map[uint64]bool{}
+	p.settlingAccepts = map[uint64]uint64{}
 }
 
 func (p *pairing) add(cr *carrier, dialedHere bool) {
@@ -107,6 +113,26 @@ func (cr *carrier) usable() bool { return !cr.taken && C.rg_tcp_conn_can_carry(c
 // TestHookDecided, when set (by tests only), runs in a dialer told to go alone, before its
 // connection starts: it widens the window in which the other direction's link arrives.
 var TestHookDecided func()
+
+// TestHookAwaitingDecision, when set (by tests only), runs in a dialer before it reads the
+// listener's decision: it widens the window in which the answer is on its way.
+var TestHookAwaitingDecision func()
+
+// answeredAloneLocked names a connection the peer dialed to this device that a listener
+// here sent alone (starting, or started and free), or 0: the peer's dial that will carry.
+func (d *Device) answeredAloneLocked(peer uint64) uint64 {
+	for id, from := range d.carriers.settlingAccepts {
+		if from == peer {
+			return id
+		}
+	}
+	for id, c := range d.carriers.accepted {
+		if c.peer == peer && c.usable() {
+			return id
+		}
+	}
+	return 0
+}
 
 // startAloneAsDialer starts, as a carrier, a dialed link the listener sent alone; until it
 // is registered, a listener here looking for a carrier to the peer waits for it.
@@ -148,6 +174,7 @@ type endpoint struct {
 	dialer   bool
 	connID   uint64 // the dialer's name for the connection
 	peer     description
+	dialEnd  func() // a pairable dial: ends its count in dialingConns
 }
 
 // description is what an endpoint tells the peer: whether its link may pair, its
@@ -170,10 +197,21 @@ func (d *Device) NewEndpoint(lanes int) (fabric.Endpoint, error) {
 	return &endpoint{dev: d, connID: id}, nil
 }
 
-// AllowPairing marks the link as a p2p link, which carries data from its dialer.
+// AllowPairing marks the link as a p2p link, which carries data from its dialer. A dial
+// counts as under way from here until it starts or closes: the peer may name it.
 func (e *endpoint) AllowPairing(dialer bool) {
 	e.pairable = true
 	e.dialer = dialer
+	if dialer && e.dialEnd == nil {
+		e.dialEnd = e.dev.count(e.dev.carriers.dialingConns, e.connID)
+	}
+}
+
+func (e *endpoint) endDial() {
+	if e.dialEnd != nil {
+		e.dialEnd()
+		e.dialEnd = nil
+	}
 }
 
 func (e *endpoint) Describe() []byte {
@@ -210,7 +248,10 @@ func firstByte(b []byte) int {
 
 func (e *endpoint) pairs() bool { return e.pairable && e.peer.pairable }
 
-func (e *endpoint) Close() error { return nil }
+func (e *endpoint) Close() error {
+	e.endDial()
+	return nil
+}
 
 // ID names the device to peers; a p2p handle carries it, so that a peer dialing this
 // device can say so before its handshake (ExpectDial).
@@ -238,6 +279,7 @@ func (d *Device) count(counts map[uint64]int, key uint64) (done func()) {
 
 // Start makes the link: on its own connection, or as the second lane of a carrier.
 func (e *endpoint) Start(conn *net.TCPConn) (*fabric.Link, error) {
+	defer e.endDial()
 	switch {
 	case !e.pairs():
 		return e.startAlone(conn, false)
@@ -327,22 +369,30 @@ func writeJoin(w io.Writer, m joinMsg) error {
 func readJoin(r io.Reader) (joinMsg, error) {
 	var b [13]byte
 	if _, err := io.ReadFull(r, b[:]); err != nil {
-		return joinMsg{}, fmt.Errorf("reading the pairing decision: %w", err)
+		return joinMsg{}, fmt.Errorf("reading a pairing message: %w", err)
 	}
-	if m := binary.LittleEndian.Uint32(b[0:]); m != magicJoin || b[4] > joinAttached {
-		return joinMsg{}, fmt.Errorf("not a pairing decision (magic 0x%08x, kind %d)", m, b[4])
+	if m := binary.LittleEndian.Uint32(b[0:]); m != magicJoin || b[4] > joinAnswered {
+		return joinMsg{}, fmt.Errorf("not a pairing message (magic 0x%08x, kind %d)", m, b[4])
 	}
 	return joinMsg{kind: b[4], connID: binary.LittleEndian.Uint64(b[5:])}, nil
 }
 
 // joinAsListener decides where a link the peer dialed goes: onto a carrier this side
-// dialed to the peer, if one is free or is being registered, or (on the lower id's side
-// only) comes from a dial under way within joinWait.
+// dialed to the peer, if one is free, or is being registered, or comes from a dial the
+// peer names as answered alone, or (on the lower id's side only) comes from a dial under
+// way, within joinWait.
 func (e *endpoint) joinAsListener(conn *net.TCPConn) (*fabric.Link, error) {
 	d := e.dev
 	mayWait := d.id < e.peer.dev
-	deadline := time.Now().Add(min(joinWait, d.timeout))
 	conn.SetDeadline(time.Now().Add(d.timeout))
+	note, err := readJoin(conn)
+	if err == nil && note.kind != joinAnswered {
+		err = fmt.Errorf("kind %d, where the dialer's note of the dial it answered alone comes first", note.kind)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("reading the dialer's note: %w", err)
+	}
+	deadline := time.Now().Add(min(joinWait, d.timeout))
 	d.mu.Lock()
 	cr := d.takeLocked(func() *carrier {
 		for _, c := range d.carriers.dialed[e.peer.dev] {
@@ -352,10 +402,11 @@ func (e *endpoint) joinAsListener(conn *net.TCPConn) (*fabric.Link, error) {
 		}
 		return nil
 	}, func() bool {
-		return d.carriers.settlingDialed[e.peer.dev] > 0 || (mayWait && d.carriers.dialing[e.peer.dev] > 0)
+		return d.carriers.settlingDialed[e.peer.dev] > 0 || (note.connID != 0 && d.carriers.dialingConns[note.connID] > 0) ||
+			(mayWait && d.carriers.dialing[e.peer.dev] > 0)
 	}, deadline)
 	if cr == nil {
-		d.carriers.settlingAccepts[e.peer.connID] = true // the dialer may hear of it at once
+		d.carriers.settlingAccepts[e.peer.connID] = e.peer.dev // the dialer may hear of it at once
 	}
 	d.mu.Unlock()
 	if cr == nil {
@@ -377,7 +428,11 @@ func (e *endpoint) joinAsListener(conn *net.TCPConn) (*fabric.Link, error) {
 		if err := writeJoin(conn, joinMsg{kind: joinCarrier, connID: cr.connID}); err != nil {
 			return joinMsg{}, fmt.Errorf("sending the pairing decision: %w", err)
 		}
-		return readJoin(conn)
+		m, err := readJoin(conn)
+		if err != nil {
+			return m, fmt.Errorf("reading the dialer's answer: %w", err)
+		}
+		return m, nil
 	}()
 	if err == nil && reply.kind == joinAlone { // the dialer did not find the carrier: on its own, both
 		C.rg_tcp_conn_unexpect(cr.conn, 1)
@@ -405,13 +460,23 @@ func (e *endpoint) joinAsListener(conn *net.TCPConn) (*fabric.Link, error) {
 	return link, nil
 }
 
-// joinAsDialer follows the listener's decision for the link this side dialed.
+// joinAsDialer names a dial of the peer's that this side sent alone, then follows the
+// listener's decision for the link this side dialed.
 func (e *endpoint) joinAsDialer(conn *net.TCPConn) (*fabric.Link, error) {
 	d := e.dev
 	conn.SetDeadline(time.Now().Add(d.timeout))
+	d.mu.Lock()
+	answered := d.answeredAloneLocked(e.peer.dev)
+	d.mu.Unlock()
+	if err := writeJoin(conn, joinMsg{kind: joinAnswered, connID: answered}); err != nil {
+		return nil, fmt.Errorf("sending the note of answered dials: %w", err)
+	}
+	if TestHookAwaitingDecision != nil {
+		TestHookAwaitingDecision()
+	}
 	m, err := readJoin(conn)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("reading the pairing decision: %w", err)
 	}
 	if m.kind != joinCarrier {
 		return e.startAloneAsDialer(conn)
@@ -424,7 +489,7 @@ func (e *endpoint) joinAsDialer(conn *net.TCPConn) (*fabric.Link, error) {
 			return c
 		}
 		return nil
-	}, func() bool { return d.carriers.settlingAccepts[m.connID] }, time.Now().Add(min(joinWait, d.timeout)))
+	}, func() bool { return d.carriers.settlingAccepts[m.connID] != 0 }, time.Now().Add(min(joinWait, d.timeout)))
 	d.mu.Unlock()
 	var link *fabric.Link
 	if cr != nil {

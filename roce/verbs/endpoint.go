@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"time"
 	"unsafe"
 
 	"github.com/roce-gather/roce_gather/internal/nlog"
@@ -99,11 +100,13 @@ func (d *Device) connect(l *C.rg_vlane, hi int, peer laneDesc) error {
 	if err := modifyQP(qp, rtr, fmt.Sprintf("RTR (peer qp 0x%x, MTU %d)", peer.QPN, mtuBytes(mtu))); err != nil {
 		return err
 	}
-	if err := modifyQP(qp, rtsAttr(), "RTS"); err != nil {
+	ack := ackTimeout(d.cfg.Timeout)
+	if err := modifyQP(qp, rtsAttr(ack), "RTS"); err != nil {
 		return err
 	}
-	nlog.Infof(nlog.Net, "verbs qp 0x%x on %s to the peer's qp 0x%x: path MTU %d (this port %d, the peer's %d)",
-		uint32(C.rg_vlane_qpn(l)), d.hcas[hi].label, peer.QPN, mtuBytes(mtu), mtuBytes(p.ActiveMTU), mtuBytes(peer.MTU))
+	nlog.Infof(nlog.Net, "verbs qp 0x%x on %s to the peer's qp 0x%x: path MTU %d (this port %d, the peer's %d), ACK timeout %v",
+		uint32(C.rg_vlane_qpn(l)), d.hcas[hi].label, peer.QPN, mtuBytes(mtu), mtuBytes(p.ActiveMTU), mtuBytes(peer.MTU),
+		ackTry(ack).Round(time.Millisecond))
 	return nil
 }
 

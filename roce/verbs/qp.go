@@ -3,11 +3,16 @@ package verbs
 import (
 	"errors"
 	"fmt"
+	"time"
 )
 
-// Queue-pair parameters: NCCL's and RoCEnante's values (rocenante.md §2.8).
+// Queue-pair parameters: NCCL's and RoCEnante's values (rocenante.md §2.8), but for the
+// local ACK timeout, which ackTimeout derives from the lane's timeout.
 const (
-	qpTimeout = 14 // local ACK timeout 4.096 µs × 2^14 ≈ 67 ms per try
+	// The local ACK timeout of a try is 4.096 µs × 2^code: from 14 (67 ms, RoCEnante's and
+	// NCCL's first default) to 20 (4.3 s, NCCL's default since).
+	qpMinTimeout = 14
+	qpMaxTimeout = 20
 	// Retries before a silent peer fails the request. 7, the most the field holds, is what
 	// NCCL uses; but soft-RoCE (rdma_rxe) takes 7 as "retry forever", as the standard does
 	// only for RNR retries, and there a dead peer would never fail a request.
@@ -111,12 +116,31 @@ func rtrAttr(local localPort, peer laneDesc, mtu int) (qpAttr, error) {
 	return a, nil
 }
 
-// rtsAttr moves a queue pair to RTS: it may send from here on.
-func rtsAttr() qpAttr {
+// ackTimeout is the local ACK timeout code for lanes whose liveness timeout is timeout: the
+// longest whose qpRetryCnt+1 tries take a quarter of it at most, so that a probe posted
+// after a quarter of it without progress fails by its retries, naming the cause, halfway
+// to its own deadline. A shorter one only retransmits more where an ACK can take longer
+// than a try (an emulated machine, a congested fabric): soft-RoCE retransmitted hundreds
+// of times a run at 67 ms, and so once completed a write with immediate twice
+// (docs/soft-roce.md).
+func ackTimeout(timeout time.Duration) uint8 {
+	code := uint8(qpMinTimeout)
+	for code < qpMaxTimeout && (qpRetryCnt+1)*ackTry(code+1) <= timeout/4 {
+		code++
+	}
+	return code
+}
+
+// ackTry is the time of one try at ACK timeout code: 4.096 µs × 2^code.
+func ackTry(code uint8) time.Duration { return 4096 * time.Nanosecond << code }
+
+// rtsAttr moves a queue pair to RTS with the local ACK timeout code ack: it may send from
+// here on.
+func rtsAttr(ack uint8) qpAttr {
 	return qpAttr{
 		Mask:        maskState | maskSQPSN | maskTimeout | maskRetryCnt | maskRNRRetry | maskMaxQPRdAtomic,
 		State:       qpStateRTS,
-		Timeout:     qpTimeout,
+		Timeout:     ack,
 		RetryCnt:    qpRetryCnt,
 		RNRRetry:    qpRNRRetry,
 		MaxRdAtomic: qpRdAtomic,

@@ -2,6 +2,7 @@ package verbs
 
 import (
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -106,10 +107,10 @@ func TestRTRRejectsUnroutablePeers(t *testing.T) {
 }
 
 func TestRTSAttributes(t *testing.T) {
-	a := rtsAttr()
+	a := rtsAttr(18)
 	require.Equal(t, maskState|maskSQPSN|maskTimeout|maskRetryCnt|maskRNRRetry|maskMaxQPRdAtomic, a.Mask)
 	require.Equal(t, qpStateRTS, a.State)
-	require.Equal(t, uint8(14), a.Timeout)
+	require.Equal(t, uint8(18), a.Timeout)
 	require.Equal(t, uint8(6), a.RetryCnt, "7 is retry forever on rdma_rxe")
 	require.Equal(t, uint8(7), a.RNRRetry)
 	require.Equal(t, uint32(0), a.SQPSN)
@@ -120,7 +121,31 @@ func TestQPAttributesReachTheCStruct(t *testing.T) {
 	rtr, err := rtrAttr(localPort{Port: 1, LinkLayer: linkEthernet, GIDIndex: 3},
 		laneDesc{LinkLayer: linkEthernet, MTU: mtu4096, QPN: 0xabcdef, GID: roceGID(2)}, mtu4096)
 	require.NoError(t, err)
-	for _, a := range []qpAttr{initAttr(1), rtr, rtsAttr()} {
+	for _, a := range []qpAttr{initAttr(1), rtr, rtsAttr(14)} {
 		require.Equal(t, a, a.viaC())
 	}
+}
+
+// The ACK timeout is the longest whose seven tries take a quarter of the lane's timeout at
+// most, from 67 ms to NCCL's 4.3 s: 30 s (the default) gives 537 ms a try, 4 s (the verbs
+// fault tests) 134 ms, 2 s and less the 67 ms of before.
+func TestACKTimeoutLetsTheRetriesEndWithinAQuarterOfTheTimeout(t *testing.T) {
+	for _, c := range []struct {
+		timeout time.Duration
+		code    uint8
+	}{
+		{30 * time.Second, 17}, {4 * time.Second, 15}, {2 * time.Second, 14}, {100 * time.Millisecond, 14},
+		{60 * time.Second, 18}, {120 * time.Second, 19}, {121 * time.Second, 20}, {time.Hour, 20},
+	} {
+		code := ackTimeout(c.timeout)
+		require.Equal(t, c.code, code, "timeout %v", c.timeout)
+		if code > qpMinTimeout {
+			require.LessOrEqual(t, 7*ackTry(code), c.timeout/4, "timeout %v", c.timeout)
+		}
+		if code < qpMaxTimeout {
+			require.Greater(t, 7*ackTry(code+1), c.timeout/4, "timeout %v: a longer try would still fit", c.timeout)
+		}
+	}
+	require.Equal(t, 67108864*time.Nanosecond, ackTry(14))
+	require.Equal(t, 536870912*time.Nanosecond, ackTry(17))
 }
