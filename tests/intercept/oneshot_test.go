@@ -167,15 +167,17 @@ func failedGather(t *testing.T, r run, within time.Duration) {
 }
 
 // The peer dies in the middle of a gather: the link says so well before the deadline, the
-// gather writes no row, and one WARN names the peer, the sequence and the cause.
+// gather writes no row, and one WARN names the peer, the sequence and the cause. The
+// all-reduce (NCCL's, not intercepted) after the first gather returns on the dying rank only
+// once the other has its row: a gather can end on one rank before its own data has left.
 func TestPeerKilledMidGatherFailsTheGatherWithoutARow(t *testing.T) {
 	f := fixtures(t)
 	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib, "NCCL_DEBUG=WARN")
 	j.args = func(rank int) []string {
 		if rank == 1 {
-			return []string{"init", "gather:16:0", "sleepms:300", "die"}
+			return []string{"init", "gather:16:0", "allreduce:4", "sleepms:300", "die"}
 		}
-		return []string{"init", "gather:16:0", "gather:4096:0", "asyncerr", "destroy"}
+		return []string{"init", "gather:16:0", "allreduce:4", "gather:4096:0", "asyncerr", "destroy"}
 	}
 	runs := j.run2(t)
 	require.Equal(t, -1, runs[1].code, "rank 1 killed itself")
@@ -206,15 +208,16 @@ func TestPeerThatNeverJoinsTimesOutAtTheDeadline(t *testing.T) {
 }
 
 // A peer that falls silent as a cut link would (SIGSTOP: its socket stays open, nothing more
-// comes): the gather fails within the deadline.
+// comes): the gather fails within the deadline. The all-reduce keeps the stop after the
+// first gather's data has left, as in the killed peer's test.
 func TestSilentPeerFailsTheGatherWithinTheDeadline(t *testing.T) {
 	f := fixtures(t)
 	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib, "NCCL_DEBUG=WARN", "ROCE_GATHER_TIMEOUT_MS=1500")
 	j.args = func(rank int) []string {
 		if rank == 1 {
-			return []string{"init", "gather:16:0", "stop"}
+			return []string{"init", "gather:16:0", "allreduce:4", "stop"}
 		}
-		return []string{"init", "gather:16:0", "sleepms:200", "gather:4096:0", "asyncerr", "destroy"}
+		return []string{"init", "gather:16:0", "allreduce:4", "sleepms:200", "gather:4096:0", "asyncerr", "destroy"}
 	}
 	done := make(chan [2]run, 1)
 	go func() { done <- j.run2(t) }()
