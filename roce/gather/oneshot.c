@@ -46,7 +46,9 @@ void rg_os_fail(rg_os_engine* e, int nccl_result, int quiet, const char* fmt, ..
   /* Every kernel waiting now, and every one launched later, ends without writing a row. */
   __atomic_store_n(&((rg_os_ctrl*)e->region)->abort.word, 1, __ATOMIC_RELEASE);
   rg_stats_add(RG_STAT_OS_ERRORS, 1);
-  if (!quiet) warn_failed(e, e->done_seq + 1);
+  /* The oldest gather not complete here: its peer's data is missing, or its own writes are. */
+  const uint64_t sent = atomic_load(&e->sent_seq);
+  if (!quiet) warn_failed(e, (e->done_seq < sent ? e->done_seq : sent) + 1);
 }
 
 /* The link ended while no gather was in flight: kernels launched from now on end at once,
@@ -171,6 +173,8 @@ int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, 
       if (r->status == RG_OS_TIMED_OUT)
         rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "the peer's data did not arrive within %llu ms",
                    (unsigned long long)(e->timeout_ns / 1000000));
+      else if (r->status != RG_OS_OK)
+        rg_os_check_launch(e); /* stopped by a link that ended meanwhile: that is this gather's error */
     }
     atomic_fetch_sub(&e->standin_running, 1);
     return CUDA_SUCCESS;
@@ -344,6 +348,12 @@ static int waits_for_peer(const rg_os_engine* e) {
   return 0;
 }
 
+/* Whether writes this rank posted for a gather have not all completed: the peer may lack
+ * this rank's data (a write it refused fails the lane with that write still open). */
+static int owes_peer(const rg_os_engine* e) {
+  return e->post_nchunks != 0 || atomic_load(&e->sent_seq) + 1 < e->post_seq;
+}
+
 /* Reads the kernels' reports, in order: each finished gather is counted once. */
 static void reports(rg_os_engine* e, uint64_t now, int* progress) {
   rg_os_ctrl* ctrl = (rg_os_ctrl*)e->region;
@@ -424,10 +434,11 @@ static int step(rg_os_engine* e, uint64_t now) {
   /* The reports first: a gather that ended is not in flight when the link's end is seen. */
   reports(e, now, &progress);
 
-  /* A link that ends while no gather waits for the peer is said when the next gather finds
-   * it: the peer may simply have destroyed its communicator after its last gather. */
-  const int quiet_end = atomic_load(&e->closing) || !waits_for_peer(e);
-  char why[200];
+  /* A link that ends while no gather waits for the peer and every write of this rank has
+   * completed is said when the next gather finds it: the peer may simply have destroyed its
+   * communicator after its last gather. With writes still open it is an error now. */
+  const int quiet_end = atomic_load(&e->closing) || (!waits_for_peer(e) && !owes_peer(e));
+  char why[RG_OS_WHY_BYTES];
   /* Retire signaled writes and move the lanes (tcp reads and places the peer's frames here). */
   for (int l = 0; l < link->nlanes; l++) {
     rg_cqe cqe[16];
