@@ -119,9 +119,10 @@ test-rxe: all | need-rxe
 	$(GO) test -c -o $(BUILD)/rxe.test ./tests/rxe
 	$(GO) test -c -o $(BUILD)/verbs.test ./roce/verbs
 	$(GO) test -c -o $(BUILD)/plugincheck.test ./cmd/plugincheck
+	$(GO) test -c -o $(BUILD)/gather.test ./roce/gather
 	tests/rxe/run.sh
 
 clean:
 	rm -rf $(BUILD)/lib* $(BUILD)/plugincheck* $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl \
-		$(BUILD)/rxe.test $(BUILD)/verbs.test $(BUILD)/roce_gather-*.whl
+		$(BUILD)/rxe.test $(BUILD)/verbs.test $(BUILD)/gather.test $(BUILD)/roce_gather-*.whl
 

@@ -36,17 +36,33 @@ static void warn_failed(rg_os_engine* e, uint64_t seq) {
           (unsigned long long)e->comm_id, 1 - e->rank, e->peer, (unsigned long long)seq, e->why);
 }
 
-void rg_os_fail(rg_os_engine* e, int nccl_result, int quiet, const char* fmt, ...) {
+/* Raises the engine's error, naming gather seq in the WARN (the first error wins). */
+static void vfail(rg_os_engine* e, uint64_t seq, int nccl_result, int quiet, const char* fmt, va_list ap) {
   int none = 0;
   if (!atomic_compare_exchange_strong(&e->error, &none, nccl_result)) return;
-  va_list ap;
-  va_start(ap, fmt);
   vsnprintf(e->why, sizeof(e->why), fmt, ap);
-  va_end(ap);
   /* Every kernel waiting now, and every one launched later, ends without writing a row. */
   __atomic_store_n(&((rg_os_ctrl*)e->region)->abort.word, 1, __ATOMIC_RELEASE);
   rg_stats_add(RG_STAT_OS_ERRORS, 1);
-  if (!quiet) warn_failed(e, e->done_seq + 1);
+  if (!quiet) warn_failed(e, seq);
+}
+
+void rg_os_fail(rg_os_engine* e, int nccl_result, int quiet, const char* fmt, ...) {
+  /* The oldest gather not complete here: its peer's data is missing, or its own writes are. */
+  const uint64_t sent = atomic_load(&e->sent_seq), done = e->done_seq;
+  va_list ap;
+  va_start(ap, fmt);
+  vfail(e, (done < sent ? done : sent) + 1, nccl_result, quiet, fmt, ap);
+  va_end(ap);
+}
+
+/* rg_os_fail for a known gather, seq (the thread that ran it may be ahead of the proxy). */
+static void fail_at(rg_os_engine* e, uint64_t seq, int nccl_result, const char* fmt, ...) __attribute__((format(printf, 4, 5)));
+static void fail_at(rg_os_engine* e, uint64_t seq, int nccl_result, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vfail(e, seq, nccl_result, 0, fmt, ap);
+  va_end(ap);
 }
 
 /* The link ended while no gather was in flight: kernels launched from now on end at once,
@@ -169,8 +185,10 @@ int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, 
       const rg_os_dev* d = (const rg_os_dev*)e->host_dev;
       const rg_os_report* r = &((const rg_os_ctrl*)e->region)->report[d->seq & 1];
       if (r->status == RG_OS_TIMED_OUT)
-        rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "the peer's data did not arrive within %llu ms",
-                   (unsigned long long)(e->timeout_ns / 1000000));
+        fail_at(e, d->seq, RESULT_REMOTE_ERROR, "the peer's data did not arrive within %llu ms",
+                (unsigned long long)(e->timeout_ns / 1000000));
+      else if (r->status != RG_OS_OK)
+        rg_os_check_launch(e); /* stopped by a link that ended meanwhile: that is this gather's error */
     }
     atomic_fetch_sub(&e->standin_running, 1);
     return CUDA_SUCCESS;
@@ -344,6 +362,20 @@ static int waits_for_peer(const rg_os_engine* e) {
   return 0;
 }
 
+/* Whether writes this rank posted for a gather have not all completed: the peer may lack
+ * this rank's data (a write it refused fails the lane with that write still open). */
+static int owes_peer(const rg_os_engine* e) {
+  return e->post_nchunks != 0 || atomic_load(&e->sent_seq) + 1 < e->post_seq;
+}
+
+/* Whether the link's end, just seen, waits for the next gather: no gather waits for the peer
+ * and every write of this rank has completed (the peer may simply have destroyed its
+ * communicator after its last gather). Asked when the end is seen, after the poll that found
+ * it has placed the peer's frames that came before it. With writes open it is an error now. */
+static int ends_quietly(const rg_os_engine* e) {
+  return atomic_load(&e->closing) || (!waits_for_peer(e) && !owes_peer(e));
+}
+
 /* Reads the kernels' reports, in order: each finished gather is counted once. */
 static void reports(rg_os_engine* e, uint64_t now, int* progress) {
   rg_os_ctrl* ctrl = (rg_os_ctrl*)e->region;
@@ -362,8 +394,8 @@ static void reports(rg_os_engine* e, uint64_t now, int* progress) {
     if (r->status == RG_OS_OK) {
       account(e, seq, r, now);
     } else if (r->status == RG_OS_TIMED_OUT) {
-      rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "the peer's data did not arrive within %llu ms",
-                 (unsigned long long)(e->timeout_ns / 1000000));
+      fail_at(e, seq, RESULT_REMOTE_ERROR, "the peer's data did not arrive within %llu ms",
+              (unsigned long long)(e->timeout_ns / 1000000));
     } else if (atomic_load(&e->ended) && !atomic_load(&e->error)) {
       /* A gather (a graph replay, which no launch saw) ran after the link ended. */
       rg_os_fail(e, RESULT_REMOTE_ERROR, atomic_load(&e->closing), "the link to the peer ended before this gather: %s",
@@ -424,10 +456,7 @@ static int step(rg_os_engine* e, uint64_t now) {
   /* The reports first: a gather that ended is not in flight when the link's end is seen. */
   reports(e, now, &progress);
 
-  /* A link that ends while no gather waits for the peer is said when the next gather finds
-   * it: the peer may simply have destroyed its communicator after its last gather. */
-  const int quiet_end = atomic_load(&e->closing) || !waits_for_peer(e);
-  char why[200];
+  char why[RG_OS_WHY_BYTES];
   /* Retire signaled writes and move the lanes (tcp reads and places the peer's frames here). */
   for (int l = 0; l < link->nlanes; l++) {
     rg_cqe cqe[16];
@@ -435,7 +464,7 @@ static int step(rg_os_engine* e, uint64_t now) {
     if (n < 0) {
       snprintf(why, sizeof(why), "the link failed: %s", rg_why(&link->lane[l]));
       if (failed) {
-      } else if (quiet_end) {
+      } else if (ends_quietly(e)) {
         end_quietly(e, why);
       } else {
         rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "%s", why);
@@ -461,7 +490,7 @@ static int step(rg_os_engine* e, uint64_t now) {
     rg_cqe rc[4];
     if (rg_poll_recv(&link->lane[l], rc, 4) < 0 && !failed) {
       snprintf(why, sizeof(why), "the link failed: %s", rg_why(&link->lane[l]));
-      if (quiet_end)
+      if (ends_quietly(e))
         end_quietly(e, why);
       else
         rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "%s", why);

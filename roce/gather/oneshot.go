@@ -152,7 +152,7 @@ func (s *Starter) Connect(out OneShotOutcome, rank int) (*Engine, error) {
 	}
 	e := &Engine{t: s.t, side: side, link: link}
 	side.start(link)
-	var errBuf [256]C.char
+	var errBuf [C.RG_OS_WHY_BYTES]C.char
 	if C.rg_os_probe(side.c, C.uint64_t(s.prop.ProbeWord()), C.uint64_t(out.Peer.ProbeWord()), C.uint64_t(s.t.Timeout().Nanoseconds()),
 		&errBuf[0], C.int(len(errBuf))) != 0 {
 		err := errors.New(C.GoString(&errBuf[0]))
@@ -223,7 +223,7 @@ func (e *Engine) GatherOnHost(send, recv []byte) error {
 
 // Err is the engine's error, nil while it is healthy.
 func (e *Engine) Err() error {
-	var why [256]C.char
+	var why [C.RG_OS_WHY_BYTES]C.char
 	if C.rg_os_error(e.side.c, &why[0], C.int(len(why))) == 0 {
 		return nil
 	}

@@ -14,6 +14,10 @@
 
 _Static_assert(RG_OS_MAX_LANES == RG_MAX_LANES, "a flag for every lane a link can have");
 
+/* Room for an error: a lane's cause (a verbs one runs to 512 bytes) with what the engine
+ * says around it. */
+#define RG_OS_WHY_BYTES 768
+
 typedef struct rg_os_engine rg_os_engine;
 struct rg_os_engine {
   /* Set up once (oneshot.go) before the engine starts; read-only afterwards. */
@@ -69,11 +73,11 @@ struct rg_os_engine {
   atomic_int error; /* an ncclResult_t; 0 while healthy */
   atomic_int closing;
   atomic_int warned; /* the error's WARN is out */
-  char why[256];
+  char why[RG_OS_WHY_BYTES];
   /* The link ended while no gather was in flight (the peer may have destroyed its
    * communicator first): no error yet, but the next gather fails with ended_why. */
   atomic_int ended;
-  char ended_why[256];
+  char ended_why[RG_OS_WHY_BYTES];
   rg_os_engine* next; /* the proxy's list */
 };
 

@@ -8,44 +8,56 @@ import (
 	"math/rand"
 	"net"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/roce-gather/roce_gather/roce"
 )
 
-// osPair makes both ranks' engines of one communicator in this process, over loopback
-// tcp, running the host stand-in of the kernel against the real proxy.
+// osPair makes both ranks' engines of one communicator in this process, over the test
+// fabric (fabric_test.go), running the host stand-in of the kernel against the real proxy.
 func osPair(t *testing.T, timeout time.Duration, cfgs [2]OneShotConfig) [2]*Engine {
 	t.Helper()
-	return osPairWith(t, timeout, cfgs, nil)
+	return osPairWith(t, timeout, cfgs, pairHooks{})
 }
 
-// osPairWith is osPair with a step between the proposals and the links: meddle sees each
-// rank's proposal (its listener's address and token).
-func osPairWith(t *testing.T, timeout time.Duration, cfgs [2]OneShotConfig, meddle func(props [2]Proposal)) [2]*Engine {
+// pairHooks are the steps a test may take between osPairWith's stages.
+type pairHooks struct {
+	// proposals sees each rank's proposal (its listener's address and token) before the
+	// agreement.
+	proposals func(props [2]Proposal)
+	// connected sees each rank's engine once its link is made and the live check passed,
+	// before the engine starts.
+	connected func(rank int, e *Engine)
+}
+
+// osPairWith is osPair with hooks. With RG_TEST_WRONG_RKEY=1 rank 0's engine writes with
+// a wrong key for its peer's region (fabric_test.go).
+func osPairWith(t *testing.T, timeout time.Duration, cfgs [2]OneShotConfig, hooks pairHooks) [2]*Engine {
 	t.Helper()
 	var trs [2]*roce.Transport
 	var sts [2]*Starter
 	props := make([][]byte, 2)
 	for r := range trs {
-		trs[r] = openTCP(t, timeout)
+		trs[r] = openTestFabric(t, timeout)
 		t.Cleanup(func() { trs[r].Close() })
 		st, p, err := PrepareOneShot(trs[r], cfgs[r])
 		require.NoError(t, err)
 		sts[r] = st
 		props[r] = p.Encode()
 	}
-	if meddle != nil {
+	if hooks.proposals != nil {
 		var ps [2]Proposal
 		for r := range ps {
 			var err error
 			ps[r], err = DecodeProposal(props[r])
 			require.NoError(t, err)
 		}
-		meddle(ps)
+		hooks.proposals(ps)
 	}
 	var engines [2]*Engine
 	var errs [2]error
@@ -61,6 +73,12 @@ func osPairWith(t *testing.T, timeout time.Duration, cfgs [2]OneShotConfig, medd
 			}
 			e, err := sts[r].Connect(out, r)
 			if err == nil {
+				if hooks.connected != nil {
+					hooks.connected(r, e)
+				}
+				if wrongRKey && r == 0 {
+					spoilPeerKeys(e)
+				}
 				if err = e.SetUp(true); err == nil {
 					err = e.Start()
 				}
@@ -71,8 +89,11 @@ func osPairWith(t *testing.T, timeout time.Duration, cfgs [2]OneShotConfig, medd
 	wg.Wait()
 	require.NoError(t, errs[0])
 	require.NoError(t, errs[1])
-	for _, e := range engines {
+	for r, e := range engines {
 		t.Cleanup(func() { e.Close(true) })
+		// Every lane of the device carries a share of each chunk.
+		require.Equal(t, trs[r].Device().Info().Lanes, e.Lanes(), "rank %d's engine", r)
+		t.Logf("rank %d: an engine over %s (%s), %d lane(s), timeout %v", r, trs[r].Kind(), trs[r].Device().Info().Name, e.Lanes(), timeout)
 	}
 	return engines
 }
@@ -258,9 +279,14 @@ func TestInterceptedGatherTimesOutWithoutWritingARow(t *testing.T) {
 }
 
 // A peer that goes away mid-gather is reported by the link, well before the deadline,
-// and no row is written.
+// and no row is written. tcp sees the close at once; a verbs lane when its probe, sent
+// after a quarter of the timeout, finds the peer's queue pair gone.
 func TestInterceptedGatherPeerGoneIsReportedBeforeTheDeadline(t *testing.T) {
-	engines := osPair(t, 20*time.Second, [2]OneShotConfig{osConfig(64 << 10), osConfig(64 << 10)})
+	timeout, bound := 20*time.Second, 10*time.Second
+	if onVerbs() {
+		timeout, bound = verbsDeadPeerTimeout, verbsDeadPeerTimeout
+	}
+	engines := osPair(t, timeout, [2]OneShotConfig{osConfig(64 << 10), osConfig(64 << 10)})
 	c := newRowsCase(rand.New(rand.NewSource(5)), 8<<10, 0, 0, false)
 	done := make(chan error, 1)
 	start := time.Now()
@@ -270,12 +296,15 @@ func TestInterceptedGatherPeerGoneIsReportedBeforeTheDeadline(t *testing.T) {
 	select {
 	case err := <-done:
 		require.ErrorContains(t, err, "aborted")
-		require.Less(t, time.Since(start), 10*time.Second)
-	case <-time.After(15 * time.Second):
+		require.Less(t, time.Since(start), bound)
+	case <-time.After(timeout + 5*time.Second):
 		t.Fatal("the gather waited past the peer's departure")
 	}
 	c.checkUntouched(t, 0)
-	require.ErrorContains(t, engines[0].Err(), "the link failed")
+	// The lane says it when the proxy polls it, or posts this rank's data, whichever comes
+	// first (on a loaded host the proxy may reach the doorbell after the peer left).
+	require.Error(t, engines[0].Err())
+	require.Regexp(t, `^(the link failed|posting chunk 0 to the peer failed): `+peerGoneCause()+`$`, engines[0].Err().Error())
 }
 
 // Closing an engine with abort ends a gather that waits in it, promptly, with no row.
@@ -300,6 +329,61 @@ func TestInterceptedGatherAbortInFlightEndsTheWait(t *testing.T) {
 		t.Fatal("Close did not return")
 	}
 	require.Less(t, time.Since(start), 5*time.Second)
+	c.checkUntouched(t, 0)
+}
+
+// A rank that writes into its peer's region with a key the region does not have: the peer
+// takes none of it, its gather fails on the link (not at its deadline) and writes no row.
+// The writer's own gather had the peer's data first and completes; its engine fails all the
+// same, since its part never arrived, naming the cause where its fabric tells it: verbs
+// completes the write with a remote access error at once; over tcp the peer refuses the
+// write (its WARN says so) and closes the connection, which the writer's next gather meets.
+func TestInterceptedGatherWithAWrongKeyFailsWithoutARowAtThePeer(t *testing.T) {
+	const timeout = 10 * time.Second
+	engines := osPairWith(t, timeout, [2]OneShotConfig{osConfig(64 << 10), osConfig(64 << 10)}, pairHooks{
+		connected: func(r int, e *Engine) {
+			if r == 0 {
+				spoilPeerKeys(e)
+			}
+		}})
+	c := newRowsCase(rand.New(rand.NewSource(10)), 4000, 0, 0, false) // one chunk
+	rank1 := make(chan error, 1)
+	go func() { rank1 <- engines[1].GatherOnHost(c.send(1), c.rows(1)) }()
+	// Rank 1's data is whole in rank 0's region: every lane's flag at rg_os_level(1, 1).
+	require.Eventually(t, func() bool {
+		for l := 0; l < engines[0].Lanes(); l++ {
+			if atomic.LoadUint64((*uint64)(unsafe.Pointer(&engines[0].side.c.base.ctrl.flag[l].word))) != 1<<16|1 {
+				return false
+			}
+		}
+		return true
+	}, timeout, time.Millisecond, "rank 1's data did not reach rank 0")
+	require.NoError(t, engines[0].GatherOnHost(c.send(0), c.rows(0)), "rank 0's gather, whose peer's data was here")
+	c.check(t, 0)
+	err := <-rank1
+	t.Logf("rank 1's gather: %v", err)
+	// The link fails when the refused write arrives, which may be before rank 1's own gather
+	// has begun as its proxy sees it.
+	linkFailed := `^aborted: (the link to the peer ended before this gather: )?the link failed: `
+	require.Error(t, err, "rank 1 gathered although rank 0's writes carried a wrong key")
+	require.Regexp(t, linkFailed, err.Error())
+	c.checkUntouched(t, 1)
+	refused := `127\.0\.0\.1:\d+ closed the (link|connection)|receiving from 127\.0\.0\.1:\d+ failed: Connection reset by peer`
+	if onVerbs() {
+		// The writer knows at once although its gather is done: its part did not arrive.
+		require.Eventually(t, func() bool { return engines[0].Err() != nil }, timeout, time.Millisecond)
+		refused = `RDMA request to 127\.0\.0\.1:\d+ over \S+ \(qp 0x[0-9a-f]+\) failed: remote access error \(status 10, vendor error 0x0\): ` +
+			`the peer refused the key or the address range`
+		require.Regexp(t, `^the link failed: `+refused+`$`, engines[0].Err().Error())
+	}
+	// Rank 0's next gather fails at once and names the cause.
+	c = newRowsCase(rand.New(rand.NewSource(11)), 4000, 0, 0, false)
+	start := time.Now()
+	err = engines[0].GatherOnHost(c.send(0), c.rows(0))
+	t.Logf("rank 0's next gather: %v", err)
+	require.Error(t, err)
+	require.Regexp(t, `^aborted: (the link to the peer ended before this gather: )?(the link failed|posting chunk 0 to the peer failed): (`+refused+`)$`, err.Error())
+	require.Less(t, time.Since(start), timeout/2, "a failed engine's gathers end at once, not at a deadline")
 	c.checkUntouched(t, 0)
 }
 
@@ -391,9 +475,15 @@ func mustProposalBytes(cfg OneShotConfig) []byte {
 }
 
 // A peer that closes its side while no gather is in flight (it destroyed its communicator
-// first) is no error yet: the next gather fails at once and says why.
+// first) is no error yet: the next gather fails, says why and writes no row. tcp hears the
+// close, so that gather fails at once; a verbs queue pair hears nothing of a peer while it
+// sends nothing, so the gather's writes fail when their retries run out, before its deadline.
 func TestInterceptedGatherPeerLeavingWhileIdleFailsTheNextGatherOnly(t *testing.T) {
-	engines := osPair(t, 20*time.Second, [2]OneShotConfig{osConfig(64 << 10), osConfig(64 << 10)})
+	timeout := 20 * time.Second
+	if onVerbs() {
+		timeout = verbsDeadPeerTimeout
+	}
+	engines := osPair(t, timeout, [2]OneShotConfig{osConfig(64 << 10), osConfig(64 << 10)})
 	c := newRowsCase(rand.New(rand.NewSource(7)), 1000, 0, 0, false)
 	errs := gatherOnBoth(engines, c)
 	require.NoError(t, errs[0])
@@ -404,18 +494,25 @@ func TestInterceptedGatherPeerLeavingWhileIdleFailsTheNextGatherOnly(t *testing.
 	c = newRowsCase(rand.New(rand.NewSource(8)), 1000, 0, 0, false)
 	start := time.Now()
 	err := engines[0].GatherOnHost(c.send(0), c.rows(0))
-	require.ErrorContains(t, err, "the link to the peer ended before this gather")
-	require.Less(t, time.Since(start), 2*time.Second)
+	took := time.Since(start)
+	require.Error(t, err)
+	if onVerbs() {
+		require.Regexp(t, `^aborted: the link failed: `+peerGoneCause()+`$`, err.Error())
+		require.Less(t, took, timeout)
+	} else {
+		require.ErrorContains(t, err, "the link to the peer ended before this gather")
+		require.Less(t, took, 2*time.Second)
+		require.ErrorContains(t, engines[0].Err(), "closed the link")
+	}
 	c.checkUntouched(t, 0)
-	require.ErrorContains(t, engines[0].Err(), "closed the link")
 }
 
 // Connections to a rank's one-shot listener that do not present its token are refused,
 // and the pair's own link is made and works all the same.
 func TestForeignConnectionsToTheOneShotListenerAreRefused(t *testing.T) {
-	foreign := openTCP(t, 2*time.Second)
+	foreign := openTestFabric(t, 2*time.Second)
 	t.Cleanup(func() { foreign.Close() })
-	engines := osPairWith(t, 10*time.Second, [2]OneShotConfig{osConfig(64 << 10), osConfig(64 << 10)}, func(ps [2]Proposal) {
+	engines := osPairWith(t, 10*time.Second, [2]OneShotConfig{osConfig(64 << 10), osConfig(64 << 10)}, pairHooks{proposals: func(ps [2]Proposal) {
 		for _, p := range ps {
 			wrong := p.Token
 			wrong[0] ^= 0xff
@@ -430,7 +527,7 @@ func TestForeignConnectionsToTheOneShotListenerAreRefused(t *testing.T) {
 			require.False(t, errors.As(err, &ne) && ne.Timeout(), "the listener hangs up on garbage (%v)", err)
 			c.Close()
 		}
-	})
+	}})
 	c := newRowsCase(rand.New(rand.NewSource(9)), 3000, 1, 2, false)
 	errs := gatherOnBoth(engines, c)
 	require.NoError(t, errs[0])

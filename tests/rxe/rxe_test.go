@@ -321,3 +321,84 @@ func TestBenchLoadVerbs(t *testing.T) {
 		require.Greater(t, g, 0, "rank %s made no gather", r[1])
 	}
 }
+
+// The intercepted gather's one-shot tests of roce/gather, which run over tcp by default.
+var oneShotTests = []string{"TestInterceptedGatherPlacesBothRowsAtEverySizeClass",
+	"TestInterceptedGatherKeepsSequencesAcrossChangingSizes", "TestInterceptedGatherAgreesTheLargerSmallestChunk",
+	"TestInterceptedGatherTimesOutWithoutWritingARow", "TestInterceptedGatherPeerGoneIsReportedBeforeTheDeadline",
+	"TestInterceptedGatherAbortInFlightEndsTheWait", "TestInterceptedGatherWithAWrongKeyFailsWithoutARowAtThePeer",
+	"TestInterceptedGatherPeerLeavingWhileIdleFailsTheNextGatherOnly", "TestForeignConnectionsToTheOneShotListenerAreRefused",
+	"TestProposalRoundTripsAndRefusesForeignBytes", "TestOneShotCapAgreement511And512KiB",
+	"TestOneShotWindowFloorAboveThePeersCapIsOffOnBoth", "TestOneShotOneRankDisabledIsOffOnBothAndSaysWhy"}
+
+// runGatherTests runs tests of roce/gather on the verbs fabric with extra environment.
+func runGatherTests(t *testing.T, env []string, tests ...string) (string, int) {
+	t.Helper()
+	return run(t, "../../roce/gather", append([]string{"RG_TEST_FABRIC=verbs"}, env...), "gather.test", "-test.v",
+		"-test.count=1", "-test.run", "^("+strings.Join(tests, "|")+")$")
+}
+
+// The intercepted gather's engine (its proxy, the host stand-in of its kernel, the link and
+// the live check) on rxe devices: every one-shot test of roce/gather passes on verbs, also
+// striped over two HCAs; a wrong rkey makes the size-class test fail with verbs' own error.
+func TestInterceptedEngineOnVerbs(t *testing.T) {
+	guest(t)
+	dev := os.Getenv("RXE_DEV")
+	require.NotEmpty(t, dev, "RXE_DEV")
+
+	t.Run("one-shot tests", func(t *testing.T) {
+		out, code := runGatherTests(t, nil, oneShotTests...)
+		require.Equal(t, 0, code)
+		for _, n := range oneShotTests {
+			require.Contains(t, out, "--- PASS: "+n+" ")
+		}
+		require.NotContains(t, out, "--- SKIP")
+		require.Regexp(t, `rank 0: an engine over verbs \(`+dev+`\), 1 lane\(s\)`, out)
+		// A peer gone, mid-gather or before the next one, is found by the verbs lane on rxe0,
+		// and the engine's WARN names it.
+		gone := `the link failed: ((liveness probe|RDMA request) to 127\.0\.0\.1:\d+ over ` + dev + `:1 \(qp 0x[0-9a-f]+\) failed: ` +
+			`transport retry counter exceeded|the liveness probe to 127\.0\.0\.1:\d+ over ` + dev + `:1 has not completed)`
+		require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather of communicator 0xc0ffee with rank 1 \(127\.0\.0\.1:\d+\) `+
+			`failed at sequence 1: `+gone, out)
+		require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather of communicator 0xc0ffee with rank 1 \(127\.0\.0\.1:\d+\) `+
+			`failed at sequence 2: `+gone, out)
+	})
+
+	t.Run("striped over two HCAs", func(t *testing.T) {
+		twins := strings.Split(os.Getenv("RXE_TWINS"), ",")
+		require.Len(t, twins, 2, "RXE_TWINS")
+		tests := []string{"TestInterceptedGatherPlacesBothRowsAtEverySizeClass", "TestInterceptedGatherKeepsSequencesAcrossChangingSizes"}
+		before := sentPackets(t, twins...)
+		out, code := runGatherTests(t, []string{"RXE_DEV=" + strings.Join(twins, ",")}, tests...)
+		after := sentPackets(t, twins...)
+		require.Equal(t, 0, code)
+		for _, n := range tests {
+			require.Contains(t, out, "--- PASS: "+n+" ")
+		}
+		require.Regexp(t, `rank 1: an engine over verbs \(`+strings.Join(twins, `\+`)+`\), 2 lane\(s\)`, out)
+		sent := []int{after[0] - before[0], after[1] - before[1]}
+		t.Logf("packets sent: %s %d, %s %d", twins[0], sent[0], twins[1], sent[1])
+		for i, d := range twins {
+			require.Greater(t, sent[i]*10, sent[0]+sent[1], "%s sent %d of %d packets", d, sent[i], sent[0]+sent[1])
+		}
+	})
+
+	t.Run("a wrong rkey fails the size-class test", func(t *testing.T) {
+		const test = "TestInterceptedGatherPlacesBothRowsAtEverySizeClass"
+		out, code := runGatherTests(t, []string{"RG_TEST_WRONG_RKEY=1"}, test)
+		require.Equal(t, 1, code)
+		m := regexp.MustCompile(`(?m)^--- FAIL: ` + test + ` \(([\d.]+)s\)$`).FindStringSubmatch(out)
+		require.NotNil(t, m, "the test failed")
+		took, err := strconv.ParseFloat(m[1], 64)
+		require.NoError(t, err)
+		require.Less(t, took, 10.0, "the failure came from the link, not from the gathers' 10 s deadline")
+		// Rank 0 wrote with the wrong key: verbs refused it, and its engine says so.
+		require.Regexp(t, `(?m)NCCL WARN NET/roce_gather : one-shot gather of communicator 0xc0ffee with rank 1 \(127\.0\.0\.1:\d+\) `+
+			`failed at sequence 1: the link failed: RDMA request to 127\.0\.0\.1:\d+ over `+dev+`:1 \(qp 0x[0-9a-f]+\) failed: `+
+			`remote access error \(status 10, vendor error 0x0\): the peer refused the key or the address range$`, out)
+		// The first gather failed on the link, and wrote no wrong row.
+		require.Regexp(t, `Error:\s+Received unexpected error:\s+aborted: (the link to the peer ended before this gather: )?the link failed: `, out)
+		require.Regexp(t, `Messages:\s+rank [01], 1 bytes \{sendOff:0 recvOff:0 inPlace:false\}`, out)
+		require.NotContains(t, out, "timed out")
+	})
+}

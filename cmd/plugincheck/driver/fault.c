@@ -174,12 +174,14 @@ static int fault_gather(int stall) {
   report_failure(name, rc, done, took, w0, extra);
   case_result(stall ? "fault/gather-rows-untouched-after-timeout" : "fault/gather-rows-untouched-after-death",
               touched == 0, "%zu of %zu bytes of the output rows changed", touched, 2 * S);
-  /* Once failed, the group answers at once. */
+  /* Once failed, the group answers at once: far below the timeout a wait would take, with
+   * room for a loaded or emulated machine (the bound of 1 ms failed in soft-RoCE's guest). */
   void* again = NULL;
   uint64_t t0 = now_ns();
   int rc2 = CN->iallgather(coll, shard, 1, &part, S, 0, 2 * S, smh, &again);
-  case_result("fault/gather-after-failure", rc2 != ncclSuccess && again == NULL && now_ns() - t0 < 1000000ull,
-              "the next iallgather returned %d at once", rc2);
+  double again_ms = (double)(now_ns() - t0) / 1e6;
+  case_result("fault/gather-after-failure", rc2 != ncclSuccess && again == NULL && again_ms < 100,
+              "the next iallgather returned %d in %.2f ms (limit 100 ms)", rc2, again_ms);
   CN->deregMr(coll, smh);
   CN->deregMr(coll, rmh);
   t0 = now_ns();
