@@ -160,7 +160,7 @@ static ncclResult_t wrap_GroupEnd(void) {
   if (api == NULL || api->GroupEnd == NULL) return unavailable(RG_WRAP_GroupEnd, api);
   ncclResult_t r = api->GroupEnd();
   /* NCCL leaves a group at any depth above 0, whatever the group's result. */
-  if (group_depth > 0) group_depth--;
+  if (group_depth > 0 && --group_depth == 0) rg_oneshot_group_ended(r == ncclSuccess);
   return r;
 }
 

@@ -128,9 +128,29 @@ static void say_once(atomic_int* said, ncclComm_t comm, const char* what) {
   if (!atomic_exchange(said, 1)) RG_INFO(NCCL_INIT | NCCL_COLL, "communicator %p: %s", (void*)comm, what);
 }
 
+/* Communicators whose first gather came inside this thread's group, not captured: their
+ * ranks agree the path when the outermost group ends (both ranks end the same group). */
+#define GROUP_PENDING_MAX 16
+static __thread ncclComm_t group_pending[GROUP_PENDING_MAX] __attribute__((tls_model("initial-exec")));
+static __thread int n_group_pending __attribute__((tls_model("initial-exec")));
+
+static void settle_at_group_end(rg_icomm* c) {
+  for (int i = 0; i < n_group_pending; i++)
+    if (group_pending[i] == c->comm) return;
+  if (n_group_pending < GROUP_PENDING_MAX) {
+    group_pending[n_group_pending++] = c->comm;
+    say_once(&c->said_deferred, c->comm, "its first gather came inside ncclGroupStart/End and takes NCCL's path; "
+             "the ranks agree the one-shot path when the group ends");
+  } else {
+    say_once(&c->said_deferred, c->comm, "a gather inside a group that holds the first gathers of more than 16 "
+             "communicators takes NCCL's path until one outside a group and a capture agrees the one-shot path");
+  }
+}
+
 /* Settles a pending communicator where this call may: outside any group and any capture,
- * both ranks reach the same call (the first gather each issues outside them). */
-static int settle(rg_icomm* c, cudaStream_t stream) {
+ * both ranks reach the same call (the first gather each issues outside them), or at the end
+ * of the group that held the first gather (rg_oneshot_group_ended). */
+static int settle(rg_icomm* c, cudaStream_t stream, int group_ended) {
   pthread_mutex_lock(&c->mu);
   int st = atomic_load(&c->state);
   if (st != RG_IC_PENDING) goto out;
@@ -145,17 +165,16 @@ static int settle(rg_icomm* c, cudaStream_t stream) {
     st = RG_IC_OFF;
     goto out;
   }
-  if (rg_intercept_group_depth() > 0) {
-    say_once(&c->said_deferred, c->comm, "a gather inside ncclGroupStart/End cannot agree the one-shot path; "
-             "it and the next ones take NCCL's path until one outside a group and a capture agrees it");
-    goto out;
-  }
   const rg_cuda_api* cu = rg_cuda();
   int capturing = 0;
-  if (cu != NULL && cu->cuStreamIsCapturing((CUstream)stream, &capturing) == CUDA_SUCCESS &&
+  if (!group_ended && cu != NULL && cu->cuStreamIsCapturing((CUstream)stream, &capturing) == CUDA_SUCCESS &&
       capturing != CU_STREAM_CAPTURE_STATUS_NONE) {
     say_once(&c->said_deferred, c->comm, "a gather inside a CUDA graph capture cannot agree the one-shot path; "
              "it and the next ones take NCCL's path until one outside a group and a capture agrees it");
+    goto out;
+  }
+  if (!group_ended && rg_intercept_group_depth() > 0) {
+    settle_at_group_end(c);
     goto out;
   }
   rg_oneshot_agreed a;
@@ -180,7 +199,7 @@ int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncc
   rg_icomm* c = find(comm);
   if (c == NULL && (c = adopt(comm, -1)) == NULL) return 0;
   int st = atomic_load_explicit(&c->state, memory_order_acquire);
-  if (st == RG_IC_PENDING) st = settle(c, stream);
+  if (st == RG_IC_PENDING) st = settle(c, stream, 0);
   if (st == RG_IC_ON) {
     rg_os_engine* e = c->engine;
     int err = rg_os_check_launch(e);
@@ -208,6 +227,15 @@ int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncc
   rg_stats_add(RG_STAT_OS_FORWARDED, 1);
   rg_stats_add(RG_STAT_OS_FORWARDED_BYTES, bytes);
   return 0;
+}
+
+void rg_oneshot_group_ended(int ok) {
+  int n = n_group_pending;
+  n_group_pending = 0;
+  for (int i = 0; i < n && ok; i++) {
+    rg_icomm* c = find(group_pending[i]);
+    if (c != NULL && atomic_load(&c->state) == RG_IC_PENDING) settle(c, NULL, 1);
+  }
 }
 
 void rg_oneshot_comm_closing(ncclComm_t comm, int abort) {

@@ -9,6 +9,8 @@ int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncc
 void rg_oneshot_comm_created(ncclComm_t comm, int blocking, const char* how);
 /* Before NCCL's finalize, destroy or abort of comm; abort is 1 for ncclCommAbort (stop waits at once). */
 void rg_oneshot_comm_closing(ncclComm_t comm, int abort);
+/* After NCCL's ncclGroupEnd of this thread's outermost group returned; ok: it succeeded. */
+void rg_oneshot_group_ended(int ok);
 /* After NCCL's destroy or abort of comm returned. */
 void rg_oneshot_comm_gone(ncclComm_t comm);
 /* ncclCommGetAsyncError's answer: NCCL's own result, merged with the engine's error for comm. */

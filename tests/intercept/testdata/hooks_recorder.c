@@ -54,6 +54,8 @@ void rg_oneshot_comm_closing(ncclComm_t comm, int abort) {
   record("{\"hook\":\"closing\",\"comm\":\"%p\",\"abort\":%d}", (void*)comm, abort);
 }
 
+void rg_oneshot_group_ended(int ok) { record("{\"hook\":\"group_ended\",\"ok\":%d}", ok); }
+
 void rg_oneshot_comm_gone(ncclComm_t comm) { record("{\"hook\":\"gone\",\"comm\":\"%p\"}", (void*)comm); }
 
 ncclResult_t rg_oneshot_async_error(ncclComm_t comm, ncclResult_t nccl_result) {
