@@ -132,15 +132,15 @@ static uintptr_t g_nccl_base;
 static _Atomic(const rg_nccl_api*) g_api;
 static pthread_mutex_t publish_mu = PTHREAD_MUTEX_INITIALIZER;
 
-enum way { WAY_PENDING, WAY_NO_NCCL, WAY_PREEMPTING, WAY_REBOUND, WAY_NONE, WAY_UNSUPPORTED };
-static const char* const way_names[] = {"pending", "no_nccl", "preempting", "rebound", "none", "unsupported"};
+enum way { WAY_PENDING, WAY_NO_NCCL, WAY_PREEMPTING, WAY_REBOUND, WAY_NONE, WAY_UNSUPPORTED, WAY_LOOKED_UP };
+static const char* const way_names[] = {"pending", "no_nccl", "preempting", "rebound", "none", "unsupported", "looked_up"};
 static atomic_int g_way;
 
 /* Said once a process; and what was said of each object. Under state_mu. */
 static pthread_mutex_t state_mu = PTHREAD_MUTEX_INITIALIZER;
 static int said_no_nccl, said_preempting;
 #if RG_GOT_REBINDS
-static int said_none, said_no_dlopen_hook;
+static int said_none, said_no_dlopen_hook, said_no_dlsym_hook;
 #else
 static int said_unsupported;
 #endif
@@ -367,6 +367,48 @@ __asm__(".pushsection .text\n"
         ".size rg_dlopen_hook, .-rg_dlopen_hook\n"
         ".popsection\n");
 
+/* Forwarded to by the dlsym hook: the dlsym this library itself resolves to. */
+__attribute__((visibility("hidden"), used)) void* (*rg_real_dlsym)(void*, const char*);
+
+__attribute__((visibility("hidden"))) void rg_dlsym_hook(void);
+__attribute__((visibility("hidden"), used)) void* rg_dlsym_answer(void* handle, const char* name, const void* caller);
+
+/* The hook a rebound dlsym slot points to. dlsym also takes its caller from its return
+ * address (RTLD_NEXT searches the objects after the caller's), so the hook answers only
+ * what rg_dlsym_answer returns (a wrapper, for a lookup of a wrapped name in NCCL's handle)
+ * and jumps to dlsym with the stack as the caller left it for everything else. The
+ * caller's return address goes to rg_dlsym_answer as its third argument. */
+__asm__(".pushsection .text\n"
+        ".p2align 4\n"
+        ".globl rg_dlsym_hook\n"
+        ".hidden rg_dlsym_hook\n"
+        ".type rg_dlsym_hook, @function\n"
+        "rg_dlsym_hook:\n"
+        ".cfi_startproc\n"
+        "  endbr64\n"
+        "  push %rdi\n"
+        ".cfi_adjust_cfa_offset 8\n"
+        "  push %rsi\n"
+        ".cfi_adjust_cfa_offset 8\n"
+        "  sub $8, %rsp\n"
+        ".cfi_adjust_cfa_offset 8\n"
+        "  mov 24(%rsp), %rdx\n"
+        "  call rg_dlsym_answer\n"
+        "  add $8, %rsp\n"
+        ".cfi_adjust_cfa_offset -8\n"
+        "  pop %rsi\n"
+        ".cfi_adjust_cfa_offset -8\n"
+        "  pop %rdi\n"
+        ".cfi_adjust_cfa_offset -8\n"
+        "  test %rax, %rax\n"
+        "  jz 1f\n"
+        "  ret\n"
+        "1:\n"
+        "  jmp *rg_real_dlsym(%rip)\n"
+        ".cfi_endproc\n"
+        ".size rg_dlsym_hook, .-rg_dlsym_hook\n"
+        ".popsection\n");
+
 int rg_dlopen_caller_free(const char* file) {
   return file != NULL && strchr(file, '/') != NULL && strchr(file, '$') == NULL;
 }
@@ -380,12 +422,22 @@ static int dlopen_hookable(const rg_obj* o) {
          strncmp(b, "libdl.so", 8) != 0 && strncmp(b, "linux-vdso", 10) != 0;
 }
 
+/* Objects a dlsym hook may be installed in: those a dlopen hook may be, less the ones that
+ * define dlsym and NCCL's own (whose lookups of its plugins stay untouched). */
+static int dlsym_hookable(const rg_obj* o, int dlsym_name) {
+  return dlopen_hookable(o) && o->defs[dlsym_name] == 0 && o->pnccl_def == 0;
+}
+
 /* ---------------------------------------------------------------- the scan */
 
-/* The scan looks for the wrapped names and dlopen. */
+/* The scan looks for the wrapped names, dlopen and dlsym (the hooks). */
 #define SCAN_DLOPEN RG_WRAP_N
-#define N_SCAN (RG_WRAP_N + 1)
-static const char* scan_name(int i) { return i < RG_WRAP_N ? rg_wrapped_names[i] : "dlopen"; }
+#define SCAN_DLSYM (RG_WRAP_N + 1)
+#define N_SCAN (RG_WRAP_N + 2)
+static const char* scan_name(int i) {
+  return i < RG_WRAP_N ? rg_wrapped_names[i] : i == SCAN_DLOPEN ? "dlopen" : "dlsym";
+}
+static int is_hook(int name) { return name >= RG_WRAP_N; }
 
 /* Fields of rg_nccl_api by wrapped function. */
 static const size_t wrapped_field[RG_WRAP_N] = {
@@ -514,7 +566,7 @@ static void say_left(const rg_objects* t, const rg_obj* o, const slot_plan* plan
   int first = 1;
   for (size_t s = 0; s < o->nslots; s++) {
     const slot_plan* p = &plan[o->first_slot + s];
-    if (p->d != D_LEAVE || t->slot[o->first_slot + s].name == SCAN_DLOPEN) continue;
+    if (p->d != D_LEAVE || is_hook(t->slot[o->first_slot + s].name)) continue;
     const char* fn = scan_name(t->slot[o->first_slot + s].name);
     const rg_obj* owner = p->target ? rg_objects_owner(t, p->target) : NULL;
     char obuf[4096];
@@ -538,10 +590,11 @@ static void say_left(const rg_objects* t, const rg_obj* o, const slot_plan* plan
   RG_INFO(NCCL_INIT, LOG_PREFIX "left %s alone: %s", oname, text);
 }
 
-/* Binds the slots of every object not in skip, and says what it did. at: what started it. */
-static void scan(const uintptr_t* skip, size_t nskip, const char* at) {
+/* Binds the slots of every object not in skip, and says what it did. at: what started it.
+ * hooks_only, or no NCCL yet: only the dlopen and dlsym hooks are installed. */
+static void scan(const uintptr_t* skip, size_t nskip, const char* at, int hooks_only) {
   const rg_nccl_api* api = atomic_load_explicit(&g_api, memory_order_acquire);
-  if (api == NULL) return;
+  if (api == NULL) hooks_only = 1;
   keep_ctx k = {skip, nskip, self_base()};
   const char* names[N_SCAN];
   for (int i = 0; i < N_SCAN; i++) names[i] = scan_name(i);
@@ -556,6 +609,10 @@ static void scan(const uintptr_t* skip, size_t nskip, const char* at) {
   const rg_obj* dl_owner = rg_objects_owner(&t, real_dlopen);
   int hook_dlopen = dl_owner != NULL && dl_owner->dlopen_def == real_dlopen;
   if (hook_dlopen) __atomic_store_n(&rg_real_dlopen, (void* (*)(const char*, int))(void*)real_dlopen, __ATOMIC_RELEASE);
+  uintptr_t real_dlsym = (uintptr_t)(void*)dlsym;
+  const rg_obj* ds_owner = rg_objects_owner(&t, real_dlsym);
+  int hook_dlsym = ds_owner != NULL && ds_owner->defs[SCAN_DLSYM] == real_dlsym;
+  if (hook_dlsym) __atomic_store_n(&rg_real_dlsym, (void* (*)(void*, const char*))(void*)real_dlsym, __ATOMIC_RELEASE);
 
   slot_plan* plan = calloc(t.nslots ? t.nslots : 1, sizeof(*plan));
   void** pins = calloc(t.n ? t.n : 1, sizeof(*pins));
@@ -576,8 +633,12 @@ static void scan(const uintptr_t* skip, size_t nskip, const char* at) {
         if (!hook_dlopen || !dlopen_hookable(o)) continue;
         p->want[0] = real_dlopen;
         p->wrapper = (uintptr_t)(void*)rg_dlopen_hook;
+      } else if (sl->name == SCAN_DLSYM) {
+        if (!hook_dlsym || !dlsym_hookable(o, SCAN_DLSYM)) continue;
+        p->want[0] = real_dlsym;
+        p->wrapper = (uintptr_t)(void*)rg_dlsym_hook;
       } else {
-        if (is_nccl) continue; /* a NCCL's calls to its own names stay its own */
+        if (is_nccl || hooks_only) continue; /* a NCCL's calls to its own names stay its own */
         void* forward = api_field(api, wrapped_field[sl->name]);
         p->want[0] = g_nccl_public[sl->name];
         p->want[1] = (uintptr_t)forward;
@@ -589,7 +650,7 @@ static void scan(const uintptr_t* skip, size_t nskip, const char* at) {
         }
       }
       plan_slot(p, &t, o, sl, sl->value);
-      recheck |= p->d == D_LAZY || (p->d == D_LEAVE && sl->name != SCAN_DLOPEN);
+      recheck |= p->d == D_LAZY || (p->d == D_LEAVE && !is_hook(sl->name));
     }
     if (!recheck) continue;
     /* Pinning takes the loader's lock, so an object another thread was still loading when
@@ -600,7 +661,7 @@ static void scan(const uintptr_t* skip, size_t nskip, const char* at) {
       rg_slot* sl = &t.slot[s];
       slot_plan* p = &plan[s];
       /* (A slot left for want of a pnccl name, want[1] == 0, stays left.) */
-      if (p->d != D_LAZY && (p->d != D_LEAVE || sl->name == SCAN_DLOPEN || p->want[1] == 0)) continue;
+      if (p->d != D_LAZY && (p->d != D_LEAVE || is_hook(sl->name) || p->want[1] == 0)) continue;
       if (pins[i] == NULL) {
         p->d = D_NONE; /* unloaded meanwhile, or not the object read */
         continue;
@@ -670,13 +731,14 @@ static void scan(const uintptr_t* skip, size_t nskip, const char* at) {
     jraw(&j, "]");
     int leaves = 0;
     for (size_t s = o->first_slot; s < o->first_slot + o->nslots; s++)
-      leaves |= plan[s].d == D_LEAVE && t.slot[s].name != SCAN_DLOPEN;
+      leaves |= plan[s].d == D_LEAVE && !is_hook(t.slot[s].name);
     if (mask == 0 && !leaves) continue;
     said_obj* said = said_of(o->name[0] ? o->name : oname);
     if (mask != 0 && said != NULL && (mask & ~said->bound) != 0) {
       said->bound |= mask;
       jend(&j);
-      RG_INFO(NCCL_INIT, LOG_PREFIX "rebound %s: %s", oname, names);
+      /* The hooks alone change nothing a user sees until NCCL is there: the report has them. */
+      if (!hooks_only) RG_INFO(NCCL_INIT, LOG_PREFIX "rebound %s: %s", oname, names);
     }
     if (leaves && said != NULL && !said->left) {
       said->left = 1;
@@ -688,9 +750,16 @@ static void scan(const uintptr_t* skip, size_t nskip, const char* at) {
     RG_INFO(NCCL_INIT, LOG_PREFIX "dlopen is not hooked (this library's dlopen is no object's own definition): "
                                   "objects opened later are bound at the next NCCL init");
   }
-  if (reached) {
+  if (!hook_dlsym && !said_no_dlsym_hook) {
+    said_no_dlsym_hook = 1;
+    RG_INFO(NCCL_INIT, LOG_PREFIX "dlsym is not hooked (this library's dlsym is no object's own definition): "
+                                  "callers that look NCCL's functions up at run time are not reached");
+  }
+  if (hooks_only) {
+    /* the way in is taken when NCCL is there */
+  } else if (reached) {
     set_way(WAY_REBOUND);
-  } else if (skip == NULL && atomic_load(&g_way) != WAY_REBOUND) {
+  } else if (skip == NULL && atomic_load(&g_way) != WAY_REBOUND && atomic_load(&g_way) != WAY_LOOKED_UP) {
     set_way(WAY_NONE);
     if (!said_none) {
       said_none = 1;
@@ -700,9 +769,9 @@ static void scan(const uintptr_t* skip, size_t nskip, const char* at) {
       jstr(&j, "no loaded object calls ncclAllGather through a relocation that reaches NCCL");
       jend(&j);
       RG_INFO(NCCL_INIT,
-              LOG_PREFIX "no loaded object calls ncclAllGather through a relocation that reaches %s: callers that "
-                         "look NCCL's functions up at run time (dlsym, as XLA does) are not reached, and their "
-                         "gathers take NCCL's path",
+              LOG_PREFIX "no loaded object calls ncclAllGather through a relocation that reaches %s; a caller that "
+                         "looks it up with dlsym (as XLA does) is reached only if it looks up ncclGroupStart and "
+                         "ncclGroupEnd after this library is loaded, and is said when it looks",
               api->path);
     }
   }
@@ -747,13 +816,157 @@ void* rg_dlopen_and_scan(const char* file, int mode) {
   int err = errno;
   if (h != NULL && !before.oom && loads_so_far() != before.adds) {
     in_binding = 1;
-    scan(before.base, before.n, "dlopen");
+    scan(before.base, before.n, "dlopen", atomic_load(&g_way) == WAY_PREEMPTING);
     in_binding = 0;
     dlerror(); /* the caller's dlerror() reports its dlopen, which succeeded */
   }
   free(before.base);
   errno = err;
   return h;
+}
+
+/* ---------------------------------------------------------------- callers that look NCCL up */
+
+/* A caller that looks NCCL's functions up with dlsym gets a wrapper for ncclAllGather only
+ * if it took ncclGroupStart and ncclGroupEnd from the hook too: the one-shot agreement
+ * cannot run inside a group, and only the wrappers can tell that a group is open. XLA
+ * resolves each function at its first call, so a library loaded by NCCL's init comes after
+ * XLA's first group: LD_PRELOAD comes before it. Callers are kept by object; under state_mu. */
+typedef struct lookup_caller {
+  const struct link_map* lm;
+  uintptr_t base;
+  unsigned answered; /* bit per wrapped function */
+  int said;
+} lookup_caller;
+#define MAX_LOOKUP_CALLERS 64
+static lookup_caller g_lookup[MAX_LOOKUP_CALLERS];
+static size_t g_nlookup;
+
+static lookup_caller* lookup_caller_of(const struct link_map* lm) {
+  for (size_t i = 0; i < g_nlookup; i++)
+    if (g_lookup[i].lm == lm && g_lookup[i].base == lm->l_addr) return &g_lookup[i];
+  if (g_nlookup == MAX_LOOKUP_CALLERS) return NULL;
+  lookup_caller* c = &g_lookup[g_nlookup++];
+  *c = (lookup_caller){.lm = lm, .base = lm->l_addr};
+  return c;
+}
+
+static int wrapped_index(const char* name) {
+  for (int w = 0; w < RG_WRAP_N; w++)
+    if (strcmp(name, rg_wrapped_names[w]) == 0) return w;
+  return -1;
+}
+
+static void say_lookup(const char* oname, const lookup_caller* c, int answered) {
+  char names[512] = "";
+  size_t n = 0;
+  jline j;
+  jstart(&j, "looked_up");
+  jkey(&j, "object");
+  jstr(&j, oname);
+  jkey(&j, "answered");
+  jraw(&j, answered ? "true" : "false");
+  jkey(&j, "functions");
+  jraw(&j, "[");
+  for (int w = 0; w < RG_WRAP_N; w++) {
+    if (!(c->answered & (1u << w))) continue;
+    if (n < sizeof(names)) n += (size_t)snprintf(names + n, sizeof(names) - n, "%s%s", n ? ", " : "", rg_wrapped_names[w]);
+    if (j.buf[j.n - 1] != '[') jraw(&j, ",");
+    jstr(&j, rg_wrapped_names[w]);
+  }
+  jraw(&j, "]");
+  jend(&j);
+  if (answered)
+    RG_INFO(NCCL_INIT, LOG_PREFIX "%s looked up ncclAllGather with dlsym and got this library's (it took %s here)",
+            oname, names);
+  else
+    RG_INFO(NCCL_INIT, LOG_PREFIX "%s looked up ncclAllGather with dlsym but took ncclGroupStart and ncclGroupEnd "
+                       "before this library was loaded (here: %s): the interceptor cannot see its groups, so its "
+                       "gathers take NCCL's path; LD_PRELOAD=<this library> reaches it from the start",
+            oname, names[0] ? names : "nothing");
+}
+
+/* The answer to a lookup of wrapped function w, given the target dlsym found. */
+static void* answer_lookup(void* target, int w, const void* caller) {
+  if (atomic_load(&g_api) == NULL) {
+    struct link_map* owner = map_of(target);
+    if (owner != NULL && owner->l_name[0] != '\0')
+      try_nccl(owner->l_name, owner->l_addr, "the NCCL a caller looked up with dlsym");
+  }
+  if (atomic_load_explicit(&g_api, memory_order_acquire) == NULL || (uintptr_t)target != g_nccl_public[w])
+    return NULL; /* not NCCL's own function, or another NCCL's */
+  struct link_map* from = map_of(caller);
+  if (from == NULL) return NULL;
+  char buf[4096];
+  const char* oname = display_name(from->l_name, buf, sizeof(buf));
+  void* answer = NULL;
+  pthread_mutex_lock(&state_mu);
+  lookup_caller* c = lookup_caller_of(from);
+  const unsigned groups = (1u << RG_WRAP_GroupStart) | (1u << RG_WRAP_GroupEnd);
+  if (c != NULL && (w != RG_WRAP_AllGather || (c->answered & groups) == groups)) {
+    answer = rg_wrapper((enum rg_wrapped)w);
+    c->answered |= 1u << w;
+  }
+  if (c != NULL && w == RG_WRAP_AllGather && !c->said) {
+    c->said = 1;
+    say_lookup(oname, c, answer != NULL);
+  }
+  int way = atomic_load(&g_way);
+  if (answer != NULL && w == RG_WRAP_AllGather && way != WAY_PREEMPTING && way != WAY_REBOUND) set_way(WAY_LOOKED_UP);
+  pthread_mutex_unlock(&state_mu);
+  return answer;
+}
+
+void* rg_dlsym_answer(void* handle, const char* name, const void* caller) {
+  if (name == NULL || strncmp(name, "nccl", 4) != 0 || handle == RTLD_DEFAULT || handle == RTLD_NEXT || in_binding)
+    return NULL;
+  int w = wrapped_index(name);
+  if (w < 0) return NULL;
+  int saved = errno;
+  in_binding++;
+  void* answer = NULL;
+  void* target = dlsym(handle, name); /* this library's own dlsym: no hook */
+  if (target != NULL) answer = answer_lookup(target, w, caller);
+  dlerror(); /* what the caller's dlerror() reports is its own lookup's */
+  in_binding--;
+  errno = saved;
+  return answer;
+}
+
+/* Whether LD_PRELOAD names this library (by path or by base name). */
+static int preloaded(void) {
+  const char* list = getenv("LD_PRELOAD");
+  Dl_info self;
+  if (list == NULL || dladdr((const void*)rg_bind_way_in, &self) == 0 || self.dli_fname == NULL) return 0;
+  const char* base = rg_base_name(self.dli_fname);
+  char item[4096];
+  for (const char* p = list; *p;) {
+    size_t n = strcspn(p, ": ");
+    if (n > 0 && n < sizeof(item)) {
+      memcpy(item, p, n);
+      item[n] = '\0';
+      if (strcmp(item, self.dli_fname) == 0 || strcmp(rg_base_name(item), base) == 0) return 1;
+    }
+    p += n;
+    p += strspn(p, ": ");
+  }
+  return 0;
+}
+
+/* Preloaded with no NCCL loaded yet: the hooks go in now, so that the objects opened later are
+ * followed from their start and their lookups of NCCL's functions are answered. */
+__attribute__((constructor)) static void bind_at_load(void) {
+  if (!preloaded()) return;
+  int saved = errno;
+  rg_objects t;
+  int any_nccl = 0;
+  if (rg_objects_collect(&t, NULL, 0, keep_none, NULL) == 0)
+    for (size_t i = 0; i < t.n; i++) any_nccl |= t.obj[i].pnccl_def != 0;
+  rg_objects_free(&t);
+  in_binding++;
+  if (!any_nccl) scan(NULL, 0, "load", 1);
+  in_binding--;
+  errno = saved;
 }
 
 #endif /* RG_GOT_REBINDS */
@@ -816,12 +1029,20 @@ static const rg_nccl_api* bind_now(const void* caller, const char* at, int resca
     }
     set_way(WAY_PREEMPTING);
     pthread_mutex_unlock(&state_mu);
+#if RG_GOT_REBINDS
+    /* Callers that look NCCL up at run time are not preempted: they still need the hooks. */
+    if (rescan || !was_published) {
+      in_binding++;
+      scan(NULL, 0, at, 1);
+      in_binding--;
+    }
+#endif
     return api;
   }
 #if RG_GOT_REBINDS
   if (rescan || !was_published) {
     in_binding++;
-    scan(NULL, 0, at);
+    scan(NULL, 0, at, 0);
     in_binding--;
   }
 #else

@@ -28,6 +28,7 @@ type bindEvent struct {
 	At        string   `json:"at"`
 	Functions []string `json:"functions"`
 	Why       string   `json:"why"`
+	Answered  bool     `json:"answered"`
 	Slots     []struct {
 		Function string `json:"function"`
 		Why      string `json:"why"`
@@ -43,6 +44,7 @@ type bindProcess struct {
 	noNCCL    bool
 	bound     []bindEvent
 	left      []bindEvent
+	lookedUp  []bindEvent
 	unreached string
 }
 
@@ -77,6 +79,8 @@ func readBindReport(r io.Reader) ([]*bindProcess, error) {
 			p.left = append(p.left, e)
 		case "unreached":
 			p.unreached = e.Why
+		case "looked_up":
+			p.lookedUp = append(p.lookedUp, e)
 		}
 	}
 	return procs, sc.Err()
@@ -86,6 +90,7 @@ func readBindReport(r io.Reader) ([]*bindProcess, error) {
 var wayMeaning = map[string]string{
 	"preempting":  "the global scope resolves ncclAllGather to the library (LD_PRELOAD): every caller linked with NCCL reaches it",
 	"rebound":     "relocation slots of the callers below were rebound to the library",
+	"looked_up":   "a caller that looks NCCL's functions up with dlsym (XLA) got the library's ncclAllGather",
 	"none":        "NCCL is loaded but no caller's ncclAllGather reaches the library: its gathers take NCCL's path",
 	"no_nccl":     "no loaded object defines pncclAllGather: nothing to forward to",
 	"unsupported": "relocation rebinding is x86-64 only: use LD_PRELOAD",
@@ -120,8 +125,15 @@ func printBindProcess(w io.Writer, p *bindProcess) {
 		}
 		fmt.Fprintf(w, "  left alone: %s: %s\n", l.Object, strings.Join(why, "; "))
 	}
+	for _, l := range p.lookedUp {
+		if l.Answered {
+			fmt.Fprintf(w, "  looked up with dlsym: %s: got the library's %s\n", l.Object, strings.Join(l.Functions, ", "))
+		} else {
+			fmt.Fprintf(w, "  looked up with dlsym: %s: left with NCCL's ncclAllGather (it took ncclGroupStart and ncclGroupEnd before the library was loaded; LD_PRELOAD reaches it)\n", l.Object)
+		}
+	}
 	if p.unreached != "" {
-		fmt.Fprintf(w, "  not reached: %s; callers that look NCCL's functions up at run time (dlsym, as XLA does) take NCCL's path\n", p.unreached)
+		fmt.Fprintf(w, "  not reached through a relocation: %s\n", p.unreached)
 	}
 }
 

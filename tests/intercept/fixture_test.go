@@ -32,6 +32,7 @@ type fixture struct {
 	callerNow        string // the same with -z now -z relro
 	callerNoNCCL     string // links no NCCL: runs NCCL steps through libraries it loads
 	dlsymCaller      string // takes NCCL's functions with dlsym
+	lookingCaller    string // caller.c taking each function from NCCL's handle at its first call, as XLA does
 	libDir           string // the caller libraries, for loading by bare name
 	libCaller        string // libcaller.so, linked with A
 	libCallerNow     string // libcaller_now.so, -z now -z relro
@@ -98,6 +99,7 @@ func build() (fixture, error) {
 	f.libDir = filepath.Join(dir, "libs")
 	f.caller, f.callerNow = filepath.Join(dir, "caller"), filepath.Join(dir, "caller_now")
 	f.callerNoNCCL, f.dlsymCaller = filepath.Join(dir, "caller_nonccl"), filepath.Join(dir, "dlsym_caller")
+	f.lookingCaller = filepath.Join(dir, "looking_caller")
 	f.libCaller, f.libCallerNow = filepath.Join(f.libDir, "libcaller.so"), filepath.Join(f.libDir, "libcaller_now.so")
 	f.libCallerB = filepath.Join(f.libDir, "libcaller_b.so")
 	f.recorder = filepath.Join(dir, "libintercept_recorder.so")
@@ -119,6 +121,7 @@ func build() (fixture, error) {
 		{f.callerNow, append(append([]string{td("caller.c")}, withA...), now...)},
 		{f.callerNoNCCL, []string{"-DCALLER_NO_NCCL", td("caller.c"), "-ldl"}},
 		{f.dlsymCaller, []string{td("dlsym_caller.c"), "-ldl"}},
+		{f.lookingCaller, []string{"-DCALLER_LOOKS_UP", td("caller.c"), "-ldl", "-lpthread"}},
 		{f.libCaller, append(append(lib, td("caller.c")), withA...)},
 		{f.libCallerNow, append(append(append(lib, td("caller.c")), withA...), now...)},
 		{f.libCallerB, append(lib, td("caller.c"), "-L"+b, "-l:libnccl-copy.so.2", "-Wl,--enable-new-dtags,-rpath,"+b, "-ldl")},
@@ -131,7 +134,7 @@ func build() (fixture, error) {
 			repo("roce/gather/stats.c"), td("hooks_recorder.c"), "-ldl", "-lpthread"}},
 	}
 	// The NCCLs first: the callers link with them.
-	for _, phase := range [][]int{{0, 1, 2}, {3, 4, 5, 6, 7, 8, 9, 10, 11, 12}} {
+	for _, phase := range [][]int{{0, 1, 2}, {3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13}} {
 		errs := make(chan error, len(phase))
 		var wg sync.WaitGroup
 		for _, i := range phase {

@@ -3,7 +3,6 @@ package intercept
 import (
 	"debug/elf"
 	"fmt"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"sort"
@@ -31,7 +30,11 @@ func isAgreement(l line) bool {
 	return l.str("fn") == "ncclAllGather" && args != nil && args["sendcount"] == float64(128) && args["datatype"] == float64(1)
 }
 
-func withDlopen(fns ...string) []string { return append(append([]string{}, fns...), "dlopen") }
+// withHooks is fns and the two hooks, dlopen and dlsym, as a bound line lists them.
+func withHooks(fns ...string) []string { return append(append([]string{}, fns...), "dlopen", "dlsym") }
+
+// withDlsym is fns and the dlsym hook (the caller libraries import dlsym, not dlopen).
+func withDlsym(fns ...string) []string { return append(append([]string{}, fns...), "dlsym") }
 
 // (a) A program linked with -lnccl: NCCL loads the library at the first communicator's init
 // (NCCL_NET_PLUGIN), the library rebinds the program's slots, and every later call reaches
@@ -54,7 +57,7 @@ func TestCallersLinkedWithNCCLAreReboundWhenNCCLLoadsTheLibrary(t *testing.T) {
 		require.Empty(t, found[0]["missing"])
 		require.Equal(t, "rebound", wayOf(report, pid))
 		bound := boundObjects(report, pid)
-		require.Equal(t, withDlopen(wrapped...), bound[f.caller])
+		require.Equal(t, withHooks(wrapped...), bound[f.caller])
 		require.Equal(t, []string{"dlopen"}, bound[f.ncclA], "NCCL's own calls to its names stay its own")
 		require.Empty(t, eventsOf(report, pid, "left"))
 		require.Empty(t, eventsOf(report, pid, "unreached"))
@@ -92,7 +95,7 @@ func TestLibraryOpenedAfterTheCommunicatorIsBoundAsItIsOpened(t *testing.T) {
 		}
 		require.Len(t, lib, 1)
 		require.Equal(t, "dlopen", lib[0].str("at"))
-		require.Equal(t, wrapped, boundObjects(report, pid)[f.libCaller])
+		require.Equal(t, withDlsym(wrapped...), boundObjects(report, pid)[f.libCaller])
 		require.Equal(t, f.lib, r.steps("got")[0].str("target"), "the library's slot holds the wrapper")
 		require.Equal(t, 1, readInterceptorStats(t, r.stats+".a").Calls["ncclAllGather"])
 		require.Equal(t, 2, readInterceptorStats(t, r.stats+".b").Calls["ncclAllGather"])
@@ -144,7 +147,9 @@ func TestPreloadPreemptsEveryCallerLinkedWithNCCL(t *testing.T) {
 		require.Equal(t, f.ncclA, found[0].str("path"))
 		require.Equal(t, "the first loaded object that defines pncclAllGather", found[0].str("found_by"),
 			"the first init reached the wrapper before NCCL loaded the library")
-		require.Empty(t, eventsOf(report, pid, "bound"))
+		for _, b := range eventsOf(report, pid, "bound") {
+			require.Subset(t, []any{"dlopen", "dlsym"}, b["functions"], "only the hooks, for callers that look NCCL up: %v", b)
+		}
 		require.Equal(t, f.lib, r.steps("got")[0].str("target"), "the loader itself bound the library's slot to the wrapper")
 		s := readInterceptorStats(t, r.stats)
 		require.Equal(t, "preempting", s.WayIn)
@@ -186,7 +191,7 @@ func TestNCCLWithoutOnePncclName(t *testing.T) {
 		require.Len(t, found, 1)
 		require.Equal(t, f.ncclD, found[0].str("path"))
 		require.Equal(t, []any{"pncclCommSplit"}, found[0]["missing"])
-		require.Equal(t, withDlopen(noSplit(wrapped)...), boundObjects(report, pid)[f.caller])
+		require.Equal(t, withHooks(noSplit(wrapped)...), boundObjects(report, pid)[f.caller])
 		left := eventsOf(report, pid, "left")
 		require.Len(t, left, 1)
 		require.Equal(t, f.caller, left[0].str("object"))
@@ -229,8 +234,8 @@ func TestASecondNCCLCopysCallersAreLeftAlone(t *testing.T) {
 		requireSteps(t, r, "load", "load", "init", "gather", "gather", "init", "gather", "destroy")
 		pid := r.pid(t)
 		require.Equal(t, f.ncclA, eventsOf(report, pid, "nccl")[0].str("path"))
-		require.Equal(t, wrapped, boundObjects(report, pid)[f.libCaller])
-		require.NotContains(t, boundObjects(report, pid), f.libCallerB)
+		require.Equal(t, withDlsym(wrapped...), boundObjects(report, pid)[f.libCaller])
+		require.Equal(t, []string{"dlsym"}, boundObjects(report, pid)[f.libCallerB], "the hook only: its lookups in B stay B's")
 		left := map[string]line{}
 		for _, l := range eventsOf(report, pid, "left") {
 			require.NotContains(t, left, l.str("object"), "one left-alone line an object")
@@ -299,8 +304,8 @@ func TestBindNowRelroSlotsAreReboundAndTheirPagesReadOnlyAgain(t *testing.T) {
 		require.Equal(t, f.lib, got[2].str("target"))
 		require.Equal(t, "r--p", got[2].str("page"))
 		bound := boundObjects(report, r.pid(t))
-		require.Equal(t, withDlopen(wrapped...), bound[f.callerNow])
-		require.Equal(t, wrapped, bound[f.libCallerNow])
+		require.Equal(t, withHooks(wrapped...), bound[f.callerNow])
+		require.Equal(t, withDlsym(wrapped...), bound[f.libCallerNow])
 		require.Equal(t, 2, readInterceptorStats(t, r.stats).Calls["ncclAllGather"])
 	}
 	// Lazy binding: the slot still points into the program's own PLT, in a writable page.
@@ -391,8 +396,9 @@ func TestEveryWrapperPassesArgumentsAndResultsThroughUnchanged(t *testing.T) {
 	}
 }
 
-// (h) LD_PRELOAD into processes that never load NCCL: nothing happens, nothing is written.
-func TestPreloadIntoAProcessThatNeverLoadsNCCLDoesNothing(t *testing.T) {
+// (h) LD_PRELOAD into processes that never load NCCL: nothing is said, and the report shows
+// the dlopen and dlsym hooks alone, put in at load where the program imports them.
+func TestPreloadIntoAProcessThatNeverLoadsNCCLOnlyHooksDlopenAndDlsym(t *testing.T) {
 	f := fixtures(t)
 	dir := t.TempDir()
 	report := filepath.Join(dir, "bind.jsonl")
@@ -409,12 +415,14 @@ func TestPreloadIntoAProcessThatNeverLoadsNCCLDoesNothing(t *testing.T) {
 			require.Equal(t, "preloaded\n", string(out))
 		}
 	}
-	_, err := os.Stat(report)
-	require.True(t, os.IsNotExist(err), "nothing to report in a process without NCCL")
+	lines := readLines(t, report)
+	require.Len(t, lines, 1, "one line, for the program that imports dlopen and dlsym (sh imports neither)")
+	require.Equal(t, line{"pid": lines[0]["pid"], "event": "bound", "object": f.callerNoNCCL, "at": "load",
+		"functions": []any{"dlopen", "dlsym"}}, lines[0])
 }
 
-// A caller that takes NCCL's functions with dlsym (as XLA does) is not reached; the
-// process says so, and its gather takes NCCL's path.
+// A caller that took NCCL's functions with dlsym (as XLA does) before NCCL loaded the library
+// is not reached; the process says so, and its gather takes NCCL's path.
 func TestDlsymCallersAreNotReachedAndSaidSo(t *testing.T) {
 	f := fixtures(t)
 	j := newJob(t, f.dlsymCaller, "NCCL_NET_PLUGIN="+f.lib)
@@ -429,7 +437,8 @@ func TestDlsymCallersAreNotReachedAndSaidSo(t *testing.T) {
 		require.Len(t, unreached, 1)
 		require.Equal(t, "no loaded object calls ncclAllGather through a relocation that reaches NCCL", unreached[0].str("why"))
 		require.Contains(t, r.stderr, "interceptor: no loaded object calls ncclAllGather through a relocation that reaches "+
-			f.ncclA+": callers that look NCCL's functions up at run time (dlsym, as XLA does) are not reached")
+			f.ncclA+"; a caller that looks it up with dlsym (as XLA does) is reached only if it looks up ncclGroupStart")
+		require.Empty(t, eventsOf(report, pid, "looked_up"), "it looked everything up before the hook was there")
 		s := readInterceptorStats(t, r.stats)
 		require.Equal(t, "none", s.WayIn)
 		require.Equal(t, 0, s.Calls["ncclAllGather"])
@@ -463,7 +472,9 @@ func TestWrappersTellTheEngineWhatItNeeds(t *testing.T) {
 			continue // the binding's and the caller's own queries
 		}
 		seq = append(seq, hookOrNCCL(l))
-		if l.str("hook") != "" {
+		if l.str("hook") == "group_ended" {
+			require.Equal(t, 1, l.num("ok"), "the groups succeeded")
+		} else if l.str("hook") != "" {
 			hooks = append(hooks, l)
 		}
 	}
@@ -471,9 +482,10 @@ func TestWrappersTellTheEngineWhatItNeeds(t *testing.T) {
 		"nccl:ncclCommInitRank", "hook:created",
 		"hook:allgather", "nccl:ncclAllGather",
 		"hook:allgather", // 13 elements: taken, NCCL never sees it
-		"nccl:ncclGroupStart", "hook:allgather", "nccl:ncclAllGather", "nccl:ncclGroupEnd",
+		"nccl:ncclGroupStart", "hook:allgather", "nccl:ncclAllGather", "nccl:ncclGroupEnd", "hook:group_ended",
 		"nccl:ncclGroupStart", "nccl:ncclGroupStart", "hook:allgather", "nccl:ncclAllGather",
-		"nccl:ncclGroupEnd", "nccl:ncclGroupEnd", "nccl:ncclGroupEnd",
+		"nccl:ncclGroupEnd", "nccl:ncclGroupEnd", "hook:group_ended", // the outermost group's end only
+		"nccl:ncclGroupEnd",
 		"hook:allgather", "nccl:ncclAllGather",
 		"nccl:ncclCommGetAsyncError", "hook:async_error",
 		"nccl:ncclCommInitRankConfig", "hook:created",
@@ -548,7 +560,7 @@ func TestDlopenInsideAConstructorIsBoundWithoutDeadlock(t *testing.T) {
 		// One scan of both would say them in load order (libctor first): the inner hook's
 		// scan said libcaller before the outer one's came to libctor.
 		require.Equal(t, []string{f.libCaller, f.libCtor}, order)
-		require.Equal(t, wrapped, boundObjects(report, pid)[f.libCaller])
+		require.Equal(t, withDlsym(wrapped...), boundObjects(report, pid)[f.libCaller])
 		require.Equal(t, 3, readInterceptorStats(t, r.stats).Calls["ncclAllGather"])
 	}
 }

@@ -45,7 +45,7 @@ func TestPlugincheckInterceptSaysHowEachProcessIsBound(t *testing.T) {
 	procs := regexp.MustCompile(`(?m)^process \d+: way in rebound: relocation slots of the callers below were rebound to the library$`).FindAllString(out, -1)
 	require.Len(t, procs, 2, out)
 	require.Equal(t, 2, strings.Count(out, "\n  NCCL: "+f.ncclA+" (version 22809), the NCCL that loaded this library\n"), out)
-	require.Equal(t, 2, strings.Count(out, "\n  bound at NCCL init: "+f.libCaller+": "+strings.Join(wrapped, ", ")+"\n"), out)
+	require.Equal(t, 2, strings.Count(out, "\n  bound at NCCL init: "+f.libCaller+": "+strings.Join(wrapped, ", ")+", dlsym\n"), out)
 	require.Equal(t, 2, strings.Count(out, "\n  left alone: "+f.libCallerB+": ncclAllGather goes to another NCCL ("+f.ncclB+");"), out)
 }
 

@@ -4,14 +4,17 @@
  * Built as an executable linked with -lnccl, its own relocations call NCCL; built with
  * -DCALLER_LIBRARY as a shared library (exporting caller_step), the library's relocations
  * do. Built with -DCALLER_NO_NCCL the executable does not link NCCL at all and runs NCCL
- * steps only through a library it loads ("load:PATH", then "via:lib").
+ * steps only through a library it loads ("load:PATH", then "via:lib"). Built with
+ * -DCALLER_LOOKS_UP it finds NCCL as XLA does: it opens CALLER_NCCL (a path) and takes each
+ * function from that handle with dlsym at the function's first call.
  *
  * Usage: caller RANK IDFILE STEP...   (IDFILE: where rank 0 leaves each unique id)
  * Steps: init, initcfg:BLOCKING, init1, initcfg1:BLOCKING, initall, gather:COUNT:TYPE[:inplace],
  * group:COUNT:TYPE, groupstart, groupend, split:COLOR:KEY, asyncerr, allreduce:COUNT, finalize,
  * destroy, abort, abortafter:MS, destroyafter:MS and join (another thread aborts or destroys while the
  * next steps run), sleepms:MS, die (SIGKILL), stop (SIGSTOP), got (this object's ncclAllGather slot and its page), load:PATH, via:libN,
- * via:lib, via:main, snap:LABEL (a copy of the ROCE_GATHER_STATS file as it is now). */
+ * via:lib, via:main, snap:LABEL (a copy of the ROCE_GATHER_STATS file as it is now), next:NAME
+ * (the object where dlsym(RTLD_NEXT, NAME) from this object finds NAME: the next one after it). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <elf.h>
@@ -54,6 +57,44 @@ ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
                            ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
                            ncclComm_t comm, cudaStream_t stream);
+
+#ifdef CALLER_LOOKS_UP
+/* Each function from NCCL's handle at its first call, as XLA's trampolines take them. */
+static void* looked_up(void** cache, const char* name) {
+  static void* nccl;
+  if (*cache != NULL) return *cache;
+  if (nccl == NULL && (nccl = dlopen(getenv("CALLER_NCCL"), RTLD_NOW | RTLD_LOCAL)) == NULL) {
+    fprintf(stderr, "caller: CALLER_NCCL=%s: %s\n", getenv("CALLER_NCCL"), dlerror());
+    exit(3);
+  }
+  if ((*cache = dlsym(nccl, name)) == NULL) {
+    fprintf(stderr, "caller: %s: %s\n", name, dlerror());
+    exit(3);
+  }
+  return *cache;
+}
+#define LOOKED_UP(f) ((__typeof__(&f))looked_up(&looked_up_##f, #f))
+#define LOOKUP(f) static void* looked_up_##f;
+LOOKUP(ncclGetUniqueId) LOOKUP(ncclCommInitRank) LOOKUP(ncclCommInitRankConfig) LOOKUP(ncclCommInitAll)
+LOOKUP(ncclCommSplit) LOOKUP(ncclCommFinalize) LOOKUP(ncclCommDestroy) LOOKUP(ncclCommAbort)
+LOOKUP(ncclCommGetAsyncError) LOOKUP(ncclCommCount) LOOKUP(ncclCommUserRank) LOOKUP(ncclGroupStart)
+LOOKUP(ncclGroupEnd) LOOKUP(ncclAllGather) LOOKUP(ncclAllReduce)
+#define ncclGetUniqueId(...) LOOKED_UP(ncclGetUniqueId)(__VA_ARGS__)
+#define ncclCommInitRank(...) LOOKED_UP(ncclCommInitRank)(__VA_ARGS__)
+#define ncclCommInitRankConfig(...) LOOKED_UP(ncclCommInitRankConfig)(__VA_ARGS__)
+#define ncclCommInitAll(...) LOOKED_UP(ncclCommInitAll)(__VA_ARGS__)
+#define ncclCommSplit(...) LOOKED_UP(ncclCommSplit)(__VA_ARGS__)
+#define ncclCommFinalize(...) LOOKED_UP(ncclCommFinalize)(__VA_ARGS__)
+#define ncclCommDestroy(...) LOOKED_UP(ncclCommDestroy)(__VA_ARGS__)
+#define ncclCommAbort(...) LOOKED_UP(ncclCommAbort)(__VA_ARGS__)
+#define ncclCommGetAsyncError(...) LOOKED_UP(ncclCommGetAsyncError)(__VA_ARGS__)
+#define ncclCommCount(...) LOOKED_UP(ncclCommCount)(__VA_ARGS__)
+#define ncclCommUserRank(...) LOOKED_UP(ncclCommUserRank)(__VA_ARGS__)
+#define ncclGroupStart(...) LOOKED_UP(ncclGroupStart)(__VA_ARGS__)
+#define ncclGroupEnd(...) LOOKED_UP(ncclGroupEnd)(__VA_ARGS__)
+#define ncclAllGather(...) LOOKED_UP(ncclAllGather)(__VA_ARGS__)
+#define ncclAllReduce(...) LOOKED_UP(ncclAllReduce)(__VA_ARGS__)
+#endif
 
 /* A stream value NCCL must receive as it was passed (the stand-in ignores it). */
 #define STREAM ((cudaStream_t)(uintptr_t)0x5157)
@@ -275,6 +316,13 @@ static int nccl_step(caller_state* s, const char* step) {
   if (sscanf(step, "sleepms:%d", &a) == 1) {
     struct timespec ts = {a / 1000, (long)(a % 1000) * 1000000L};
     nanosleep(&ts, NULL);
+    return 1;
+  }
+  if (strncmp(step, "next:", 5) == 0) {
+    void* f = dlsym(RTLD_NEXT, step + 5);
+    Dl_info info;
+    const char* where = f != NULL && dladdr(f, &info) != 0 && info.dli_fname != NULL ? info.dli_fname : "";
+    out(s, "next", 0, "\"name\":\"%s\",\"found_in\":\"%s\"", step + 5, where);
     return 1;
   }
   if (strcmp(step, "die") == 0) raise(SIGKILL);

@@ -1,0 +1,101 @@
+package intercept
+
+// Callers that look NCCL's functions up with dlsym, as XLA does: the dlsym hook answers a
+// lookup of a wrapped name in NCCL's handle with the wrapper, ncclAllGather only for a caller
+// whose groups the wrappers see, and forwards every other lookup as its caller made it.
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// XLA's order: a group around the communicator's creation, every gather in a group.
+var xlaSteps = []string{"groupstart", "init", "groupend", "group:16:0", "group:16:0", "group:4096:0", "gather:100:0", "destroy"}
+
+// Preloaded, the library hooks dlsym before the caller looks anything up: every lookup is
+// answered, the first gather (in a group) goes to NCCL and the ranks agree the path when
+// that group ends, and the next gathers take it on both ranks with the right rows.
+func TestALookingUpCallerUnderLDPreloadTakesTheOneShotPath(t *testing.T) {
+	f := fixtures(t)
+	j := newJob(t, f.lookingCaller, "LD_PRELOAD="+f.lib, "CALLER_NCCL="+f.ncclA)
+	runs := j.run2(t, xlaSteps...)
+	report := j.bindReport(t)
+	log := j.ncclLog(t)
+	for _, r := range runs {
+		requireSteps(t, r, "groupstart", "init", "groupend", "group", "group", "group", "gather", "destroy")
+		pid := r.pid(t)
+		require.Equal(t, "looked_up", wayOf(report, pid))
+		looked := eventsOf(report, pid, "looked_up")
+		require.Len(t, looked, 1, "one line an object")
+		require.Equal(t, true, looked[0]["answered"])
+		require.Equal(t, f.lookingCaller, looked[0].str("object"))
+		require.Equal(t, []any{"ncclAllGather", "ncclCommInitRank", "ncclGroupStart", "ncclGroupEnd"}, looked[0]["functions"])
+		require.Contains(t, r.stderr, "interceptor: "+f.lookingCaller+" looked up ncclAllGather with dlsym and got this library's")
+		require.Contains(t, boundObjects(report, pid)[f.lookingCaller], "dlsym", "hooked at load")
+		s := readIntercepted(t, r.stats)
+		require.Equal(t, intercepted{Launches: 3, LaunchBytes: 16 + 4096 + 100, Forwarded: 1, ForwardedBytes: 16,
+			Gathers: 3, Bytes: 16 + 4096 + 100}, s, "rank %d", r.rank)
+		counts, agreements := forwardedGathers(log, pid)
+		require.Equal(t, []int{16}, counts, "only the first gather reached NCCL")
+		require.Equal(t, 2, agreements, "the agreement's two exchanges, after the group")
+		require.Equal(t, calls("ncclAllGather", 4, "ncclCommInitRank", 1, "ncclCommDestroy", 1, "ncclGroupStart", 4,
+			"ncclGroupEnd", 4), readInterceptorStats(t, r.stats).Calls)
+	}
+}
+
+// Loaded by NCCL's init, the library comes after the caller took ncclGroupStart: it cannot
+// see that caller's groups, so its ncclAllGather lookup gets NCCL's own, with one line.
+func TestALookingUpCallerThatTookItsGroupsEarlierKeepsNCCLsPath(t *testing.T) {
+	f := fixtures(t)
+	j := newJob(t, f.lookingCaller, "NCCL_NET_PLUGIN="+f.lib, "CALLER_NCCL="+f.ncclA)
+	runs := j.run2(t, xlaSteps...)
+	report := j.bindReport(t)
+	log := j.ncclLog(t)
+	for _, r := range runs {
+		requireSteps(t, r, "groupstart", "init", "groupend", "group", "group", "group", "gather", "destroy")
+		pid := r.pid(t)
+		looked := eventsOf(report, pid, "looked_up")
+		require.Len(t, looked, 1)
+		require.Equal(t, false, looked[0]["answered"])
+		// ncclGroupEnd came after the init that loaded the library, ncclGroupStart before it.
+		require.Equal(t, []any{"ncclGroupEnd"}, looked[0]["functions"])
+		require.Contains(t, r.stderr, "interceptor: "+f.lookingCaller+" looked up ncclAllGather with dlsym but took "+
+			"ncclGroupStart and ncclGroupEnd before this library was loaded")
+		require.Equal(t, "none", wayOf(report, pid))
+		counts, agreements := forwardedGathers(log, pid)
+		require.Equal(t, []int{16, 16, 4096, 100}, counts, "every gather went to NCCL")
+		require.Zero(t, agreements)
+		require.Zero(t, readInterceptorStats(t, r.stats).Calls["ncclAllGather"])
+	}
+}
+
+// A lookup the hook does not answer reaches dlsym as its caller made it: RTLD_NEXT from the
+// hooked executable finds the object right after it (the preloaded library), not the one
+// after the library (NCCL), as it would if the hook called dlsym itself.
+func TestRTLDNextThroughTheHookSearchesAfterTheCaller(t *testing.T) {
+	f := fixtures(t)
+	j := newJob(t, f.caller, "LD_PRELOAD="+f.lib)
+	r := j.run1(t, "init1", "next:ncclAllGather", "destroy")
+	requireSteps(t, r, "init", "next", "destroy")
+	require.Contains(t, boundObjects(j.bindReport(t), r.pid(t))[f.caller], "dlsym", "the executable's dlsym is hooked")
+	require.Equal(t, f.lib, r.steps("next")[0].str("found_in"))
+}
+
+// A gather in a group on a relocation caller: the same agreement at the group's end.
+func TestTheFirstGatherInAGroupAgreesThePathWhenTheGroupEnds(t *testing.T) {
+	f := fixtures(t)
+	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib)
+	runs := j.run2(t, "init", "group:16:0", "group:16:0", "groupstart", "groupstart", "gather:64:0", "groupend",
+		"gather:32:0", "groupend", "destroy")
+	log := j.ncclLog(t)
+	for _, r := range runs {
+		requireSteps(t, r, "init", "group", "group", "groupstart", "groupstart", "gather", "groupend", "gather",
+			"groupend", "destroy")
+		require.Equal(t, intercepted{Launches: 3, LaunchBytes: 16 + 64 + 32, Forwarded: 1, ForwardedBytes: 16,
+			Gathers: 3, Bytes: 16 + 64 + 32}, readIntercepted(t, r.stats), "rank %d", r.rank)
+		counts, agreements := forwardedGathers(log, r.pid(t))
+		require.Equal(t, []int{16}, counts)
+		require.Equal(t, 2, agreements)
+	}
+}
