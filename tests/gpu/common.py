@@ -49,7 +49,9 @@ class Ledger:
     gathers their replays ran); from it on, eager calls ("eager", of which "first" made the
     agreement), captured calls ("captured", once at capture), the gathers their replays ran
     ("replays") and list-form calls ("list") are decided by the window alone, which the parent
-    applies (intercept_check). gather's comm names the communicator.
+    applies (intercept_check). gather's comm names the communicator. A caller that issues its
+    gathers inside ncclGroupStart/End (XLA: grouped=True) agrees when the group of its first
+    call ends, so that first call goes to NCCL ("pre") and the next ones are eager.
     """
 
     FIELDS = ("small_enq", "big_enq", "small_exec", "big_exec", "list_small", "list_big")
@@ -64,9 +66,10 @@ class Ledger:
         self.agreed = set()  # communicators whose agreement call was made
         self.captured = {}  # (comm, bytes) -> {True: captured after the agreement, False: before}
 
-    def gather(self, shard_bytes, enq=1, execs=1, listform=False, comm="default"):
+    def gather(self, shard_bytes, enq=1, execs=1, listform=False, comm="default", grouped=False):
         """enq == execs > 0: eager calls; execs == 0: calls captured in a graph; enq == 0: the
-        gathers of graph replays of calls of this size captured on comm."""
+        gathers of graph replays of calls of this size captured on comm. grouped: eager calls
+        made inside ncclGroupStart/End."""
         if enq > 0 and execs in (0, enq):
             kind = "eager" if execs else "captured"
         elif enq == 0 and execs > 0:
@@ -87,6 +90,11 @@ class Ledger:
                 raise ValueError(f"a list-form gather made {comm!r}'s first call: whether it is one AllGather is "
                                  "unknown, so whether it made the agreement is too; gather into a tensor first")
             row["list"] += enq
+        elif kind == "eager" and grouped and comm not in self.agreed:
+            self.agreed.add(comm)  # at the end of this call's group
+            self.n["agreements"] += 1
+            row["pre"] += 1
+            row["eager"] += enq - 1
         elif kind == "eager":
             if comm not in self.agreed:
                 self.agreed.add(comm)
@@ -201,8 +209,9 @@ def way_in_check(stats, expected):
     if got is None:
         return [], "way in: unknown (the stats have no interceptor.way_in)"
     if expected and got != expected:
-        return [f"interceptor.way_in={got!r}, expected {expected!r} ("
-                + ("LD_PRELOAD alone" if expected == "preempting" else "NCCL_NET_PLUGIN alone") + ")"], f"way in: {got}"
+        means = {"preempting": "LD_PRELOAD alone", "rebound": "NCCL_NET_PLUGIN alone",
+                 "looked_up": "a caller that looks NCCL's functions up with dlsym"}
+        return [f"interceptor.way_in={got!r}, expected {expected!r} ({means.get(expected, expected)})"], f"way in: {got}"
     return [], f"way in: {got}"
 
 

@@ -108,7 +108,7 @@ step p2p 120
 step gather 200
 step graphs 120
 step capi 260
-step jax 120
+step jax 240 # two pairs: NCCL_NET_PLUGIN alone, LD_PRELOAD alone
 step abort 200
 step latency 250 # fits its rounds into what it has left
 step plot 30

@@ -798,33 +798,70 @@ def step_topology(s):
 
 # ---- h. JAX -----------------------------------------------------------------------------
 
+# Lines of the library's that say why a JAX run's gathers took NCCL's path.
+JAX_WHY_RX = (r"interceptor: .* looked up ncclAllGather with dlsym but took ncclGroupStart|"
+              r"communicator \S+ (is non-blocking|has \d+ ranks)|inside a CUDA graph capture cannot agree|"
+              r"one-shot (path|gather) (is )?off|the one-shot agreement failed|no loaded object calls ncclAllGather")
+
+
 def step_jax(s):
-    extra = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,TUNING",
+    extra = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,TUNING,COLL",
              # No command buffers: each jitted call then enqueues its ncclAllGather, and the
              # tuner's count is one per call.
              "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()}
-    intercept = route() == "intercept"
-    c = "intercept" if intercept else "oneshot"
-    # XLA resolves NCCL's functions with dlsym, past any rebound slot: the intercepted path's
-    # stats are reported, not judged (one seed: the cases are for values and the path taken).
-    rec = s.pair(f"jax.{c}", c, "jax_cases.py", "gather", 120, {"seeds": 1} if intercept else None, extra,
-                 check_stats=not intercept)
-    if rec is None:
+    if route() != "intercept":
+        rec = s.pair("jax.oneshot", "oneshot", "jax_cases.py", "gather", 120, None, extra)
+        if rec is not None:
+            jax_report(s, rec)
         return
+    # XLA takes NCCL's functions with dlsym, each at its first call, and issues every gather
+    # inside ncclGroupStart/End. Both ways in run; each passes if its gathers took the path on
+    # both ranks exactly as the ledger says (the first one, in a group, goes to NCCL), or took
+    # NCCL's path with the line that says why. One seed: the cases are for values and the path.
+    paths = {}
+    for c in ("intercept", "intercept-preload"):
+        rec = s.pair(f"jax.{c}", c, "jax_cases.py", "gather", 120, {"seeds": 1}, extra, check_stats=False)
+        if rec is None:
+            continue
+        jax_report(s, rec)
+        took, F = jax_took_the_path(rec, c)
+        why, _ = evidence(rec["logs"], JAX_WHY_RX, 4)
+        if took:
+            paths[c] = "intercepted on both ranks"
+        elif why:
+            paths[c] = "NCCL's path: " + why[0].strip()[:300]
+        else:
+            paths[c] = "NCCL's path, and no line says why"
+            s.fail(f"jax.{c}: the gathers did not take the intercepted path ({'; '.join(F)}) and no line says why")
+        s.note(f"jax.{c}: {paths[c]} ({jax_path(rec)})")
+    s.d["numbers"]["path"] = paths
+    s.d["headline"] += "; " + "; ".join(f"{c}: {p.split(':')[0]}" for c, p in paths.items())
+
+
+def jax_report(s, rec):
     runs_table(s, [rec])
-    lines, n = evidence(rec["logs"], r"NET/Plugin|Using network|roce_gather|CollNet|NCCL version|NCCL_NET", 16)
-    s.d["md"].append("NCCL INFO lines of the JAX run (which NCCL, which net):\n\n```\n" + "\n".join(lines) + "\n```")
+    lines, n = evidence(rec["logs"], r"NET/Plugin|Using network|roce_gather|CollNet|NCCL version|NCCL_NET", 24)
+    s.d["md"].append(f"NCCL INFO lines of {rec['run']} (which NCCL, which net, the interceptor):\n\n```\n"
+                     + "\n".join(lines) + "\n```")
     if rec["failures"]:
         s.note("evidence (NCCL INFO lines about the network):\n" + "\n".join(lines))
-        if not intercept and not any(rec["stats"]):
-            s.fail("JAX's NCCL did not use the roce_gather plugin (no ROCE_GATHER_STATS file); see the INFO lines above")
     res = rec["results"][0]
-    s.d["headline"] = (f"{res['cases']} cases (rank 0), jax {res['numbers'].get('jax', '?')}" if res else "no result")
-    if intercept:
-        path = jax_path(rec)
-        s.d["numbers"]["path"] = path
-        s.note(f"JAX's gathers: {path}")
-        s.d["headline"] += f"; JAX's gathers: {path}"
+    if not s.d.get("headline"):
+        s.d["headline"] = (f"{res['cases']} cases (rank 0), jax {res['numbers'].get('jax', '?')}" if res else "no result")
+
+
+def jax_took_the_path(rec, config):
+    """Whether both ranks' stats show every JAX gather on the intercepted path as the ledger says,
+    and the failures of the check where not."""
+    F = []
+    for r in (0, 1):
+        res = rec["results"][r]
+        if not res or not res.get("ledger"):
+            F.append(f"rank {r}: no ledger")
+            continue
+        f, _ = common.intercept_check(rec["stats"][r], res["ledger"], launch.intercept_window(config), "looked_up")
+        F += [f"rank {r}: {x}" for x in f]
+    return not F, F
 
 
 def jax_path(rec):

@@ -461,6 +461,24 @@ class InterceptLedgerTest(unittest.TestCase):
         # The old split is kept as it was.
         self.assertEqual((L["small_enq"], L["big_enq"], L["list_small"]), (1 + 1 + 4 + 1, 2, 2))
 
+    def test_grouped_calls_agree_at_the_first_groups_end(self):
+        L = common.Ledger()
+        L.gather(16, grouped=True)    # the first call, inside a group: NCCL's; the agreement at its end
+        L.gather(16, grouped=True)
+        L.gather(4096, grouped=True)
+        L.gather(self.BIG, grouped=True)
+        c = L.n["calls"]
+        self.assertEqual(c["16"], dict(first=0, eager=1, captured=0, list=0, replays=0, pre=1, replays_pre=0))
+        self.assertEqual(L.n["agreements"], 1)
+        e = common.intercept_expectation(c, self.W, True)
+        self.assertEqual((e["launches"], e["gathers"], e["first_in"]), (2, 2, 0))
+        self.assertEqual(e["forwarded_min"], 2)  # the first call and the one above the window
+        F, _ = common.intercept_check(istats(2, 2, 16 + 4096, 16 + 4096, forwarded=2, way_in="looked_up"), L.n, self.W,
+                                      "looked_up")
+        self.assertEqual(F, [])
+        F, _ = common.intercept_check(istats(3, 3, 32 + 4096, 32 + 4096, forwarded=1), L.n, self.W)
+        self.assertTrue(any("launches=3" in f for f in F), F)
+
     def test_refused(self):
         L = common.Ledger()
         with self.assertRaisesRegex(ValueError, "list-form gather made 'default'.s first call"):
@@ -1445,21 +1463,46 @@ class StepsTest(unittest.TestCase):
             d = self.run_step("capi", fake)
         self.assertEqual(d["headline"], "gather-linked did not build")
 
-    def test_jax_intercept_reports_the_path(self):
-        seen = {}
+    def jax_fake(self, seen, taken, why):
+        """A JAX pair: 3 grouped gathers of 16 B a rank; taken: the stats show them on the path
+        (the first at NCCL) on both ranks; why: a line the logs hold."""
+        L = common.Ledger()
+        for _ in range(3):
+            L.gather(16, grouped=True)
 
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
-            seen.update(config=config, params=params, check_stats=kw.get("check_stats"))
-            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 26, "numbers": {"jax": "0.7"},
-                   "ledger": ledger_for([16], 524288)}
+            seen.append(dict(config=config, params=params, check_stats=kw.get("check_stats")))
+            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 3, "numbers": {"jax": "0.7"},
+                   "ledger": json.loads(json.dumps(L.n))}
             rec = record(run, config, {}, work, results=[res, dict(res)], sizes=[16])
-            rec["stats"] = [istats(0, 0, forwarded=0, way_in="rebound"), None]
+            st = istats(2, 2, 32, 32, forwarded=1, way_in="looked_up") if taken[config] else \
+                istats(0, 0, forwarded=3, way_in="none")
+            rec["stats"] = [st, st]
+            with open(rec["logs"][1], "a") as f:
+                f.write(why.get(config, "") + "\n")
             return rec
-        d = self.run_step("jax", fake)
-        self.assertEqual(seen, {"config": "intercept", "params": {"seeds": 1}, "check_stats": False})
-        self.assertEqual(d["status"], "pass")
-        self.assertEqual(d["numbers"]["path"], "rank 0: none reached the interceptor, way in rebound; "
-                                               "rank 1: no ROCE_GATHER_STATS file (the library was not loaded)")
+        return fake
+
+    def test_jax_intercept_takes_the_path_or_says_why(self):
+        seen = []
+        refused = ("NCCL INFO NET/roce_gather : interceptor: /x/xla_cuda_plugin.so looked up ncclAllGather with dlsym "
+                   "but took ncclGroupStart and ncclGroupEnd before this library was loaded")
+        d = self.run_step("jax", self.jax_fake(seen, {"intercept": False, "intercept-preload": True},
+                                               {"intercept": refused}))
+        self.assertEqual(seen, [{"config": c, "params": {"seeds": 1}, "check_stats": False}
+                                for c in ("intercept", "intercept-preload")])
+        self.assertEqual(d["status"], "pass", d["failures"])
+        self.assertEqual(d["numbers"]["path"]["intercept-preload"], "intercepted on both ranks")
+        self.assertTrue(d["numbers"]["path"]["intercept"].startswith("NCCL's path: ") and
+                        "took ncclGroupStart" in d["numbers"]["path"]["intercept"], d["numbers"]["path"])
+        # Not taken, and nothing says why: a failure.
+        d = self.run_step("jax", self.jax_fake([], {"intercept": False, "intercept-preload": False},
+                                               {"intercept": refused}))
+        self.assertEqual(d["status"], "fail")
+        self.assertEqual(len(d["failures"]), 1, d["failures"])
+        self.assertIn("jax.intercept-preload: the gathers did not take the intercepted path (rank 0: "
+                      "interceptor.way_in='none', expected 'looked_up'", d["failures"][0])
+        self.assertIn("rank 1: intercepted.launches=0 gathers=0; expected launches=2 gathers=2", d["failures"][0])
 
     def abort_fake(self, calls, launches=5):
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
