@@ -770,8 +770,8 @@ static void scan(const uintptr_t* skip, size_t nskip, const char* at, int hooks_
       jend(&j);
       RG_INFO(NCCL_INIT,
               LOG_PREFIX "no loaded object calls ncclAllGather through a relocation that reaches %s; a caller that "
-                         "looks it up with dlsym (as XLA does) is reached only if it looks up ncclGroupStart and "
-                         "ncclGroupEnd after this library is loaded, and is said when it looks",
+                         "looks it up with dlsym (as XLA does) is reached if it looked up ncclGroupStart here "
+                         "first, and is said when it looks",
               api->path);
     }
   }
@@ -828,10 +828,11 @@ void* rg_dlopen_and_scan(const char* file, int mode) {
 /* ---------------------------------------------------------------- callers that look NCCL up */
 
 /* A caller that looks NCCL's functions up with dlsym gets a wrapper for ncclAllGather only
- * if it took ncclGroupStart and ncclGroupEnd from the hook too: the one-shot agreement
- * cannot run inside a group, and only the wrappers can tell that a group is open. XLA
- * resolves each function at its first call, so a library loaded by NCCL's init comes after
- * XLA's first group: LD_PRELOAD comes before it. Callers are kept by object; under state_mu. */
+ * if it took ncclGroupStart from the hook first: the one-shot agreement cannot run inside a
+ * group, and only the wrappers can tell that a group is open. (A group end the wrappers miss
+ * leaves the depth above 0, which keeps the path off: safe.) XLA resolves each function at
+ * its first call, and its first ncclGroupStart comes after the communicator's creation that
+ * loads the library. Callers are kept by object; under state_mu. */
 typedef struct lookup_caller {
   const struct link_map* lm;
   uintptr_t base;
@@ -880,10 +881,23 @@ static void say_lookup(const char* oname, const lookup_caller* c, int answered) 
     RG_INFO(NCCL_INIT, LOG_PREFIX "%s looked up ncclAllGather with dlsym and got this library's (it took %s here)",
             oname, names);
   else
-    RG_INFO(NCCL_INIT, LOG_PREFIX "%s looked up ncclAllGather with dlsym but took ncclGroupStart and ncclGroupEnd "
-                       "before this library was loaded (here: %s): the interceptor cannot see its groups, so its "
+    RG_INFO(NCCL_INIT, LOG_PREFIX "%s looked up ncclAllGather with dlsym but took ncclGroupStart before this "
+                       "library was loaded, or not yet (here: %s): the interceptor cannot see its groups, so its "
                        "gathers take NCCL's path; LD_PRELOAD=<this library> reaches it from the start",
             oname, names[0] ? names : "nothing");
+}
+
+/* One report line a lookup of a wrapped name: who looked it up and what the hook did. */
+static void report_lookup(const char* oname, int w, const char* what) {
+  jline j;
+  jstart(&j, "lookup");
+  jkey(&j, "object");
+  jstr(&j, oname);
+  jkey(&j, "function");
+  jstr(&j, rg_wrapped_names[w]);
+  jkey(&j, "outcome");
+  jstr(&j, what);
+  jend(&j);
 }
 
 /* The answer to a lookup of wrapped function w, given the target dlsym found. */
@@ -893,20 +907,26 @@ static void* answer_lookup(void* target, int w, const void* caller) {
     if (owner != NULL && owner->l_name[0] != '\0')
       try_nccl(owner->l_name, owner->l_addr, "the NCCL a caller looked up with dlsym");
   }
-  if (atomic_load_explicit(&g_api, memory_order_acquire) == NULL || (uintptr_t)target != g_nccl_public[w])
-    return NULL; /* not NCCL's own function, or another NCCL's */
   struct link_map* from = map_of(caller);
-  if (from == NULL) return NULL;
   char buf[4096];
-  const char* oname = display_name(from->l_name, buf, sizeof(buf));
+  const char* oname = from != NULL ? display_name(from->l_name, buf, sizeof(buf)) : "(no object)";
+  if (atomic_load_explicit(&g_api, memory_order_acquire) == NULL || (uintptr_t)target != g_nccl_public[w]) {
+    report_lookup(oname, w, "forwarded: not the NCCL this library forwards to");
+    return NULL;
+  }
+  if (from == NULL) {
+    report_lookup(oname, w, "forwarded: the caller is in no loaded object");
+    return NULL;
+  }
   void* answer = NULL;
   pthread_mutex_lock(&state_mu);
   lookup_caller* c = lookup_caller_of(from);
-  const unsigned groups = (1u << RG_WRAP_GroupStart) | (1u << RG_WRAP_GroupEnd);
-  if (c != NULL && (w != RG_WRAP_AllGather || (c->answered & groups) == groups)) {
+  if (c != NULL && (w != RG_WRAP_AllGather || (c->answered & (1u << RG_WRAP_GroupStart)))) {
     answer = rg_wrapper((enum rg_wrapped)w);
     c->answered |= 1u << w;
   }
+  report_lookup(oname, w, answer != NULL ? "answered" : c == NULL ? "forwarded: too many callers" :
+                                                   "forwarded: its ncclGroupStart was not answered first");
   if (c != NULL && w == RG_WRAP_AllGather && !c->said) {
     c->said = 1;
     say_lookup(oname, c, answer != NULL);
@@ -918,10 +938,13 @@ static void* answer_lookup(void* target, int w, const void* caller) {
 }
 
 void* rg_dlsym_answer(void* handle, const char* name, const void* caller) {
-  if (name == NULL || strncmp(name, "nccl", 4) != 0 || handle == RTLD_DEFAULT || handle == RTLD_NEXT || in_binding)
-    return NULL;
+  if (name == NULL || strncmp(name, "nccl", 4) != 0 || handle == RTLD_DEFAULT || handle == RTLD_NEXT) return NULL;
   int w = wrapped_index(name);
   if (w < 0) return NULL;
+  if (in_binding) {
+    report_lookup("(inside the binding)", w, "forwarded: made while the library was binding");
+    return NULL;
+  }
   int saved = errno;
   in_binding++;
   void* answer = NULL;

@@ -129,7 +129,7 @@ func printBindProcess(w io.Writer, p *bindProcess) {
 		if l.Answered {
 			fmt.Fprintf(w, "  looked up with dlsym: %s: got the library's %s\n", l.Object, strings.Join(l.Functions, ", "))
 		} else {
-			fmt.Fprintf(w, "  looked up with dlsym: %s: left with NCCL's ncclAllGather (it took ncclGroupStart and ncclGroupEnd before the library was loaded; LD_PRELOAD reaches it)\n", l.Object)
+			fmt.Fprintf(w, "  looked up with dlsym: %s: left with NCCL's ncclAllGather (it took ncclGroupStart before the library was loaded, or not yet; LD_PRELOAD reaches it)\n", l.Object)
 		}
 	}
 	if p.unreached != "" {

@@ -820,10 +820,16 @@ def step_jax(s):
     # NCCL's path with the line that says why. One seed: the cases are for values and the path.
     paths = {}
     for c in ("intercept", "intercept-preload"):
-        rec = s.pair(f"jax.{c}", c, "jax_cases.py", "gather", 120, {"seeds": 1}, extra, check_stats=False)
+        # The binding report: every lookup of a wrapped name the dlsym hook saw, and what it did.
+        report = os.path.join(s.work, "raw", f"jax.{c}.bind.%p.jsonl")
+        rec = s.pair(f"jax.{c}", c, "jax_cases.py", "gather", 120, {"seeds": 1},
+                     dict(extra, ROCE_GATHER_BIND_REPORT=report), check_stats=False)
         if rec is None:
             continue
         jax_report(s, rec)
+        lookups = jax_lookups(glob.glob(report.replace("%p", "*")))
+        s.d["md"].append(f"What the dlsym hook did in {rec['run']} (ROCE_GATHER_BIND_REPORT, in order, a process "
+                         "a block):\n\n```\n" + ("\n".join(lookups) or "no lookup of a wrapped name") + "\n```")
         took, F = jax_took_the_path(rec, c)
         why, _ = evidence(rec["logs"], JAX_WHY_RX, 4)
         if took:
@@ -848,6 +854,25 @@ def jax_report(s, rec):
     res = rec["results"][0]
     if not s.d.get("headline"):
         s.d["headline"] = (f"{res['cases']} cases (rank 0), jax {res['numbers'].get('jax', '?')}" if res else "no result")
+
+
+def jax_lookups(paths):
+    """The report's lookup and looked_up lines, one text line each, by process."""
+    out = []
+    for p in sorted(paths):
+        try:
+            with open(p) as f:
+                events = [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError) as e:
+            out.append(f"{os.path.basename(p)}: unreadable: {e}")
+            continue
+        for e in events:
+            if e.get("event") == "lookup":
+                out.append(f"{e.get('pid')}: {os.path.basename(e.get('object', ''))} {e.get('function')}: {e.get('outcome')}")
+            elif e.get("event") == "looked_up":
+                out.append(f"{e.get('pid')}: {os.path.basename(e.get('object', ''))} ncclAllGather "
+                           f"{'answered' if e.get('answered') else 'left to NCCL'}; answered: {', '.join(e.get('functions', []))}")
+    return out
 
 
 def jax_took_the_path(rec, config):

@@ -437,7 +437,7 @@ func TestDlsymCallersAreNotReachedAndSaidSo(t *testing.T) {
 		require.Len(t, unreached, 1)
 		require.Equal(t, "no loaded object calls ncclAllGather through a relocation that reaches NCCL", unreached[0].str("why"))
 		require.Contains(t, r.stderr, "interceptor: no loaded object calls ncclAllGather through a relocation that reaches "+
-			f.ncclA+"; a caller that looks it up with dlsym (as XLA does) is reached only if it looks up ncclGroupStart")
+			f.ncclA+"; a caller that looks it up with dlsym (as XLA does) is reached if it looked up ncclGroupStart here first")
 		require.Empty(t, eventsOf(report, pid, "looked_up"), "it looked everything up before the hook was there")
 		s := readInterceptorStats(t, r.stats)
 		require.Equal(t, "none", s.WayIn)

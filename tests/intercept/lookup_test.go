@@ -2,7 +2,7 @@ package intercept
 
 // Callers that look NCCL's functions up with dlsym, as XLA does: the dlsym hook answers a
 // lookup of a wrapped name in NCCL's handle with the wrapper, ncclAllGather only for a caller
-// whose groups the wrappers see, and forwards every other lookup as its caller made it.
+// whose ncclGroupStart it answered first, and forwards every other lookup as its caller made it.
 
 import (
 	"testing"
@@ -10,46 +10,68 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// XLA's order: a group around the communicator's creation, every gather in a group.
-var xlaSteps = []string{"groupstart", "init", "groupend", "group:16:0", "group:16:0", "group:4096:0", "gather:100:0", "destroy"}
+// XLA's order, as the testbed's binding report showed it: the communicator made outside any
+// group (the call that loads the library through NCCL_NET_PLUGIN), every gather in a group.
+var xlaSteps = []string{"init", "group:16:0", "group:16:0", "group:4096:0", "gather:100:0", "destroy"}
 
-// Preloaded, the library hooks dlsym before the caller looks anything up: every lookup is
-// answered, the first gather (in a group) goes to NCCL and the ranks agree the path when
-// that group ends, and the next gathers take it on both ranks with the right rows.
-func TestALookingUpCallerUnderLDPreloadTakesTheOneShotPath(t *testing.T) {
-	f := fixtures(t)
-	j := newJob(t, f.lookingCaller, "LD_PRELOAD="+f.lib, "CALLER_NCCL="+f.ncclA)
-	runs := j.run2(t, xlaSteps...)
-	report := j.bindReport(t)
-	log := j.ncclLog(t)
+// The same with a group around the creation (XLA with several devices a process): a library
+// loaded by that creation comes after the caller took ncclGroupStart.
+var groupedInitSteps = []string{"groupstart", "init", "groupend", "group:16:0", "group:16:0", "group:4096:0", "gather:100:0", "destroy"}
+
+// checkLookedUpGathers checks a run of xlaSteps or groupedInitSteps whose gathers took the
+// path: the first gather (in a group) went to NCCL, the ranks agreed when that group ended,
+// and the next three took the path on both ranks with the right rows.
+func checkLookedUpGathers(t *testing.T, j *job, runs [2]run, steps []string, answered []any, wrapperCalls map[string]int) {
+	t.Helper()
+	report, log := j.bindReport(t), j.ncclLog(t)
+	want := []string{"init", "group", "group", "group", "gather", "destroy"}
+	if steps[0] == "groupstart" {
+		want = []string{"groupstart", "init", "groupend", "group", "group", "group", "gather", "destroy"}
+	}
 	for _, r := range runs {
-		requireSteps(t, r, "groupstart", "init", "groupend", "group", "group", "group", "gather", "destroy")
+		requireSteps(t, r, want...)
 		pid := r.pid(t)
 		require.Equal(t, "looked_up", wayOf(report, pid))
 		looked := eventsOf(report, pid, "looked_up")
 		require.Len(t, looked, 1, "one line an object")
 		require.Equal(t, true, looked[0]["answered"])
-		require.Equal(t, f.lookingCaller, looked[0].str("object"))
-		require.Equal(t, []any{"ncclAllGather", "ncclCommInitRank", "ncclGroupStart", "ncclGroupEnd"}, looked[0]["functions"])
-		require.Contains(t, r.stderr, "interceptor: "+f.lookingCaller+" looked up ncclAllGather with dlsym and got this library's")
-		require.Contains(t, boundObjects(report, pid)[f.lookingCaller], "dlsym", "hooked at load")
-		s := readIntercepted(t, r.stats)
+		require.Equal(t, fixtures(t).lookingCaller, looked[0].str("object"))
+		require.Equal(t, answered, looked[0]["functions"], "what it had taken from the hook by its ncclAllGather lookup")
+		require.Contains(t, r.stderr, "interceptor: "+fixtures(t).lookingCaller+" looked up ncclAllGather with dlsym and got this library's")
+		require.Contains(t, boundObjects(report, pid)[fixtures(t).lookingCaller], "dlsym")
 		require.Equal(t, intercepted{Launches: 3, LaunchBytes: 16 + 4096 + 100, Forwarded: 1, ForwardedBytes: 16,
-			Gathers: 3, Bytes: 16 + 4096 + 100}, s, "rank %d", r.rank)
+			Gathers: 3, Bytes: 16 + 4096 + 100}, readIntercepted(t, r.stats), "rank %d", r.rank)
 		counts, agreements := forwardedGathers(log, pid)
 		require.Equal(t, []int{16}, counts, "only the first gather reached NCCL")
 		require.Equal(t, 2, agreements, "the agreement's two exchanges, after the group")
-		require.Equal(t, calls("ncclAllGather", 4, "ncclCommInitRank", 1, "ncclCommDestroy", 1, "ncclGroupStart", 4,
-			"ncclGroupEnd", 4), readInterceptorStats(t, r.stats).Calls)
+		require.Equal(t, wrapperCalls, readInterceptorStats(t, r.stats).Calls)
 	}
 }
 
-// Loaded by NCCL's init, the library comes after the caller took ncclGroupStart: it cannot
-// see that caller's groups, so its ncclAllGather lookup gets NCCL's own, with one line.
-func TestALookingUpCallerThatTookItsGroupsEarlierKeepsNCCLsPath(t *testing.T) {
-	f := fixtures(t)
-	j := newJob(t, f.lookingCaller, "NCCL_NET_PLUGIN="+f.lib, "CALLER_NCCL="+f.ncclA)
+// Loaded by NCCL's init, as NCCL_NET_PLUGIN alone loads it: a caller that makes its
+// communicator outside a group, as XLA does, takes ncclGroupStart afterwards, from the hook.
+func TestALookingUpCallerInXLAsOrderIsReachedWithNCCLNetPluginAlone(t *testing.T) {
+	j := newJob(t, fixtures(t).lookingCaller, "NCCL_NET_PLUGIN="+fixtures(t).lib, "CALLER_NCCL="+fixtures(t).ncclA)
 	runs := j.run2(t, xlaSteps...)
+	checkLookedUpGathers(t, j, runs, xlaSteps, []any{"ncclAllGather", "ncclGroupStart"},
+		calls("ncclAllGather", 4, "ncclCommDestroy", 1, "ncclGroupStart", 3, "ncclGroupEnd", 3))
+}
+
+// Preloaded, the library hooks dlsym before the caller looks anything up: every lookup is
+// answered, even with a group around the communicator's creation.
+func TestALookingUpCallerUnderLDPreloadTakesTheOneShotPath(t *testing.T) {
+	j := newJob(t, fixtures(t).lookingCaller, "LD_PRELOAD="+fixtures(t).lib, "CALLER_NCCL="+fixtures(t).ncclA)
+	runs := j.run2(t, groupedInitSteps...)
+	checkLookedUpGathers(t, j, runs, groupedInitSteps, []any{"ncclAllGather", "ncclCommInitRank", "ncclGroupStart", "ncclGroupEnd"},
+		calls("ncclAllGather", 4, "ncclCommInitRank", 1, "ncclCommDestroy", 1, "ncclGroupStart", 4, "ncclGroupEnd", 4))
+}
+
+// Loaded by NCCL's init inside a group, the library comes after the caller took
+// ncclGroupStart: it cannot see that caller's groups, so its ncclAllGather lookup gets
+// NCCL's own, with one line.
+func TestALookingUpCallerThatTookItsGroupsEarlierKeepsNCCLsPath(t *testing.T) {
+	j := newJob(t, fixtures(t).lookingCaller, "NCCL_NET_PLUGIN="+fixtures(t).lib, "CALLER_NCCL="+fixtures(t).ncclA)
+	runs := j.run2(t, groupedInitSteps...)
 	report := j.bindReport(t)
 	log := j.ncclLog(t)
 	for _, r := range runs {
@@ -60,8 +82,8 @@ func TestALookingUpCallerThatTookItsGroupsEarlierKeepsNCCLsPath(t *testing.T) {
 		require.Equal(t, false, looked[0]["answered"])
 		// ncclGroupEnd came after the init that loaded the library, ncclGroupStart before it.
 		require.Equal(t, []any{"ncclGroupEnd"}, looked[0]["functions"])
-		require.Contains(t, r.stderr, "interceptor: "+f.lookingCaller+" looked up ncclAllGather with dlsym but took "+
-			"ncclGroupStart and ncclGroupEnd before this library was loaded")
+		require.Contains(t, r.stderr, "interceptor: "+fixtures(t).lookingCaller+" looked up ncclAllGather with dlsym but took "+
+			"ncclGroupStart before this library was loaded")
 		require.Equal(t, "none", wayOf(report, pid))
 		counts, agreements := forwardedGathers(log, pid)
 		require.Equal(t, []int{16, 16, 4096, 100}, counts, "every gather went to NCCL")
