@@ -816,7 +816,9 @@ void* rg_dlopen_and_scan(const char* file, int mode) {
   int err = errno;
   if (h != NULL && !before.oom && loads_so_far() != before.adds) {
     in_binding = 1;
-    scan(before.base, before.n, "dlopen", atomic_load(&g_way) == WAY_PREEMPTING);
+    /* Preempting, every relocation caller already reaches the wrappers: only the hooks go in. */
+    int hooks_only = atomic_load(&g_way) == WAY_PREEMPTING || (atomic_load(&g_api) != NULL && preempting());
+    scan(before.base, before.n, "dlopen", hooks_only);
     in_binding = 0;
     dlerror(); /* the caller's dlerror() reports its dlopen, which succeeded */
   }
@@ -910,9 +912,14 @@ static void* answer_lookup(void* target, int w, const void* caller) {
   struct link_map* from = map_of(caller);
   char buf[4096];
   const char* oname = from != NULL ? display_name(from->l_name, buf, sizeof(buf)) : "(no object)";
-  if (atomic_load_explicit(&g_api, memory_order_acquire) == NULL || (uintptr_t)target != g_nccl_public[w]) {
+  const rg_nccl_api* api = atomic_load_explicit(&g_api, memory_order_acquire);
+  if (api == NULL || (uintptr_t)target != g_nccl_public[w]) {
     report_lookup(oname, w, "forwarded: not the NCCL this library forwards to");
     return NULL;
+  }
+  if (api_field(api, wrapped_field[w]) == NULL) {
+    report_lookup(oname, w, "forwarded: that NCCL has no pnccl name for it to forward to");
+    return NULL; /* its wrapper could only refuse it, where NCCL's own works */
   }
   if (from == NULL) {
     report_lookup(oname, w, "forwarded: the caller is in no loaded object");

@@ -27,7 +27,8 @@ typedef struct rg_icomm {
   rg_os_engine* engine;
   uint64_t floor, cap;
   int failed_result;
-  atomic_int said_deferred, said_error;
+  _Atomic uint64_t group; /* the group (group_ids) whose end agrees it; 0: none */
+  atomic_int said_deferred, said_error, said_crowded;
   pthread_mutex_t mu; /* agreement and close */
 } rg_icomm;
 
@@ -128,23 +129,21 @@ static void say_once(atomic_int* said, ncclComm_t comm, const char* what) {
   if (!atomic_exchange(said, 1)) RG_INFO(NCCL_INIT | NCCL_COLL, "communicator %p: %s", (void*)comm, what);
 }
 
-/* Communicators whose first gather came inside this thread's group, not captured: their
- * ranks agree the path when the outermost group ends (both ranks end the same group). */
-#define GROUP_PENDING_MAX 16
-static __thread ncclComm_t group_pending[GROUP_PENDING_MAX] __attribute__((tls_model("initial-exec")));
-static __thread int n_group_pending __attribute__((tls_model("initial-exec")));
+/* Communicators whose first gather came inside this thread's group, not captured, are marked
+ * with the group's id (unique in the process); the ranks agree the path when that outermost
+ * group ends, both ranks ending the same group. Static TLS is scarce in a library NCCL opens:
+ * twelve bytes a thread. */
+static _Atomic uint64_t group_ids;
+static __thread uint64_t group_id __attribute__((tls_model("initial-exec")));
+static __thread int group_marked __attribute__((tls_model("initial-exec")));
 
 static void settle_at_group_end(rg_icomm* c) {
-  for (int i = 0; i < n_group_pending; i++)
-    if (group_pending[i] == c->comm) return;
-  if (n_group_pending < GROUP_PENDING_MAX) {
-    group_pending[n_group_pending++] = c->comm;
-    say_once(&c->said_deferred, c->comm, "its first gather came inside ncclGroupStart/End and takes NCCL's path; "
-             "the ranks agree the one-shot path when the group ends");
-  } else {
-    say_once(&c->said_deferred, c->comm, "a gather inside a group that holds the first gathers of more than 16 "
-             "communicators takes NCCL's path until one outside a group and a capture agrees the one-shot path");
-  }
+  if (group_marked == 0) group_id = atomic_fetch_add(&group_ids, 1) + 1;
+  if (atomic_load(&c->group) == group_id) return;
+  atomic_store(&c->group, group_id);
+  group_marked++;
+  say_once(&c->said_deferred, c->comm, "its first gather came inside ncclGroupStart/End and takes NCCL's path; "
+           "the ranks agree the one-shot path when the group ends");
 }
 
 /* Settles a pending communicator where this call may: outside any group and any capture,
@@ -229,19 +228,48 @@ int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncc
   return 0;
 }
 
-void rg_oneshot_group_ended(int ok) {
-  int n = n_group_pending;
-  n_group_pending = 0;
-  for (int i = 0; i < n && ok; i++) {
-    rg_icomm* c = find(group_pending[i]);
-    if (c != NULL && atomic_load(&c->state) == RG_IC_PENDING) settle(c, NULL, 1);
+/* The communicators group id marked and still pending, unmarked; up to max. Under table_mu,
+ * so that none is freed while it is looked at (a mark is only ever taken back to 0). */
+static int take_marked(uint64_t id, rg_icomm** out, int max) {
+  int n = 0;
+  pthread_mutex_lock(&table_mu);
+  for (size_t i = 0; i < SLOTS; i++) {
+    rg_icomm* c = atomic_load(&table[i]);
+    uint64_t want = id;
+    if (c == NULL || c == &tombstone || !atomic_compare_exchange_strong(&c->group, &want, 0)) continue;
+    if (atomic_load(&c->state) == RG_IC_PENDING && n < max) out[n++] = c;
   }
+  pthread_mutex_unlock(&table_mu);
+  return n;
+}
+
+void rg_oneshot_group_ended(int ok) {
+  if (group_marked == 0) return;
+  const int marked = group_marked;
+  group_marked = 0;
+  rg_icomm* c[2];
+  int n = take_marked(group_id, c, 2);
+  if (!ok || n == 0) return; /* a failed group agrees nothing: its gathers may not have run */
+  if (marked > 1) {
+    /* One agreement blocks until its peer joins, so two in a row from one thread can wait on
+     * each other: on one thread driving both ranks of a communicator, NCCL needs the group. */
+    for (int i = 0; i < n; i++)
+      if (!atomic_exchange(&c[i]->said_crowded, 1))
+        RG_INFO(NCCL_INIT | NCCL_COLL, "communicator %p: the group that held its first gather held the first gathers of "
+                "%d communicators, so none agrees the one-shot path there: it waits for a group or a call outside one "
+                "that holds one first gather", (void*)c[i]->comm, marked);
+    return;
+  }
+  settle(c[0], NULL, 1);
 }
 
 void rg_oneshot_comm_closing(ncclComm_t comm, int abort) {
   rg_icomm* c = find(comm);
   if (c == NULL) return;
   pthread_mutex_lock(&c->mu);
+  atomic_store(&c->group, 0);
+  /* A communicator being closed never agrees, at a group's end or later. */
+  if (atomic_load(&c->state) == RG_IC_PENDING) atomic_store(&c->state, RG_IC_OFF);
   if (atomic_load(&c->state) == RG_IC_ON && c->engine != NULL) {
     rgGoOneShotClose(c->engine, abort);
     /* What the engine said stays the communicator's answer until NCCL forgets it. */

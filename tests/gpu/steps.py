@@ -799,9 +799,10 @@ def step_topology(s):
 # ---- h. JAX -----------------------------------------------------------------------------
 
 # Lines of the library's that say why a JAX run's gathers took NCCL's path.
+# An agreement that failed is no reason: it makes every gather fail.
 JAX_WHY_RX = (r"interceptor: .* looked up ncclAllGather with dlsym but took ncclGroupStart|"
               r"communicator \S+ (is non-blocking|has \d+ ranks)|inside a CUDA graph capture cannot agree|"
-              r"one-shot (path|gather) (is )?off|the one-shot agreement failed|no loaded object calls ncclAllGather")
+              r"one-shot gather off for communicator|none agrees the one-shot path there")
 
 
 def step_jax(s):

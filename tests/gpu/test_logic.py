@@ -1495,9 +1495,13 @@ class StepsTest(unittest.TestCase):
         self.assertEqual(d["numbers"]["path"]["intercept-preload"], "intercepted on both ranks")
         self.assertTrue(d["numbers"]["path"]["intercept"].startswith("NCCL's path: ") and
                         "took ncclGroupStart" in d["numbers"]["path"]["intercept"], d["numbers"]["path"])
-        # Not taken, and nothing says why: a failure.
+        # Not taken, and nothing says why (the scan's line at every NCCL init in an XLA process,
+        # and a failed agreement, are no reasons): a failure.
+        unreached = ("NCCL INFO NET/roce_gather : interceptor: no loaded object calls ncclAllGather through a "
+                     "relocation that reaches /x/libnccl.so.2\nNCCL WARN NET/roce_gather : communicator 0x1: the "
+                     "one-shot agreement failed, so every ncclAllGather on it returns error 5")
         d = self.run_step("jax", self.jax_fake([], {"intercept": False, "intercept-preload": False},
-                                               {"intercept": refused}))
+                                               {"intercept": refused, "intercept-preload": unreached}))
         self.assertEqual(d["status"], "fail")
         self.assertEqual(len(d["failures"]), 1, d["failures"])
         self.assertIn("jax.intercept-preload: the gathers did not take the intercepted path (rank 0: "

@@ -5,6 +5,7 @@ package intercept
 // whose ncclGroupStart it answered first, and forwards every other lookup as its caller made it.
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -119,5 +120,76 @@ func TestTheFirstGatherInAGroupAgreesThePathWhenTheGroupEnds(t *testing.T) {
 		counts, agreements := forwardedGathers(log, r.pid(t))
 		require.Equal(t, []int{16}, counts)
 		require.Equal(t, 2, agreements)
+	}
+}
+
+// One group holding the first gathers of two communicators agrees neither: an agreement
+// waits for its peer, so two in a row from one thread could wait on each other (one thread
+// driving both ranks of a communicator must group them). A later group holding one first
+// gather agrees that communicator.
+func TestAGroupHoldingTwoFirstGathersAgreesNeither(t *testing.T) {
+	f := fixtures(t)
+	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib)
+	runs := j.run2(t, "init", "init", "groupstart", "prevgather:16:0", "gather:16:0", "groupend",
+		"group:32:0", "group:64:0", "prevgather:128:0", "prevdestroy", "destroy")
+	log := j.ncclLog(t)
+	for _, r := range runs {
+		requireSteps(t, r, "init", "init", "groupstart", "gather", "gather", "groupend", "group", "group", "gather", "destroy",
+			"destroy")
+		require.Contains(t, r.stderr, "the group that held its first gather held the first gathers of 2 communicators, "+
+			"so none agrees the one-shot path there")
+		require.Equal(t, 2, strings.Count(r.stderr, "none agrees the one-shot path there"), "one line a communicator")
+		// The current communicator agrees at the end of the group of its 32-byte gather and
+		// takes the 64-byte one; the previous one agrees at its 128-byte gather, outside a group.
+		require.Equal(t, intercepted{Launches: 2, LaunchBytes: 64 + 128, Forwarded: 3, ForwardedBytes: 16 + 16 + 32,
+			Gathers: 2, Bytes: 64 + 128}, readIntercepted(t, r.stats), "rank %d", r.rank)
+		counts, agreements := forwardedGathers(log, r.pid(t))
+		require.Equal(t, []int{16, 16, 32}, counts)
+		require.Equal(t, 4, agreements, "two exchanges a communicator")
+	}
+}
+
+// A group that fails agrees nothing, and a communicator destroyed inside the group that held
+// its first gather is not agreed at that group's end.
+func TestAFailedGroupOrADestroyedCommunicatorAgreesNothing(t *testing.T) {
+	f := fixtures(t)
+	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib, "FAKE_NCCL_FORCE=ncclGroupEnd=3")
+	runs := j.run2(t, "init", "group:16:0", "group:32:0", "destroy")
+	for _, r := range runs {
+		require.Equal(t, 0, r.code, r.stderr)
+		for _, g := range r.steps("group") {
+			require.Equal(t, 3, g.num("group_end"), "NCCL's own result, unchanged")
+		}
+		require.Equal(t, intercepted{Forwarded: 2, ForwardedBytes: 16 + 32}, readIntercepted(t, r.stats))
+		_, agreements := forwardedGathers(j.ncclLog(t), r.pid(t))
+		require.Zero(t, agreements)
+	}
+	j = newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib)
+	runs = j.run2(t, "init", "groupstart", "gather:16:0", "destroy", "groupend")
+	for _, r := range runs {
+		requireSteps(t, r, "init", "groupstart", "gather", "destroy", "groupend")
+		require.Equal(t, intercepted{Forwarded: 1, ForwardedBytes: 16}, readIntercepted(t, r.stats))
+		_, agreements := forwardedGathers(j.ncclLog(t), r.pid(t))
+		require.Zero(t, agreements)
+	}
+}
+
+// A lookup of a function the NCCL has no pnccl name for gets NCCL's own: its wrapper could
+// only refuse the call.
+func TestALookupOfAFunctionNCCLCannotForwardGetsNCCLsOwn(t *testing.T) {
+	f := fixtures(t)
+	j := newJob(t, f.lookingCaller, "NCCL_NET_PLUGIN="+f.lib, "CALLER_NCCL="+f.ncclD)
+	runs := j.run2(t, "init", "split:0:0", "destroy")
+	report := j.bindReport(t)
+	for _, r := range runs {
+		requireSteps(t, r, "init", "split", "gather", "destroy", "destroy")
+		var outcome string
+		for _, l := range eventsOf(report, r.pid(t), "lookup") {
+			if l.str("function") == "ncclCommSplit" {
+				outcome = l.str("outcome")
+			}
+		}
+		require.Equal(t, "forwarded: that NCCL has no pnccl name for it to forward to", outcome)
+		require.Zero(t, readInterceptorStats(t, r.stats).Calls["ncclCommSplit"])
 	}
 }

@@ -10,6 +10,7 @@
  *
  * Usage: caller RANK IDFILE STEP...   (IDFILE: where rank 0 leaves each unique id)
  * Steps: init, initcfg:BLOCKING, init1, initcfg1:BLOCKING, initall, gather:COUNT:TYPE[:inplace],
+ * prevgather:COUNT:TYPE and prevdestroy (on the communicator made before the current one),
  * group:COUNT:TYPE, groupstart, groupend, split:COLOR:KEY, asyncerr, allreduce:COUNT, finalize,
  * destroy, abort, abortafter:MS, destroyafter:MS and join (another thread aborts or destroys while the
  * next steps run), sleepms:MS, die (SIGKILL), stop (SIGSTOP), got (this object's ncclAllGather slot and its page), load:PATH, via:libN,
@@ -37,6 +38,7 @@ typedef struct caller_state {
   const char* idfile;
   int inits;       /* communicators made so far: names each id's file */
   ncclComm_t comm; /* the current communicator */
+  ncclComm_t prev; /* the one before it (prevgather) */
 } caller_state;
 
 #ifndef CALLER_NO_NCCL
@@ -222,6 +224,7 @@ static int nccl_step(caller_state* s, const char* step) {
     int nranks = alone ? 1 : 2, rank = alone ? 0 : s->rank;
     int r = alone ? 0 : unique_id(s, &id);
     if (!alone) s->inits++;
+    s->prev = s->comm;
     ncclComm_t* where = &s->comm;
     if (r == 0 && strncmp(step, "initcfg", 7) != 0) {
       r = ncclCommInitRank(where, nranks, id, rank);
@@ -252,6 +255,10 @@ static int nccl_step(caller_state* s, const char* step) {
   }
   if (sscanf(step, "gather:%zu:%d:%15s", &count, &a, kind) >= 2) {
     gather(s, "gather", s->comm, count, (ncclDataType_t)a, strcmp(kind, "inplace") == 0, 0);
+    return 1;
+  }
+  if (sscanf(step, "prevgather:%zu:%d", &count, &a) == 2) {
+    gather(s, "gather", s->prev, count, (ncclDataType_t)a, 0, 0);
     return 1;
   }
   if (sscanf(step, "group:%zu:%d", &count, &a) == 2) {
@@ -327,6 +334,11 @@ static int nccl_step(caller_state* s, const char* step) {
   }
   if (strcmp(step, "die") == 0) raise(SIGKILL);
   if (strcmp(step, "stop") == 0) raise(SIGSTOP); /* silent as a cut link: the test kills it */
+  if (strcmp(step, "prevdestroy") == 0) {
+    out(s, "destroy", ncclCommDestroy(s->prev), "\"comm\":\"%p\"", (void*)s->prev);
+    s->prev = NULL;
+    return 1;
+  }
   if (strcmp(step, "destroy") == 0 || strcmp(step, "abort") == 0) {
     ncclResult_t r = step[0] == 'd' ? ncclCommDestroy(s->comm) : ncclCommAbort(s->comm);
     out(s, step, r, "\"comm\":\"%p\"", (void*)s->comm);
