@@ -18,15 +18,14 @@ import (
 
 // commStream is one rank's records of one communicator in one file, in sequence order. The
 // records hold the communicator's address, which differs between the ranks, so the two
-// ranks' streams are matched by what they recorded (matchStreams).
+// ranks' streams are matched by what they recorded (sameCommunicator).
 type commStream struct {
-	file       string
-	comm       uint64
-	rank       int
-	first      uint64         // the earliest host stamp of its records
-	last       uint64         // the latest
-	bySeq      map[uint64]int // sequence → index into the records
-	firstIndex int            // the stream's first record, for a stable order
+	file  string
+	comm  uint64
+	rank  int
+	first uint64         // the earliest host stamp of its records
+	last  uint64         // the latest
+	bySeq map[uint64]int // sequence → index into the records
 }
 
 func (s commStream) String() string {
@@ -58,6 +57,7 @@ type interceptedPairing struct {
 	late   map[int]bool // record index → whether its rank rang the doorbell second
 }
 
+// hostStamps are the earliest and the latest of a record's host stamps.
 func hostStamps(r gather.TraceRecord) (first, last uint64) {
 	for s := gather.Stamp(0); int(s) < gather.Stamps; s++ {
 		if t := r.T[s]; t != 0 {
@@ -107,7 +107,7 @@ func streamsOf(recs []fileRecord) []*commStream {
 		k := key{r.file, r.CommID, r.Rank}
 		s := open[k]
 		if s == nil || r.Seq <= lastSeq[k] {
-			s = &commStream{file: r.file, comm: r.CommID, rank: r.Rank, bySeq: map[uint64]int{}, firstIndex: i}
+			s = &commStream{file: r.file, comm: r.CommID, rank: r.Rank, bySeq: map[uint64]int{}}
 			open[k] = s
 			all = append(all, s)
 		}
@@ -220,7 +220,7 @@ var gatherSpans = []struct {
 		func(l, e gather.TraceRecord) float64 {
 			return ns2us(l.T[gather.StampOSDoorbell], l.T[gather.StampOSPosted])
 		}},
-	{"fabric", "late proxy's doorbell seen → early proxy's flag seen (host clock): the tcp span over tcp",
+	{"fabric", "late proxy's doorbell seen → early proxy's flag seen (host clock): the fabric's span",
 		func(l, e gather.TraceRecord) float64 {
 			return ns2us(l.T[gather.StampOSDoorbell], e.T[gather.StampOSPeer])
 		}},
@@ -234,7 +234,7 @@ var gatherSpans = []struct {
 		func(l, e gather.TraceRecord) float64 { return ns2us(e.KArrived, e.KEnd) }},
 	{"gather", "late kernel start → early kernel end (kernel clock)",
 		func(l, e gather.TraceRecord) float64 { return ns2us(l.KStart, e.KEnd) }},
-	{"delivery", "late proxy's write posted → early proxy's flag seen (host clock): the fabric span after posting",
+	{"delivery", "late proxy's write posted → early proxy's flag seen (host clock): the fabric's span after posting",
 		func(l, e gather.TraceRecord) float64 {
 			return ns2us(l.T[gather.StampOSPosted], e.T[gather.StampOSPeer])
 		}},

@@ -268,7 +268,7 @@ func TestPlugincheckTracePrintsOneInterceptedGatherAcrossRanks(t *testing.T) {
 	require.Equal(t, []string{"16", "3", "2.00", "4.60", "5.50", "3.40", "8.90", "2.50", "13.30", "0.90", "5.00"}, spans["16"])
 	// 4 KiB: two gathers, the mean of the two.
 	require.Equal(t, []string{"4096", "2", "3.50", "6.50", "8.00", "3.20", "11.20", "3.20", "17.90", "1.50", "8.00"}, spans["4096"])
-	require.Contains(t, out, "     fabric late proxy's doorbell seen → early proxy's flag seen (host clock): the tcp span over tcp\n")
+	require.Contains(t, out, "     fabric late proxy's doorbell seen → early proxy's flag seen (host clock): the fabric's span\n")
 
 	// Each run's clocks aligned at its quickest doorbell among its complete gathers (run 1: d
 	// 1.0 µs, run 2: 2.0): the doorbell's sight d less it, the flag's f plus it.
@@ -350,4 +350,28 @@ func TestInterceptedStreamsOfOtherGathersDoNotPair(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, p.links, 1, "without the gather of another size they pair")
 	require.Equal(t, 1, p.links[0].paired)
+}
+
+// docs/roce-gather.md, "Stats and timeline", names every column of the table across the
+// ranks, in the tool's order.
+func TestInterceptedGatherColumnsAreTheDocumentedOnes(t *testing.T) {
+	raw, err := os.ReadFile("../../docs/roce-gather.md")
+	require.NoError(t, err)
+	doc := string(raw)
+	start := strings.Index(doc, "### Stats and timeline")
+	require.GreaterOrEqual(t, start, 0)
+	table := strings.Index(doc[start:], "| column | span |")
+	require.Greater(t, table, 0, "the section has the table of columns")
+	start += table
+	end := strings.Index(doc[start:], "\n\n")
+	require.Greater(t, end, 0)
+	var documented []string
+	for _, m := range regexp.MustCompile("(?m)^\\| `([^`]+)` \\| ").FindAllStringSubmatch(doc[start:start+end], -1) {
+		documented = append(documented, m[1])
+	}
+	var printed []string
+	for _, s := range gatherSpans {
+		printed = append(printed, s.name)
+	}
+	require.Equal(t, printed, documented)
 }
