@@ -18,13 +18,15 @@ import (
 
 func cmdTrace(args []string) int {
 	fs := flag.NewFlagSet("trace", flag.ExitOnError)
-	asCSV := fs.Bool("csv", false, "print every record as CSV: stamps in microseconds after the call's iallgather")
+	asCSV := fs.Bool("csv", false, "print every record as CSV: stamps in microseconds after the call's iallgather (the intercepted gather's: after doorbell_seen), then each stamp's absolute value on its clock and the peer's record")
 	all := fs.Bool("all", false, "print the timeline of every call, not one a group of calls")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "usage: plugincheck trace [--csv | --all] FILE...\n\n"+
 			"Reads the timelines ROCE_GATHER_TRACE wrote (one file a process; give both ranks' files of\n"+
 			"one run to line each call up with its peer's). Prints, per rank, mode and window size, the\n"+
-			"median of each part of a gather, and the timeline of the median call.\n\n")
+			"median of each part of a gather, and the timeline of the median call. For the intercepted\n"+
+			"gather it then pairs the two ranks' records of each gather and prints, per size, where one\n"+
+			"gather's microseconds go from one rank to the other; the files of several runs pool.\n\n")
 		fs.PrintDefaults()
 	}
 	fs.Parse(args)
@@ -33,7 +35,13 @@ func cmdTrace(args []string) int {
 		return 2
 	}
 	var recs []fileRecord
+	given := map[string]bool{}
 	for _, path := range fs.Args() {
+		if given[path] {
+			fmt.Fprintf(os.Stderr, "plugincheck: %s is given twice: each file once\n", path)
+			return 2
+		}
+		given[path] = true
 		h, rs, err := gather.ReadTrace(path)
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "plugincheck: %s: %v\n", path, err)
@@ -49,14 +57,22 @@ func cmdTrace(args []string) int {
 		}
 	}
 	joinPeers(recs)
+	pairing, err := pairIntercepted(recs)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "plugincheck:", err)
+		return 1
+	}
 	if *asCSV {
-		if err := writeTraceCSV(os.Stdout, recs); err != nil {
+		if err := writeTraceCSV(os.Stdout, recs, pairing); err != nil {
 			fmt.Fprintln(os.Stderr, "plugincheck:", err)
 			return 1
 		}
 		return 0
 	}
 	printTraceSummary(os.Stdout, recs, *all)
+	if len(pairing.links)+len(pairing.alone) > 0 {
+		printGatherTable(os.Stdout, recs, pairing)
+	}
 	return 0
 }
 
@@ -76,7 +92,29 @@ func joinPeers(recs []fileRecord) {
 	}
 }
 
-func writeTraceCSV(w io.Writer, recs []fileRecord) error {
+// routePeers finds, for the CollNet route's records, the peer's record of the same call:
+// the same communicator id and sequence, the other rank (as gather.JoinPeers pairs them).
+func routePeers(recs []fileRecord) map[int]int {
+	type key struct {
+		comm, seq uint64
+		rank      int
+	}
+	at := map[key]int{}
+	for i, r := range recs {
+		if r.Mode != gather.ModeIntercepted {
+			at[key{r.CommID, r.Seq, r.Rank}] = i
+		}
+	}
+	peer := map[int]int{}
+	for i, r := range recs {
+		if j, ok := at[key{r.CommID, r.Seq, 1 - r.Rank}]; ok && r.Mode != gather.ModeIntercepted {
+			peer[i] = j
+		}
+	}
+	return peer
+}
+
+func writeTraceCSV(w io.Writer, recs []fileRecord, pairing interceptedPairing) error {
 	cw := csv.NewWriter(w)
 	head := []string{"file", "rank", "comm_id", "seq", "mode", "window_offset", "window_bytes", "bytes_per_rank", "lanes",
 		"cuda", "kernel", "failed", "test_calls", "max_test_gap_us"}
@@ -84,12 +122,27 @@ func writeTraceCSV(w io.Writer, recs []fileRecord) error {
 		head = append(head, s.String()+"_us")
 	}
 	head = append(head, "peer_iallgather_us", "iallgather_ns", "kernel_start_ns", "kernel_staged_us", "kernel_arrived_us", "kernel_us")
+	// Absolute stamps, host stamps on CLOCK_MONOTONIC, the kernel's on %globaltimer
+	// (iallgather's is iallgather_ns above), and the peer's record of the same gather.
+	for s := gather.Stamp(0); int(s) < gather.Stamps; s++ {
+		if s != gather.StampIallgather {
+			head = append(head, s.String()+"_ns")
+		}
+	}
+	head = append(head, "kernel_staged_ns", "kernel_arrived_ns", "kernel_end_ns", "peer_file", "peer_comm_id", "late")
 	if err := cw.Write(head); err != nil {
 		return err
 	}
 	us := func(v float64) string { return strconv.FormatFloat(v, 'f', 3, 64) }
 	flag := func(r fileRecord, f uint32) string { return strconv.FormatBool(r.Flags&f != 0) }
-	for _, r := range recs {
+	routePeer := routePeers(recs)
+	ns := func(t uint64) string {
+		if t == 0 {
+			return ""
+		}
+		return strconv.FormatUint(t, 10)
+	}
+	for i, r := range recs {
 		row := []string{r.file, strconv.Itoa(r.Rank), fmt.Sprintf("0x%x", r.CommID), strconv.FormatUint(r.Seq, 10), r.Mode.String(),
 			strconv.FormatUint(r.WindowOffset, 10), strconv.FormatUint(r.WindowBytes, 10), strconv.FormatUint(r.BytesPerRank, 10),
 			strconv.Itoa(r.Lanes), flag(r, gather.TraceCUDA), flag(r, gather.TraceKernel), flag(r, gather.TraceFailed),
@@ -112,6 +165,24 @@ func writeTraceCSV(w io.Writer, recs []fileRecord) error {
 		} else {
 			row = append(row, "", "", "", "")
 		}
+		for s := gather.Stamp(0); int(s) < gather.Stamps; s++ {
+			if s != gather.StampIallgather {
+				row = append(row, ns(r.T[s]))
+			}
+		}
+		row = append(row, ns(r.KStaged), ns(r.KArrived), ns(r.KEnd))
+		peerFile, peerComm, late := "", "", ""
+		j, ok := pairing.peer[i]
+		if !ok {
+			j, ok = routePeer[i]
+		}
+		if ok {
+			peerFile, peerComm = recs[j].file, fmt.Sprintf("0x%x", recs[j].CommID)
+		}
+		if l, ok := pairing.late[i]; ok {
+			late = strconv.FormatBool(l)
+		}
+		row = append(row, peerFile, peerComm, late)
 		if err := cw.Write(row); err != nil {
 			return err
 		}
@@ -172,6 +243,38 @@ func printTraceSummary(w io.Writer, recs []fileRecord, all bool) {
 		}
 		return a.rank < b.rank
 	})
+	var routeKeys, interceptedKeys []traceGroup
+	for _, k := range keys {
+		if k.mode == gather.ModeIntercepted {
+			interceptedKeys = append(interceptedKeys, k)
+		} else {
+			routeKeys = append(routeKeys, k)
+		}
+	}
+	if len(routeKeys) > 0 {
+		printRouteSummary(w, groups, routeKeys)
+	}
+	if len(interceptedKeys) > 0 {
+		printInterceptedSummary(w, groups, interceptedKeys)
+	}
+	for _, k := range keys {
+		rs := groups[k]
+		if all {
+			for _, r := range rs {
+				printTimeline(w, r)
+			}
+			continue
+		}
+		// The call whose iallgather-to-report time is the group's median.
+		sorted := append([]fileRecord(nil), rs...)
+		sort.Slice(sorted, func(i, j int) bool { return span(sorted[i]) < span(sorted[j]) })
+		printTimeline(w, sorted[len(sorted)/2])
+	}
+}
+
+// printRouteSummary prints the CollNet route's medians: the plugin's part from iallgather,
+// then NCCL's.
+func printRouteSummary(w io.Writer, groups map[traceGroup][]fileRecord, keys []traceGroup) {
 	fmt.Fprintf(w, "\nmedians in microseconds after the call's iallgather (the plugin's part), then NCCL's part:\n")
 	fmt.Fprintf(w, "%-4s %-10s %10s %10s %6s", "rank", "mode", "bytes/rank", "window", "calls")
 	for _, p := range traceParts {
@@ -200,19 +303,6 @@ func printTraceSummary(w io.Writer, recs []fileRecord, all bool) {
 			gaps = append(gaps, float64(r.MaxTestGapNs)/1e3)
 		}
 		fmt.Fprintf(w, " %6.0f %8.2f\n", median(tests), median(gaps))
-	}
-	for _, k := range keys {
-		rs := groups[k]
-		if all {
-			for _, r := range rs {
-				printTimeline(w, r)
-			}
-			continue
-		}
-		// The call whose iallgather-to-report time is the group's median.
-		sorted := append([]fileRecord(nil), rs...)
-		sort.Slice(sorted, func(i, j int) bool { return span(sorted[i]) < span(sorted[j]) })
-		printTimeline(w, sorted[len(sorted)/2])
 	}
 }
 
@@ -299,6 +389,10 @@ func printTimeline(w io.Writer, r fileRecord) {
 	}
 	if len(nccl) > 0 {
 		fmt.Fprintf(&b, "  NCCL:   %s\n", strings.Join(nccl, ", "))
+	}
+	if r.KStart != 0 && r.KStaged != 0 && r.KArrived != 0 && r.KEnd != 0 {
+		fmt.Fprintf(&b, "  kernel: its doorbell rung %.2f us after its start, the peer's data seen at %.2f, its end at %.2f (its own clock)\n",
+			ns2us(r.KStart, r.KStaged), ns2us(r.KStart, r.KArrived), ns2us(r.KStart, r.KEnd))
 	}
 	if r.PeerIallgather != 0 {
 		fmt.Fprintf(&b, "  peer:   its iallgather %+.2f us from this rank's\n", float64(int64(r.PeerIallgather-r.T[gather.StampIallgather]))/1e3)

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -183,11 +184,24 @@ func TestPlugincheckTracePrintsWhereTheMicrosecondsGo(t *testing.T) {
 		"cuda", "kernel", "failed", "test_calls", "max_test_gap_us", "iallgather_us", "returned_us", "token_sent_us", "token_seen_us",
 		"posted_us", "writes_done_us", "peer_seen_us", "launched_us", "go_us", "placed_us", "done_us", "first_test_us",
 		"reported_us", "next_us", "doorbell_seen_us", "write_posted_us", "peer_flag_seen_us", "rows_written_us",
-		"peer_iallgather_us", "iallgather_ns", "kernel_start_ns", "kernel_staged_us", "kernel_arrived_us", "kernel_us"}, rows[0])
+		"peer_iallgather_us", "iallgather_ns", "kernel_start_ns", "kernel_staged_us", "kernel_arrived_us", "kernel_us",
+		"returned_ns", "token_sent_ns", "token_seen_ns", "posted_ns", "writes_done_ns", "peer_seen_ns", "launched_ns", "go_ns",
+		"placed_ns", "done_ns", "first_test_ns", "reported_ns", "next_ns", "doorbell_seen_ns", "write_posted_ns",
+		"peer_flag_seen_ns", "rows_written_ns", "kernel_staged_ns", "kernel_arrived_ns", "kernel_end_ns",
+		"peer_file", "peer_comm_id", "late"}, rows[0])
 	require.Equal(t, []string{files[0], "0", "0xc0ffee", "1", "eager"}, rows[1][:5])
 	require.Equal(t, "0.000", rows[1][14])
 	require.Equal(t, "", rows[1][16], "no token in eager mode")
 	require.NotEqual(t, "", rows[1][32], "the peer's record was read too")
+	col := map[string]int{}
+	for i, name := range rows[0] {
+		col[name] = i
+	}
+	r0 := recs[0][0]
+	require.Equal(t, strconv.FormatUint(r0.T[gather.StampIallgather], 10), rows[1][col["iallgather_ns"]])
+	require.Equal(t, strconv.FormatUint(r0.T[gather.StampReported], 10), rows[1][col["reported_ns"]], "absolute on the host clock")
+	require.Equal(t, "", rows[1][col["token_sent_ns"]], "no token in eager mode")
+	require.Equal(t, []string{files[1], "0xc0ffee", ""}, rows[1][col["peer_file"]:], "the peer: the same communicator id and call")
 }
 
 func TestPlugincheckTraceRefusesAFileThatIsNotATrace(t *testing.T) {

@@ -1,6 +1,7 @@
 package gather
 
 /*
+#include <stdlib.h>
 #include "trace.h"
 */
 import "C"
@@ -231,6 +232,45 @@ func ParseTrace(b []byte) (TraceHeader, []TraceRecord, error) {
 	}
 	sort.Slice(recs, func(i, j int) bool { return recs[i].Index < recs[j].Index })
 	return h, recs, nil
+}
+
+// EncodeTrace is the file the library would have written with header h (its version,
+// record size and stamp count aside, which are this library's) and records recs, each in
+// the slot its Index names. It lays them out through trace.h's own structs; tests and
+// tools build traces with it.
+func EncodeTrace(h TraceHeader, recs []TraceRecord) ([]byte, error) {
+	if h.Capacity == 0 {
+		return nil, errors.New("a trace file of 0 records: the header's capacity must be at least 1")
+	}
+	n := TraceBytes(h.Capacity)
+	p := C.calloc(1, C.size_t(n))
+	if p == nil {
+		return nil, fmt.Errorf("out of memory for a trace file of %d bytes", n)
+	}
+	defer C.free(p)
+	hdr := (*C.rg_trace_header)(p)
+	hdr.magic, hdr.version, hdr.record_bytes = C.RG_TRACE_MAGIC, C.RG_TRACE_VERSION, C.RG_TRACE_RECORD_BYTES
+	hdr.capacity, hdr.begun, hdr.every, hdr.pid = C.uint64_t(h.Capacity), C.uint64_t(h.Begun), C.uint64_t(h.Every), C.uint64_t(h.PID)
+	hdr.stamps = C.RG_T_N
+	slots := unsafe.Slice((*C.rg_trace_record)(unsafe.Add(p, traceHeaderBytes)), h.Capacity)
+	for _, r := range recs {
+		if r.Index == 0 {
+			return nil, fmt.Errorf("communicator 0x%x call %d: a record's index counts from 1, not 0", r.CommID, r.Seq)
+		}
+		c := &slots[(r.Index-1)%h.Capacity]
+		if c.index != 0 {
+			return nil, fmt.Errorf("records %d and %d share slot %d of a ring of %d", uint64(c.index), r.Index, (r.Index-1)%h.Capacity, h.Capacity)
+		}
+		c.index, c.comm_id, c.seq = C.uint64_t(r.Index), C.uint64_t(r.CommID), C.uint64_t(r.Seq)
+		c.window_offset, c.window_bytes, c.bytes_per_rank = C.uint64_t(r.WindowOffset), C.uint64_t(r.WindowBytes), C.uint64_t(r.BytesPerRank)
+		c.rank, c.mode, c.lanes, c.flags = C.uint32_t(r.Rank), C.uint32_t(r.Mode), C.uint32_t(r.Lanes), C.uint32_t(r.Flags)
+		c.test_calls, c.max_test_gap_ns = C.uint64_t(r.TestCalls), C.uint64_t(r.MaxTestGapNs)
+		for s, t := range r.T {
+			c.t[s] = C.uint64_t(t)
+		}
+		c.k_start, c.k_staged, c.k_arrived, c.k_end = C.uint64_t(r.KStart), C.uint64_t(r.KStaged), C.uint64_t(r.KArrived), C.uint64_t(r.KEnd)
+	}
+	return C.GoBytes(p, C.int(n)), nil
 }
 
 // JoinPeers fills PeerIallgather of records whose peer's record (same communicator and

@@ -108,3 +108,44 @@ func TestJoinPeersMatchesCommAndCall(t *testing.T) {
 	require.Equal(t, uint64(100), recs[1].PeerIallgather)
 	require.Zero(t, recs[2].PeerIallgather, "no peer record")
 }
+
+// EncodeTrace writes what ParseTrace reads, each field at trace.h's offset and each record
+// in the slot of its index.
+func TestEncodeTraceIsReadBackFieldForField(t *testing.T) {
+	h := TraceHeader{Version: 2, Capacity: 3, Begun: 5, Every: 4, PID: 4242}
+	recs := []TraceRecord{
+		{Index: 4, CommID: 0xabc, Seq: 16, WindowOffset: 0, WindowBytes: 32, BytesPerRank: 16, Rank: 1, Mode: ModeIntercepted,
+			Lanes: 2, Flags: TraceCUDA, KStart: 1_000, KStaged: 3_000, KArrived: 9_000, KEnd: 12_000},
+		{Index: 5, CommID: 0xabc, Seq: 20, WindowBytes: 64, BytesPerRank: 32, Rank: 1, Mode: ModeIntercepted, Lanes: 1,
+			TestCalls: 3, MaxTestGapNs: 77},
+	}
+	recs[0].T[StampOSDoorbell], recs[0].T[StampOSPosted], recs[0].T[StampOSPeer], recs[0].T[StampOSRows] = 500, 700, 900, 1100
+	recs[1].T[StampIallgather], recs[1].T[StampNext] = 10, 99
+	b, err := EncodeTrace(h, recs)
+	require.NoError(t, err)
+	require.Len(t, b, 64+3*256)
+	le := binary.LittleEndian
+	require.Equal(t, uint64(0x3145434152544752), le.Uint64(b[0:]))
+	require.Equal(t, uint64(4242), le.Uint64(b[40:]), "pid")
+	slot0 := b[64:] // index 4 lives in slot (4-1) % 3 = 0
+	require.Equal(t, uint64(4), le.Uint64(slot0[0:]))
+	require.Equal(t, uint32(3), le.Uint32(slot0[52:]), "mode intercepted")
+	require.Equal(t, uint64(500), le.Uint64(slot0[80+8*int(StampOSDoorbell):]))
+	require.Equal(t, uint64(9_000), le.Uint64(slot0[80+8*18+16:]), "k_arrived")
+	require.Equal(t, uint64(5), le.Uint64(b[64+256:]), "index 5 in slot 1")
+	require.Zero(t, le.Uint64(b[64+512:]), "slot 2 never written")
+
+	gotH, got, err := ParseTrace(b)
+	require.NoError(t, err)
+	require.Equal(t, h, gotH)
+	require.Equal(t, recs, got)
+}
+
+func TestEncodeTraceRefusesWhatNoRingHolds(t *testing.T) {
+	_, err := EncodeTrace(TraceHeader{}, nil)
+	require.EqualError(t, err, "a trace file of 0 records: the header's capacity must be at least 1")
+	_, err = EncodeTrace(TraceHeader{Capacity: 2}, []TraceRecord{{CommID: 7, Seq: 3}})
+	require.EqualError(t, err, "communicator 0x7 call 3: a record's index counts from 1, not 0")
+	_, err = EncodeTrace(TraceHeader{Capacity: 2}, []TraceRecord{{Index: 1}, {Index: 3}})
+	require.EqualError(t, err, "records 1 and 3 share slot 0 of a ring of 2")
+}
