@@ -326,6 +326,17 @@ static int preempting(void) {
 
 #if RG_GOT_REBINDS
 
+/* The frame both hooks keep around their C call: the caller's first two arguments saved,
+ * the stack 16-byte aligned at the call; restored before they answer or jump on. */
+#define HOOK_BEGIN(name)                                                                          \
+  ".pushsection .text\n.p2align 4\n.globl " #name "\n.hidden " #name "\n.type " #name ", @function\n" #name \
+  ":\n.cfi_startproc\n  endbr64\n  push %rdi\n.cfi_adjust_cfa_offset 8\n  push %rsi\n"                  \
+  ".cfi_adjust_cfa_offset 8\n  sub $8, %rsp\n.cfi_adjust_cfa_offset 8\n"
+#define HOOK_RESTORE                                                                          \
+  "  add $8, %rsp\n.cfi_adjust_cfa_offset -8\n  pop %rsi\n.cfi_adjust_cfa_offset -8\n  pop %rdi\n" \
+  ".cfi_adjust_cfa_offset -8\n"
+#define HOOK_END(name) ".cfi_endproc\n.size " #name ", .-" #name "\n.popsection\n"
+
 /* Forwarded to by the dlopen hook: the dlopen this library itself resolves to. */
 __attribute__((visibility("hidden"), used)) void* (*rg_real_dlopen)(const char*, int);
 
@@ -339,33 +350,13 @@ __attribute__((visibility("hidden"), used)) void* rg_dlopen_and_scan(const char*
  * any caller: those go through rg_dlopen_and_scan, which opens and then binds what was
  * added. Every other call jumps to dlopen with the stack as the caller left it, so dlopen
  * sees the caller's own return address; what it adds is bound at the next NCCL init. */
-__asm__(".pushsection .text\n"
-        ".p2align 4\n"
-        ".globl rg_dlopen_hook\n"
-        ".hidden rg_dlopen_hook\n"
-        ".type rg_dlopen_hook, @function\n"
-        "rg_dlopen_hook:\n"
-        ".cfi_startproc\n"
-        "  endbr64\n"
-        "  push %rdi\n"
-        ".cfi_adjust_cfa_offset 8\n"
-        "  push %rsi\n"
-        ".cfi_adjust_cfa_offset 8\n"
-        "  sub $8, %rsp\n"
-        ".cfi_adjust_cfa_offset 8\n"
+__asm__(HOOK_BEGIN(rg_dlopen_hook)
         "  call rg_dlopen_caller_free\n"
-        "  add $8, %rsp\n"
-        ".cfi_adjust_cfa_offset -8\n"
-        "  pop %rsi\n"
-        ".cfi_adjust_cfa_offset -8\n"
-        "  pop %rdi\n"
-        ".cfi_adjust_cfa_offset -8\n"
+        HOOK_RESTORE
         "  test %eax, %eax\n"
         "  jnz rg_dlopen_and_scan\n"
         "  jmp *rg_real_dlopen(%rip)\n"
-        ".cfi_endproc\n"
-        ".size rg_dlopen_hook, .-rg_dlopen_hook\n"
-        ".popsection\n");
+        HOOK_END(rg_dlopen_hook));
 
 /* Forwarded to by the dlsym hook: the dlsym this library itself resolves to. */
 __attribute__((visibility("hidden"), used)) void* (*rg_real_dlsym)(void*, const char*);
@@ -378,36 +369,16 @@ __attribute__((visibility("hidden"), used)) void* rg_dlsym_answer(void* handle, 
  * what rg_dlsym_answer returns (a wrapper, for a lookup of a wrapped name in NCCL's handle)
  * and jumps to dlsym with the stack as the caller left it for everything else. The
  * caller's return address goes to rg_dlsym_answer as its third argument. */
-__asm__(".pushsection .text\n"
-        ".p2align 4\n"
-        ".globl rg_dlsym_hook\n"
-        ".hidden rg_dlsym_hook\n"
-        ".type rg_dlsym_hook, @function\n"
-        "rg_dlsym_hook:\n"
-        ".cfi_startproc\n"
-        "  endbr64\n"
-        "  push %rdi\n"
-        ".cfi_adjust_cfa_offset 8\n"
-        "  push %rsi\n"
-        ".cfi_adjust_cfa_offset 8\n"
-        "  sub $8, %rsp\n"
-        ".cfi_adjust_cfa_offset 8\n"
-        "  mov 24(%rsp), %rdx\n"
+__asm__(HOOK_BEGIN(rg_dlsym_hook)
+        "  mov 24(%rsp), %rdx\n" /* the caller's return address, above the three slots */
         "  call rg_dlsym_answer\n"
-        "  add $8, %rsp\n"
-        ".cfi_adjust_cfa_offset -8\n"
-        "  pop %rsi\n"
-        ".cfi_adjust_cfa_offset -8\n"
-        "  pop %rdi\n"
-        ".cfi_adjust_cfa_offset -8\n"
+        HOOK_RESTORE
         "  test %rax, %rax\n"
         "  jz 1f\n"
         "  ret\n"
         "1:\n"
         "  jmp *rg_real_dlsym(%rip)\n"
-        ".cfi_endproc\n"
-        ".size rg_dlsym_hook, .-rg_dlsym_hook\n"
-        ".popsection\n");
+        HOOK_END(rg_dlsym_hook));
 
 int rg_dlopen_caller_free(const char* file) {
   return file != NULL && strchr(file, '/') != NULL && strchr(file, '$') == NULL;
@@ -438,6 +409,21 @@ static const char* scan_name(int i) {
   return i < RG_WRAP_N ? rg_wrapped_names[i] : i == SCAN_DLOPEN ? "dlopen" : "dlsym";
 }
 static int is_hook(int name) { return name >= RG_WRAP_N; }
+
+/* The scan names in mask: a "functions" array of j, and "a, b" in text. */
+static void name_list(jline* j, unsigned mask, char* text, size_t size) {
+  size_t n = 0;
+  text[0] = '\0';
+  jkey(j, "functions");
+  jraw(j, "[");
+  for (int name = 0; name < N_SCAN; name++) {
+    if (!(mask & (1u << name))) continue;
+    if (n < size) n += (size_t)snprintf(text + n, size - n, "%s%s", n ? ", " : "", scan_name(name));
+    if (j->buf[j->n - 1] != '[') jraw(j, ",");
+    jstr(j, scan_name(name));
+  }
+  jraw(j, "]");
+}
 
 /* Fields of rg_nccl_api by wrapped function. */
 static const size_t wrapped_field[RG_WRAP_N] = {
@@ -699,8 +685,7 @@ static void scan(const uintptr_t* skip, size_t nskip, const char* at, int hooks_
   pthread_mutex_lock(&state_mu);
   for (size_t i = 0; i < t.n; i++) {
     const rg_obj* o = &t.obj[i];
-    char names[512] = "";
-    size_t n = 0;
+    char names[512];
     jline j;
     jstart(&j, "bound");
     char buf[4096];
@@ -720,15 +705,7 @@ static void scan(const uintptr_t* skip, size_t nskip, const char* at, int hooks_
         RG_INFO(NCCL_INIT, LOG_PREFIX "could not rebind %s in %s: %s", scan_name(name), oname, strerror(writes[w].err));
       }
     }
-    jkey(&j, "functions");
-    jraw(&j, "[");
-    for (int name = 0; name < N_SCAN; name++) {
-      if (!(mask & (1u << name))) continue;
-      if (n < sizeof(names)) n += (size_t)snprintf(names + n, sizeof(names) - n, "%s%s", n ? ", " : "", scan_name(name));
-      if (j.buf[j.n - 1] != '[') jraw(&j, ",");
-      jstr(&j, scan_name(name));
-    }
-    jraw(&j, "]");
+    name_list(&j, mask, names, sizeof(names));
     int leaves = 0;
     for (size_t s = o->first_slot; s < o->first_slot + o->nslots; s++)
       leaves |= plan[s].d == D_LEAVE && !is_hook(t.slot[s].name);
@@ -861,23 +838,14 @@ static int wrapped_index(const char* name) {
 }
 
 static void say_lookup(const char* oname, const lookup_caller* c, int answered) {
-  char names[512] = "";
-  size_t n = 0;
+  char names[512];
   jline j;
   jstart(&j, "looked_up");
   jkey(&j, "object");
   jstr(&j, oname);
   jkey(&j, "answered");
   jraw(&j, answered ? "true" : "false");
-  jkey(&j, "functions");
-  jraw(&j, "[");
-  for (int w = 0; w < RG_WRAP_N; w++) {
-    if (!(c->answered & (1u << w))) continue;
-    if (n < sizeof(names)) n += (size_t)snprintf(names + n, sizeof(names) - n, "%s%s", n ? ", " : "", rg_wrapped_names[w]);
-    if (j.buf[j.n - 1] != '[') jraw(&j, ",");
-    jstr(&j, rg_wrapped_names[w]);
-  }
-  jraw(&j, "]");
+  name_list(&j, c->answered, names, sizeof(names)); /* wrapped names are the first scan names */
   jend(&j);
   if (answered)
     RG_INFO(NCCL_INIT, LOG_PREFIX "%s looked up ncclAllGather with dlsym and got this library's (it took %s here)",
