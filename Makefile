@@ -5,10 +5,10 @@ BUILD := build
 DRIVER_CFLAGS := -O2 -g -std=gnu11 -Wall -Wextra -Werror -Iinclude
 LIB := $(BUILD)/libroce_gather.so
 
-.PHONY: all check test test-all test-load test-rxe vet fmt lint clean kernels kernels-oneshot install wheel need-build need-wheel need-test need-rxe
-all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl
+.PHONY: all check test test-all test-load test-rxe vet fmt lint clean kernels-oneshot install wheel need-build need-wheel need-test need-rxe
+all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/abort-nccl $(BUILD)/gather-nccl
 
-GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/roce_gather.ptx go.mod go.sum build/exports.map
+GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/oneshot.ptx go.mod go.sum build/exports.map
 
 # What each kind of target needs from the system (build/setup.sh installs it): a missing
 # header or tool is named in one line, with the command that installs it, before anything runs.
@@ -30,11 +30,6 @@ $(BUILD)/plugincheck: $(GO_SOURCES) | need-build
 $(BUILD)/plugincheck-driver: $(wildcard cmd/plugincheck/driver/*.c cmd/plugincheck/driver/*.h) $(wildcard include/nccl/*.h) | need-build
 	$(CC) $(DRIVER_CFLAGS) -o $@ $(filter %.c,$^) -ldl -lpthread
 
-# The GPU check of the gather kernel (tests/gpu/kernel_check.c); builds anywhere, runs where a GPU is.
-KERNEL_CHECK_SRC := tests/gpu/kernel_check.c kernels/place.c internal/cudadrv/cudadrv.c
-$(BUILD)/kernel-check: $(KERNEL_CHECK_SRC) kernels/place.h internal/cudadrv/cudadrv.h include/cuda_subset.h | need-build
-	$(CC) $(DRIVER_CFLAGS) -o $@ $(KERNEL_CHECK_SRC) -ldl -lpthread
-
 # NCCL through its C API for tests/gpu: ncclCommAbort after the peer's death, and gathers
 # with no framework around them. NCCL is opened at run time. Steps capi and abort build the
 # same cases linked with -lnccl on the GPU machine (tests/gpu/gather_linked.c).
@@ -42,16 +37,6 @@ NCCL_MIN := tests/gpu/nccl_min.c tests/gpu/nccl_dlopen.c internal/cudadrv/cudadr
 NCCL_MIN_H := tests/gpu/nccl_min.h tests/gpu/nccl_api.h internal/cudadrv/cudadrv.h include/cuda_subset.h
 $(BUILD)/abort-nccl $(BUILD)/gather-nccl: $(BUILD)/%-nccl: tests/gpu/%_nccl.c $(NCCL_MIN) $(NCCL_MIN_H) | need-build
 	$(CC) $(DRIVER_CFLAGS) -o $@ $< $(NCCL_MIN) -ldl -lpthread
-
-# Rebuilds the embedded PTX of the gather kernel; needs nvcc (any CUDA 11.8 or newer).
-# compute_75 PTX of ISA 7.8 (nvcc 11.8) loads on every CUDA 12 and 13 driver and runs on
-# Turing and every later GPU; the first line records the source it came from.
-NVCC ?= nvcc
-KERNEL_ARCH := compute_75
-kernels:
-	$(NVCC) -ptx -arch=$(KERNEL_ARCH) -o kernels/roce_gather.ptx.tmp kernels/roce_gather.cu
-	{ echo "// source-sha256: $$(sha256sum kernels/roce_gather.cu | cut -d' ' -f1)"; cat kernels/roce_gather.ptx.tmp; } >kernels/roce_gather.ptx
-	rm -f kernels/roce_gather.ptx.tmp
 
 # Rebuilds the embedded PTX of the intercepted gather's kernel with clang's CUDA mode, which
 # needs no CUDA toolkit (Debian's clang-14). PTX ISA 6.3 for compute_75 loads on every
@@ -123,6 +108,6 @@ test-rxe: all | need-rxe
 	tests/rxe/run.sh
 
 clean:
-	rm -rf $(BUILD)/lib* $(BUILD)/plugincheck* $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl \
+	rm -rf $(BUILD)/lib* $(BUILD)/plugincheck* $(BUILD)/abort-nccl $(BUILD)/gather-nccl \
 		$(BUILD)/rxe.test $(BUILD)/verbs.test $(BUILD)/gather.test $(BUILD)/roce_gather-*.whl
 

@@ -2,20 +2,12 @@ package plugin
 
 import (
 	"fmt"
+	"sort"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/roce-gather/roce_gather/roce/gather"
-)
-
-// Mode is ROCE_GATHER_MODE, as the gather's handle carries it.
-type Mode = gather.Mode
-
-const (
-	ModeAuto       = gather.ModeAuto
-	ModeRendezvous = gather.ModeRendezvous
-	ModeEager      = gather.ModeEager
 )
 
 // Config is the plugin's configuration, read from the environment once per init from
@@ -27,35 +19,19 @@ type Config struct {
 	// resolves them against the fabric's defaults.
 	MinBytes, MaxBytes       uint64
 	MinBytesSet, MaxBytesSet bool
-	TCPCUDA                  bool // ROCE_GATHER_TCP_CUDA=1: the tcp fabric offers NCCL CUDA memory, for testing GPUDirect on one host
-	// DirectWithoutNVSwitch: ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1, schedule onto CollNet
-	// Direct where NCCL drops it for lack of an NVSwitch (docs/roce-gather.md, "Topologies without NVSwitch").
-	DirectWithoutNVSwitch bool
-	Fabric                string // auto, verbs, tcp
-	HCAs                  string
-	GIDIndex              int // -1: automatic
-	TCPIf                 string
-	SocketIf              string // NCCL_SOCKET_IFNAME, consulted when TCPIf is empty
-	Timeout               time.Duration
-	Mode                  Mode
-	StatsPath             string // "", a path (with %p for the pid, %h for the host) or "stderr"
-	// OneShotChannels is ROCE_GATHER_ONESHOT_CHANNELS, the nChannels the tuner sets for a
-	// one-shot gather (1, 2, 4 or 8); OneShotChunk is ROCE_GATHER_ONESHOT_CHUNK, the chunk
-	// size tuner v6 returns for it, 0 leaving NCCL's choice. Both are agreed at connect.
-	OneShotChannels int
-	OneShotChunk    uint64
-	// PlaceByCopy: eager gathers on CUDA memory are placed with cuMemcpyAsync (the default,
-	// ROCE_GATHER_PLACEMENT=copy), not the gather kernel (=kernel): docs/benchmarks.md.
-	PlaceByCopy bool
+	Fabric                   string // auto, verbs, tcp
+	HCAs                     string
+	GIDIndex                 int // -1: automatic
+	TCPIf                    string
+	SocketIf                 string // NCCL_SOCKET_IFNAME, consulted when TCPIf is empty
+	Timeout                  time.Duration
+	StatsPath                string // "", a path (with %p for the pid, %h for the host) or "stderr"
 	// TracePath is ROCE_GATHER_TRACE, the timeline's file ("" for none; %p and %h as in
 	// StatsPath); TraceEvery samples one call in that many (ROCE_GATHER_TRACE_EVERY), and
 	// TraceRecords is the ring's size (ROCE_GATHER_TRACE_RECORDS).
 	TracePath    string
 	TraceEvery   uint64
 	TraceRecords uint64
-	// Net is ROCE_GATHER_NET=1: the net and collNet tables offer NCCL this library's
-	// fabric, which the CollNet route needs; by default NCCL uses its own transports.
-	Net bool
 	// ChunkBytes is ROCE_GATHER_CHUNK_BYTES, the smallest chunk an intercepted gather is
 	// cut into (0: the fabric's default, ChunkFor); both ranks use the larger of theirs.
 	ChunkBytes uint64
@@ -66,12 +42,9 @@ type Config struct {
 
 // Defaults, as README.md's configuration table gives them.
 const (
-	// MaxMaxBytes bounds the cap and the floor: the landing slots of eager mode are sized
-	// from the cap.
+	// MaxMaxBytes bounds the cap and the floor: an engine's slots are sized from the cap.
 	MaxMaxBytes      = 64 << 20
 	DefaultTimeoutMS = 30000
-	// DefaultOneShotChannels is the nChannels of a one-shot gather.
-	DefaultOneShotChannels = 1
 	// The timeline samples every call by default, into a ring of 16384 records (4 MiB).
 	DefaultTraceEvery   = 1
 	DefaultTraceRecords = 16384
@@ -105,19 +78,19 @@ var DefaultWindows = map[string]FabricWindow{
 	"tcp": {MinBytes: 0, MaxBytes: 256 << 10, MinChunk: 256 << 10},
 }
 
-// CollNetDefaultWindows holds each fabric's default window of the CollNet route
-// (ROCE_GATHER_NET=1, NCCL_COLLNET_ENABLE=1).
-var CollNetDefaultWindows = map[string]FabricWindow{
-	"verbs": {MinBytes: 0, MaxBytes: 512 << 10},
-	// Measured slower than NCCL's ring over TCP at every size.
-	"tcp": {Off: true, MinBytes: 0, MaxBytes: 512 << 10},
-}
-
 // Window is this rank's window of the intercepted gather on fabric: the floor and the
 // cap in bytes a rank, and whether the fabric's default keeps the path off
 // (ROCE_GATHER_MAX_BYTES unset where the fabric's default is off).
 func (c Config) Window(fabric string) (floor, capBytes uint64, offByDefault bool) {
-	return c.windowFrom(DefaultWindows, fabric)
+	d := DefaultWindows[fabric]
+	floor, capBytes, offByDefault = d.MinBytes, d.MaxBytes, d.Off
+	if c.MinBytesSet {
+		floor = c.MinBytes
+	}
+	if c.MaxBytesSet {
+		capBytes, offByDefault = c.MaxBytes, false
+	}
+	return floor, capBytes, offByDefault
 }
 
 // ChunkFor is this rank's smallest chunk of the intercepted gather on fabric.
@@ -131,30 +104,37 @@ func (c Config) ChunkFor(fabric string) uint64 {
 	return DefaultChunkBytes
 }
 
-// CollNetWindow is the same for the CollNet route.
-func (c Config) CollNetWindow(fabric string) (floor, capBytes uint64, offByDefault bool) {
-	return c.windowFrom(CollNetDefaultWindows, fabric)
-}
-
-func (c Config) windowFrom(defaults map[string]FabricWindow, fabric string) (floor, capBytes uint64, offByDefault bool) {
-	d := defaults[fabric]
-	floor, capBytes, offByDefault = d.MinBytes, d.MaxBytes, d.Off
-	if c.MinBytesSet {
-		floor = c.MinBytes
-	}
-	if c.MaxBytesSet {
-		capBytes, offByDefault = c.MaxBytes, false
-	}
-	return floor, capBytes, offByDefault
-}
-
-// Warning is one refused environment value.
+// Warning is one refused environment value, or one retired variable set.
 type Warning struct {
 	Var, Value, Used, Why string
+	// Retired: what the variable did, and what to do instead (RetiredVariables).
+	Retired *Retired
 }
 
 func (w Warning) String() string {
+	if w.Retired != nil {
+		return fmt.Sprintf("%s=%q is retired: it %s, which this library no longer has; it changes nothing. %s",
+			w.Var, w.Value, w.Retired.Did, w.Retired.Instead)
+	}
 	return fmt.Sprintf("%s=%q %s; using %s", w.Var, w.Value, w.Why, w.Used)
+}
+
+// Retired says what a retired variable did and what to do instead.
+type Retired struct{ Did, Instead string }
+
+// RetiredVariables are the variables of the CollNet route and the net that carried NCCL's
+// traffic (docs/benchmarks.md, "The CollNet route, retired"): set, each gets one WARN.
+var RetiredVariables = map[string]*Retired{
+	"ROCE_GATHER_NET": {"offered NCCL this library's fabric as its network, for the CollNet route",
+		"Unset it, and NCCL_NET=roce_gather and NCCL_COLLNET_ENABLE=1 with it: NCCL's own transports carry NCCL's traffic."},
+	"ROCE_GATHER_MODE":      {"chose the CollNet route's rendezvous or eager gathers", "Unset it."},
+	"ROCE_GATHER_PLACEMENT": {"chose how the CollNet route placed eager gathers in GPU memory", "Unset it."},
+	"ROCE_GATHER_ONESHOT_CHANNELS": {"set the channels the tuner gave a CollNet gather",
+		"Unset it; ROCE_GATHER_CHUNK_BYTES sets how an intercepted gather is cut."},
+	"ROCE_GATHER_ONESHOT_CHUNK": {"set the chunk size the tuner gave a CollNet gather",
+		"Unset it; ROCE_GATHER_CHUNK_BYTES sets how an intercepted gather is cut."},
+	"ROCE_GATHER_TCP_CUDA":                {"let the tcp fabric carry NCCL's traffic in CUDA memory", "Unset it."},
+	"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": {"let the tuner schedule CollNet Direct without an NVSwitch", "Unset it."},
 }
 
 // describeWindow is the init line's account of this rank's window on fabric.
@@ -182,16 +162,17 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		Fabric:   "auto",
 		GIDIndex: -1,
 		Timeout:  DefaultTimeoutMS * time.Millisecond,
-		Mode:     ModeAuto,
-		// The gather kernel was never faster end to end than the two copies (docs/benchmarks.md).
-		PlaceByCopy: true,
 
-		OneShotChannels: DefaultOneShotChannels,
-		TraceEvery:      DefaultTraceEvery,
-		TraceRecords:    DefaultTraceRecords,
-		ProxyIdle:       DefaultProxyIdleMS * time.Millisecond,
+		TraceEvery:   DefaultTraceEvery,
+		TraceRecords: DefaultTraceRecords,
+		ProxyIdle:    DefaultProxyIdleMS * time.Millisecond,
 	}
 	var warns []Warning
+	for _, name := range sortedRetired() {
+		if v, ok := lookup(getenv, name); ok {
+			warns = append(warns, Warning{Var: name, Value: v, Retired: RetiredVariables[name]})
+		}
+	}
 	refuse := func(name, value, used, why string) {
 		warns = append(warns, Warning{Var: name, Value: value, Used: used, Why: why})
 	}
@@ -229,8 +210,6 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 	flag("ROCE_GATHER_ENABLE", &c.Enable)
 	byteCount("ROCE_GATHER_MIN_BYTES", 0, "the fabric's default window", &c.MinBytes, &c.MinBytesSet)
 	byteCount("ROCE_GATHER_MAX_BYTES", 1, "the fabric's default window", &c.MaxBytes, &c.MaxBytesSet)
-	flag("ROCE_GATHER_TCP_CUDA", &c.TCPCUDA)
-	flag("ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH", &c.DirectWithoutNVSwitch)
 	if v, ok := lookup(getenv, "ROCE_GATHER_FABRIC"); ok {
 		switch v {
 		case "auto", "verbs", "tcp":
@@ -270,49 +249,8 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 			c.Timeout = time.Duration(n) * time.Millisecond
 		}
 	}
-	if v, ok := lookup(getenv, "ROCE_GATHER_MODE"); ok {
-		switch v {
-		case "auto":
-		case "rendezvous":
-			c.Mode = ModeRendezvous
-		case "eager":
-			c.Mode = ModeEager
-		default:
-			refuse("ROCE_GATHER_MODE", v, "auto", "is not rendezvous, eager or auto")
-		}
-	}
-	if v, ok := lookup(getenv, "ROCE_GATHER_PLACEMENT"); ok {
-		switch v {
-		case "kernel":
-			c.PlaceByCopy = false
-		case "copy":
-			c.PlaceByCopy = true
-		default:
-			refuse("ROCE_GATHER_PLACEMENT", v, placementName(c.PlaceByCopy), "is not kernel or copy")
-		}
-	}
 	if v, ok := lookup(getenv, "ROCE_GATHER_STATS"); ok {
 		c.StatsPath = v
-	}
-	if v, ok := lookup(getenv, "ROCE_GATHER_ONESHOT_CHANNELS"); ok {
-		n, err := strconv.Atoi(v)
-		if err != nil || !gather.ValidChannels(n) {
-			refuse("ROCE_GATHER_ONESHOT_CHANNELS", v, fmt.Sprint(DefaultOneShotChannels), "is not 1, 2, 4 or 8")
-		} else {
-			c.OneShotChannels = n
-		}
-	}
-	if v, ok := lookup(getenv, "ROCE_GATHER_ONESHOT_CHUNK"); ok {
-		n, err := ParseBytes(v)
-		switch {
-		case err != nil:
-			refuse("ROCE_GATHER_ONESHOT_CHUNK", v, "NCCL's choice", "is not a byte count ("+err.Error()+")")
-		case n == 0 || !gather.ValidChunk(n):
-			refuse("ROCE_GATHER_ONESHOT_CHUNK", v, "NCCL's choice",
-				fmt.Sprintf("is not a multiple of %d bytes (NCCL's Simple grain) from %d to %d", gather.ChunkGrain, gather.ChunkGrain, gather.MaxChunk))
-		default:
-			c.OneShotChunk = n
-		}
 	}
 	if v, ok := lookup(getenv, "ROCE_GATHER_TRACE"); ok {
 		c.TracePath = v
@@ -331,7 +269,6 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 	}
 	count("ROCE_GATHER_TRACE_EVERY", 1<<32, &c.TraceEvery)
 	count("ROCE_GATHER_TRACE_RECORDS", MaxTraceRecords, &c.TraceRecords)
-	flag("ROCE_GATHER_NET", &c.Net)
 	if v, ok := lookup(getenv, "ROCE_GATHER_CHUNK_BYTES"); ok {
 		n, err := ParseBytes(v)
 		switch {
@@ -355,12 +292,14 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 	return c, warns
 }
 
-// placementName is ROCE_GATHER_PLACEMENT's value for byCopy.
-func placementName(byCopy bool) string {
-	if byCopy {
-		return "copy"
+// sortedRetired is RetiredVariables' names in order, so that their WARNs come in one order.
+func sortedRetired() []string {
+	names := make([]string, 0, len(RetiredVariables))
+	for n := range RetiredVariables {
+		names = append(names, n)
 	}
-	return "kernel"
+	sort.Strings(names)
+	return names
 }
 
 // lookup returns a variable's trimmed value and whether it is set and non-empty.

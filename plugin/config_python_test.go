@@ -62,10 +62,26 @@ func configVariables(t *testing.T) []string {
 	}
 	var names []string
 	for n := range seen {
-		names = append(names, n)
+		if RetiredVariables[n] == nil {
+			names = append(names, n)
+		}
 	}
 	sort.Strings(names)
 	return names
+}
+
+// The package stops a job on the variables the library says are retired, and on no other.
+func TestPythonPackageKnowsTheRetiredVariables(t *testing.T) {
+	var python []string
+	pythonSettings(t, `import json, sys
+from roce_gather import settings
+json.dump(sorted(settings.RETIRED), sys.stdout)`, nil, &python)
+	var goNames []string
+	for n := range RetiredVariables {
+		goNames = append(goNames, n)
+	}
+	sort.Strings(goNames)
+	require.Equal(t, goNames, python)
 }
 
 func TestPythonPackageKnowsEveryVariableOfTheConfiguration(t *testing.T) {

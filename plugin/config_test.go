@@ -17,14 +17,8 @@ func TestConfigDefaultsMatchTheDesignTable(t *testing.T) {
 	require.Equal(t, "auto", c.Fabric)
 	require.Equal(t, -1, c.GIDIndex)
 	require.Equal(t, 30*time.Second, c.Timeout)
-	require.Equal(t, ModeAuto, c.Mode)
 	require.Equal(t, "", c.StatsPath)
 	require.False(t, c.MaxBytesSet)
-	require.False(t, c.TCPCUDA)
-	require.False(t, c.DirectWithoutNVSwitch)
-	require.Equal(t, 1, c.OneShotChannels)
-	require.Zero(t, c.OneShotChunk, "NCCL's choice")
-	require.True(t, c.PlaceByCopy, "two cuMemcpyAsync place eager calls on CUDA memory")
 	require.Equal(t, "", c.TracePath)
 	require.Equal(t, uint64(1), c.TraceEvery)
 	require.Equal(t, uint64(16384), c.TraceRecords)
@@ -40,13 +34,7 @@ func TestConfigReadsEveryVariable(t *testing.T) {
 		"ROCE_GATHER_GID_INDEX":               "3",
 		"ROCE_GATHER_TCP_IF":                  "eth0",
 		"ROCE_GATHER_TIMEOUT_MS":              "2500",
-		"ROCE_GATHER_MODE":                    "eager",
-		"ROCE_GATHER_PLACEMENT":               "kernel",
 		"ROCE_GATHER_STATS":                   "/tmp/s.%p.json",
-		"ROCE_GATHER_TCP_CUDA":                "1",
-		"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": "1",
-		"ROCE_GATHER_ONESHOT_CHANNELS":        "4",
-		"ROCE_GATHER_ONESHOT_CHUNK":           "128K",
 		"ROCE_GATHER_TRACE":                   "/tmp/t.%p",
 		"ROCE_GATHER_TRACE_EVERY":             "10",
 		"ROCE_GATHER_TRACE_RECORDS":           "1024",
@@ -58,19 +46,13 @@ func TestConfigReadsEveryVariable(t *testing.T) {
 	require.True(t, c.MinBytesSet)
 	require.Equal(t, uint64(511*1024), c.MaxBytes)
 	require.True(t, c.MaxBytesSet)
-	require.True(t, c.TCPCUDA)
-	require.True(t, c.DirectWithoutNVSwitch)
 	require.Equal(t, "tcp", c.Fabric)
 	require.Equal(t, "mlx5_0,mlx5_1:1", c.HCAs)
 	require.Equal(t, 3, c.GIDIndex)
 	require.Equal(t, "eth0", c.TCPIf)
 	require.Equal(t, "^docker", c.SocketIf)
 	require.Equal(t, 2500*time.Millisecond, c.Timeout)
-	require.Equal(t, ModeEager, c.Mode)
-	require.False(t, c.PlaceByCopy)
 	require.Equal(t, "/tmp/s.%p.json", c.StatsPath)
-	require.Equal(t, 4, c.OneShotChannels)
-	require.Equal(t, uint64(128<<10), c.OneShotChunk)
 	require.Equal(t, "/tmp/t.%p", c.TracePath)
 	require.Equal(t, uint64(10), c.TraceEvery)
 	require.Equal(t, uint64(1024), c.TraceRecords)
@@ -96,19 +78,6 @@ func TestConfigRefusesEveryBadValueAndKeepsTheDefault(t *testing.T) {
 		{"ROCE_GATHER_TCP_IF", "eth0,eth1", "NCCL_SOCKET_IFNAME or the first interface that is up"},
 		{"ROCE_GATHER_TIMEOUT_MS", "0", "30000"},
 		{"ROCE_GATHER_TIMEOUT_MS", "-5", "30000"},
-		{"ROCE_GATHER_MODE", "fast", "auto"},
-		{"ROCE_GATHER_PLACEMENT", "gpu", "copy"},
-		{"ROCE_GATHER_TCP_CUDA", "yes", "0"},
-		{"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH", "true", "0"},
-		{"ROCE_GATHER_ONESHOT_CHANNELS", "3", "1"},
-		{"ROCE_GATHER_ONESHOT_CHANNELS", "16", "1"},
-		{"ROCE_GATHER_ONESHOT_CHANNELS", "0", "1"},
-		{"ROCE_GATHER_ONESHOT_CHANNELS", "two", "1"},
-		{"ROCE_GATHER_ONESHOT_CHUNK", "0", "NCCL's choice"},
-		{"ROCE_GATHER_ONESHOT_CHUNK", "1000", "NCCL's choice"},
-		{"ROCE_GATHER_ONESHOT_CHUNK", "256", "NCCL's choice"},
-		{"ROCE_GATHER_ONESHOT_CHUNK", "65M", "NCCL's choice"},
-		{"ROCE_GATHER_ONESHOT_CHUNK", "big", "NCCL's choice"},
 		{"ROCE_GATHER_TRACE_EVERY", "0", "1"},
 		{"ROCE_GATHER_TRACE_EVERY", "-3", "1"},
 		{"ROCE_GATHER_TRACE_RECORDS", "0", "16384"},
@@ -153,26 +122,12 @@ func TestWindowDefaultsPerFabric(t *testing.T) {
 	require.Equal(t, uint64(64<<10), c.ChunkFor("verbs"))
 }
 
-func TestCollNetWindowDefaultsPerFabric(t *testing.T) {
-	c, _ := ParseConfig(env(nil))
-	floor, capBytes, off := c.CollNetWindow("verbs")
-	require.Equal(t, [3]any{uint64(0), uint64(512 << 10), false}, [3]any{floor, capBytes, off})
-	floor, capBytes, off = c.CollNetWindow("tcp")
-	require.Equal(t, [3]any{uint64(0), uint64(512 << 10), true}, [3]any{floor, capBytes, off})
-}
-
-func TestWindowMaxBytesTurnsTheTCPDefaultOn(t *testing.T) {
+func TestWindowMaxBytesTurnsTheCapAndMinBytesTheFloor(t *testing.T) {
 	c, _ := ParseConfig(env(map[string]string{"ROCE_GATHER_MAX_BYTES": "128K"}))
-	floor, capBytes, off := c.CollNetWindow("tcp")
+	floor, capBytes, off := c.Window("tcp")
 	require.Equal(t, [3]any{uint64(0), uint64(128 << 10), false}, [3]any{floor, capBytes, off})
-}
-
-// A floor alone does not turn on a fabric that is off by default: only the cap does.
-func TestWindowMinBytesAloneKeepsTheTCPDefaultOff(t *testing.T) {
-	c, _ := ParseConfig(env(map[string]string{"ROCE_GATHER_MIN_BYTES": "32K"}))
-	floor, capBytes, off := c.CollNetWindow("tcp")
-	require.Equal(t, [3]any{uint64(32 << 10), uint64(512 << 10), true}, [3]any{floor, capBytes, off})
-	floor, capBytes, off = c.CollNetWindow("verbs")
+	c, _ = ParseConfig(env(map[string]string{"ROCE_GATHER_MIN_BYTES": "32K"}))
+	floor, capBytes, off = c.Window("verbs")
 	require.Equal(t, [3]any{uint64(32 << 10), uint64(512 << 10), false}, [3]any{floor, capBytes, off})
 }
 
@@ -197,16 +152,28 @@ func TestWindowDescriptionSaysWhereEachEndCameFrom(t *testing.T) {
 	require.Equal(t, "window 0 to 4096 bytes a rank (ROCE_GATHER_MAX_BYTES and the tcp fabric's default floor)", c.describeWindow("tcp"))
 }
 
-func TestNetIsOffByDefaultAndTakesZeroOrOne(t *testing.T) {
-	c, warns := ParseConfig(env(nil))
-	require.Empty(t, warns)
-	require.False(t, c.Net)
-	c, _ = ParseConfig(env(map[string]string{"ROCE_GATHER_NET": "1"}))
-	require.True(t, c.Net)
-	c, warns = ParseConfig(env(map[string]string{"ROCE_GATHER_NET": "yes"}))
-	require.False(t, c.Net)
-	require.Len(t, warns, 1)
-	require.Equal(t, `ROCE_GATHER_NET="yes" is not 0 or 1; using 0`, warns[0].String())
+// A variable of the retired CollNet route gets one warning naming it and what to do
+// instead, whatever its value, and changes nothing else.
+func TestRetiredVariablesAreSaidRetiredAndChangeNothing(t *testing.T) {
+	def, _ := ParseConfig(env(nil))
+	for name := range RetiredVariables {
+		for _, v := range []string{"1", "eager"} {
+			c, warns := ParseConfig(env(map[string]string{name: v}))
+			require.Len(t, warns, 1, name)
+			require.Equal(t, name, warns[0].Var)
+			require.Regexp(t, `^`+name+`="`+v+`" is retired: it .+, which this library no longer has; it changes nothing\. Unset it`, warns[0].String())
+			c.SocketIf = def.SocketIf
+			require.Equal(t, def, c, "%s=%s", name, v)
+		}
+	}
+	_, warns := ParseConfig(env(map[string]string{"ROCE_GATHER_NET": "1"}))
+	require.Equal(t, `ROCE_GATHER_NET="1" is retired: it offered NCCL this library's fabric as its network, for the CollNet route, `+
+		`which this library no longer has; it changes nothing. Unset it, and NCCL_NET=roce_gather and NCCL_COLLNET_ENABLE=1 with it: `+
+		`NCCL's own transports carry NCCL's traffic.`, warns[0].String())
+	for _, name := range []string{"ROCE_GATHER_MODE", "ROCE_GATHER_PLACEMENT", "ROCE_GATHER_ONESHOT_CHANNELS", "ROCE_GATHER_ONESHOT_CHUNK",
+		"ROCE_GATHER_TCP_CUDA", "ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH"} {
+		require.Contains(t, RetiredVariables, name)
+	}
 }
 
 func TestChunkBytesIsWholePagesFrom4KiBTo16MiB(t *testing.T) {

@@ -82,9 +82,7 @@ func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, out *C.r
 	prop := gather.OffProposal(gather.ReasonDisabled)
 	var st *gather.Starter
 	held := false
-	if cfg.Enable && cfg.Net && collNetEnabled() {
-		prop = gather.OffProposal(gather.ReasonCollNetRoute)
-	} else if cfg.Enable {
+	if cfg.Enable {
 		prop = gather.OffProposal(gather.ReasonLocalError)
 		tr, err := state.acquire()
 		if err != nil {
@@ -94,7 +92,7 @@ func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, out *C.r
 			floor, capBytes, off := cfg.Window(tr.Kind())
 			if off {
 				prop = gather.OffProposal(gather.ReasonFabricDefault)
-				prop.Fabric = fabricCode(tr.Kind())
+				prop.Fabric = gather.FabricCode(tr.Kind())
 			} else if st, prop, err = gather.PrepareOneShot(tr, gather.OneShotConfig{MinBytes: floor, MaxBytes: capBytes,
 				MinChunk: cfg.ChunkFor(tr.Kind()), CommID: commID}); err != nil {
 				nlog.Warnf("communicator 0x%x: this rank cannot offer the one-shot path: %v", commID, err)
@@ -212,11 +210,4 @@ func rgGoOneShotClose(engine unsafe.Pointer, abort C.int) {
 		nlog.Warnf("closing the one-shot gather: %v", err)
 	}
 	state.release()
-}
-
-func fabricCode(kind string) uint8 {
-	if kind == "verbs" {
-		return 2
-	}
-	return 1
 }

@@ -30,36 +30,6 @@ import (
 type Stats struct {
 	PID  int    `json:"pid"`
 	Host string `json:"host"`
-	// Tuner decisions for two-rank AllGathers: one per collective NCCL enqueued (a CUDA
-	// graph's replays are decided once, at capture).
-	Tuner struct {
-		OneShot        uint64 `json:"oneshot_gathers"`
-		OneShotBytes   uint64 `json:"oneshot_bytes"`
-		NCCL           uint64 `json:"nccl_gathers"`
-		NCCLBytes      uint64 `json:"nccl_bytes"`
-		NCCLNotOffered uint64 `json:"nccl_not_offered"`
-		// OneShotUnoffered counts the one-shot decisions made onto a CollNet Direct entry
-		// NCCL had dropped (ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH=1); OneShot includes them.
-		OneShotUnoffered uint64 `json:"oneshot_unoffered"`
-	} `json:"tuner"`
-	// One-shot iallgather calls as executed, graph replays included.
-	OneShot struct {
-		Calls      uint64  `json:"calls"`
-		Bytes      uint64  `json:"bytes"`
-		Rendezvous uint64  `json:"rendezvous"`
-		Eager      uint64  `json:"eager"`
-		Kernel     uint64  `json:"eager_by_kernel"` // eager calls the gather kernel placed on the GPU
-		Errors     uint64  `json:"errors"`
-		P50us      float64 `json:"p50_us"`
-		P90us      float64 `json:"p90_us"`
-		P99us      float64 `json:"p99_us"`
-		MaxUs      float64 `json:"max_us"`
-		// LatencyCalls is the number of calls the percentiles above cover. The file shows
-		// every count the moment it changes; the percentiles are refreshed every
-		// statsRefresh and at finalize and exit, so a process that left by _exit or a
-		// crash may have counted a few calls more than they cover.
-		LatencyCalls uint64 `json:"latency_calls"`
-	} `json:"oneshot"`
 	// The intercepted gather: ncclAllGather calls the interceptor took or handed to NCCL,
 	// and the gathers its kernel finished (graph replays included), with the kernel's time
 	// from its start to both rows written.
@@ -82,8 +52,7 @@ type Stats struct {
 	// Interceptor is how calls reach the library's own NCCL functions (docs/interceptor.md)
 	// and how many calls reached each of them.
 	Interceptor struct {
-		// WayIn: "pending", "no_nccl", "preempting" (LD_PRELOAD), "rebound", "none" or
-		// "unsupported" (plugin/bind.h).
+		// WayIn: how the calls reach the library (plugin/bind.h, rg_bind_way_in).
 		WayIn              string `json:"way_in"`
 		AllGather          uint64 `json:"ncclAllGather"`
 		CommInitRank       uint64 `json:"ncclCommInitRank"`
@@ -124,9 +93,15 @@ func ReadStats() Stats {
 		*l.p99 = percentileMicros(hist[:], 0.99)
 		*l.max = percentileMicros(hist[:], 1.0)
 	}
-	fill("oneshot", &g.gather_lat)
 	fill("intercepted", &g.os_lat)
 	return s
+}
+
+// countForwarded counts a gather handed to NCCL, as the hot path does (plugin/oneshot.c);
+// the stats file's tests count through it.
+func countForwarded(bytes uint64) {
+	C.rg_stats_add(C.RG_STAT_OS_FORWARDED, 1)
+	C.rg_stats_add(C.RG_STAT_OS_FORWARDED_BYTES, C.uint64_t(bytes))
 }
 
 // latency is one section's percentiles, as ReadStats fills them.
@@ -137,7 +112,6 @@ type latency struct {
 
 func (s *Stats) latencies() map[string]latency {
 	return map[string]latency{
-		"oneshot":     {&s.OneShot.P50us, &s.OneShot.P90us, &s.OneShot.P99us, &s.OneShot.MaxUs, &s.OneShot.LatencyCalls},
 		"intercepted": {&s.Intercepted.P50us, &s.Intercepted.P90us, &s.Intercepted.P99us, &s.Intercepted.MaxUs, &s.Intercepted.LatencyCalls},
 	}
 }
@@ -189,18 +163,6 @@ var counterSlots = []struct {
 	stat         C.enum_rg_stat
 	field        func(*Stats) *uint64
 }{
-	{"tuner", "oneshot_gathers", C.RG_STAT_TUNER_ONESHOT, func(s *Stats) *uint64 { return &s.Tuner.OneShot }},
-	{"tuner", "oneshot_bytes", C.RG_STAT_TUNER_ONESHOT_BYTES, func(s *Stats) *uint64 { return &s.Tuner.OneShotBytes }},
-	{"tuner", "nccl_gathers", C.RG_STAT_TUNER_NCCL, func(s *Stats) *uint64 { return &s.Tuner.NCCL }},
-	{"tuner", "nccl_bytes", C.RG_STAT_TUNER_NCCL_BYTES, func(s *Stats) *uint64 { return &s.Tuner.NCCLBytes }},
-	{"tuner", "nccl_not_offered", C.RG_STAT_TUNER_NCCL_IGNORED, func(s *Stats) *uint64 { return &s.Tuner.NCCLNotOffered }},
-	{"tuner", "oneshot_unoffered", C.RG_STAT_TUNER_ONESHOT_UNOFFERED, func(s *Stats) *uint64 { return &s.Tuner.OneShotUnoffered }},
-	{"oneshot", "calls", C.RG_STAT_GATHERS, func(s *Stats) *uint64 { return &s.OneShot.Calls }},
-	{"oneshot", "bytes", C.RG_STAT_GATHER_BYTES, func(s *Stats) *uint64 { return &s.OneShot.Bytes }},
-	{"oneshot", "rendezvous", C.RG_STAT_GATHERS_RENDEZVOUS, func(s *Stats) *uint64 { return &s.OneShot.Rendezvous }},
-	{"oneshot", "eager", C.RG_STAT_GATHERS_EAGER, func(s *Stats) *uint64 { return &s.OneShot.Eager }},
-	{"oneshot", "eager_by_kernel", C.RG_STAT_GATHERS_KERNEL, func(s *Stats) *uint64 { return &s.OneShot.Kernel }},
-	{"oneshot", "errors", C.RG_STAT_GATHER_ERRORS, func(s *Stats) *uint64 { return &s.OneShot.Errors }},
 	{"intercepted", "launches", C.RG_STAT_OS_LAUNCHES, func(s *Stats) *uint64 { return &s.Intercepted.Launches }},
 	{"intercepted", "launch_bytes", C.RG_STAT_OS_LAUNCH_BYTES, func(s *Stats) *uint64 { return &s.Intercepted.LaunchBytes }},
 	{"intercepted", "forwarded", C.RG_STAT_OS_FORWARDED, func(s *Stats) *uint64 { return &s.Intercepted.Forwarded }},
@@ -229,8 +191,6 @@ var statsSections = []struct {
 	name    string
 	derived []string
 }{
-	{"tuner", nil},
-	{"oneshot", latencyKeys},
 	{"intercepted", latencyKeys},
 	{"interceptor", []string{"way_in"}},
 }
@@ -406,7 +366,7 @@ func (sf *statsFile) refreshLocked() {
 		sf.show("interceptor.way_in", strconv.Quote(s.Interceptor.WayIn))
 		sf.wayIn = s.Interceptor.WayIn
 	}
-	covered := s.OneShot.LatencyCalls + s.Intercepted.LatencyCalls
+	covered := s.Intercepted.LatencyCalls
 	if sf.shown && covered == sf.covered {
 		return
 	}
@@ -514,9 +474,7 @@ func armStatsAtExit() { atExitOnce.Do(func() { C.rg_register_at_exit() }) }
 
 //export rgGoAtExit
 func rgGoAtExit() {
-	state.mu.Lock()
-	path := state.cfg.StatsPath
-	state.mu.Unlock()
+	path := state.config().StatsPath
 	if stats.attached() {
 		stats.refresh()
 		return

@@ -61,21 +61,17 @@ func TestStatsFileHasTheKeysOfTheJSONReadersRead(t *testing.T) {
 	require.Equal(t, os.Getpid(), s.PID)
 }
 
-var oneShotGroup = TunerGroup{On: true, Cap: 512 << 10}
-
-// A decision shows in the file as soon as the call that counted it returns: nothing
-// else (finalize, exit, a refresh) has to run for it to be there.
+// A count shows in the file as soon as the call that counted it returns: nothing else
+// (finalize, exit, a refresh) has to run for it to be there.
 func TestStatsFileShowsADecisionTheMomentItIsCounted(t *testing.T) {
 	path := attachTemp(t)
 	before := readStatsFile(t, path)
-	require.Equal(t, ReadStats().Tuner, before.Tuner)
-	GetCollInfo(2, oneShotGroup, allGather, 8192, offered(), 7, 3)
-	GetCollInfo(2, oneShotGroup, allGather, 2<<20, offered(), 7, 3)
+	require.Equal(t, ReadStats().Intercepted.Forwarded, before.Intercepted.Forwarded)
+	countForwarded(8192)
+	countForwarded(2 << 20)
 	after := readStatsFile(t, path)
-	require.Equal(t, before.Tuner.OneShot+1, after.Tuner.OneShot)
-	require.Equal(t, before.Tuner.OneShotBytes+8192, after.Tuner.OneShotBytes)
-	require.Equal(t, before.Tuner.NCCL+1, after.Tuner.NCCL)
-	require.Equal(t, before.Tuner.NCCLBytes+2<<20, after.Tuner.NCCLBytes)
+	require.Equal(t, before.Intercepted.Forwarded+2, after.Intercepted.Forwarded)
+	require.Equal(t, before.Intercepted.ForwardedBytes+8192+2<<20, after.Intercepted.ForwardedBytes)
 }
 
 // Threads that count at once still leave the exact totals in the file.
@@ -89,23 +85,23 @@ func TestStatsFileConcurrentDecisionsEndExact(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for j := 0; j < each; j++ {
-				GetCollInfo(2, oneShotGroup, allGather, 4096, offered(), 7, 3)
+				countForwarded(4096)
 			}
 		}()
 	}
 	wg.Wait()
 	after := readStatsFile(t, path)
-	require.Equal(t, before.Tuner.OneShot+threads*each, after.Tuner.OneShot)
-	require.Equal(t, before.Tuner.OneShotBytes+threads*each*4096, after.Tuner.OneShotBytes)
-	require.Equal(t, ReadStats().Tuner, after.Tuner)
+	require.Equal(t, before.Intercepted.Forwarded+threads*each, after.Intercepted.Forwarded)
+	require.Equal(t, before.Intercepted.ForwardedBytes+threads*each*4096, after.Intercepted.ForwardedBytes)
+	require.Equal(t, ReadStats().Intercepted.ForwardedBytes, after.Intercepted.ForwardedBytes)
 }
 
 // A file that already holds counts from earlier in the process starts with them.
 func TestStatsFileStartsWithTheCountsSoFar(t *testing.T) {
-	GetCollInfo(2, oneShotGroup, allGather, 4096, offered(), 7, 3)
+	countForwarded(4096)
 	path := attachTemp(t)
-	require.Equal(t, ReadStats().Tuner, readStatsFile(t, path).Tuner)
-	require.NotZero(t, readStatsFile(t, path).Tuner.OneShot)
+	require.Equal(t, ReadStats().Intercepted.Forwarded, readStatsFile(t, path).Intercepted.Forwarded)
+	require.NotZero(t, readStatsFile(t, path).Intercepted.Forwarded)
 }
 
 // Two processes with one path would mix their counts in one mapping: the second is
@@ -132,31 +128,28 @@ func TestStatsFileInAMissingDirectoryIsAnError(t *testing.T) {
 func TestStatsFileDetachedKeepsItsLastCounts(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "stats.json")
 	require.NoError(t, stats.attach(path))
-	GetCollInfo(2, oneShotGroup, allGather, 4096, offered(), 7, 3)
+	countForwarded(4096)
 	stats.detach()
 	shown := readStatsFile(t, path)
-	require.Equal(t, ReadStats().Tuner, shown.Tuner)
-	GetCollInfo(2, oneShotGroup, allGather, 4096, offered(), 7, 3)
-	require.Equal(t, shown.Tuner, readStatsFile(t, path).Tuner)
+	require.Equal(t, ReadStats().Intercepted.Forwarded, shown.Intercepted.Forwarded)
+	countForwarded(4096)
+	require.Equal(t, shown.Intercepted, readStatsFile(t, path).Intercepted)
 }
 
 // What one add costs on the hot path with a file attached (go test -bench Stats).
-func BenchmarkStatsDecisionWithAFileAttached(b *testing.B) {
+func BenchmarkStatsCountWithAFileAttached(b *testing.B) {
 	path := filepath.Join(b.TempDir(), "stats.json")
 	if err := stats.attach(path); err != nil {
 		b.Fatal(err)
 	}
 	defer stats.detach()
-	table := offered()
-	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		GetCollInfo(2, oneShotGroup, allGather, 4096, table, 7, 3)
+		countForwarded(4096)
 	}
 }
 
-func BenchmarkStatsDecisionWithoutAFile(b *testing.B) {
-	table := offered()
+func BenchmarkStatsCountWithoutAFile(b *testing.B) {
 	for i := 0; i < b.N; i++ {
-		GetCollInfo(2, oneShotGroup, allGather, 4096, table, 7, 3)
+		countForwarded(4096)
 	}
 }

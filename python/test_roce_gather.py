@@ -51,9 +51,9 @@ class SettingsTest(unittest.TestCase):
         self.assertIsNone(settings.refusal("ROCE_GATHER_MIN_BYTES", "0"))
         self.assertEqual('item "mlx5_0:0" has a port that is not 1 to 255',
                          settings.refusal("ROCE_GATHER_HCAS", "mlx5_1, mlx5_0:0"))
-        self.assertEqual("is not a multiple of 512 bytes (NCCL's Simple grain) from 512 to 67108864",
-                         settings.refusal("ROCE_GATHER_ONESHOT_CHUNK", "1000"))
-        self.assertIsNone(settings.refusal("ROCE_GATHER_MODE", "  "), "empty: the library ignores it")
+        self.assertEqual("is not a multiple of 4096 bytes from 4096 to 16777216",
+                         settings.refusal("ROCE_GATHER_CHUNK_BYTES", "1000"))
+        self.assertIsNone(settings.refusal("ROCE_GATHER_FABRIC", "  "), "empty: the library ignores it")
 
     def test_go_quote_escapes_as_go_does(self):
         self.assertEqual(r'"a\"b\\c\td\x01"', settings.go_quote('a"b\\c\td\x01'))
@@ -68,13 +68,13 @@ class JobEnvTest(unittest.TestCase):
         self.assertEqual("0", job_env({"NCCL_NET_PLUGIN_REF_COUNT": "0"})["NCCL_NET_PLUGIN_REF_COUNT"])
 
     def test_settings_by_keyword_or_variable_in_the_order_given(self):
-        env = job_env(mode="eager", ROCE_GATHER_MAX_BYTES="256K", timeout_ms=5000, enable=False, tcp_cuda=True)
-        self.assertEqual(["NCCL_NET_PLUGIN", "NCCL_NET_PLUGIN_REF_COUNT", "ROCE_GATHER_MODE",
+        env = job_env(fabric="tcp", ROCE_GATHER_MAX_BYTES="256K", timeout_ms=5000, enable=False, chunk_bytes=8192)
+        self.assertEqual(["NCCL_NET_PLUGIN", "NCCL_NET_PLUGIN_REF_COUNT", "ROCE_GATHER_FABRIC",
                           "ROCE_GATHER_MAX_BYTES", "ROCE_GATHER_TIMEOUT_MS", "ROCE_GATHER_ENABLE",
-                          "ROCE_GATHER_TCP_CUDA"], list(env))
-        self.assertEqual(("eager", "256K", "5000", "0", "1"),
-                         (env["ROCE_GATHER_MODE"], env["ROCE_GATHER_MAX_BYTES"], env["ROCE_GATHER_TIMEOUT_MS"],
-                          env["ROCE_GATHER_ENABLE"], env["ROCE_GATHER_TCP_CUDA"]))
+                          "ROCE_GATHER_CHUNK_BYTES"], list(env))
+        self.assertEqual(("tcp", "256K", "5000", "0", "8192"),
+                         (env["ROCE_GATHER_FABRIC"], env["ROCE_GATHER_MAX_BYTES"], env["ROCE_GATHER_TIMEOUT_MS"],
+                          env["ROCE_GATHER_ENABLE"], env["ROCE_GATHER_CHUNK_BYTES"]))
 
     def test_values_are_trimmed_as_the_library_trims_them(self):
         self.assertEqual("64K", job_env(max_bytes=" 64K\t")["ROCE_GATHER_MAX_BYTES"])
@@ -86,14 +86,25 @@ class JobEnvTest(unittest.TestCase):
 
     def test_every_problem_is_named_at_once(self):
         with self.assertRaises(ValueError) as cm:
-            job_env({"ROCE_GATHER_FABRIC": "ib"}, mode="fast", max_byte=4096, oneshot_channels=3, gid_index="")
+            job_env({"ROCE_GATHER_FABRIC": "ib"}, fabric_="x", max_byte=4096, chunk_bytes=3, gid_index="")
         self.assertEqual(
-            ['ROCE_GATHER_MODE="fast" is not rendezvous, eager or auto',
+            ["unknown setting 'fabric_' (did you mean fabric?): the settings are "
+             + ", ".join(settings.keyword(v) for v in settings.SETTINGS) + ", or their ROCE_GATHER_ names",
              "unknown setting 'max_byte' (did you mean max_bytes?): the settings are "
              + ", ".join(settings.keyword(v) for v in settings.SETTINGS) + ", or their ROCE_GATHER_ names",
-             'ROCE_GATHER_ONESHOT_CHANNELS="3" is not 1, 2, 4 or 8',
+             'ROCE_GATHER_CHUNK_BYTES="3" is not a multiple of 4096 bytes from 4096 to 16777216',
              'ROCE_GATHER_GID_INDEX="" is empty (the library would ignore it)',
              'ROCE_GATHER_FABRIC="ib" (from the environment) is not auto, verbs or tcp'],
+            str(cm.exception).splitlines())
+
+    def test_a_retired_variable_stops_the_job_with_what_to_do_instead(self):
+        with self.assertRaises(ValueError) as cm:
+            job_env({"ROCE_GATHER_NET": "1", "ROCE_GATHER_PLACEMENT": ""}, mode="eager")
+        self.assertEqual(
+            ['ROCE_GATHER_MODE="eager" is retired with the CollNet route and changes nothing: unset it',
+             "ROCE_GATHER_NET (from the environment) is retired with the CollNet route and changes nothing: "
+             "unset it, and NCCL_NET=roce_gather and NCCL_COLLNET_ENABLE=1 with it: NCCL's own transports carry "
+             "NCCL's traffic"],
             str(cm.exception).splitlines())
 
     def test_an_unknown_keyword_without_a_near_one_is_refused(self):
@@ -103,11 +114,11 @@ class JobEnvTest(unittest.TestCase):
                         str(cm.exception))
 
     def test_a_keyword_replaces_a_bad_value_of_the_environment(self):
-        env = job_env({"ROCE_GATHER_MODE": "fast"}, mode="eager")
-        self.assertEqual("eager", env["ROCE_GATHER_MODE"])
+        env = job_env({"ROCE_GATHER_FABRIC": "ib"}, fabric="tcp")
+        self.assertEqual("tcp", env["ROCE_GATHER_FABRIC"])
 
     def test_good_values_of_the_environment_stay_where_they_are(self):
-        env = job_env({"ROCE_GATHER_MAX_BYTES": "128K", "ROCE_GATHER_STATS": "/tmp/s-%p.json", "ROCE_GATHER_MODE": ""})
+        env = job_env({"ROCE_GATHER_MAX_BYTES": "128K", "ROCE_GATHER_STATS": "/tmp/s-%p.json", "ROCE_GATHER_FABRIC": ""})
         self.assertEqual(["NCCL_NET_PLUGIN", "NCCL_NET_PLUGIN_REF_COUNT"], list(env))
 
     def test_a_variable_of_the_environment_the_library_does_not_read_is_refused(self):
@@ -199,10 +210,10 @@ class CommandTest(unittest.TestCase):
         self.assertEqual(self.pkg.lib + "|1|/tmp/a b-%p", shown)
 
     def test_env_refuses_with_one_line_a_problem_and_exit_2(self):
-        code, out, err = self.pkg.run("-m", "roce_gather", "env", "max_bytes=65M", "mode=fast")
+        code, out, err = self.pkg.run("-m", "roce_gather", "env", "max_bytes=65M", "fabric=fast")
         self.assertEqual((2, ""), (code, out))
         self.assertEqual('roce_gather env: ROCE_GATHER_MAX_BYTES="65M" is outside 1..67108864\n'
-                         'roce_gather env: ROCE_GATHER_MODE="fast" is not rendezvous, eager or auto\n', err)
+                         'roce_gather env: ROCE_GATHER_FABRIC="fast" is not auto, verbs or tcp\n', err)
         code, out, err = self.pkg.run("-m", "roce_gather", "env", "max_bytes")
         self.assertEqual((2, "", "roce_gather env: 'max_bytes' is not NAME=VALUE\n"), (code, out, err))
         code, _, err = self.pkg.run("-m", "roce_gather", "env", "environ=1")
@@ -210,8 +221,8 @@ class CommandTest(unittest.TestCase):
         self.assertTrue(err.startswith("roce_gather env: unknown setting 'environ'"), err)
 
     def test_env_checks_the_environment_it_runs_in(self):
-        code, _, err = self.pkg.run("-m", "roce_gather", "env", env={"ROCE_GATHER_PLACEMENT": "gpu"})
-        self.assertEqual((2, 'roce_gather env: ROCE_GATHER_PLACEMENT="gpu" (from the environment) is not kernel or copy\n'),
+        code, _, err = self.pkg.run("-m", "roce_gather", "env", env={"ROCE_GATHER_FABRIC": "gpu"})
+        self.assertEqual((2, 'roce_gather env: ROCE_GATHER_FABRIC="gpu" (from the environment) is not auto, verbs or tcp\n'),
                          (code, err))
 
     def test_check_runs_plugincheck_abi_with_the_flags_and_returns_its_status(self):
@@ -247,13 +258,13 @@ print(" ".join(getenv(v.encode()).decode() for v in env))
         code, out, err = self.pkg.run("-c", """
 import os, roce_gather
 try:
-    roce_gather.set_env(max_bytes=4096, mode="fast")
+    roce_gather.set_env(max_bytes=4096, fabric="fast")
 except ValueError as e:
     print(e)
 print(sorted(k for k in os.environ if k.startswith(("NCCL_", "ROCE_GATHER_"))))
 """)
         self.assertEqual((0, ""), (code, err))
-        self.assertEqual('ROCE_GATHER_MODE="fast" is not rendezvous, eager or auto\n[]\n', out)
+        self.assertEqual('ROCE_GATHER_FABRIC="fast" is not auto, verbs or tcp\n[]\n', out)
 
     def test_the_paths_are_the_packaged_files(self):
         code, out, err = self.pkg.run("-c", "import roce_gather as r; print(r.library_path()); print(r.library_dir()); "

@@ -22,8 +22,9 @@ import (
 // description, channels on its connections and two-sided sends, version 7 the pairing
 // decision on every p2p link, whichever side dialed it, version 8 the intercepted gather's
 // proposal and links, version 9 the dialer's note of a dial it sent alone, before that
-// decision.
-const ProtocolVersion = 9
+// decision, version 10 the tcp fabric's one lane a connection (no pairing, no two-sided
+// sends) and its 24-byte frames.
+const ProtocolVersion = 10
 
 // HandleSize is NCCL's handle size (NCCL_NET_HANDLE_MAXSIZE).
 const HandleSize = 128
@@ -51,12 +52,8 @@ func newToken() (Token, error) {
 // Purpose is what a link is made for; a listener accepts only its own.
 type Purpose uint8
 
-const (
-	PurposeP2P    Purpose = 1
-	PurposeGather Purpose = 2
-	// PurposeOneShot: the intercepted gather's link (roce/gather, agree_oneshot.go).
-	PurposeOneShot Purpose = 3
-)
+// PurposeOneShot: the intercepted collective's link (roce/gather, agree_oneshot.go).
+const PurposeOneShot Purpose = 3
 
 const (
 	magicHello   = 0x4c485752 // "RWHL"
@@ -291,16 +288,11 @@ func (h *handshakes) abort() {
 
 var errClosing = errors.New("the transport is closing")
 
-// allowPairing lets a p2p link, which carries data from its dialer only, share its
-// connection with one going the other way, where the fabric can.
-func allowPairing(ep fabric.Endpoint, purpose Purpose, dialer bool) {
-	if p, ok := ep.(fabric.Pairable); ok && purpose == PurposeP2P {
-		p.AllowPairing(dialer)
-	}
-}
-
 // dialLink connects to a listener, authenticates with its token and returns the link.
 func (t *Transport) dialLink(to Addr, token Token, purpose Purpose, lanes int, s Side) (*fabric.Link, error) {
+	if t.ctx.Err() != nil {
+		return nil, errClosing
+	}
 	deadline := time.Now().Add(t.cfg.Timeout)
 	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: t.localIP()}, Deadline: deadline}
 	c, err := d.DialContext(t.ctx, "tcp", to.String())
@@ -318,7 +310,6 @@ func (t *Transport) dialLink(to Addr, token Token, purpose Purpose, lanes int, s
 		conn.Close()
 		return nil, err
 	}
-	allowPairing(ep, purpose, true)
 	link, err := func() (*fabric.Link, error) {
 		conn.SetDeadline(deadline)
 		if err := writeHello(conn, hello{version: ProtocolVersion, purpose: purpose, lanes: uint8(lanes), token: token, proto: s.Blob(), fab: ep.Describe()}); err != nil {
@@ -463,7 +454,6 @@ func (l *listener) handle(conn *net.TCPConn) {
 	var s Side
 	ep, err := l.t.dev.NewEndpoint(int(h.lanes))
 	if err == nil {
-		allowPairing(ep, l.purpose, false)
 		s, err = l.decideSide(conn)
 		if err != nil {
 			ep.Close()

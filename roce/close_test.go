@@ -52,50 +52,37 @@ func waitClosed(t *testing.T, what string, f func()) {
 	}
 }
 
-func TestCloseEndsAConnectToASilentPeer(t *testing.T) {
+func TestCloseEndsADialToASilentPeer(t *testing.T) {
 	tr := openTCPWithTimeout(t, longTimeout)
 	addr, accepted := silentPeer(t)
-	h := make([]byte, HandleSize)
-	pl, err := tr.ListenP2P(h)
-	require.NoError(t, err)
-	pl.Close()
-	addr.Put(h[hOffAddr : hOffAddr+AddrSize]) // a valid handle that leads to the silent peer
-
-	pending, err := tr.ConnectP2P(h)
-	require.NoError(t, err)
-	<-accepted // the dial is through; the connect now waits for a welcome that never comes
-	comm, err := pending.Poll()
-	require.NoError(t, err)
-	require.Nil(t, comm, "no comm may exist before the peer answers")
-
+	dialed := make(chan error, 1)
+	go func() {
+		_, err := tr.DialLink(addr, Token{1}, PurposeOneShot, 1, &testSide{})
+		dialed <- err
+	}()
+	<-accepted // the dial is through; it now waits for a welcome that never comes
 	waitClosed(t, "Transport.Close", func() { require.NoError(t, tr.Close()) })
 	select {
-	case <-pending.done:
-	default:
-		t.Fatal("Close returned while the connect was still running")
+	case err := <-dialed:
+		require.Error(t, err, "no link may exist without the peer's answer")
+	case <-time.After(longTimeout / 2):
+		t.Fatal("the dial went on after Close cut its connection")
 	}
-	comm, err = pending.Poll()
-	require.Error(t, err)
-	require.Nil(t, comm)
-	require.Zero(t, tr.Registrations(), "the connect's buffers must be released")
-
-	_, err = tr.ConnectP2P(h)
-	require.ErrorIs(t, err, errClosing, "a closed transport starts no connects")
+	_, err := tr.DialLink(addr, Token{1}, PurposeOneShot, 1, &testSide{})
+	require.ErrorIs(t, err, errClosing, "a closed transport dials no more")
 }
 
 func TestCloseEndsAHandshakeTheListenerIsServing(t *testing.T) {
 	tr := openTCPWithTimeout(t, longTimeout)
-	h := make([]byte, HandleSize)
-	pl, err := tr.ListenP2P(h)
+	l, err := tr.Listen(PurposeOneShot, func(<-chan struct{}) (Side, error) { return &testSide{}, nil })
 	require.NoError(t, err)
-	ph, err := parseP2PHandle(h)
-	require.NoError(t, err)
-	c, err := net.Dial("tcp", ph.addr.String())
+	c, err := net.Dial("tcp", l.Addr().String())
 	require.NoError(t, err)
 	defer c.Close()
 	// The listener now waits in readHello for a client that says nothing.
 	waitClosed(t, "Transport.Close", func() { require.NoError(t, tr.Close()) })
 	require.True(t, closedBy(c), "the listener must hang up on the silent client")
-	require.Nil(t, pl.Accept())
-	pl.Close() // after the transport closed it: a no-op, not a crash
+	_, ok := l.Next()
+	require.False(t, ok)
+	l.Close() // after the transport closed it: a no-op, not a crash
 }

@@ -16,6 +16,15 @@ import (
 	"github.com/roce-gather/roce_gather/roce/fabric"
 )
 
+// testSide is a link's protocol state for these tests: it describes one registered
+// region (address, length, key) and records the peer's description.
+type testSide struct {
+	blob, peer []byte
+}
+
+func (s *testSide) Blob() []byte            { return s.blob }
+func (s *testSide) PeerBlob(b []byte) error { s.peer = b; return nil }
+
 func openTCP(t *testing.T) *Transport {
 	t.Helper()
 	tr := openTCPWithTimeout(t, 2*time.Second)
@@ -23,12 +32,13 @@ func openTCP(t *testing.T) *Transport {
 	return tr
 }
 
-func listenP2P(t *testing.T, tr *Transport) (*P2PListener, p2pHandle) {
+// listen opens a listener whose links describe side.
+func listen(t *testing.T, tr *Transport, side *testSide) *Listener {
 	t.Helper()
-	pl, h := listenHandle(t, tr)
-	ph, err := parseP2PHandle(h)
+	l, err := tr.Listen(PurposeOneShot, func(<-chan struct{}) (Side, error) { return side, nil })
 	require.NoError(t, err)
-	return pl, ph
+	t.Cleanup(l.Close)
+	return l
 }
 
 // closedBy waits for the listener to hang up on c, and says whether it did.
@@ -40,32 +50,33 @@ func closedBy(c net.Conn) bool {
 
 func TestAForeignClientWithoutTheTokenIsRefused(t *testing.T) {
 	tr := openTCP(t)
-	pl, ph := listenP2P(t, tr)
+	l := listen(t, tr, &testSide{})
 	for name, send := range map[string]func(net.Conn){
 		"wrong token": func(c net.Conn) {
-			writeHello(c, hello{version: ProtocolVersion, purpose: PurposeP2P, lanes: 1, token: Token{1, 2, 3}})
+			writeHello(c, hello{version: ProtocolVersion, purpose: PurposeOneShot, lanes: 1, token: Token{1, 2, 3}})
 		},
 		"not a hello": func(c net.Conn) { c.Write([]byte("GET / HTTP/1.0\r\n\r\n")) },
 		"silent":      func(net.Conn) {},
 	} {
 		t.Run(name, func(t *testing.T) {
-			c, err := net.Dial("tcp", ph.addr.String())
+			c, err := net.Dial("tcp", l.Addr().String())
 			require.NoError(t, err)
 			defer c.Close()
 			send(c)
 			require.True(t, closedBy(c), "the listener must hang up")
-			require.Nil(t, pl.Accept(), "no link may come of it")
+			_, ok := l.Next()
+			require.False(t, ok, "no link may come of it")
 		})
 	}
 }
 
 func TestAPeerOnAnotherProtocolVersionIsToldWhy(t *testing.T) {
 	tr := openTCP(t)
-	_, ph := listenP2P(t, tr)
-	c, err := net.Dial("tcp", ph.addr.String())
+	l := listen(t, tr, &testSide{})
+	c, err := net.Dial("tcp", l.Addr().String())
 	require.NoError(t, err)
 	defer c.Close()
-	require.NoError(t, writeHello(c, hello{version: ProtocolVersion + 1, purpose: PurposeP2P, lanes: 1, token: ph.token}))
+	require.NoError(t, writeHello(c, hello{version: ProtocolVersion + 1, purpose: PurposeOneShot, lanes: 1, token: l.Token()}))
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	_, _, err = readStatus(c, magicWelcome, "welcome")
 	require.EqualError(t, err, fmt.Sprintf("peer refused: 127.0.0.1:%s speaks roce_gather protocol version %d, this library speaks version %d",
@@ -74,15 +85,13 @@ func TestAPeerOnAnotherProtocolVersionIsToldWhy(t *testing.T) {
 
 func port(a net.Addr) string { return strconv.Itoa(a.(*net.TCPAddr).Port) }
 
-// frame builds a tcp fabric write frame by hand, as a hostile peer would.
+// frame builds a tcp fabric write frame by hand, as a hostile peer would (roce/tcp/lane.c).
 func frame(op, rkey uint32, raddr, n uint64) []byte {
 	var b bytes.Buffer
 	binary.Write(&b, binary.LittleEndian, uint32(0x52470000)|op)
 	binary.Write(&b, binary.LittleEndian, rkey)
 	binary.Write(&b, binary.LittleEndian, raddr)
 	binary.Write(&b, binary.LittleEndian, n)
-	binary.Write(&b, binary.LittleEndian, uint32(0))
-	binary.Write(&b, binary.LittleEndian, uint32(0))
 	return b.Bytes()
 }
 
@@ -94,37 +103,38 @@ func TestWritesWithAWrongKeyOrOutsideTheRegionAreRefused(t *testing.T) {
 		"wrong key":        func(addr uint64, key uint32, size uint64) []byte { return frame(1, key^0x10000, addr, 8) },
 		"past the end":     func(addr uint64, key uint32, size uint64) []byte { return frame(1, key, addr+size-4, 8) },
 		"before the start": func(addr uint64, key uint32, size uint64) []byte { return frame(1, key, addr-8, 8) },
-		"huge length":      func(addr uint64, key uint32, size uint64) []byte { return frame(2, key, addr, 1<<62) },
+		"huge length":      func(addr uint64, key uint32, size uint64) []byte { return frame(1, key, addr, 1<<62) },
+		"unknown op":       func(addr uint64, key uint32, size uint64) []byte { return frame(2, key, addr, 8) },
 	} {
 		t.Run(name, func(t *testing.T) {
 			tr := openTCP(t)
-			pl, ph := listenP2P(t, tr)
-			c, err := net.Dial("tcp", ph.addr.String())
+			region := make([]byte, 4096)
+			mr, err := tr.Device().Register(uintptr(unsafe.Pointer(&region[0])), uint64(len(region)))
+			require.NoError(t, err)
+			defer tr.Device().Deregister(mr)
+			l := listen(t, tr, &testSide{blob: []byte("the listener's region")})
+			c, err := net.Dial("tcp", l.Addr().String())
 			require.NoError(t, err)
 			defer c.Close()
 			c.SetDeadline(time.Now().Add(5 * time.Second))
-			// The handshake of a sending comm, with a made-up FIFO description.
-			fake := make([]byte, 8+4*fabric.MaxLanes)
-			binary.LittleEndian.PutUint64(fake, 0x1000)
-			// A tcp endpoint description (version 1, not pairable, a device id of its own).
-			fab := []byte{1, 0, 0xf0, 0xe1, 0xd2, 0xc3, 0xb4, 0xa5, 0x96, 0x87, 9, 0, 0, 0, 0, 0, 0, 0}
-			require.NoError(t, writeHello(c, hello{version: ProtocolVersion, purpose: PurposeP2P, lanes: 1, token: ph.token, proto: fake, fab: fab}))
+			// The tcp fabric's endpoint description is its version byte (roce/tcp).
+			require.NoError(t, writeHello(c, hello{version: ProtocolVersion, purpose: PurposeOneShot, lanes: 1, token: l.Token(),
+				proto: []byte("a hostile client"), fab: []byte{2}}))
 			proto, _, err := readStatus(c, magicWelcome, "welcome")
 			require.NoError(t, err)
-			cmplAddr, keys, err := getRemote(proto)
-			require.NoError(t, err)
+			require.Equal(t, "the listener's region", string(proto))
 			require.NoError(t, writeStatus(c, magicReady, "", nil, nil))
 			_, _, err = readStatus(c, magicReady, "ready")
 			require.NoError(t, err)
-			var rc *RecvComm
-			require.Eventually(t, func() bool { rc = pl.Accept(); return rc != nil }, 5*time.Second, time.Millisecond)
-			defer rc.Close()
-			cmpl := unsafe.Slice((*byte)(rc.side.cmpl.ptr), rc.side.cmpl.len)
-			before := append([]byte(nil), cmpl...)
+			var link *fabric.Link
+			require.Eventually(t, func() bool { var ok bool; link, ok = l.Next(); return ok }, 5*time.Second, time.Millisecond)
+			defer link.Close()
+			before := append([]byte(nil), region...)
 
-			c.Write(append(forge(cmplAddr, keys[0], rc.side.cmpl.len), make([]byte, 8)...))
+			c.Write(append(forge(uint64(mr.Addr()), mr.RKey(0), mr.Len()), make([]byte, 8)...))
+			// The link's lane reads the frame when polled (or by its helper when nobody polls).
 			require.True(t, closedBy(c), "the receiving side must end the connection")
-			require.Equal(t, before, cmpl, "no byte of registered memory may change")
+			require.Equal(t, before, region, "no byte of registered memory may change")
 		})
 	}
 }

@@ -82,12 +82,18 @@ def _job_env(environ, lib, given):
             problems.append(_unknown(name))
             continue
         text = _text(var, value)
-        why = "is empty (the library would ignore it)" if not text.strip() else _settings.refusal(var, text)
+        why = _settings.retired(var)
+        if why is None:
+            why = "is empty (the library would ignore it)" if not text.strip() else _settings.refusal(var, text)
         if why:
             problems.append("%s=%s %s" % (var, _settings.go_quote(text.strip()), why))
         chosen[var] = text.strip()
     for var in sorted(environ):
         if not var.startswith(_settings.PREFIX) or var in chosen:
+            continue
+        if var in _settings.RETIRED:
+            if environ[var].strip():
+                problems.append("%s (from the environment) %s" % (var, _settings.retired(var)))
             continue
         if var not in SETTINGS:
             problems.append("%s is set in the environment, and the library reads no such variable "

@@ -10,12 +10,8 @@ import re
 
 PREFIX = "ROCE_GATHER_"
 
-# plugin.MaxMaxBytes: the largest floor or cap, since eager mode sizes its slots from the cap.
+# plugin.MaxMaxBytes: the largest floor or cap, since an engine sizes its slots from the cap.
 MAX_WINDOW_BYTES = 64 << 20
-# gather.ChunkGrain and gather.MaxChunk: a one-shot chunk is a whole number of NCCL's Simple
-# grains, up to this.
-CHUNK_GRAIN = 512
-MAX_CHUNK = 64 << 20
 # plugin.MaxTraceRecords, and the sampling period's bound.
 MAX_TRACE_RECORDS = 1 << 20
 MAX_TRACE_EVERY = 1 << 32
@@ -117,20 +113,6 @@ def _timeout_ms(v):
     return None if n else "is not a positive number of milliseconds"
 
 
-def _channels(v):
-    return None if _atoi(v) in (1, 2, 4, 8) else "is not 1, 2, 4 or 8"
-
-
-def _chunk(v):
-    n, why = parse_bytes(v)
-    if why:
-        return "is not a byte count (%s)" % why
-    if n == 0 or n % CHUNK_GRAIN or n > MAX_CHUNK:
-        return "is not a multiple of %d bytes (NCCL's Simple grain) from %d to %d" % (
-            CHUNK_GRAIN, CHUNK_GRAIN, MAX_CHUNK)
-    return None
-
-
 # gather.ChunkAlign and gather.MaxMinChunk: the intercepted gather's smallest chunk.
 CHUNK_ALIGN = 4096
 MAX_MIN_CHUNK = 16 << 20
@@ -175,22 +157,35 @@ SETTINGS = {
     "ROCE_GATHER_GID_INDEX": _gid_index,
     "ROCE_GATHER_TCP_IF": _interface,
     "ROCE_GATHER_TIMEOUT_MS": _timeout_ms,
-    "ROCE_GATHER_MODE": _one_of("rendezvous", "eager", "auto", why="is not rendezvous, eager or auto"),
-    "ROCE_GATHER_PLACEMENT": _one_of("kernel", "copy", why="is not kernel or copy"),
-    "ROCE_GATHER_ONESHOT_CHANNELS": _channels,
-    "ROCE_GATHER_ONESHOT_CHUNK": _chunk,
-    "ROCE_GATHER_TCP_CUDA": _flag,
-    "ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": _flag,
     "ROCE_GATHER_TRACE": _any,
     "ROCE_GATHER_TRACE_EVERY": _count(MAX_TRACE_EVERY),
     "ROCE_GATHER_TRACE_RECORDS": _count(MAX_TRACE_RECORDS),
     "ROCE_GATHER_STATS": _any,
-    "ROCE_GATHER_NET": _flag,
     "ROCE_GATHER_CHUNK_BYTES": _min_chunk,
     "ROCE_GATHER_PROXY_IDLE_MS": _proxy_idle_ms,
     # Read by the binding (plugin/bind.c), not plugin/config.go: a path, taken as given.
     "ROCE_GATHER_BIND_REPORT": _any,
 }
+
+
+# The variables of the retired CollNet route (plugin.RetiredVariables), with what to do
+# instead: the library warns and ignores them; the package stops on them before NCCL starts.
+RETIRED = {
+    "ROCE_GATHER_NET": "unset it, and NCCL_NET=roce_gather and NCCL_COLLNET_ENABLE=1 with it: "
+                       "NCCL's own transports carry NCCL's traffic",
+    "ROCE_GATHER_MODE": "unset it",
+    "ROCE_GATHER_PLACEMENT": "unset it",
+    "ROCE_GATHER_ONESHOT_CHANNELS": "unset it; ROCE_GATHER_CHUNK_BYTES sets how an intercepted gather is cut",
+    "ROCE_GATHER_ONESHOT_CHUNK": "unset it; ROCE_GATHER_CHUNK_BYTES sets how an intercepted gather is cut",
+    "ROCE_GATHER_TCP_CUDA": "unset it",
+    "ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": "unset it",
+}
+
+
+def retired(var):
+    """The words for a retired variable, or None for one that is not."""
+    instead = RETIRED.get(var)
+    return None if instead is None else "is retired with the CollNet route and changes nothing: " + instead
 
 
 def keyword(variable):
@@ -200,14 +195,14 @@ def keyword(variable):
 
 def variable(name):
     """The variable a keyword or a variable's name stands for, or None when the library reads
-    no such variable."""
+    no such variable and none was retired."""
     var = name if name.startswith(PREFIX) else PREFIX + name.upper()
-    return var if var in SETTINGS else None
+    return var if var in SETTINGS or var in RETIRED else None
 
 
 def is_flag(var):
     """Whether var is 0 or 1."""
-    return SETTINGS[var] is _flag
+    return SETTINGS.get(var) is _flag
 
 
 def refusal(var, value):

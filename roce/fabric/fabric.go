@@ -22,56 +22,22 @@ import (
 	"unsafe"
 )
 
-// Mem says where a registered region lives.
-type Mem int
-
-const (
-	Host Mem = C.RG_MEM_HOST
-	CUDA Mem = C.RG_MEM_CUDA
-)
-
-func (m Mem) String() string {
-	if m == CUDA {
-		return "cuda"
-	}
-	return "host"
-}
-
-// Pointer kinds a device reaches, as NCCL's ptrSupport bits.
-const (
-	PtrHost   = 0x1
-	PtrCUDA   = 0x2
-	PtrDmaBuf = 0x4
-)
-
 // MaxLanes bounds the lanes of one link (and the HCAs of one device).
 const MaxLanes = int(C.RG_MAX_LANES)
 
-// DeviceInfo is what a device reports to NCCL and to plugincheck.
+// DeviceInfo is what a device says of itself in log lines and to plugincheck.
 type DeviceInfo struct {
-	Name       string // NCCL device name; net and collNet report the same
-	PCIPath    string // sysfs PCI path, "" for a virtual device
-	GUID       uint64
-	Port       int
-	SpeedMbps  int
-	PtrSupport int    // PtrHost | PtrCUDA | PtrDmaBuf
-	Lanes      int    // lanes a link of this device can stripe over
-	Detail     string // one line for logs: interface, HCAs, link layer
-}
-
-// DmaBuf describes a dma-buf export of a CUDA region, as NCCL's regMrDmaBuf passes it.
-// The file descriptor is only valid during Register.
-type DmaBuf struct {
-	FD     int
-	Offset uint64
+	Name   string
+	Lanes  int    // lanes a link of this device can stripe over
+	Detail string // one line for logs: interface, HCAs, link layer, speed
 }
 
 // Device is one fabric device: registration and endpoints.
 type Device interface {
 	Info() DeviceInfo
-	// Register makes [addr, addr+length) reachable by peers' writes and usable as a
-	// local source. dmabuf may be nil.
-	Register(addr uintptr, length uint64, mem Mem, dmabuf *DmaBuf) (*MR, error)
+	// Register makes [addr, addr+length) of host memory reachable by peers' writes and
+	// usable as a local source.
+	Register(addr uintptr, length uint64) (*MR, error)
 	Deregister(mr *MR) error
 	// NewEndpoint starts one side of a link with the given number of lanes.
 	NewEndpoint(lanes int) (Endpoint, error)
@@ -93,13 +59,6 @@ type Endpoint interface {
 	Close() error
 }
 
-// Pairable is an endpoint whose link may share its connection with a link that carries
-// data the other way (tcp: two p2p links, so that each direction acknowledges the other).
-type Pairable interface {
-	// AllowPairing says the link carries data from its dialer only; called before Describe.
-	AllowPairing(dialer bool)
-}
-
 // MR is a registered region. C returns the rg_mr the hot path uses.
 type MR struct {
 	c    *C.rg_mr
@@ -107,11 +66,10 @@ type MR struct {
 }
 
 // NewMR allocates the C side of a registration; backends fill keys through Set*.
-func NewMR(addr uintptr, length uint64, mem Mem, nhcas int) *MR {
+func NewMR(addr uintptr, length uint64, nhcas int) *MR {
 	c := (*C.rg_mr)(C.calloc(1, C.sizeof_rg_mr))
 	c.addr = C.uint64_t(addr)
 	c.len = C.uint64_t(length)
-	c.mem = C.int(mem)
 	c.nhcas = C.int(nhcas)
 	return &MR{c: c}
 }
@@ -124,7 +82,6 @@ func (m *MR) SetKeys(hca int, lkey, rkey uint32) {
 
 func (m *MR) Addr() uintptr       { return uintptr(m.c.addr) }
 func (m *MR) Len() uint64         { return uint64(m.c.len) }
-func (m *MR) Mem() Mem            { return Mem(m.c.mem) }
 func (m *MR) RKey(hca int) uint32 { return uint32(m.c.rkey[hca]) }
 func (m *MR) LKey(hca int) uint32 { return uint32(m.c.lkey[hca]) }
 func (m *MR) C() unsafe.Pointer   { return unsafe.Pointer(m.c) }
@@ -174,17 +131,6 @@ func NewLink(peer string, lanes []Lane, closeFn func() error) (*Link, error) {
 	C.strncpy(&c.peer[0], p, C.size_t(len(c.peer)-1))
 	C.free(unsafe.Pointer(p))
 	return &Link{c: c, peer: peer, closeFn: closeFn}, nil
-}
-
-// SetFlush gives the link a lane connected to itself for NCCL's GPUDirect flush: a
-// 1-byte RDMA read of the received buffer into dst, a registered host byte.
-func (l *Link) SetFlush(lane Lane, dst unsafe.Pointer, dstMR *MR) {
-	l.c.flush.ops = (*C.rg_lane_ops)(lane.Ops)
-	l.c.flush.impl = lane.Impl
-	l.c.flush.hca = C.int(lane.HCA)
-	l.c.flush.peer_hca = C.int(lane.PeerHCA)
-	l.c.flush_dst = dst
-	l.c.flush_dst_mr = dstMR.c
 }
 
 func (l *Link) C() unsafe.Pointer { return unsafe.Pointer(l.c) }

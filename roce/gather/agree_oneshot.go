@@ -43,6 +43,55 @@ const (
 	pOffEnd       = 72 // bytes from here on, and byte 31, are zero
 )
 
+// Reasons a rank brings its verdict "off".
+const (
+	ReasonNone = iota
+	ReasonDisabled
+	ReasonNoMemory
+	ReasonLocalError
+	// ReasonFabricDefault: the rank's fabric keeps the path off by default and
+	// ROCE_GATHER_MAX_BYTES is unset (the per-fabric defaults are plugin.DefaultWindows).
+	ReasonFabricDefault
+)
+
+var reasonText = map[uint8]string{
+	ReasonDisabled:      "ROCE_GATHER_ENABLE=0",
+	ReasonNoMemory:      "its landing slots could not be allocated",
+	ReasonLocalError:    "a local set-up error (see its log)",
+	ReasonFabricDefault: "the one-shot path is off by default on the %s fabric and ROCE_GATHER_MAX_BYTES is unset (set it on both ranks to use the path)",
+}
+
+// reason says why a proposal is off, the same words on both ranks.
+func reason(p Proposal) string {
+	if p.Reason == ReasonFabricDefault {
+		return fmt.Sprintf(reasonText[p.Reason], fabricName(p.Fabric))
+	}
+	return reasonText[p.Reason]
+}
+
+func fabricCode(kind string) uint8 {
+	if kind == "verbs" {
+		return 2
+	}
+	return 1
+}
+
+func fabricName(code uint8) string {
+	switch code {
+	case 1:
+		return "tcp"
+	case 2:
+		return "verbs"
+	}
+	return fmt.Sprintf("fabric(%d)", code)
+}
+
+// FabricCode is the proposal's code for a fabric kind ("tcp" or "verbs").
+func FabricCode(kind string) uint8 { return fabricCode(kind) }
+
+// SlotBytesFor rounds a shard cap up to whole pages, the slot size.
+func SlotBytesFor(capBytes uint64) uint64 { return (capBytes + 4095) &^ 4095 }
+
 // Chunk sizes are whole pages, at least one and at most MaxMinChunk.
 const (
 	ChunkAlign  = 4096
@@ -176,8 +225,8 @@ func AgreeOneShot(proposals [][]byte, rank int) OneShotOutcome {
 	out := OneShotOutcome{Peer: ps[peer], PeerRank: peer}
 	for i, p := range ps {
 		if !p.On {
-			out.Why = fmt.Sprintf("rank %d is off: %s", i, reason(Offer{Reason: p.Reason, Fabric: p.Fabric}))
-			out.Config = p.Reason == ReasonDisabled || p.Reason == ReasonFabricDefault || p.Reason == ReasonCollNetRoute
+			out.Why = fmt.Sprintf("rank %d is off: %s", i, reason(p))
+			out.Config = p.Reason == ReasonDisabled || p.Reason == ReasonFabricDefault
 			return out
 		}
 	}

@@ -22,6 +22,13 @@ func testFabric() string {
 
 func onVerbs() bool { return testFabric() == "verbs" }
 
+func openTCP(t *testing.T, timeout time.Duration) *roce.Transport {
+	t.Helper()
+	tr, err := roce.Open(roce.Config{Fabric: "tcp", TCPInterface: "lo", Timeout: timeout})
+	require.NoError(t, err)
+	return tr
+}
+
 // openTestFabric opens one rank's transport on the test fabric; bootstrap sockets are on lo
 // either way.
 func openTestFabric(t *testing.T, timeout time.Duration) *roce.Transport {

@@ -25,6 +25,7 @@ import (
 	"time"
 	"unsafe"
 
+	_ "github.com/roce-gather/roce_gather/kernels" // the kernel oneshot.c loads
 	"github.com/roce-gather/roce_gather/roce"
 	"github.com/roce-gather/roce_gather/roce/fabric"
 )
@@ -284,7 +285,7 @@ func newOSSide(t *roce.Transport, out OneShotOutcome, rank int, commID uint64) (
 	if s.region == nil {
 		return nil, fmt.Errorf("allocating the %d-byte region", n)
 	}
-	mr, err := t.Device().Register(uintptr(s.region), n, fabric.Host, nil)
+	mr, err := t.Device().Register(uintptr(s.region), n)
 	if err != nil {
 		C.rg_pinned_free(s.region, C.size_t(n), s.pinned)
 		return nil, fmt.Errorf("registering the region: %w", err)

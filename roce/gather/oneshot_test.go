@@ -400,7 +400,7 @@ func TestProposalRoundTripsAndRefusesForeignBytes(t *testing.T) {
 	bad := map[string]func(h []byte){
 		"magic":    func(h []byte) { h[0] ^= 1 },
 		"version":  func(h []byte) { h[4]++ },
-		"purpose":  func(h []byte) { h[6] = byte(roce.PurposeGather) },
+		"purpose":  func(h []byte) { h[6] = byte(roce.PurposeOneShot) + 1 },
 		"reserved": func(h []byte) { h[100] = 1 },
 		"verdict":  func(h []byte) { h[pOffVerdict] = 2 },
 		"lanes":    func(h []byte) { h[pOffLanes] = 9 },

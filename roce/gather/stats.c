@@ -5,7 +5,6 @@
 #include <sys/mman.h>
 
 static _Atomic uint64_t counters[RG_STATS_N];
-static atomic_uint_fast64_t latency[RG_LAT_BUCKETS];
 static atomic_uint_fast64_t os_latency[RG_LAT_BUCKETS];
 
 /* The attached file's mapping, and where each counter's slot is in it. */
@@ -20,10 +19,6 @@ static int bucket_of(uint64_t ns) {
   int frac = log2 >= 2 ? (int)((ns >> (log2 - 2)) & 3) : 0;
   int b = log2 * 4 + frac;
   return b < RG_LAT_BUCKETS ? b : RG_LAT_BUCKETS - 1;
-}
-
-void rg_stats_latency(uint64_t ns) {
-  atomic_fetch_add_explicit(&latency[bucket_of(ns)], 1, memory_order_relaxed);
 }
 
 void rg_stats_os_latency(uint64_t ns) {
@@ -81,7 +76,6 @@ void rg_stats_add(enum rg_stat s, uint64_t d) {
 
 void rg_stats_read(rg_stats_snapshot* out) {
   for (int i = 0; i < RG_STATS_N; i++) out->v[i] = atomic_load(&counters[i]);
-  for (int i = 0; i < RG_LAT_BUCKETS; i++) out->gather_lat[i] = atomic_load(&latency[i]);
   for (int i = 0; i < RG_LAT_BUCKETS; i++) out->os_lat[i] = atomic_load(&os_latency[i]);
 }
 

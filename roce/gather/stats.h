@@ -1,6 +1,6 @@
-/* Process-wide counters (ROCE_GATHER_STATS): the tuner's decisions (plugin/tuner.c), the
- * one-shot calls (gather.c) and the calls that reached the interceptor's wrappers
- * (plugin/intercept.c), updated with atomics from the hot path and read by Go.
+/* Process-wide counters (ROCE_GATHER_STATS): the intercepted calls (plugin/oneshot.c,
+ * oneshot.c) and the calls that reached the interceptor's wrappers (plugin/intercept.c),
+ * updated with atomics from the hot path and read by Go.
  *
  * Where ROCE_GATHER_STATS names a file, the file is a JSON document mapped shared into
  * the process (plugin/stats.go), with every counter's value in a slot of fixed width.
@@ -23,20 +23,6 @@
 #define RG_STAT_ALIGN 8
 
 enum rg_stat {
-  /* Tuner decisions for two-rank AllGathers. */
-  RG_STAT_TUNER_ONESHOT,
-  RG_STAT_TUNER_ONESHOT_BYTES,
-  RG_STAT_TUNER_NCCL,
-  RG_STAT_TUNER_NCCL_BYTES,
-  RG_STAT_TUNER_NCCL_IGNORED,      /* within the window, but NCCL offered no CollNet Direct */
-  RG_STAT_TUNER_ONESHOT_UNOFFERED, /* one-shot onto that entry (ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH) */
-  /* One-shot gather calls (iallgather), as executed, graph replays included. */
-  RG_STAT_GATHERS,
-  RG_STAT_GATHER_BYTES,
-  RG_STAT_GATHERS_RENDEZVOUS,
-  RG_STAT_GATHERS_EAGER,
-  RG_STAT_GATHER_ERRORS,
-  RG_STAT_GATHERS_KERNEL, /* eager calls the gather kernel placed */
   /* The intercepted gather (plugin/oneshot.c, oneshot.c). */
   RG_STAT_OS_LAUNCHES,       /* ncclAllGather calls the one-shot path took (a captured call counts once) */
   RG_STAT_OS_LAUNCH_BYTES,
@@ -64,14 +50,12 @@ enum rg_stat {
 
 /* Adds d to counter s and shows its new value in the stats file, if one is attached. */
 void rg_stats_add(enum rg_stat s, uint64_t d);
-void rg_stats_latency(uint64_t ns);
 /* The intercepted gather's kernel time, start to rows written. */
 void rg_stats_os_latency(uint64_t ns);
 
 /* The counters as plain numbers, for readers that cannot see atomics (cgo). */
 typedef struct rg_stats_snapshot {
   uint64_t v[RG_STATS_N];
-  uint64_t gather_lat[RG_LAT_BUCKETS];
   uint64_t os_lat[RG_LAT_BUCKETS];
 } rg_stats_snapshot;
 

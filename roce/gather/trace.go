@@ -309,3 +309,16 @@ func cTraceLayout() map[string]uintptr {
 		"r.t": unsafe.Offsetof(r.t),
 	}
 }
+
+// Mode says which path a timeline record is of: the intercepted gather's.
+type Mode uint8
+
+// ModeIntercepted marks the timeline records of the intercepted gather.
+const ModeIntercepted Mode = C.RG_TRACE_MODE_INTERCEPTED
+
+func (m Mode) String() string {
+	if m == ModeIntercepted {
+		return "intercepted"
+	}
+	return fmt.Sprintf("mode(%d)", uint8(m))
+}

@@ -4,15 +4,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include "../../internal/cudadrv/cudadrv.h"
 #include "region.h"
 
-rg_tcp_dev* rg_tcp_dev_new(uint64_t timeout_ns, int cuda) {
+rg_tcp_dev* rg_tcp_dev_new(uint64_t timeout_ns) {
   rg_tcp_dev* dev = calloc(1, sizeof(*dev));
   if (dev == NULL) return NULL;
   pthread_mutex_init(&dev->mu, NULL);
   dev->timeout_ns = timeout_ns;
-  dev->cuda = cuda;
   dev->generation = 0;
   return dev;
 }
@@ -41,44 +39,14 @@ static int find_free_slot(rg_tcp_dev* dev) {
   return first;
 }
 
-uint32_t rg_tcp_register(rg_tcp_dev* dev, uint64_t addr, uint64_t len, int mem, rg_mr* mr, char* err, int errlen) {
-  CUcontext ctx = NULL;
-  CUdevice primary_dev = -1;
-  if (mem == RG_MEM_CUDA) {
-    const rg_cuda_api* cu = rg_cuda();
-    if (cu == NULL) {
-      snprintf(err, errlen, "CUDA memory at 0x%llx cannot be reached: %s", (unsigned long long)addr,
-               rg_cuda_error());
-      return 0;
-    }
-    /* cudaMalloc memory names its context; memory NCCL maps with the cuMem (VMM) API has
-     * none, and is reached through the primary context of its device instead. */
-    CUresult r = cu->cuPointerGetAttribute(&ctx, CU_POINTER_ATTRIBUTE_CONTEXT, (CUdeviceptr)addr);
-    if (r != CUDA_SUCCESS || ctx == NULL) {
-      int ordinal = -1;
-      CUdevice dev;
-      r = cu->cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, (CUdeviceptr)addr);
-      if (r == CUDA_SUCCESS) r = cu->cuDeviceGet(&dev, ordinal);
-      if (r == CUDA_SUCCESS) r = cu->cuDevicePrimaryCtxRetain(&ctx, dev);
-      if (r != CUDA_SUCCESS) {
-        snprintf(err, errlen, "0x%llx is not CUDA memory this process can reach (cuPointerGetAttribute: %s)",
-                 (unsigned long long)addr, rg_cuda_strerror(r));
-        return 0;
-      }
-      primary_dev = dev;
-    }
-  }
+uint32_t rg_tcp_register(rg_tcp_dev* dev, uint64_t addr, uint64_t len, rg_mr* mr, char* err, int errlen) {
   rg_tcp_region* reg = calloc(1, sizeof(*reg));
   if (reg == NULL) {
     snprintf(err, errlen, "out of memory");
-    if (primary_dev >= 0) rg_cuda()->cuDevicePrimaryCtxRelease(primary_dev);
     return 0;
   }
   reg->addr = addr;
   reg->len = len;
-  reg->mem = mem;
-  reg->ctx = ctx;
-  reg->primary_dev = primary_dev;
   reg->mr = mr;
   pthread_mutex_lock(&dev->mu);
   int slot = find_free_slot(dev);
@@ -86,7 +54,6 @@ uint32_t rg_tcp_register(rg_tcp_dev* dev, uint64_t addr, uint64_t len, int mem, 
     pthread_mutex_unlock(&dev->mu);
     free(reg);
     snprintf(err, errlen, "too many registered regions (limit %u)", 1u << RG_TCP_KEY_SLOT_BITS);
-    if (primary_dev >= 0) rg_cuda()->cuDevicePrimaryCtxRelease(primary_dev);
     return 0;
   }
   /* The generation makes a stale key (from a deregistered region) miss. */
@@ -120,7 +87,6 @@ int rg_tcp_deregister(rg_tcp_dev* dev, uint32_t key, char* err, int errlen) {
     struct timespec ts = {0, 100000};
     nanosleep(&ts, NULL);
   }
-  if (reg->primary_dev >= 0) rg_cuda()->cuDevicePrimaryCtxRelease(reg->primary_dev);
   free(reg);
   return 0;
 }

@@ -2,15 +2,11 @@
 #ifndef RG_TCP_REGION_H
 #define RG_TCP_REGION_H
 
-#include "../../include/cuda_subset.h"
 #include "tcp.h"
 
 struct rg_tcp_region {
   uint64_t addr;
   uint64_t len;
-  int mem;
-  CUcontext ctx;      /* owning context of CUDA memory */
-  CUdevice primary_dev; /* >= 0 when ctx is a primary context retained for VMM memory */
   uint32_t key;
   atomic_int refs; /* writes being placed into it right now */
   rg_mr* mr;

@@ -20,10 +20,10 @@ import (
 	"net"
 	"sync"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/roce-gather/roce_gather/internal/cudadrv"
 	"github.com/roce-gather/roce_gather/roce/fabric"
 )
 
@@ -32,9 +32,6 @@ type Config struct {
 	Interface        string // exact interface name; "" picks one
 	NCCLSocketIfname string // NCCL_SOCKET_IFNAME, used when Interface is ""
 	Timeout          time.Duration
-	// CUDA offers NCCL CUDA memory (through staging copies). Off by default: on the GPU
-	// testbed the one-shot gather over it timed out under NCCL 2.28 (docs/benchmarks.md).
-	CUDA bool
 }
 
 // Device is the tcp fabric's single device: one interface of this host.
@@ -43,13 +40,8 @@ type Device struct {
 	info  fabric.DeviceInfo
 	c     *C.rg_tcp_dev
 
-	id      uint64 // names this device to peers, for pairing (pair.go)
-	timeout time.Duration
-
-	mu       sync.Mutex
-	changed  *sync.Cond // on mu: a carrier came or went, or a dial ended
-	links    map[*fabric.Link]struct{}
-	carriers pairing
+	mu    sync.Mutex
+	links map[*fabric.Link]struct{}
 }
 
 // Open picks the interface and returns the device.
@@ -61,81 +53,34 @@ func Open(cfg Config) (*Device, error) {
 	if cfg.Timeout <= 0 {
 		return nil, fmt.Errorf("tcp fabric: timeout must be positive, got %v", cfg.Timeout)
 	}
-	speed, ok := fabric.LinkSpeedMbps(iface.Name)
-	speedNote := fmt.Sprintf("%d Mbps", speed)
-	if !ok {
-		speed = 10000 // what NCCL assumes for a device without a speed
-		speedNote = "no link speed (virtual), reporting 10000 Mbps"
-	}
-	ptr := fabric.PtrHost
-	cudaNote := "host memory only (ROCE_GATHER_TCP_CUDA=1 offers CUDA memory)"
-	switch {
-	case cfg.CUDA && cudadrv.Available():
-		ptr |= fabric.PtrCUDA
-		cudaNote = "CUDA memory through staging copies (ROCE_GATHER_TCP_CUDA=1)"
-	case cfg.CUDA:
-		cudaNote = "host memory only: ROCE_GATHER_TCP_CUDA=1, but " + errString(cudadrv.Err())
-	}
-	id, err := randomID()
-	if err != nil {
-		return nil, err
+	speedNote := "no link speed (virtual)"
+	if speed, ok := fabric.LinkSpeedMbps(iface.Name); ok {
+		speedNote = fmt.Sprintf("%d Mbps", speed)
 	}
 	d := &Device{
-		iface:   iface,
-		c:       C.rg_tcp_dev_new(C.uint64_t(cfg.Timeout.Nanoseconds()), boolInt(ptr&fabric.PtrCUDA != 0)),
-		id:      id,
-		timeout: cfg.Timeout,
-		links:   map[*fabric.Link]struct{}{},
+		iface: iface,
+		c:     C.rg_tcp_dev_new(C.uint64_t(cfg.Timeout.Nanoseconds())),
+		links: map[*fabric.Link]struct{}{},
 	}
-	d.changed = sync.NewCond(&d.mu)
-	d.carriers.init()
 	d.info = fabric.DeviceInfo{
-		Name:       "tcp-" + iface.Name,
-		GUID:       guidOf(iface.Name),
-		Port:       1,
-		SpeedMbps:  speed,
-		PtrSupport: ptr,
-		Lanes:      1,
-		Detail:     fmt.Sprintf("tcp on %s (%s), %s, %s", iface.Name, iface.IP, speedNote, cudaNote),
+		Name:   "tcp-" + iface.Name,
+		Lanes:  1,
+		Detail: fmt.Sprintf("tcp on %s (%s), %s", iface.Name, iface.IP, speedNote),
 	}
 	return d, nil
-}
-
-func boolInt(b bool) C.int {
-	if b {
-		return 1
-	}
-	return 0
-}
-
-func errString(err error) string {
-	if err == nil {
-		return ""
-	}
-	return err.Error()
-}
-
-// guidOf gives the device a stable identity derived from its interface name.
-func guidOf(name string) uint64 {
-	h := uint64(1469598103934665603)
-	for i := 0; i < len(name); i++ {
-		h = (h ^ uint64(name[i])) * 1099511628211
-	}
-	return h
 }
 
 func (d *Device) Info() fabric.DeviceInfo     { return d.info }
 func (d *Device) Interface() fabric.Interface { return d.iface }
 
-// Register adds a region peers may write into. The dma-buf descriptor, if any, is not
-// needed: the tcp fabric reaches CUDA memory through its virtual address.
-func (d *Device) Register(addr uintptr, length uint64, mem fabric.Mem, _ *fabric.DmaBuf) (*fabric.MR, error) {
+// Register adds a region peers may write into.
+func (d *Device) Register(addr uintptr, length uint64) (*fabric.MR, error) {
 	if length == 0 {
 		return nil, errors.New("cannot register an empty region")
 	}
-	mr := fabric.NewMR(addr, length, mem, 1)
+	mr := fabric.NewMR(addr, length, 1)
 	var errBuf [256]C.char
-	key := C.rg_tcp_register(d.c, C.uint64_t(addr), C.uint64_t(length), C.int(mem), (*C.rg_mr)(mr.C()), &errBuf[0], C.int(len(errBuf)))
+	key := C.rg_tcp_register(d.c, C.uint64_t(addr), C.uint64_t(length), (*C.rg_mr)(mr.C()), &errBuf[0], C.int(len(errBuf)))
 	if key == 0 {
 		mr.Free()
 		return nil, errors.New(C.GoString(&errBuf[0]))
@@ -188,4 +133,67 @@ func takeFD(conn *net.TCPConn) (int, error) {
 	conn.Close()
 	unix.CloseOnExec(fd)
 	return fd, nil
+}
+
+// describeVersion is the version of an endpoint's description: one byte, as the peer's
+// Prepare checks it.
+const describeVersion = 2
+
+// endpoint is one side of a link being set up: one lane on the bootstrap's own socket.
+type endpoint struct{ dev *Device }
+
+// NewEndpoint returns one side of a link; the tcp fabric has a single lane per link.
+func (d *Device) NewEndpoint(lanes int) (fabric.Endpoint, error) {
+	if lanes != 1 {
+		return nil, fmt.Errorf("tcp fabric links have 1 lane, %d asked", lanes)
+	}
+	return &endpoint{dev: d}, nil
+}
+
+func (e *endpoint) Describe() []byte { return []byte{describeVersion} }
+
+func (e *endpoint) Prepare(peer []byte) error {
+	if len(peer) != 1 || peer[0] != describeVersion {
+		return fmt.Errorf("tcp fabric: the peer described its endpoint with %d bytes %x, expected version %d in 1 byte",
+			len(peer), peer, describeVersion)
+	}
+	return nil
+}
+
+func (e *endpoint) Close() error { return nil }
+
+// Start hands the bootstrap socket to a lane of its own.
+func (e *endpoint) Start(conn *net.TCPConn) (*fabric.Link, error) {
+	d := e.dev
+	peer := conn.RemoteAddr().String()
+	fd, err := takeFD(conn)
+	if err != nil {
+		return nil, err
+	}
+	cpeer := C.CString(peer)
+	defer C.free(unsafe.Pointer(cpeer))
+	var errBuf [256]C.char
+	lane := C.rg_tcp_lane_start(d.c, C.int(fd), cpeer, &errBuf[0], C.int(len(errBuf)))
+	if lane == nil {
+		return nil, fmt.Errorf("starting the lane to %s: %s", peer, C.GoString(&errBuf[0]))
+	}
+	var link *fabric.Link
+	link, err = fabric.NewLink(peer, []fabric.Lane{{
+		Ops:  unsafe.Pointer(&C.rg_tcp_lane_ops),
+		Impl: unsafe.Pointer(lane),
+	}}, func() error {
+		d.mu.Lock()
+		delete(d.links, link)
+		d.mu.Unlock()
+		C.rg_tcp_lane_close(lane)
+		return nil
+	})
+	if err != nil {
+		C.rg_tcp_lane_close(lane)
+		return nil, err
+	}
+	d.mu.Lock()
+	d.links[link] = struct{}{}
+	d.mu.Unlock()
+	return link, nil
 }

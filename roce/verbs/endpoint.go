@@ -17,8 +17,8 @@ import (
 	"github.com/roce-gather/roce_gather/roce/fabric"
 )
 
-// endpoint is one side of a link being set up: its queue pairs in INIT with receives
-// posted, then (Prepare) connected to the peer's in RTS.
+// endpoint is one side of a link being set up: its queue pairs in INIT, then (Prepare)
+// connected to the peer's in RTS.
 type endpoint struct {
 	d     *Device
 	lanes []*C.rg_vlane
@@ -35,7 +35,7 @@ func (d *Device) NewEndpoint(lanes int) (fabric.Endpoint, error) {
 	e := &endpoint{d: d}
 	for i := 0; i < lanes; i++ {
 		hi := i % len(d.hcas)
-		l, err := d.newLane(hi, d.hcas[hi].depth, d.hcas[hi].depth)
+		l, err := d.newLane(hi, d.hcas[hi].depth)
 		if err != nil {
 			e.Close()
 			return nil, fmt.Errorf("lane %d of %d: %w", i, lanes, err)
@@ -53,14 +53,13 @@ func (d *Device) NewEndpoint(lanes int) (fabric.Endpoint, error) {
 	return e, nil
 }
 
-// newLane creates a queue pair on HCA hi and moves it to INIT with its receives posted
-// (receives may be posted from INIT on, and must be before the peer writes).
-func (d *Device) newLane(hi int, sq, rq uint32) (*C.rg_vlane, error) {
+// newLane creates a queue pair on HCA hi and moves it to INIT.
+func (d *Device) newLane(hi int, sq uint32) (*C.rg_vlane, error) {
 	h := d.hcas[hi]
 	name := C.CString(h.label)
 	defer C.free(unsafe.Pointer(name))
 	var errBuf [256]C.char
-	l := C.rg_vlane_create(h.ctx, h.pd, C.int(hi), name, C.uint32_t(sq), C.uint32_t(rq),
+	l := C.rg_vlane_create(h.ctx, h.pd, C.int(hi), name, C.uint32_t(sq), C.uint32_t(recvDepth),
 		C.uint64_t(d.cfg.Timeout.Nanoseconds()), &errBuf[0], C.int(len(errBuf)))
 	if l == nil {
 		return nil, errors.New(C.GoString(&errBuf[0]))
@@ -68,10 +67,6 @@ func (d *Device) newLane(hi int, sq, rq uint32) (*C.rg_vlane, error) {
 	if err := modifyQP(C.rg_vlane_qp(l), initAttr(uint8(h.port.Port)), "INIT"); err != nil {
 		C.rg_vlane_destroy(l)
 		return nil, fmt.Errorf("%s: %w", h.label, err)
-	}
-	if rc := C.rg_vlane_fill_recv(l); rc != 0 {
-		C.rg_vlane_destroy(l)
-		return nil, fmt.Errorf("%s: posting %d receives failed: %s", h.label, rq, errnoText(errnoErr(int(rc))))
 	}
 	return l, nil
 }
@@ -138,7 +133,7 @@ func (e *endpoint) Prepare(peer []byte) error {
 }
 
 // Start closes the bootstrap connection (the queue pairs need it no more) and returns
-// the link, with a flush lane when the device reaches GPU memory directly.
+// the link.
 func (e *endpoint) Start(conn *net.TCPConn) (*fabric.Link, error) {
 	peer := conn.RemoteAddr().String()
 	conn.Close()
@@ -146,14 +141,6 @@ func (e *endpoint) Start(conn *net.TCPConn) (*fabric.Link, error) {
 		return nil, errors.New("verbs endpoint started before Prepare")
 	}
 	d := e.d
-	var flush *C.rg_vlane
-	if d.info.PtrSupport&(fabric.PtrCUDA|fabric.PtrDmaBuf) != 0 {
-		f, err := d.newFlushLane(e.hca[0])
-		if err != nil {
-			return nil, fmt.Errorf("flush lane: %w", err)
-		}
-		flush = f
-	}
 	cpeer := C.CString(peer)
 	defer C.free(unsafe.Pointer(cpeer))
 	now := C.uint64_t(fabric.NowNanos())
@@ -163,9 +150,6 @@ func (e *endpoint) Start(conn *net.TCPConn) (*fabric.Link, error) {
 		lanes[i] = fabric.Lane{Ops: unsafe.Pointer(&C.rg_vlane_ops), Impl: unsafe.Pointer(l), HCA: e.hca[i], PeerHCA: int(e.peer[i].HCA)}
 	}
 	owned := append([]*C.rg_vlane(nil), e.lanes...)
-	if flush != nil {
-		owned = append(owned, flush)
-	}
 	var link *fabric.Link
 	link, err := fabric.NewLink(peer, lanes, func() error {
 		for _, l := range owned {
@@ -177,12 +161,7 @@ func (e *endpoint) Start(conn *net.TCPConn) (*fabric.Link, error) {
 		return nil
 	})
 	if err != nil {
-		C.rg_vlane_destroy(flush)
 		return nil, err
-	}
-	if flush != nil {
-		hi := e.hca[0]
-		link.SetFlush(fabric.Lane{Ops: unsafe.Pointer(&C.rg_vlane_ops), Impl: unsafe.Pointer(flush), HCA: hi, PeerHCA: hi}, d.flushByte(), d.scratchM)
 	}
 	d.mu.Lock()
 	e.lanes = nil // the link owns them now
@@ -190,24 +169,6 @@ func (e *endpoint) Start(conn *net.TCPConn) (*fabric.Link, error) {
 	d.links[link] = struct{}{}
 	d.mu.Unlock()
 	return link, nil
-}
-
-// newFlushLane is a queue pair connected to itself on HCA hi: NCCL's flush reads one
-// byte of a received GPU buffer through it, which orders the GPU's later reads after the
-// NIC's writes. It shares the HCA of lane 0, the one single-lane links write through.
-func (d *Device) newFlushLane(hi int) (*C.rg_vlane, error) {
-	l, err := d.newLane(hi, flushDepth, 1)
-	if err != nil {
-		return nil, err
-	}
-	if err := d.connect(l, hi, d.describe(hi, uint32(C.rg_vlane_qpn(l)))); err != nil {
-		C.rg_vlane_destroy(l)
-		return nil, fmt.Errorf("connecting the flush queue pair on %s to itself: %w", d.hcas[hi].label, err)
-	}
-	self := C.CString("this host (flush)")
-	defer C.free(unsafe.Pointer(self))
-	C.rg_vlane_start(l, self, C.uint64_t(d.probeAddr()), C.uint32_t(d.scratchM.RKey(hi)), C.uint64_t(fabric.NowNanos()))
-	return l, nil
 }
 
 // Close releases an endpoint that never started.

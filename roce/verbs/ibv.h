@@ -49,15 +49,9 @@ int rg_ibv_destroy_cq(struct ibv_cq* cq);
 struct ibv_qp* rg_ibv_create_qp(struct ibv_pd* pd, struct ibv_qp_init_attr* attr);
 int rg_ibv_destroy_qp(struct ibv_qp* qp);
 
-/* ------------------------------------------------------------------ CUDA memory */
-
-/* Exports the pages around [addr, addr+len) of CUDA memory as a dma-buf. Returns the fd
- * (the caller closes it) and the offset of addr in it, or -1 with err filled. */
-int rg_cuda_export_dmabuf(uint64_t addr, uint64_t len, uint64_t* offset, char* err, int errlen);
-
 /* ------------------------------------------------------------------ lanes */
 
-/* One RC queue pair with its own send and receive completion queues. */
+/* One RC queue pair with its own send and receive completion queues (no receive is posted). */
 typedef struct rg_vlane rg_vlane;
 
 /* Creates the CQs and the QP (in RESET). Returns NULL with err filled. */
@@ -70,8 +64,6 @@ rg_vlane* rg_vlane_wrap(struct ibv_qp* qp, struct ibv_cq* scq, struct ibv_cq* rc
 void rg_vlane_destroy(rg_vlane* l);
 struct ibv_qp* rg_vlane_qp(rg_vlane* l);
 uint32_t rg_vlane_qpn(rg_vlane* l);
-/* Posts receives until rq_depth are outstanding; returns 0 or an errno. */
-int rg_vlane_fill_recv(rg_vlane* l);
 /* Arms the lane for traffic: the peer's name for messages and its probe word. */
 void rg_vlane_start(rg_vlane* l, const char* peer, uint64_t probe_addr, uint32_t probe_rkey, uint64_t now_ns);
 extern const rg_lane_ops rg_vlane_ops;

@@ -1,10 +1,10 @@
-/* A verbs lane: one RC queue pair with its own send and receive completion queues.
+/* A verbs lane: one RC queue pair with its own completion queues. The engine only writes
+ * (RDMA writes, never with immediate), so no receive is ever posted or completed.
  *
- * One thread drives a lane at a time (NCCL's proxy thread), so there are no locks.
+ * One thread drives a lane at a time (the engine's proxy), so there are no locks.
  * Send-queue slots are retired only by signaled completions, so every sig_every-th work
  * request is signaled internally; those completions, and the liveness probe's, are
  * filtered out of what the caller sees. */
-#include <arpa/inet.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -13,7 +13,6 @@
 #include "ibv.h"
 
 #define POLL_BATCH 16
-#define RECV_BATCH 32
 #define UNSIGNALED_WR_ID UINT64_MAX
 
 enum { SIG_USER = 1, SIG_INTERNAL = 2, SIG_PROBE = 3 };
@@ -42,7 +41,6 @@ struct rg_vlane {
   uint64_t sig_head, sig_tail;
   rg_cqe* done; /* ring of sq_depth: the caller's completions reaped by check() */
   uint64_t done_head, done_tail;
-  uint32_t rq_posted;
 
   uint64_t timeout_ns;
   uint64_t last_progress_ns; /* the last completion of any kind */
@@ -154,24 +152,12 @@ int rg_vlane_post(rg_vlane* l, const rg_wr* wrs, int n) {
     const rg_wr* w = &wrs[i];
     struct ibv_send_wr* s = &sw[i];
     memset(s, 0, sizeof(*s));
-    switch (w->op) {
-    case RG_OP_WRITE:
-      s->opcode = IBV_WR_RDMA_WRITE;
-      break;
-    case RG_OP_WRITE_IMM:
-      s->opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-      s->imm_data = htonl(w->imm);
-      break;
-    case RG_OP_READ:
-      s->opcode = IBV_WR_RDMA_READ;
-      break;
-    default:
-      return RG_ERR_INVALID;
-    }
+    if (w->op != RG_OP_WRITE) return RG_ERR_INVALID;
+    s->opcode = IBV_WR_RDMA_WRITE;
     if (w->len > UINT32_MAX) return RG_ERR_INVALID;
     sge[i] = (struct ibv_sge){.addr = (uint64_t)(uintptr_t)w->local, .length = (uint32_t)w->len};
     if (w->flags & RG_WR_INLINE) {
-      if (w->op == RG_OP_READ || w->len > RG_INLINE_MAX) return RG_ERR_INVALID;
+      if (w->len > RG_INLINE_MAX) return RG_ERR_INVALID;
       s->send_flags |= IBV_SEND_INLINE; /* copied at post: no key needed */
     } else if (w->len > 0) {
       if (!covers(w->mr, l->hca, w->local, w->len)) return RG_ERR_INVALID;
@@ -216,59 +202,11 @@ int rg_vlane_poll_send(rg_vlane* l, rg_cqe* out, int max) {
   return n;
 }
 
-/* Tops the receive queue up: each write with immediate consumes one receive. */
-static int post_recvs(rg_vlane* l) {
-  while (l->rq_posted < l->rq_depth) {
-    struct ibv_recv_wr wr[RECV_BATCH];
-    uint32_t k = l->rq_depth - l->rq_posted;
-    if (k > RECV_BATCH) k = RECV_BATCH;
-    for (uint32_t j = 0; j < k; j++) /* no scatter list: the data went where the writer put it */
-      wr[j] = (struct ibv_recv_wr){.wr_id = 0, .next = j + 1 < k ? &wr[j + 1] : NULL, .sg_list = NULL, .num_sge = 0};
-    struct ibv_recv_wr* bad = NULL;
-    int rc = ibv_post_recv(l->qp, wr, &bad);
-    if (rc != 0) return rc;
-    l->rq_posted += k;
-  }
-  return 0;
-}
-
-int rg_vlane_fill_recv(rg_vlane* l) { return post_recvs(l); }
-
+/* No receive is posted, so none completes; a failed queue pair shows on the send side. */
 int rg_vlane_poll_recv(rg_vlane* l, rg_cqe* out, int max) {
+  (void)out, (void)max;
   if (l->dead) return RG_ERR_DEAD;
-  struct ibv_wc wc[POLL_BATCH];
-  if (max > POLL_BATCH) max = POLL_BATCH;
-  if (max <= 0) return 0;
-  int n = ibv_poll_cq(l->rcq, max, wc);
-  if (n < 0) {
-    lane_fail(l, "polling the receive completions of the lane to %s over %s failed (%d)", l->peer, l->hca_name, n);
-    return RG_ERR_DEAD;
-  }
-  if (n == 0) return 0;
-  l->rq_posted -= (uint32_t)n;
-  for (int i = 0; i < n; i++) {
-    if (wc[i].status != IBV_WC_SUCCESS) {
-      /* A failed request moves the queue pair to the error state, which flushes the
-       * posted receives: the cause is on the send side, so it is taken first. */
-      if (wc[i].status == IBV_WC_WR_FLUSH_ERR) reap_send(l);
-      fail_wc(l, &wc[i], "receive from");
-      return RG_ERR_DEAD;
-    }
-    if (wc[i].opcode != IBV_WC_RECV_RDMA_WITH_IMM || !(wc[i].wc_flags & IBV_WC_WITH_IMM)) {
-      lane_fail(l, "%s sent a receive completion of opcode %d over %s; only writes with immediate are expected",
-                l->peer, (int)wc[i].opcode, l->hca_name);
-      return RG_ERR_DEAD;
-    }
-    out[i] = (rg_cqe){.imm = ntohl(wc[i].imm_data), .len = wc[i].byte_len};
-  }
-  l->last_progress_ns = rg_now_ns();
-  int rc = post_recvs(l);
-  if (rc != 0) {
-    lane_fail(l, "ibv_post_recv on the lane to %s over %s failed: %s (errno %d)", l->peer, l->hca_name,
-              strerror(rc), rc);
-    return RG_ERR_DEAD;
-  }
-  return n;
+  return reap_send(l) != 0 ? RG_ERR_DEAD : 0;
 }
 
 /* An 8-byte signaled write into the peer's probe word. RC executes it after every earlier

@@ -20,8 +20,6 @@ import (
 // Lane operation codes and results from fabric.h.
 const (
 	opWrite      = C.RG_OP_WRITE
-	opWriteImm   = C.RG_OP_WRITE_IMM
-	opRead       = C.RG_OP_READ
 	wrSignaled   = C.RG_WR_SIGNALED
 	wrInline     = C.RG_WR_INLINE
 	inlineMax    = C.RG_INLINE_MAX
@@ -42,14 +40,12 @@ type laneWR struct {
 	Len    uint64
 	Remote uint64
 	RKey   uint32
-	Imm    uint32
 	Op     uint8
 	Flags  uint8
 }
 
 type laneCQE struct {
 	WRID, Len uint64
-	Imm       uint32
 	Status    int32
 }
 
@@ -80,7 +76,6 @@ func (l goLane) qpState() (state, pathMTU int, err error) {
 }
 
 func (l goLane) destroy()             { C.rg_vlane_destroy(l.c) }
-func (l goLane) fillRecv() int        { return int(C.rg_vlane_fill_recv(l.c)) }
 func (l goLane) why() string          { return C.GoString(C.rg_vlane_why(l.c)) }
 func (l goLane) check(now uint64) int { return int(C.rg_vlane_check(l.c, C.uint64_t(now))) }
 
@@ -102,7 +97,7 @@ func (l goLane) post(wrs ...laneWR) int {
 	}()
 	for i, w := range wrs {
 		cw[i] = C.rg_wr{wr_id: C.uint64_t(w.WRID), len: C.uint64_t(w.Len),
-			remote: C.uint64_t(w.Remote), rkey: C.uint32_t(w.RKey), imm: C.uint32_t(w.Imm), op: C.uint8_t(w.Op), flags: C.uint8_t(w.Flags)}
+			remote: C.uint64_t(w.Remote), rkey: C.uint32_t(w.RKey), op: C.uint8_t(w.Op), flags: C.uint8_t(w.Flags)}
 		if w.Data != nil {
 			b := C.CBytes(w.Data)
 			bufs = append(bufs, b)
@@ -134,7 +129,7 @@ func (l goLane) poll(n int, send bool) ([]laneCQE, int) {
 	}
 	out := make([]laneCQE, int(rc))
 	for i, e := range unsafe.Slice(c, int(rc)) {
-		out[i] = laneCQE{WRID: uint64(e.wr_id), Len: uint64(e.len), Imm: uint32(e.imm), Status: int32(e.status)}
+		out[i] = laneCQE{WRID: uint64(e.wr_id), Len: uint64(e.len), Status: int32(e.status)}
 	}
 	return out, int(rc)
 }

@@ -2,7 +2,7 @@
 //
 // Discovery lists the active ports, picks each one's GID and groups the ports of one
 // adapter into one fabric device, whose links stripe over its HCAs: one RC queue pair,
-// with its own send and receive completion queues, per lane. Set-up and registration
+// with its own completion queues, per lane. Set-up and registration
 // are Go; the lane operations are C (lane.c), so posting and polling never enter Go.
 package verbs
 
@@ -22,9 +22,6 @@ import (
 	"time"
 	"unsafe"
 
-	"golang.org/x/sys/unix"
-
-	"github.com/roce-gather/roce_gather/internal/cudadrv"
 	"github.com/roce-gather/roce_gather/internal/nlog"
 	"github.com/roce-gather/roce_gather/roce/fabric"
 )
@@ -36,15 +33,14 @@ type Config struct {
 	Timeout  time.Duration
 }
 
-// Queue depths. Receives are consumed one per write with immediate and topped up as they
-// are polled; the flush lane only ever carries a few reads and probes.
+// Queue depths: laneDepth send requests a lane, at least minDepth; no receive is ever
+// posted (the engine's writes consume none), so the receive queue is one entry.
 const (
-	laneDepth  = 512
-	flushDepth = 64
-	// scratch is one registered host page per device: peers' probes land at offset 0,
-	// flush reads at offset flushOff.
+	laneDepth = 512
+	minDepth  = 64
+	recvDepth = 1
+	// scratch is one registered host page per device, where the peers' probes land.
 	scratchSize = 4096
-	flushOff    = 64
 )
 
 // Device is one fabric device: one or more HCAs (ports) of one adapter.
@@ -52,8 +48,6 @@ type Device struct {
 	cfg      Config
 	hcas     []*hca
 	info     fabric.DeviceInfo
-	dmabuf   bool   // ibv_reg_dmabuf_mr works on every HCA
-	peermem  string // how nvidia-peermem showed itself, "" if not loaded
 	scratch  unsafe.Pointer
 	scratchM *fabric.MR
 
@@ -162,7 +156,6 @@ func openGroup(cfg Config, g []chosenPort) (_ *Device, err error) {
 	if err = errors.Join(append(openErrs, err)...); err != nil {
 		return nil, err
 	}
-	d.dmabuf = C.rg_ibv_have_dmabuf() != 0
 	for _, h := range d.hcas {
 		if h.ctx == nil {
 			return nil, fmt.Errorf("%s disappeared between discovery and open", h.label)
@@ -172,89 +165,47 @@ func openGroup(cfg Config, g []chosenPort) (_ *Device, err error) {
 			return nil, fmt.Errorf("ibv_query_device(%s) failed: %v", h.label, errnoErr(int(rc)))
 		}
 		h.depth = uint32(min(laneDepth, int(da.max_qp_wr), int(da.max_cqe)))
-		if h.depth < flushDepth {
-			return nil, fmt.Errorf("%s allows queues of %d entries, at least %d are needed", h.label, h.depth, flushDepth)
+		if h.depth < minDepth {
+			return nil, fmt.Errorf("%s allows queues of %d entries, at least %d are needed", h.label, h.depth, minDepth)
 		}
 		pd, perr := C.rg_ibv_alloc_pd(h.ctx)
 		if pd == nil {
 			return nil, fmt.Errorf("ibv_alloc_pd(%s) failed: %v", h.label, perr)
 		}
 		h.pd = pd
-		d.dmabuf = d.dmabuf && C.rg_ibv_dmabuf_works(pd) != 0
 	}
 	var scratch unsafe.Pointer
 	if C.posix_memalign(&scratch, scratchSize, scratchSize) != 0 {
-		return nil, fmt.Errorf("allocating %d bytes for the probe and flush words", scratchSize)
+		return nil, fmt.Errorf("allocating %d bytes for the probe word", scratchSize)
 	}
 	C.memset(scratch, 0, scratchSize)
 	d.scratch = scratch
-	if d.scratchM, err = d.Register(uintptr(d.scratch), scratchSize, fabric.Host, nil); err != nil {
+	if d.scratchM, err = d.Register(uintptr(d.scratch), scratchSize); err != nil {
 		return nil, err
 	}
-	d.peermem = peerMem()
-	d.info = d.describeDevice(g)
+	d.info = describeDevice(g)
 	nlog.Infof(nlog.Init|nlog.Net, "verbs device %s: %s", d.info.Name, d.info.Detail)
 	return d, nil
 }
 
-// describeDevice fills what NCCL and plugincheck see.
-func (d *Device) describeDevice(g []chosenPort) fabric.DeviceInfo {
-	ptr := fabric.PtrHost
-	var gpu []string
-	if d.peermem != "" {
-		ptr |= fabric.PtrCUDA
-		gpu = append(gpu, "nvidia-peermem")
-	}
-	if d.dmabuf && cudaDmaBuf() {
-		ptr |= fabric.PtrDmaBuf
-		gpu = append(gpu, "dma-buf")
-	}
-	gpuNote := "GPU memory through host staging"
-	if len(gpu) > 0 {
-		gpuNote = "GPUDirect RDMA through " + strings.Join(gpu, " and ")
-	}
-	speed, speedNote := groupSpeed(g)
-	return fabric.DeviceInfo{
-		Name:       groupName(g),
-		PCIPath:    g[0].PCIPath,
-		GUID:       g[0].NodeGUID,
-		Port:       g[0].Port,
-		SpeedMbps:  speed,
-		PtrSupport: ptr,
-		Lanes:      len(g),
-		Detail:     groupDetail(g) + ", " + speedNote + ", " + gpuNote,
-	}
-}
-
-// cudaDmaBuf says whether a GPU's driver can export its memory as dma-buf.
-func cudaDmaBuf() bool {
-	gpus, err := cudadrv.GPUs()
-	if err != nil {
-		return false
-	}
-	for _, g := range gpus {
-		if g.DmaBuf {
-			return true
-		}
-	}
-	return false
+// describeDevice says what the device is, for log lines and plugincheck.
+func describeDevice(g []chosenPort) fabric.DeviceInfo {
+	_, speedNote := groupSpeed(g)
+	return fabric.DeviceInfo{Name: groupName(g), Lanes: len(g), Detail: groupDetail(g) + ", " + speedNote + ", slots in host memory"}
 }
 
 func (d *Device) Info() fabric.DeviceInfo { return d.info }
 
-// Register makes [addr, addr+length) reachable on every HCA of the device, each HCA with
-// its own registration. CUDA memory goes through dma-buf where the kernel allows it (the
-// descriptor NCCL passed, else one exported here), then through nvidia-peermem.
-func (d *Device) Register(addr uintptr, length uint64, mem fabric.Mem, dmabuf *fabric.DmaBuf) (*fabric.MR, error) {
+// Register makes [addr, addr+length) of host memory reachable on every HCA of the
+// device, each HCA with its own registration.
+func (d *Device) Register(addr uintptr, length uint64) (*fabric.MR, error) {
 	if length == 0 {
 		return nil, errors.New("cannot register an empty region")
 	}
-	mr := fabric.NewMR(addr, length, mem, len(d.hcas))
+	mr := fabric.NewMR(addr, length, len(d.hcas))
 	mrs := make([]*C.struct_ibv_mr, 0, len(d.hcas))
-	var exp dmabufExport
-	defer exp.close()
 	for i, h := range d.hcas {
-		m, err := d.registerOn(h, addr, length, mem, dmabuf, &exp)
+		m, err := regMR(h, addr, length)
 		if err != nil {
 			for _, m := range mrs {
 				C.rg_ibv_dereg_mr(m)
@@ -267,37 +218,6 @@ func (d *Device) Register(addr uintptr, length uint64, mem fabric.Mem, dmabuf *f
 	}
 	mr.Impl = mrs
 	return mr, nil
-}
-
-func (d *Device) registerOn(h *hca, addr uintptr, length uint64, mem fabric.Mem, dmabuf *fabric.DmaBuf, exp *dmabufExport) (*C.struct_ibv_mr, error) {
-	if mem == fabric.Host {
-		return regMR(h, addr, length)
-	}
-	var tried []string
-	if d.dmabuf {
-		buf, err := dmabuf, error(nil)
-		if buf == nil {
-			buf, err = exp.get(addr, length)
-		}
-		if err != nil {
-			tried = append(tried, err.Error())
-		} else {
-			m, err := C.rg_ibv_reg_dmabuf_mr(h.pd, C.uint64_t(buf.Offset), C.uint64_t(length), C.uint64_t(addr), C.int(buf.FD), mrAccess)
-			if m != nil {
-				return m, nil
-			}
-			tried = append(tried, fmt.Sprintf("ibv_reg_dmabuf_mr(fd %d, offset %d, 0x%x, %d bytes) failed: %s", buf.FD, buf.Offset, addr, length, errnoText(err)))
-		}
-	}
-	m, err := regMR(h, addr, length)
-	if err == nil {
-		return m, nil
-	}
-	tried = append(tried, err.Error())
-	if d.peermem == "" {
-		tried = append(tried, "nvidia-peermem is not loaded")
-	}
-	return nil, errors.New(strings.Join(tried, "; "))
 }
 
 func regMR(h *hca, addr uintptr, length uint64) (*C.struct_ibv_mr, error) {
@@ -314,38 +234,6 @@ func errnoText(err error) string {
 		return fmt.Sprintf("%v (errno %d)", e, int(e))
 	}
 	return fmt.Sprint(err)
-}
-
-// dmabufExport is a dma-buf this registration exported itself, made on first need for
-// all HCAs and closed when the registration returns (the descriptor NCCL passes is NCCL's).
-type dmabufExport struct {
-	made bool
-	buf  fabric.DmaBuf
-	err  error
-}
-
-func (e *dmabufExport) get(addr uintptr, length uint64) (*fabric.DmaBuf, error) {
-	if !e.made {
-		e.made = true
-		var off C.uint64_t
-		var errBuf [256]C.char
-		fd := C.rg_cuda_export_dmabuf(C.uint64_t(addr), C.uint64_t(length), &off, &errBuf[0], C.int(len(errBuf)))
-		if fd < 0 {
-			e.err = errors.New(C.GoString(&errBuf[0]))
-		} else {
-			e.buf = fabric.DmaBuf{FD: int(fd), Offset: uint64(off)}
-		}
-	}
-	if e.err != nil {
-		return nil, e.err
-	}
-	return &e.buf, nil
-}
-
-func (e *dmabufExport) close() {
-	if e.made && e.err == nil {
-		unix.Close(e.buf.FD)
-	}
 }
 
 // Deregister releases a registration on every HCA.
@@ -408,5 +296,4 @@ func (d *Device) Close() error {
 	return errors.Join(errs...)
 }
 
-func (d *Device) probeAddr() uint64         { return uint64(uintptr(d.scratch)) }
-func (d *Device) flushByte() unsafe.Pointer { return unsafe.Add(d.scratch, flushOff) }
+func (d *Device) probeAddr() uint64 { return uint64(uintptr(d.scratch)) }

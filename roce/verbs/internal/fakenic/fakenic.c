@@ -1,4 +1,3 @@
-#include <arpa/inet.h>
 #include <stdlib.h>
 #include <string.h>
 #include "fakenic.h"
@@ -52,7 +51,6 @@ static int fake_post_send(struct ibv_qp* qp, struct ibv_send_wr* wr, struct ibv_
     f->wr_id = wr->wr_id;
     f->opcode = wr->opcode;
     f->send_flags = wr->send_flags;
-    memcpy(f->imm_wire, &wr->imm_data, 4);
     f->num_sge = wr->num_sge;
     if (wr->num_sge > 0) {
       f->addr = wr->sg_list[0].addr;
@@ -103,16 +101,12 @@ int fake_nic_nsends(fake_nic* n) { return n->nsends; }
 const fake_wr* fake_nic_send(fake_nic* n, int i) { return &n->sends[i]; }
 int fake_nic_recvs_posted(fake_nic* n) { return n->recvs; }
 
-static enum ibv_wc_opcode wc_opcode(int wr_opcode) {
-  return wr_opcode == IBV_WR_RDMA_READ ? IBV_WC_RDMA_READ : IBV_WC_RDMA_WRITE;
-}
-
 int fake_nic_complete(fake_nic* n, int k) {
   int done = 0;
   for (; done < k && n->ncompleted < n->nsends; done++) {
     fake_wr* f = &n->sends[n->ncompleted++];
     if (f->send_flags & IBV_SEND_SIGNALED)
-      push(&n->sring, (struct ibv_wc){.wr_id = f->wr_id, .status = IBV_WC_SUCCESS, .opcode = wc_opcode(f->opcode),
+      push(&n->sring, (struct ibv_wc){.wr_id = f->wr_id, .status = IBV_WC_SUCCESS, .opcode = IBV_WC_RDMA_WRITE,
                                       .qp_num = n->qp.qp_num});
   }
   return done;
@@ -128,21 +122,6 @@ int fake_nic_fail(fake_nic* n, int status, uint32_t vendor_err) {
                                     .qp_num = n->qp.qp_num});
   }
   return done;
-}
-
-int fake_nic_arrive(fake_nic* n, uint32_t imm, uint32_t len, int opcode, int status) {
-  if (n->recvs == 0) return 0;
-  n->recvs--;
-  struct ibv_wc wc = {.status = (enum ibv_wc_status)status,
-                      .opcode = (enum ibv_wc_opcode)opcode,
-                      .byte_len = len,
-                      .qp_num = n->qp.qp_num};
-  if (opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
-    wc.imm_data = htonl(imm);
-    wc.wc_flags = IBV_WC_WITH_IMM;
-  }
-  push(&n->rring, wc);
-  return 1;
 }
 
 void fake_nic_fail_post(fake_nic* n, int err) { n->post_err = err; }

@@ -11,19 +11,12 @@ import "C"
 
 import "unsafe"
 
-// Work request opcodes, completion opcodes and statuses from verbs.h.
+// The work request opcode and completion statuses from verbs.h.
 const (
-	OpWrite    = C.IBV_WR_RDMA_WRITE
-	OpWriteImm = C.IBV_WR_RDMA_WRITE_WITH_IMM
-	OpRead     = C.IBV_WR_RDMA_READ
+	OpWrite = C.IBV_WR_RDMA_WRITE
 
-	WCRecvWithImm = C.IBV_WC_RECV_RDMA_WITH_IMM
-	WCRecv        = C.IBV_WC_RECV
-
-	StatusSuccess       = C.IBV_WC_SUCCESS
 	StatusRetryExceeded = C.IBV_WC_RETRY_EXC_ERR
 	StatusRemoteAccess  = C.IBV_WC_REM_ACCESS_ERR
-	StatusFlushed       = C.IBV_WC_WR_FLUSH_ERR
 
 	SendSignaled = C.IBV_SEND_SIGNALED
 	SendInline   = C.IBV_SEND_INLINE
@@ -46,7 +39,6 @@ type WR struct {
 	Opcode   int
 	Signaled bool
 	Inline   bool
-	ImmWire  [4]byte // imm_data's bytes in memory order
 	Addr     uint64
 	Len      uint32
 	LKey     uint32
@@ -67,9 +59,6 @@ func (n *NIC) Sends() []WR {
 			Addr: uint64(f.addr), Len: uint32(f.len), LKey: uint32(f.lkey), NumSGE: int(f.num_sge),
 			Remote: uint64(f.remote), RKey: uint32(f.rkey),
 		}
-		for j := range w.ImmWire {
-			w.ImmWire[j] = byte(f.imm_wire[j])
-		}
 		if w.Inline {
 			w.Data = C.GoBytes(unsafe.Pointer(&f.data[0]), C.int(min(w.Len, 64)))
 		}
@@ -86,16 +75,6 @@ func (n *NIC) Complete(k int) int { return int(C.fake_nic_complete(n.c, C.int(k)
 // Fail finishes the next request with status and flushes the rest, as a failed RC queue pair does.
 func (n *NIC) Fail(status int, vendorErr uint32) int {
 	return int(C.fake_nic_fail(n.c, C.int(status), C.uint32_t(vendorErr)))
-}
-
-// Arrive delivers a write with immediate; false when no receive was posted.
-func (n *NIC) Arrive(imm, length uint32) bool {
-	return C.fake_nic_arrive(n.c, C.uint32_t(imm), C.uint32_t(length), WCRecvWithImm, StatusSuccess) != 0
-}
-
-// ArriveOther delivers a receive completion of any opcode and status.
-func (n *NIC) ArriveOther(opcode, status int) bool {
-	return C.fake_nic_arrive(n.c, 0, 0, C.int(opcode), C.int(status)) != 0
 }
 
 // FailPost makes the next ibv_post_send return errno.

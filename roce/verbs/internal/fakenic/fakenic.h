@@ -10,7 +10,6 @@ typedef struct fake_wr {
   uint64_t wr_id;
   int opcode;
   unsigned int send_flags;
-  uint8_t imm_wire[4]; /* imm_data as it lies in memory: network byte order */
   uint64_t addr;
   uint32_t len, lkey;
   uint64_t remote;
@@ -33,8 +32,6 @@ int fake_nic_recvs_posted(fake_nic* n);
 int fake_nic_complete(fake_nic* n, int k);
 /* Completes the next request with status (even if unsignaled) and flushes the rest. */
 int fake_nic_fail(fake_nic* n, int status, uint32_t vendor_err);
-/* A write with immediate arrives: consumes a posted receive. Returns 0 when none was posted. */
-int fake_nic_arrive(fake_nic* n, uint32_t imm, uint32_t len, int opcode, int status);
 /* The next ibv_post_send returns err. */
 void fake_nic_fail_post(fake_nic* n, int err);
 
