@@ -26,19 +26,19 @@ func TestConfigDefaultsMatchTheDesignTable(t *testing.T) {
 
 func TestConfigReadsEveryVariable(t *testing.T) {
 	c, warns := ParseConfig(env(map[string]string{
-		"ROCE_GATHER_ENABLE":                  "0",
-		"ROCE_GATHER_MIN_BYTES":               "16K",
-		"ROCE_GATHER_MAX_BYTES":               "511K",
-		"ROCE_GATHER_FABRIC":                  "tcp",
-		"ROCE_GATHER_HCAS":                    "mlx5_0,mlx5_1:1",
-		"ROCE_GATHER_GID_INDEX":               "3",
-		"ROCE_GATHER_TCP_IF":                  "eth0",
-		"ROCE_GATHER_TIMEOUT_MS":              "2500",
-		"ROCE_GATHER_STATS":                   "/tmp/s.%p.json",
-		"ROCE_GATHER_TRACE":                   "/tmp/t.%p",
-		"ROCE_GATHER_TRACE_EVERY":             "10",
-		"ROCE_GATHER_TRACE_RECORDS":           "1024",
-		"NCCL_SOCKET_IFNAME":                  "^docker",
+		"ROCE_GATHER_ENABLE":        "0",
+		"ROCE_GATHER_MIN_BYTES":     "16K",
+		"ROCE_GATHER_MAX_BYTES":     "511K",
+		"ROCE_GATHER_FABRIC":        "tcp",
+		"ROCE_GATHER_HCAS":          "mlx5_0,mlx5_1:1",
+		"ROCE_GATHER_GID_INDEX":     "3",
+		"ROCE_GATHER_TCP_IF":        "eth0",
+		"ROCE_GATHER_TIMEOUT_MS":    "2500",
+		"ROCE_GATHER_STATS":         "/tmp/s.%p.json",
+		"ROCE_GATHER_TRACE":         "/tmp/t.%p",
+		"ROCE_GATHER_TRACE_EVERY":   "10",
+		"ROCE_GATHER_TRACE_RECORDS": "1024",
+		"NCCL_SOCKET_IFNAME":        "^docker",
 	}))
 	require.Empty(t, warns)
 	require.False(t, c.Enable)
