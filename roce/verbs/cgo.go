@@ -38,7 +38,6 @@ const (
 
 	accessLocalWrite  = C.IBV_ACCESS_LOCAL_WRITE
 	accessRemoteWrite = C.IBV_ACCESS_REMOTE_WRITE
-	accessRemoteRead  = C.IBV_ACCESS_REMOTE_READ
 
 	mtu256  = C.IBV_MTU_256
 	mtu1024 = C.IBV_MTU_1024

@@ -20,9 +20,9 @@ const (
 	qpRNRRetry    = 7  // 7 means retry without limit while the peer has no receive posted
 	qpMinRNRTimer = 12 // 0.64 ms between receiver-not-ready retries
 	qpHopLimit    = 64
-	qpRdAtomic    = 1 // one RDMA read in flight each way is enough for NCCL's flush
-	qpAccess      = accessRemoteWrite | accessRemoteRead
-	mrAccess      = accessLocalWrite | accessRemoteWrite | accessRemoteRead
+	qpRdAtomic    = 1 // peers only write; one read in flight is the least the attribute asks
+	qpAccess      = accessRemoteWrite
+	mrAccess      = accessLocalWrite | accessRemoteWrite // no relaxed ordering: a lane's writes land in order
 )
 
 // qpAttr is one ibv_modify_qp call: Mask names the fields that count.

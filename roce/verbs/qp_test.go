@@ -67,7 +67,7 @@ func TestINITAttributes(t *testing.T) {
 	require.Equal(t, qpStateInit, a.State)
 	require.Equal(t, uint16(0), a.PKeyIndex)
 	require.Equal(t, uint8(1), a.Port)
-	require.Equal(t, accessRemoteWrite|accessRemoteRead, a.Access)
+	require.Equal(t, accessRemoteWrite, a.Access, "peers only write")
 }
 
 func TestRTRAttributesForRoCE(t *testing.T) {
