@@ -6,7 +6,7 @@ DRIVER_CFLAGS := -O2 -g -std=gnu11 -Wall -Wextra -Werror -Iinclude
 LIB := $(BUILD)/libroce_gather.so
 
 .PHONY: all check test test-all test-load test-rxe vet fmt lint clean kernels kernels-oneshot install wheel need-build need-wheel need-test need-rxe
-all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl
+all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/libnccl-standin.so $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl
 
 GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/roce_gather.ptx go.mod go.sum build/exports.map
 
@@ -29,6 +29,11 @@ $(BUILD)/plugincheck: $(GO_SOURCES) | need-build
 
 $(BUILD)/plugincheck-driver: $(wildcard cmd/plugincheck/driver/*.c cmd/plugincheck/driver/*.h) $(wildcard include/nccl/*.h) | need-build
 	$(CC) $(DRIVER_CFLAGS) -o $@ $(filter %.c,$^) -ldl -lpthread
+
+# The stand-in NCCL (cmd/plugincheck/standin) plugincheck's ranks run over. Its own soname,
+# so that it is never taken for a real libnccl.
+$(BUILD)/libnccl-standin.so: cmd/plugincheck/standin/nccl.c $(wildcard include/nccl/*.h) | need-build
+	$(CC) $(DRIVER_CFLAGS) -shared -fPIC -DFAKE_NAME='"standin"' -Wl,-soname,libnccl-standin.so -o $@ $< -ldl -lpthread
 
 # The GPU check of the gather kernel (tests/gpu/kernel_check.c); builds anywhere, runs where a GPU is.
 KERNEL_CHECK_SRC := tests/gpu/kernel_check.c kernels/place.c internal/cudadrv/cudadrv.c
