@@ -69,82 +69,8 @@ static void part_of(int r, uint64_t bpr, uint64_t off, uint64_t wb, uint64_t* po
   *plen = hi > lo ? hi - lo : 0;
 }
 
-/* ---- the timeline (trace.h): reached only where a call is sampled, or for the group's
- * pending "next iallgather" stamp */
-
-/* The call's record, unless the ring has since given its slot to another call. */
-static rg_trace_record* trace_rec(const rg_gather_call* c) {
-  return c->tr != NULL && c->tr->index == c->tr_index ? c->tr : NULL;
-}
-
-static int uses_kernel(const rg_gather_comm* g, const rg_gather_call* c);
-
-/* At iallgather: stamps the group's pending "next iallgather", and begins the call's
- * record if the group samples it. */
-static void trace_begin(rg_gather_comm* g, rg_gather_call* c, uint64_t bytesPerRank, uint64_t windowOffset) {
-  if (g->next_for != NULL) {
-    if (g->next_for->index == g->next_for_index) g->next_for->t[RG_T_NEXT] = c->start_ns;
-    g->next_for = NULL;
-  }
-  if (c->seq % g->trace->every != 0) return;
-  rg_trace_record* r = rg_trace_claim(g->trace, &c->tr_index);
-  r->comm_id = g->comm_id;
-  r->seq = c->seq;
-  r->window_offset = windowOffset;
-  r->window_bytes = c->bytes;
-  r->bytes_per_rank = bytesPerRank;
-  r->rank = (uint32_t)g->rank;
-  r->mode = (uint32_t)c->mode;
-  r->lanes = (uint32_t)g->link->nlanes;
-  r->flags = (c->cuda ? RG_TRACE_CUDA : 0) | (uses_kernel(g, c) ? RG_TRACE_KERNEL : 0);
-  r->t[RG_T_IALLGATHER] = c->start_ns;
-  c->tr = r;
-  c->tr_seen = 1u << RG_T_IALLGATHER;
-}
-
-static void trace_stamp(rg_gather_call* c, enum rg_stamp s, uint64_t now) {
-  rg_trace_record* r = trace_rec(c);
-  if (r == NULL || (c->tr_seen & (1u << s))) return;
-  r->t[s] = now;
-  c->tr_seen |= 1u << s;
-}
-
-/* After the call advanced: stamps each step it has newly reached. */
-static void trace_progress(const rg_gather_comm* g, rg_gather_call* c) {
-  uint32_t slot = (uint32_t)(c->seq & (RG_GATHER_DEPTH - 1));
-  uint32_t seq24 = (uint32_t)(c->seq & SEQ_MASK);
-  int rdv = c->mode == RG_MODE_RENDEZVOUS;
-  int peer_seen = c->landed || (g->arrived_seq[slot] == seq24 && g->arrived[slot] == g->link->nlanes);
-  uint32_t reached = (c->token_sent ? 1u << RG_T_TOKEN_SENT : 0) |
-                     (rdv && (c->posted || g->ready_seq[slot] == seq24) ? 1u << RG_T_TOKEN_SEEN : 0) |
-                     (c->posted ? 1u << RG_T_POSTED : 0) |
-                     (c->posted && c->writes_pending == 0 ? 1u << RG_T_WRITES_DONE : 0) |
-                     (peer_seen ? 1u << RG_T_PEER_SEEN : 0) | (c->launched ? 1u << RG_T_LAUNCHED : 0) |
-                     (c->go_set ? 1u << RG_T_GO : 0) | (c->landed ? 1u << RG_T_PLACED : 0) |
-                     (c->req.done ? 1u << RG_T_DONE : 0);
-  uint32_t fresh = reached & ~c->tr_seen;
-  rg_trace_record* r = trace_rec(c);
-  if (fresh == 0 || r == NULL) return;
-  uint64_t now = rg_now_ns();
-  for (int s = 0; s < RG_T_N; s++)
-    if (fresh & (1u << s)) r->t[s] = now;
-  c->tr_seen |= fresh;
-}
-
-/* At each test of a sampled call: counts it and the wait since the one before. */
-static void trace_test(rg_gather_call* c) {
-  rg_trace_record* r = trace_rec(c);
-  if (r == NULL) return;
-  uint64_t now = rg_now_ns();
-  uint64_t since = c->tr_last_test ? c->tr_last_test : r->t[RG_T_RETURNED] ? r->t[RG_T_RETURNED] : c->start_ns;
-  if (now - since > r->max_test_gap_ns) r->max_test_gap_ns = now - since;
-  if (r->test_calls++ == 0) trace_stamp(c, RG_T_FIRST_TEST, now);
-  c->tr_last_test = now;
-}
-
 static ncclResult_t fail(rg_gather_comm* g, rg_gather_call* c, const char* what) {
   if (c != NULL) c->error = 1;
-  if (c != NULL && UNLIKELY(c->tr != NULL) && trace_rec(c) != NULL) c->tr->flags |= RG_TRACE_FAILED;
   /* The group is finished: every gather kernel still queued or waiting gives up, and the
    * rows of the calls it served stay untouched. */
   cancel_kernels(g);
@@ -506,7 +432,6 @@ static ncclResult_t progress(rg_gather_comm* g) {
       rg_stats_add(RG_STAT_GATHER_BYTES, c->bytes);
       rg_stats_add(c->mode == RG_MODE_EAGER ? RG_STAT_GATHERS_EAGER : RG_STAT_GATHERS_RENDEZVOUS, 1);
     }
-    if (UNLIKELY(c->tr != NULL)) trace_progress(g, c);
   }
   if (link_failed)
     for (uint64_t s = g->consumed + 1; s < g->next_seq; s++) {
@@ -575,7 +500,6 @@ int rg_gather_iallgather(void* collComm, void* sendData, int nRecvParts, const r
   c->req.id = c->seq;
   c->req.sizes[0] = windowBytes;
   g->next_seq++;
-  if (UNLIKELY(g->trace != NULL)) trace_begin(g, c, bytesPerRank, windowOffset);
   if (!(g->logged & 1)) {
     g->logged |= 1;
     RG_INFO(NCCL_NET | NCCL_COLL, "first one-shot gather with %s: window %llu+%llu of %llu bytes, %s mode, %s memory",
@@ -585,7 +509,6 @@ int rg_gather_iallgather(void* collComm, void* sendData, int nRecvParts, const r
   }
   *request = c;
   ncclResult_t r = progress(g);
-  if (UNLIKELY(c->tr != NULL)) trace_stamp(c, RG_T_RETURNED, rg_now_ns());
   return r;
 }
 
@@ -606,7 +529,6 @@ int rg_gather_test(rg_request* req, int* done, uint64_t* sizes) {
   rg_gather_call* c = (rg_gather_call*)req;
   rg_gather_comm* g = req->comm;
   *done = 0;
-  if (UNLIKELY(c->tr != NULL)) trace_test(c);
   if (!req->done && !c->error) {
     ncclResult_t r = progress(g);
     if (r != ncclSuccess && !req->done) return r;
@@ -637,11 +559,6 @@ int rg_gather_test(rg_request* req, int* done, uint64_t* sizes) {
   }
   req->kind = RG_REQ_FREE;
   req->done = 0;
-  if (UNLIKELY(c->tr != NULL) && trace_rec(c) != NULL) {
-    trace_stamp(c, RG_T_REPORTED, rg_now_ns());
-    g->next_for = c->tr;
-    g->next_for_index = c->tr_index;
-  }
   progress(g); /* returns the landing slot at once; a failure here shows on the next call */
   return ncclSuccess;
 }

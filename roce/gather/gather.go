@@ -42,8 +42,6 @@ const (
 	ModeAuto       Mode = 0                    // chosen by size from measurement
 	ModeRendezvous Mode = C.RG_MODE_RENDEZVOUS // the receiver's ready token first, then a zero-copy write
 	ModeEager      Mode = C.RG_MODE_EAGER      // a write into plugin-owned landing slots, no wait
-	// ModeIntercepted marks the timeline records of the intercepted gather; never a ROCE_GATHER_MODE.
-	ModeIntercepted Mode = C.RG_TRACE_MODE_INTERCEPTED
 )
 
 func (m Mode) String() string {
@@ -54,8 +52,6 @@ func (m Mode) String() string {
 		return "eager"
 	case ModeAuto:
 		return "auto"
-	case ModeIntercepted:
-		return "intercepted"
 	}
 	return fmt.Sprintf("mode(%d)", uint8(m))
 }
@@ -293,7 +289,6 @@ func newSide(t *roce.Transport, out Outcome, rank int, commID uint64) (*side, er
 	c.arrival = (*C.uint64_t)(unsafe.Add(s.landing, slots))
 	c.place_status = (*C.uint32_t)(unsafe.Add(s.landing, visible))
 	c.landing_mapped = s.landingPinned
-	c.trace = C.rg_trace_current() // NULL unless ROCE_GATHER_TRACE is on
 	c.comm_id = C.uint64_t(commID)
 	s.c = c
 	return s, nil

@@ -19,7 +19,6 @@
 #include "../../kernels/place.h"
 #include "../fabric/fabric.h"
 #include "../request.h"
-#include "trace.h"
 
 #define RG_GATHER_DEPTH 16 /* calls in flight per group; a power of two */
 #define RG_GATHER_FLUSH_REQS 8
@@ -82,11 +81,6 @@ typedef struct rg_gather_call {
   int send_cuda, recv_cuda;
   uint64_t start_ns;
   CUevent copy_done;
-  /* The timeline (trace.h), where the group samples this call. */
-  rg_trace_record* tr;
-  uint64_t tr_index;  /* tr's index when claimed: a record the ring reused is left alone */
-  uint32_t tr_seen;   /* the stamps taken, a bit each */
-  uint64_t tr_last_test;
 } rg_gather_call;
 
 typedef struct rg_gather_comm {
@@ -126,11 +120,7 @@ typedef struct rg_gather_comm {
   int logged;
   uint32_t polls;
 
-  /* The timeline: NULL unless ROCE_GATHER_TRACE was set when the group connected. */
-  rg_trace* trace;
   uint64_t comm_id;            /* NCCL's communicator id, for the records */
-  rg_trace_record* next_for;   /* the sampled call reported last, until NCCL's next iallgather */
-  uint64_t next_for_index;
 } rg_gather_comm;
 
 void rg_gather_init(rg_gather_comm* g);
