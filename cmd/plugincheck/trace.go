@@ -8,7 +8,6 @@ import (
 	"os"
 	"sort"
 	"strconv"
-	"strings"
 
 	"github.com/roce-gather/roce_gather/roce/gather"
 )
@@ -226,10 +225,8 @@ func printTimeline(w io.Writer, r fileRecord) {
 	for _, s := range order {
 		fmt.Fprintf(w, "  %+10.2f us  %-14s %s\n", r.Since(s), s, stampMeaning[s])
 	}
-	var b strings.Builder
 	if r.KStart != 0 && r.KStaged != 0 && r.KArrived != 0 && r.KEnd != 0 {
-		fmt.Fprintf(&b, "  kernel: its doorbell rung %.2f us after its start, the peer's data seen at %.2f, its end at %.2f (its own clock)\n",
+		fmt.Fprintf(w, "  kernel: its doorbell rung %.2f us after its start, the peer's data seen at %.2f, its end at %.2f (its own clock)\n",
 			ns2us(r.KStart, r.KStaged), ns2us(r.KStart, r.KArrived), ns2us(r.KStart, r.KEnd))
 	}
-	fmt.Fprint(w, b.String())
 }
