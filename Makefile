@@ -93,9 +93,9 @@ install: $(LIB) $(BUILD)/plugincheck $(PC_LIBEXEC)
 	install -m 755 $(PC_LIBEXEC) $(DESTDIR)$(PREFIX)/libexec/roce_gather/
 
 # make wheel: build/roce_gather-VERSION-py3-none-linux_x86_64.whl, the library (both names),
-# plugincheck and its driver in make install's layout inside the Python package python/roce_gather
+# plugincheck and what it runs in make install's layout inside the Python package python/roce_gather
 # (build/wheel.py says why that tag). pip install it; python -m roce_gather check checks it.
-wheel: $(LIB) $(BUILD)/plugincheck $(BUILD)/plugincheck-driver | need-wheel
+wheel: $(LIB) $(BUILD)/plugincheck $(PC_LIBEXEC) | need-wheel
 	python3 build/wheel.py --build $(BUILD) --out $(BUILD)
 
 # Builds the library and runs plugincheck's main job: the ABI check.
