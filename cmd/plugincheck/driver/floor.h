@@ -6,15 +6,26 @@
 #define RG_FLOOR_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* The bench's sizes, bytes a rank: 16 B to 256 KiB. */
 enum { FLOOR_SIZES = 8 };
 extern const size_t floor_sizes[FLOOR_SIZES];
-/* Timed rounds per size, the same for the floor and the gather (a tenth more to warm up). */
+/* Rounds run before the timed ones, and the most timed rounds per size, for the floor and
+ * the gather alike. */
+#define FLOOR_WARM_ROUNDS 20
 extern const int floor_rounds[FLOOR_SIZES];
+/* The fewest timed rounds, however slow the machine. */
+#define FLOOR_MIN_ROUNDS 50
+
+/* The timed rounds of one measurement: as many of most as fit in about half a second at the
+ * pace of warm_ns for FLOOR_WARM_ROUNDS rounds, rank 0's choice for both (an exchange through
+ * the parent: both ranks call it at the same point). -1 when the exchange failed. */
+int agreed_rounds(uint64_t warm_ns, int most);
 
 typedef struct floor_result {
   double round_us[FLOOR_SIZES]; /* one exchange of the size each way, per size */
+  int rounds[FLOOR_SIZES];      /* the timed rounds of each size */
   char how[240];                /* what was measured, and on which interface or device */
 } floor_result;
 

@@ -61,17 +61,19 @@ static int exchange_round(int fd, const uint8_t* out, uint8_t* in, size_t size, 
   return 0;
 }
 
-/* The mean round of rounds, after a tenth as many to warm up; both ranks time it. */
-static int exchange_rounds(int fd, size_t size, int rounds, uint64_t deadline, double* us) {
+/* The mean round, after FLOOR_WARM_ROUNDS to warm up, of as many rounds as agreed_rounds
+ * gives; both ranks time it. Both reach agreed_rounds whatever failed before it. */
+static int exchange_rounds(int fd, size_t size, int most, uint64_t deadline, double* us, int* rounds) {
   uint8_t* out = calloc(1, size);
   uint8_t* in = calloc(1, size);
-  int warm = rounds / 10, rc = out == NULL || in == NULL;
-  uint64_t t0 = 0;
-  for (int i = 0; i < warm + rounds && rc == 0; i++) {
-    if (i == warm) t0 = now_ns();
-    rc = exchange_round(fd, out, in, size, deadline);
-  }
-  *us = (double)(now_ns() - t0) / rounds / 1e3;
+  int rc = out == NULL || in == NULL;
+  uint64_t t0 = now_ns();
+  for (int i = 0; i < FLOOR_WARM_ROUNDS && rc == 0; i++) rc = exchange_round(fd, out, in, size, deadline);
+  *rounds = agreed_rounds(now_ns() - t0, most);
+  if (*rounds < 0) rc = 1;
+  t0 = now_ns();
+  for (int i = 0; i < *rounds && rc == 0; i++) rc = exchange_round(fd, out, in, size, deadline);
+  *us = rc ? 0 : (double)(now_ns() - t0) / *rounds / 1e3;
   free(out);
   free(in);
   return rc;
@@ -131,7 +133,7 @@ int floor_tcp(const char* iface, floor_result* out) {
   for (int i = 0; i < FLOOR_SIZES; i++) {
     int32_t mine = rc, peer = 0;
     if (exchange("floor-size", &mine, &peer, sizeof(mine)) != 0 || peer) rc = 1;
-    if (!rc && exchange_rounds(fd, floor_sizes[i], floor_rounds[i], deadline, &out->round_us[i]) != 0) {
+    if (!rc && exchange_rounds(fd, floor_sizes[i], floor_rounds[i], deadline, &out->round_us[i], &out->rounds[i]) != 0) {
       fail(out, "the floor's %zu-byte exchange over %s failed: %s", floor_sizes[i], iface, strerror(errno));
       rc = 1;
     }

@@ -264,32 +264,42 @@ static uint8_t next_tag(uint8_t t) { return t == 255 ? 1 : (uint8_t)(t + 1); }
 /* Rounds of size bytes each way: each rank writes its message (its last byte the round's tag)
  * and waits until its own landing buffer's last byte shows the peer's message of that round.
  * The peer may already have written the next round's there (it saw this rank's message
- * first): either tag ends the wait. The mean round after a tenth as many to warm up. */
-static int exchange_rounds(floor_state* s, const floor_peer* peer, size_t size, int rounds, double* round_us,
-                           char* why, size_t n) {
-  int warm = rounds / 10;
-  int outstanding = 0;
+ * first): either tag ends the wait. FLOOR_WARM_ROUNDS, then as many as agreed_rounds gives,
+ * timed. */
+static int one_round(floor_state* s, const floor_peer* peer, size_t size, uint8_t tag, int* outstanding, char* why,
+                     size_t n) {
   volatile uint8_t* last = s->rbuf + size - 1;
-  *last = 0;
-  s->sbuf[size - 1] = 0;
-  if (barrier("floor-verbs-size") != 0) return snprintf(why, n, "the peer did not reach the %zu-byte rounds", size), -1;
-  uint64_t t0 = 0, deadline = 0;
-  uint8_t tag = 0;
-  for (int i = 0; i < warm + rounds; i++) {
-    if (i == warm) t0 = now_ns();
-    deadline = now_ns() + PHASE_NS; /* a round, not the whole run: emulated hosts are slow */
-    tag = next_tag(tag);
-    s->sbuf[size - 1] = tag;
-    while (outstanding >= DEPTH / 2)
-      if (reap(s, &outstanding, why, n) != 0) return -1;
-    if (write_to_peer(s, peer, 0, size, &outstanding) != 0)
-      return snprintf(why, n, "ibv_post_send on %s failed", s->hca), -1;
-    while (*last != tag && *last != next_tag(tag)) {
-      if (reap(s, &outstanding, why, n) != 0) return -1;
-      if (now_ns() > deadline) return snprintf(why, n, "no %zu-byte write from the peer within 30 s", size), -1;
-    }
+  uint64_t deadline = now_ns() + PHASE_NS; /* a round, not the whole run: emulated hosts are slow */
+  s->sbuf[size - 1] = tag;
+  while (*outstanding >= DEPTH / 2)
+    if (reap(s, outstanding, why, n) != 0) return -1;
+  if (write_to_peer(s, peer, 0, size, outstanding) != 0) return snprintf(why, n, "ibv_post_send on %s failed", s->hca), -1;
+  while (*last != tag && *last != next_tag(tag)) {
+    if (reap(s, outstanding, why, n) != 0) return -1;
+    if (now_ns() > deadline) return snprintf(why, n, "no %zu-byte write from the peer within 30 s", size), -1;
   }
-  *round_us = (double)(now_ns() - t0) / rounds / 1e3;
+  return 0;
+}
+
+static int exchange_rounds(floor_state* s, const floor_peer* peer, size_t size, int most, double* round_us, int* rounds,
+                           char* why, size_t n) {
+  int outstanding = 0, rc = 0;
+  s->rbuf[size - 1] = 0;
+  if (barrier("floor-verbs-size") != 0) return snprintf(why, n, "the peer did not reach the %zu-byte rounds", size), -1;
+  uint8_t tag = 0;
+  uint64_t t0 = now_ns();
+  for (int i = 0; i < FLOOR_WARM_ROUNDS && rc == 0; i++) rc = one_round(s, peer, size, tag = next_tag(tag), &outstanding, why, n);
+  /* Both ranks reach the agreement, whatever failed, so neither waits for nothing. */
+  *rounds = agreed_rounds(now_ns() - t0, most);
+  if (*rounds < 0 && rc == 0) {
+    snprintf(why, n, "the ranks could not agree the %zu-byte rounds", size);
+    rc = -1;
+  }
+  t0 = now_ns();
+  for (int i = 0; i < *rounds && rc == 0; i++) rc = one_round(s, peer, size, tag = next_tag(tag), &outstanding, why, n);
+  if (rc != 0) return -1;
+  *round_us = (double)(now_ns() - t0) / *rounds / 1e3;
+  uint64_t deadline = now_ns() + PHASE_NS;
   while (outstanding > 0) {
     if (reap(s, &outstanding, why, n) != 0) return -1;
     if (now_ns() > deadline) return snprintf(why, n, "the last %zu-byte writes did not complete within 30 s", size), -1;
@@ -344,7 +354,8 @@ int floor_verbs(const char* dev, floor_result* out) {
     uint32_t both[2] = {(uint32_t)ok, 0};
     ok = exchange("floor-verbs-rts", &both[0], &both[1], sizeof(uint32_t)) == 0 && ok && both[1];
     for (int i = 0; i < FLOOR_SIZES && ok; i++)
-      ok = exchange_rounds(&s, &peer, floor_sizes[i], floor_rounds[i], &out->round_us[i], why, sizeof(why)) == 0;
+      ok = exchange_rounds(&s, &peer, floor_sizes[i], floor_rounds[i], &out->round_us[i], &out->rounds[i], why,
+                           sizeof(why)) == 0;
     int32_t done[2] = {ok, 0};
     if (exchange("floor-verbs-done", &done[0], &done[1], sizeof(int32_t)) != 0 || !done[1]) {
       if (ok) snprintf(why, sizeof(why), "the peer's side failed");
