@@ -355,9 +355,11 @@ func runRemote(p paths, fabric string, rank int, spec rankSpec, c *control, dir 
 	env := rankEnv(p, fabric, dir, false)
 	if rank == 0 {
 		// The unique id names the address rank 0's stand-in listens on: the one the peer reached.
-		if a, ok := c.conn.LocalAddr().(*net.TCPAddr); ok && a.IP.To4() != nil {
-			env = append(env, "FAKE_NCCL_ADDR="+a.IP.To4().String())
+		a, ok := c.conn.LocalAddr().(*net.TCPAddr)
+		if !ok || a.IP.To4() == nil {
+			return nil, fmt.Errorf("the peer reached this host at %s: the stand-in NCCL listens on IPv4 only; give --peer an IPv4 address", c.conn.LocalAddr())
 		}
+		env = append(env, "FAKE_NCCL_ADDR="+a.IP.To4().String())
 	}
 	rp, err := startRank(p, rank, spec, env, dir, echo)
 	if err != nil {
@@ -391,6 +393,7 @@ func runRemote(p paths, fabric string, rank int, spec rankSpec, c *control, dir 
 type controller struct {
 	ln   net.Listener
 	addr string
+	met  bool // the peer connected once
 }
 
 func newController(addr string, listen bool) (*controller, error) {
@@ -423,7 +426,14 @@ func (k *controller) next(run string) (*control, error) {
 	var c net.Conn
 	var err error
 	if k.ln != nil {
+		// The first run waits for the other host to be started; later ones only for it to finish its run.
+		wait := 2 * time.Minute
+		if !k.met {
+			wait = 15 * time.Minute
+		}
+		k.ln.(*net.TCPListener).SetDeadline(time.Now().Add(wait))
 		c, err = k.ln.Accept()
+		k.met = true
 	} else {
 		for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(500 * time.Millisecond) {
 			if c, err = net.Dial("tcp", k.addr); err == nil || time.Now().After(deadline) {

@@ -266,7 +266,7 @@ func TestSelftestAcrossTheVethPair(t *testing.T) {
 		p, failed := passed(t, outs[i])
 		require.Equal(t, 0, failed, f[i][0])
 		require.Equal(t, 0, codes[i], f[i][0])
-		require.GreaterOrEqual(t, p, 100, f[i][0])
+		require.GreaterOrEqual(t, p, 80, f[i][0])
 		require.NotContains(t, outs[i], fmt.Sprintf("rank %d  ", 1-i), "each side judges its own rank")
 		require.Regexp(t, fmt.Sprintf(`ok   rank %d  gather 524288 B \(524288 int8\) +intercepted, rows exact`, i), outs[i])
 	}
