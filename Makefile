@@ -6,7 +6,7 @@ DRIVER_CFLAGS := -O2 -g -std=gnu11 -Wall -Wextra -Werror -Iinclude
 LIB := $(BUILD)/libroce_gather.so
 
 .PHONY: all check test test-all test-load test-rxe vet fmt lint clean kernels-oneshot install wheel need-build need-wheel need-test need-rxe
-all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/abort-nccl $(BUILD)/gather-nccl
+all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/plugincheck-rank $(BUILD)/abort-nccl $(BUILD)/gather-nccl
 
 GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/oneshot.ptx go.mod go.sum build/exports.map
 
@@ -27,8 +27,23 @@ $(BUILD)/libnccl-net-roce_gather.so: $(LIB)
 $(BUILD)/plugincheck: $(GO_SOURCES) | need-build
 	$(GO) build -trimpath -o $@ ./cmd/plugincheck
 
-$(BUILD)/plugincheck-driver: $(wildcard cmd/plugincheck/driver/*.c cmd/plugincheck/driver/*.h) $(wildcard include/nccl/*.h) | need-build
-	$(CC) $(DRIVER_CFLAGS) -o $@ $(filter %.c,$^) -ldl -lpthread
+# plugincheck's C programs (cmd/plugincheck/driver): the ABI driver, which loads the library
+# with no NCCL around, and the rank program, a NCCL application linked with the stand-in NCCL
+# (cmd/plugincheck/standin), which it finds beside itself (RUNPATH $ORIGIN).
+PC_C := cmd/plugincheck/driver
+PC_H := $(wildcard $(PC_C)/*.h) $(wildcard include/nccl/*.h)
+DRIVER_SRC := $(addprefix $(PC_C)/,driver.c abi.c lifecycle.c util.c)
+RANK_SRC := $(addprefix $(PC_C)/,rank.c bench.c load.c floor_tcp.c floor_verbs.c util.c)
+$(BUILD)/plugincheck-driver: $(DRIVER_SRC) $(PC_H) | need-build
+	$(CC) $(DRIVER_CFLAGS) -o $@ $(DRIVER_SRC) -ldl -lpthread
+
+# Its own soname, so that it is never taken for a real libnccl.
+$(BUILD)/libnccl-standin.so: cmd/plugincheck/standin/nccl.c $(wildcard include/nccl/*.h) | need-build
+	$(CC) $(DRIVER_CFLAGS) -shared -fPIC -DFAKE_NAME='"standin"' -Wl,-soname,libnccl-standin.so -o $@ $< -ldl -lpthread
+
+$(BUILD)/plugincheck-rank: $(RANK_SRC) $(PC_H) $(BUILD)/libnccl-standin.so | need-build
+	$(CC) $(DRIVER_CFLAGS) -o $@ $(RANK_SRC) -L$(BUILD) -l:libnccl-standin.so -Wl,--enable-new-dtags,-rpath,'$$ORIGIN' \
+		-ldl -lpthread
 
 # NCCL through its C API for tests/gpu: ncclCommAbort after the peer's death, and gathers
 # with no framework around them. NCCL is opened at run time. Steps capi and abort build the
@@ -51,20 +66,21 @@ kernels-oneshot:
 
 # make install [PREFIX=/usr/local] [DESTDIR=]: the library under both names in lib/ (with
 # PREFIX/lib on the library path, NCCL_NET_PLUGIN=roce_gather finds it), plugincheck in
-# bin/, and its driver, which only plugincheck runs, in libexec/roce_gather/. plugincheck
-# finds the library and the driver from where it is installed.
+# bin/, and what only plugincheck runs in libexec/roce_gather/: its driver, its rank program
+# and the stand-in NCCL beside it. plugincheck finds them all from where it is installed.
 PREFIX ?= /usr/local
-install: $(LIB) $(BUILD)/plugincheck $(BUILD)/plugincheck-driver
+PC_LIBEXEC := $(BUILD)/plugincheck-driver $(BUILD)/plugincheck-rank $(BUILD)/libnccl-standin.so
+install: $(LIB) $(BUILD)/plugincheck $(PC_LIBEXEC)
 	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/libexec/roce_gather
 	install -m 755 $(LIB) $(DESTDIR)$(PREFIX)/lib/libroce_gather.so
 	ln -sf libroce_gather.so $(DESTDIR)$(PREFIX)/lib/libnccl-net-roce_gather.so
 	install -m 755 $(BUILD)/plugincheck $(DESTDIR)$(PREFIX)/bin/plugincheck
-	install -m 755 $(BUILD)/plugincheck-driver $(DESTDIR)$(PREFIX)/libexec/roce_gather/plugincheck-driver
+	install -m 755 $(PC_LIBEXEC) $(DESTDIR)$(PREFIX)/libexec/roce_gather/
 
 # make wheel: build/roce_gather-VERSION-py3-none-linux_x86_64.whl, the library (both names),
-# plugincheck and its driver in make install's layout inside the Python package python/roce_gather
+# plugincheck and what it runs in make install's layout inside the Python package python/roce_gather
 # (build/wheel.py says why that tag). pip install it; python -m roce_gather check checks it.
-wheel: $(LIB) $(BUILD)/plugincheck $(BUILD)/plugincheck-driver | need-wheel
+wheel: $(LIB) $(BUILD)/plugincheck $(PC_LIBEXEC) | need-wheel
 	python3 build/wheel.py --build $(BUILD) --out $(BUILD)
 
 # Builds the library and runs plugincheck's main job: the ABI check.

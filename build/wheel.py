@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Builds the roce_gather wheel with the Python standard library only: the library (under both
-of its names), plugincheck and its driver, laid out as make install lays out PREFIX so that
-plugincheck finds the other two from where it is, and the Python package python/roce_gather.
+of its names), plugincheck, its driver, its rank program and the stand-in NCCL beside that, laid
+out as make install lays out PREFIX so that plugincheck finds the rest from where it is, and the
+Python package python/roce_gather.
 
     python3 build/wheel.py [--build DIR] [--out DIR]    (make wheel)
 
@@ -92,8 +93,8 @@ def entries(build, ver):
     out.append(("%s/lib/libroce_gather.so" % NAME, lib, True))
     out.append(("%s/lib/libnccl-net-roce_gather.so" % NAME, lib, True))
     out.append(("%s/bin/plugincheck" % NAME, binary(os.path.join(build, "plugincheck")), True))
-    out.append(("%s/libexec/roce_gather/plugincheck-driver" % NAME,
-                binary(os.path.join(build, "plugincheck-driver")), True))
+    for fn in ("plugincheck-driver", "plugincheck-rank", "libnccl-standin.so"):
+        out.append(("%s/libexec/roce_gather/%s" % (NAME, fn), binary(os.path.join(build, fn)), True))
     info = "%s-%s.dist-info" % (NAME, ver)
     out.append((info + "/METADATA", metadata(ver).encode(), False))
     wheel = "Wheel-Version: 1.0\nGenerator: roce_gather build/wheel.py\nRoot-Is-Purelib: false\nTag: %s\n" % TAG

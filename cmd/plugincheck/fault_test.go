@@ -1,107 +1,22 @@
 package main
 
 import (
-	"bufio"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"regexp"
 	"strings"
-	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 )
 
-// faultRank is one driver process of a fault run.
-type faultRank struct {
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser
-	out    strings.Builder // protocol and CASE lines
-	errOut strings.Builder // the library's log lines
-	done   chan struct{}
-}
-
-// runFault runs a fault suite on two ranks, relaying their exchanges; when rank 1 says
-// VICTIM, act runs (kill it, or cut its link). wrap prefixes each rank's command (to run
-// it in a network namespace). It returns when rank 0 has finished.
-func runFault(t *testing.T, suite string, env [2][]string, wrap [2][]string, act func(victim *exec.Cmd)) (rank0, rank1 *faultRank) {
-	t.Helper()
-	_, lib, driver := built(t)
-	ranks := [2]*faultRank{{done: make(chan struct{})}, {done: make(chan struct{})}}
-	var mu sync.Mutex
-	stdouts := [2]io.Reader{}
-	for r := 0; r < 2; r++ {
-		args := append(append([]string{}, wrap[r]...), driver, "rank", fmt.Sprint(r), lib, suite)
-		cmd := exec.Command(args[0], args[1:]...)
-		cmd.Env = append(os.Environ(), append([]string{"ROCE_GATHER_FABRIC=" + testFabric(), fmt.Sprintf("ROCE_GATHER_TIMEOUT_MS=%d", faultTimeoutMS()), "NCCL_COLLNET_ENABLE=1"}, env[r]...)...)
-		cmd.Stderr = &lockedWriter{mu: &mu, b: &ranks[r].errOut}
-		stdin, err := cmd.StdinPipe()
-		require.NoError(t, err)
-		stdouts[r], err = cmd.StdoutPipe()
-		require.NoError(t, err)
-		require.NoError(t, cmd.Start())
-		ranks[r].cmd, ranks[r].stdin = cmd, stdin
-	}
-	// Both ranks exist before either's lines are relayed to the other.
-	for r := 0; r < 2; r++ {
-		go func(r int, stdout io.Reader) {
-			sc := bufio.NewScanner(stdout)
-			for sc.Scan() {
-				line := sc.Text()
-				mu.Lock()
-				ranks[r].out.WriteString(line + "\n")
-				mu.Unlock()
-				switch {
-				case strings.HasPrefix(line, "XCHG "):
-					io.WriteString(ranks[1-r].stdin, line+"\n")
-				case line == "VICTIM" && act != nil:
-					go act(ranks[1].cmd)
-				}
-			}
-			ranks[1-r].stdin.Close() // a rank that is gone ends its peer's exchanges
-			close(ranks[r].done)
-		}(r, stdouts[r])
-	}
-	select {
-	case <-ranks[0].done:
-	case <-time.After(60 * time.Second):
-		ranks[0].cmd.Process.Kill()
-		mu.Lock()
-		t.Errorf("rank 0 did not finish within 60 s; rank 0 said:\n%s%s\nrank 1 said:\n%s%s", ranks[0].out.String(), ranks[0].errOut.String(), ranks[1].out.String(), ranks[1].errOut.String())
-		mu.Unlock()
-	}
-	ranks[0].cmd.Wait()
-	if act == nil { // no victim: rank 1 finishes on its own
-		select {
-		case <-ranks[1].done:
-		case <-time.After(30 * time.Second):
-			t.Errorf("rank 1 did not finish within 30 s of rank 0")
-		}
-	}
-	ranks[1].cmd.Process.Kill()
-	ranks[1].cmd.Wait()
-	<-ranks[1].done
-	mu.Lock()
-	defer mu.Unlock()
-	return ranks[0], ranks[1]
-}
-
-type lockedWriter struct {
-	mu *sync.Mutex
-	b  *strings.Builder
-}
-
-func (w *lockedWriter) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.b.Write(p)
-}
-
-func kill(victim *exec.Cmd) { victim.Process.Signal(syscall.SIGKILL) }
+// The faults of the intercepted gather, as plugincheck selftest runs them (faultScenarios),
+// on the fabric RG_TEST_FABRIC names (tcp here; verbs in the soft-RoCE guest of tests/rxe),
+// and the link cut, which needs root: two network namespaces on tcp, the guest's veth pair
+// on verbs. Each survivor's verdicts are selftest's own; the tests add the cause each fabric
+// gives.
 
 // testFabric is the fabric the fault tests run on: tcp, or verbs where RG_TEST_FABRIC=verbs
 // says an RDMA device is there (the soft-RoCE guest of tests/rxe).
@@ -114,19 +29,8 @@ func testFabric() string {
 
 func onVerbs() bool { return testFabric() == "verbs" }
 
-// faultTimeoutMS is the ROCE_GATHER_TIMEOUT_MS of the fault runs. A verbs lane learns of a
-// dead peer from its probe, sent after a quarter of the timeout, failing its retries: on
-// emulated soft-RoCE that takes up to a second or two, which 4 s leaves room for before a
-// gather's own timeout would end the wait without naming the cause.
-func faultTimeoutMS() int {
-	if onVerbs() {
-		return 4000
-	}
-	return 2000
-}
-
-// What a killed peer's kernel does to its connections: a FIN, or a reset when it held
-// unread bytes.
+// What a killed peer's kernel does to a tcp link, where the WARN names it: a FIN, or a reset
+// when it held unread bytes.
 const peerGoneTCP = `(127\.0\.0\.1:\d+ closed the connection|receiving from 127\.0\.0\.1:\d+ failed: Connection reset by peer)`
 
 // What a verbs lane says when the peer's queue pair is gone or its link is down: the
@@ -137,11 +41,9 @@ const silentVerbsPeer = `(liveness probe to ADDR:\d+ over \S+ \(qp 0x[0-9a-f]+\)
 // The same when this end's own port went down: the probe could not even be sent.
 const downVerbsPort = `(liveness probe to ADDR:\d+ over \S+ \(qp 0x[0-9a-f]+\) failed: (transport retry counter exceeded|local QP operation error)|the liveness probe to ADDR:\d+ over \S+ has not completed in \d+ ms)`
 
+// peerGone is what the verbs lane says of a killed peer at addr.
 func peerGone(addr string) string {
-	if onVerbs() {
-		return strings.ReplaceAll(silentVerbsPeer, "ADDR", regexp.QuoteMeta(addr))
-	}
-	return peerGoneTCP
+	return strings.ReplaceAll(silentVerbsPeer, "ADDR", regexp.QuoteMeta(addr))
 }
 
 // loopback is both ranks on this host: over lo for tcp, on the device RXE_DEV for verbs
@@ -154,51 +56,84 @@ var loopback = func() [2][]string {
 	return [2][]string{e, e}
 }()
 
-func withEnv(env [2][]string, extra ...string) [2][]string {
-	return [2][]string{append(append([]string{}, env[0]...), extra...), append(append([]string{}, env[1]...), extra...)}
-}
-
-// requireCases checks that a rank passed every named case and failed none; a failure
-// shows the rank's log lines too.
-func requireCases(t *testing.T, r *faultRank, cases ...string) {
+// runFault runs the fault scenario named name on the test's fabric and requires every
+// verdict on both ranks to pass; it returns the verdicts' output and the ranks' results.
+func runFault(t *testing.T, name string, runs []scenario) (string, [2]*rankResult) {
 	t.Helper()
-	out := r.out.String()
-	for _, c := range cases {
-		require.Regexp(t, `(?m)^CASE `+c+` PASS `, out, "case %s; the rank logged:\n%s", c, r.errOut.String())
+	pc, lib, driver := built(t)
+	p := paths{lib: lib, driver: driver, rank: pc + "-rank"}
+	for _, s := range runs {
+		if s.name != name {
+			continue
+		}
+		for r := range s.ranks {
+			s.ranks[r].env = append(append([]string{}, loopback[r]...), s.ranks[r].env...)
+		}
+		c := &checker{}
+		var res [2]*rankResult
+		start := time.Now()
+		out := captureStdout(t, func() {
+			var err error
+			res, err = runLocal(p, testFabric(), s.ranks, t.TempDir(), false)
+			require.NoError(t, err)
+			for _, r := range res {
+				s.judge(c, r)
+			}
+		})
+		t.Logf("%s in %.1f s:\n%s", name, time.Since(start).Seconds(), out)
+		require.Zero(t, c.failed, "%s\nrank 0 logged:\n%s", out, res[0].stderr)
+		require.NotZero(t, c.passed)
+		return out, res
 	}
-	require.NotContains(t, out, " FAIL ", "the rank logged:\n%s", r.errOut.String())
+	t.Fatalf("no fault scenario %q", name)
+	return "", [2]*rankResult{}
 }
 
-// A peer killed with SIGKILL while a 64 MiB message is in flight: the receiver's test
-// fails within ROCE_GATHER_TIMEOUT_MS plus a second, with one WARN naming the peer, the
-// operation and the message, and the comm closes promptly.
-func TestFaultPeerKilledInTheMiddleOfAP2PTransfer(t *testing.T) {
-	r0, _ := runFault(t, "fault-p2p", loopback, [2][]string{}, kill)
-	requireCases(t, r0, "fault/p2p-peer-gone-mid-transfer", "fault/p2p-close-after-failure")
-	require.Regexp(t, `NCCL WARN NET/roce_gather : receive from 127\.0\.0\.1:\d+ failed at message 0: waiting for data: `+peerGone("127.0.0.1"), r0.errOut.String())
+func faults() []scenario { return faultScenarios(testFabric(), nil, [2][]string{}, [2][]string{}) }
+
+// A peer killed with SIGKILL while this rank waits in a gather: the gather fails well before
+// its deadline without writing a row, one WARN names the peer, the sequence and the cause,
+// ncclCommGetAsyncError says so, and the next gather fails at once.
+func TestFaultPeerKilledInAGather(t *testing.T) {
+	_, res := runFault(t, "a peer killed in a gather", faults())
+	cause := `the link failed(: ` + peerGoneTCP + `)?$`
+	if onVerbs() {
+		cause = `the link failed: ` + peerGone("127.0.0.1")
+	}
+	require.Regexp(t, regexp.MustCompile(`(?m)NCCL WARN NET/roce_gather : one-shot gather of communicator 0x[0-9a-f]+ with rank 1 `+
+		`\(127\.0\.0\.1:\d+\) failed at sequence 2: (the link to the peer ended before this gather: )?`+cause), res[0].stderr)
 }
 
-// A peer killed while this rank waits in a one-shot gather: an error within the timeout
-// plus a second, nothing written into the rows, the next call fails at once.
-func TestFaultPeerKilledInTheMiddleOfAGather(t *testing.T) {
-	r0, _ := runFault(t, "fault-gather", withEnv(loopback, "ROCE_GATHER_MAX_BYTES=524288"), [2][]string{}, kill)
-	requireCases(t, r0, "fault/gather-peer-gone", "fault/gather-rows-untouched-after-death",
-		"fault/gather-after-failure", "fault/gather-close-after-failure")
-	require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather with 127\.0\.0\.1:\d+ failed at call 1: the link failed \(no data from the peer arrived\): `+peerGone("127.0.0.1"), r0.errOut.String())
-}
-
-// A peer that is alive but never joins the gather: the wait ends at the timeout.
+// A peer that is alive but never joins the gather: the wait ends at ROCE_GATHER_TIMEOUT_MS.
 func TestFaultPeerThatNeverJoinsAGatherTimesOut(t *testing.T) {
-	r0, _ := runFault(t, "fault-stall", withEnv(loopback, "ROCE_GATHER_MAX_BYTES=524288"), [2][]string{}, nil)
-	requireCases(t, r0, "fault/gather-peer-never-comes", "fault/gather-rows-untouched-after-timeout")
-	require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather with 127\.0\.0\.1:\d+ failed at call 1: no data from the peer arrived within `+fmt.Sprint(faultTimeoutMS())+` ms`, r0.errOut.String())
+	_, res := runFault(t, fmt.Sprintf("a peer that never joins a gather (ROCE_GATHER_TIMEOUT_MS=%d)", faultTimeoutMS(testFabric())), faults())
+	require.GreaterOrEqual(t, res[0].steps("gather")[1].MS, float64(faultTimeoutMS(testFabric())))
 }
 
-// Closing comms with receives still posted returns promptly and leaves no descriptor.
-func TestFaultCloseWithRequestsInFlight(t *testing.T) {
-	r0, r1 := runFault(t, "fault-abort", loopback, [2][]string{}, nil)
-	requireCases(t, r0, "fault/abort-with-requests-in-flight")
-	requireCases(t, r1, "fault/abort-with-requests-in-flight")
+// ncclCommAbort from another thread ends a waiting gather at once, without a row.
+func TestFaultAbortInFlightEndsTheWaitingGather(t *testing.T) {
+	_, res := runFault(t, "ncclCommAbort while a gather waits", faults())
+	require.Less(t, res[0].steps("gather")[1].MS, float64(10*faultTimeoutMS(testFabric())), "well before the deadline")
+}
+
+// ncclCommDestroy from another thread gives the waiting gather its deadline, then stops it.
+func TestFaultDestroyInFlightReturnsWithinTwiceTheDeadline(t *testing.T) {
+	runFault(t, fmt.Sprintf("ncclCommDestroy while a gather waits (ROCE_GATHER_TIMEOUT_MS=%d)", faultTimeoutMS(testFabric())), faults())
+}
+
+// The link goes down while this rank waits in a gather and both processes live on: no FIN,
+// no RST. The gather fails within its deadline and a few seconds, without a row, and says so.
+func TestFaultLinkCutInAGather(t *testing.T) {
+	p := cutPair(t)
+	_, res := runFault(t, "a link cut in a gather", faultScenarios(testFabric(), p.cut, p.env, p.wrap))
+	// No FIN tells a tcp lane, so the gather's deadline ends the wait; a verbs lane may find the
+	// cut first, by its probe's retries (on emulated soft-RoCE it does not, in time).
+	cause := fmt.Sprintf(`the peer's data did not arrive within %d ms`, faultTimeoutMS(testFabric()))
+	if onVerbs() {
+		cause = `(` + cause + `|the link failed: ` + strings.ReplaceAll(downVerbsPort, "ADDR", regexp.QuoteMeta(p.peer)) + `)`
+	}
+	require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather of communicator 0x[0-9a-f]+ with rank 1 \(`+regexp.QuoteMeta(p.peer)+
+		`:\d+\) failed at sequence 2: (the link to the peer ended before this gather: )?`+cause, res[0].stderr)
 }
 
 // linkPair is two ranks at the two ends of one link that cut takes down while both
@@ -218,7 +153,8 @@ func cutPair(t *testing.T) linkPair {
 	}
 	wrap, cut := netns(t)
 	return linkPair{
-		env:  [2][]string{{"ROCE_GATHER_TCP_IF=" + wrapVeth(wrap, 0)}, {"ROCE_GATHER_TCP_IF=" + wrapVeth(wrap, 1)}},
+		// Rank 0's stand-in NCCL listens where rank 1, in the other namespace, can reach it.
+		env:  [2][]string{{"ROCE_GATHER_TCP_IF=" + wrapVeth(wrap, 0), "FAKE_NCCL_ADDR=10.99.0.1"}, {"ROCE_GATHER_TCP_IF=" + wrapVeth(wrap, 1)}},
 		wrap: wrap, cut: cut, peer: "10.99.0.2",
 	}
 }
@@ -288,63 +224,8 @@ func rxePair(t *testing.T) linkPair {
 	return p
 }
 
-// The link goes down during a 64 MiB transfer while both processes live on: no FIN, no
-// RST. The receiver notices the silence and fails within the timeout plus a second.
-func TestFaultLinkCutInTheMiddleOfAP2PTransfer(t *testing.T) {
-	p := cutPair(t)
-	r0, _ := runFault(t, "fault-p2p", p.env, p.wrap, p.cut)
-	requireCases(t, r0, "fault/p2p-peer-gone-mid-transfer", "fault/p2p-close-after-failure")
-	why := `nothing received from 10\.99\.0\.2:\d+ for \d+ ms \(no data, no heartbeat\)`
-	if onVerbs() {
-		why = strings.ReplaceAll(downVerbsPort, "ADDR", regexp.QuoteMeta(p.peer))
-	}
-	require.Regexp(t, `NCCL WARN NET/roce_gather : receive from `+regexp.QuoteMeta(p.peer)+`:\d+ failed at message 0: waiting for data: `+why, r0.errOut.String())
-}
-
-// The same during a one-shot gather.
-func TestFaultLinkCutInTheMiddleOfAGather(t *testing.T) {
-	p := cutPair(t)
-	r0, _ := runFault(t, "fault-gather", withEnv(p.env, "ROCE_GATHER_MAX_BYTES=524288"), p.wrap, p.cut)
-	requireCases(t, r0, "fault/gather-peer-gone", "fault/gather-rows-untouched-after-death", "fault/gather-after-failure")
-	why := ""
-	if onVerbs() {
-		why = `the link failed \([^)]+\): ` + strings.ReplaceAll(downVerbsPort, "ADDR", regexp.QuoteMeta(p.peer))
-	}
-	require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather with `+regexp.QuoteMeta(p.peer)+`:\d+ failed at call 1: `+why, r0.errOut.String())
-}
-
 // wrapVeth names rank r's veth interface from its namespace wrapper.
 func wrapVeth(wrap [2][]string, r int) string {
 	suffix := strings.TrimPrefix(wrap[r][3], []string{"rgA", "rgB"}[r])
 	return []string{"rgva", "rgvb"}[r] + suffix
-}
-
-// 1,000 connect/message/close cycles of a comm pair in one process: descriptors,
-// threads and resident memory stay where they were after the first.
-func TestThousandConnectCloseCyclesLeaveNothingBehind(t *testing.T) {
-	r0, r1 := runFault(t, "cycles-1000", loopback, [2][]string{}, nil)
-	for r, rank := range []*faultRank{r0, r1} {
-		out := rank.out.String()
-		requireCases(t, rank, "cycles/connect-close")
-		v := cycleValues(t, out, 3)
-		t.Logf("rank %d: first fds=%d threads=%d rss_kb=%d, after 500 rss_kb=%d, last fds=%d threads=%d rss_kb=%d", r,
-			v["first"][0], v["first"][1], v["first"][2], v["mid"][2], v["last"][0], v["last"][1], v["last"][2])
-		require.Equal(t, v["first"][0], v["last"][0], "rank %d: open descriptors", r)
-		require.LessOrEqual(t, v["last"][1], v["first"][1]+2, "rank %d: threads", r)
-		// A comm pair maps over 2 MiB: leaking even 1% of it per cycle would add 10 MiB
-		// over the last 500 cycles. The Go heap's warm-up shows before the midpoint.
-		require.Less(t, v["last"][2], v["mid"][2]+4*1024, "rank %d: resident memory kept growing", r)
-	}
-}
-
-// Nine connections at once hold no more threads than one: on verbs, a write leaves from
-// the thread that posts it and completions are taken by the thread that polls.
-func TestNoThreadPerConnection(t *testing.T) {
-	if !onVerbs() {
-		// Measured: 8 threads with one pair, 24 with nine.
-		t.Skip("the tcp fabric keeps a helper thread a link, off the data path, for heartbeats and deferred sends")
-	}
-	r0, r1 := runFault(t, "fault-threads", loopback, [2][]string{}, nil)
-	requireCases(t, r0, "threads/none-per-connection")
-	requireCases(t, r1, "threads/none-per-connection")
 }

@@ -17,7 +17,11 @@ import (
 func makeInstall(t *testing.T, vars ...string) {
 	t.Helper()
 	built(t)
-	args := append([]string{"-C", "../..", "-o", "build/libroce_gather.so", "-o", "build/plugincheck", "-o", "build/plugincheck-driver", "install"}, vars...)
+	args := []string{"-C", "../.."}
+	for _, b := range []string{"libroce_gather.so", "plugincheck", "plugincheck-driver", "plugincheck-rank", "libnccl-standin.so"} {
+		args = append(args, "-o", "build/"+b)
+	}
+	args = append(append(args, "install"), vars...)
 	cmd := exec.Command("make", args...)
 	for _, kv := range os.Environ() { // a parent make's jobserver does not reach this one
 		if !strings.HasPrefix(kv, "MAKEFLAGS=") && !strings.HasPrefix(kv, "MFLAGS=") && !strings.HasPrefix(kv, "MAKELEVEL=") {
@@ -37,15 +41,18 @@ func requireExecutable(t *testing.T, path string) {
 }
 
 // make install PREFIX=...: the library under both names in lib/, plugincheck in bin/, its
-// driver in libexec/roce_gather/; the installed plugincheck, run from anywhere, checks the
-// installed library with no flag and passes.
+// driver, its rank program and the stand-in NCCL in libexec/roce_gather/; the installed
+// plugincheck, run from anywhere, checks the installed library with no flag and passes, and
+// its selftest runs the installed rank program over the installed stand-in.
 func TestMakeInstallAndRunTheInstalledPlugincheck(t *testing.T) {
 	prefix := filepath.Join(t.TempDir(), "prefix")
 	makeInstall(t, "PREFIX="+prefix)
 	lib := filepath.Join(prefix, "lib", "libroce_gather.so")
 	requireExecutable(t, lib)
 	requireExecutable(t, filepath.Join(prefix, "bin", "plugincheck"))
-	requireExecutable(t, filepath.Join(prefix, "libexec", "roce_gather", "plugincheck-driver"))
+	for _, f := range []string{"plugincheck-driver", "plugincheck-rank", "libnccl-standin.so"} {
+		requireExecutable(t, filepath.Join(prefix, "libexec", "roce_gather", f))
+	}
 	target, err := os.Readlink(filepath.Join(prefix, "lib", "libnccl-net-roce_gather.so"))
 	require.NoError(t, err, "libnccl-net-roce_gather.so is a link")
 	require.Equal(t, "libroce_gather.so", target, "a relative link, so the prefix can move")
@@ -78,6 +85,10 @@ func TestMakeInstallAndRunTheInstalledPlugincheck(t *testing.T) {
 	lines := strings.Split(strings.TrimSpace(text), "\n")
 	require.Regexp(t, `^\d+ checks, 0 failed: `, lines[len(lines)-1])
 	require.Equal(t, abiVerdict(), strings.SplitN(lines[len(lines)-1], ": ", 2)[1])
+
+	text, err = run("selftest")
+	require.NoError(t, err, "%s", text)
+	require.Regexp(t, `(?m)^\d+ passed, 0 failed$`, text)
 }
 
 // What NCCL_NET_PLUGIN=roce_gather makes NCCL do: dlopen("libnccl-net-roce_gather.so")
@@ -122,7 +133,8 @@ func checkNames(cs []abiCheck) []string {
 func TestMakeInstallHonoursDestdir(t *testing.T) {
 	dest := t.TempDir()
 	makeInstall(t, "DESTDIR="+dest, "PREFIX=/opt/roce_gather")
-	for _, p := range []string{"lib/libroce_gather.so", "bin/plugincheck", "libexec/roce_gather/plugincheck-driver"} {
+	for _, p := range []string{"lib/libroce_gather.so", "bin/plugincheck", "libexec/roce_gather/plugincheck-driver",
+		"libexec/roce_gather/plugincheck-rank", "libexec/roce_gather/libnccl-standin.so"} {
 		requireExecutable(t, filepath.Join(dest, "opt/roce_gather", p))
 	}
 	_, err := os.Lstat(filepath.Join(dest, "opt/roce_gather/lib/libnccl-net-roce_gather.so"))

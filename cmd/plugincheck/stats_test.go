@@ -2,133 +2,83 @@ package main
 
 import (
 	"encoding/json"
-	"fmt"
 	"os"
 	"path/filepath"
-	"regexp"
-	"strconv"
-	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 )
 
-// statsFile is the part of ROCE_GATHER_STATS these tests read.
-type statsFile struct {
-	PID   int `json:"pid"`
-	Tuner struct {
-		OneShot      uint64 `json:"oneshot_gathers"`
-		OneShotBytes uint64 `json:"oneshot_bytes"`
-		NCCL         uint64 `json:"nccl_gathers"`
-		NCCLBytes    uint64 `json:"nccl_bytes"`
-	} `json:"tuner"`
-	OneShot struct {
-		Calls        uint64  `json:"calls"`
-		Bytes        uint64  `json:"bytes"`
-		Rendezvous   uint64  `json:"rendezvous"`
-		Eager        uint64  `json:"eager"`
-		Errors       uint64  `json:"errors"`
-		P50us        float64 `json:"p50_us"`
-		MaxUs        float64 `json:"max_us"`
-		LatencyCalls uint64  `json:"latency_calls"`
-	} `json:"oneshot"`
+// statsRun runs both ranks through gathers in and out of the window, then ends them by
+// `end` (exit:_exit, exit:sigterm, or destroy), and returns them with what the gathers
+// should have left in the stats.
+func statsRun(t *testing.T, end string, extra ...string) ([2]*rankResult, oneShotStats) {
+	t.Helper()
+	pc, lib, driver := built(t)
+	p := paths{lib: lib, driver: driver, rank: filepath.Join(filepath.Dir(pc), "plugincheck-rank")}
+	steps := []string{"init", "gather:16:0", "gather:262144:0", "gather:262145:0", "gather:1000:2", "gather:0:0", "gather:4096:0", end}
+	spec := rankSpec{env: extra, steps: steps}
+	res, err := runLocal(p, "tcp", [2]rankSpec{spec, spec}, t.TempDir(), false)
+	require.NoError(t, err)
+	want := oneShotStats{Launches: 4, LaunchBytes: 16 + 262144 + 4000 + 4096, Forwarded: 2, ForwardedBytes: 262145}
+	want.Gathers, want.Bytes = want.Launches, want.LaunchBytes
+	return res, want
 }
 
-var gatherTotals = regexp.MustCompile(`^rank (\d): gather totals: tuner oneshot=(\d+) oneshot_bytes=(\d+) nccl=(\d+) nccl_bytes=(\d+); iallgather calls=(\d+) bytes=(\d+)$`)
-
-// runGatherSuiteEndingBy runs the gather suite on two ranks that end right after their
-// last gather as how says, and returns each rank's totals as it counted them and its
-// stats file. The ranks' extra environment may name files in dir with %d for the rank.
-func runGatherSuiteEndingBy(t *testing.T, how string, dir string, extra ...string) ([2][6]uint64, [2]statsFile, *result) {
+// requireCountsOfAnAbruptEnd holds the stats of a process that ended right after its last
+// gather to what it did: every decision and launch exactly. The completed gathers are the
+// proxy's count from the kernels' reports, which the last one's may not have reached before
+// the end: all of them, or all but the last (4096 bytes).
+func requireCountsOfAnAbruptEnd(t *testing.T, r *rankResult, want oneShotStats) {
 	t.Helper()
-	_, lib, driver := built(t)
-	env := func(r int) []string {
-		e := []string{"ROCE_GATHER_FABRIC=tcp", "ROCE_GATHER_TCP_IF=lo", "NCCL_COLLNET_ENABLE=1", "ROCE_GATHER_MAX_BYTES=262144",
-			"RG_SELFTEST_EXIT=" + how, fmt.Sprintf("ROCE_GATHER_STATS=%s/stats.%d.json", dir, r)}
-		for _, x := range extra {
-			e = append(e, strings.ReplaceAll(x, "%d", fmt.Sprint(r)))
-		}
-		return e
+	require.NoError(t, r.statsErr)
+	got := r.stats.OneShot
+	if got.Gathers == want.Gathers-1 {
+		want.Gathers, want.Bytes = want.Gathers-1, want.Bytes-4096
 	}
-	res := &result{}
-	out.res, out.echo = res, false
-	err := runPair(paths{lib: lib, driver: driver}, "gather", env(0), env(1), false)
-	if how == "sigterm" {
-		require.Error(t, err)
-		require.Contains(t, err.Error(), "signal: terminated")
-	} else {
-		require.NoError(t, err)
-	}
-	finalized := how == "finalize"
-	require.Zero(t, res.failed, "%+v", res.cases)
-	var counted [2][6]uint64
-	var files [2]statsFile
-	seen := 0
-	for _, n := range res.notes {
-		m := gatherTotals.FindStringSubmatch(n)
-		if m == nil {
-			continue
-		}
-		r, _ := strconv.Atoi(m[1])
-		for i := range counted[r] {
-			counted[r][i], _ = strconv.ParseUint(m[i+2], 10, 64)
-		}
-		seen++
-	}
-	require.Equal(t, 2, seen, "both ranks report their totals: %q", res.notes)
-	for r := range files {
-		left := fmt.Sprintf("rank %d: leaving by %s, without finalize", r, how)
-		if finalized {
-			require.NotContains(t, res.notes, left)
-		} else {
-			require.Contains(t, res.notes, left)
-		}
-		raw, err := os.ReadFile(filepath.Join(dir, fmt.Sprintf("stats.%d.json", r)))
-		require.NoError(t, err, "rank %d wrote no stats file", r)
-		require.NoError(t, json.Unmarshal(raw, &files[r]), "%s", raw)
-	}
-	return counted, files, res
-}
-
-func requireStatsMatch(t *testing.T, counted [2][6]uint64, files [2]statsFile) {
-	t.Helper()
-	for r, st := range files {
-		c := counted[r]
-		require.NotZero(t, c[0], "rank %d sent gathers one-shot", r)
-		require.NotZero(t, c[2], "rank %d handed gathers to NCCL", r)
-		require.Equal(t, c[0], st.Tuner.OneShot, "rank %d: tuner one-shot decisions", r)
-		require.Equal(t, c[1], st.Tuner.OneShotBytes, "rank %d: tuner one-shot bytes", r)
-		require.Equal(t, c[2], st.Tuner.NCCL, "rank %d: tuner NCCL decisions", r)
-		require.Equal(t, c[3], st.Tuner.NCCLBytes, "rank %d: tuner NCCL bytes", r)
-		require.Equal(t, c[4], st.OneShot.Calls, "rank %d: one-shot calls", r)
-		require.Equal(t, c[5], st.OneShot.Bytes, "rank %d: one-shot bytes", r)
-		require.Equal(t, st.OneShot.Calls, st.OneShot.Eager+st.OneShot.Rendezvous, "rank %d: calls by mode", r)
-		require.Zero(t, st.OneShot.Errors)
-		require.LessOrEqual(t, st.OneShot.LatencyCalls, st.OneShot.Calls, "percentiles cover at most the calls counted")
-	}
+	require.Equal(t, want, got, "rank %d", r.rank)
 }
 
 // A process that leaves by _exit right after its last gather (as torch.multiprocessing
-// children do, communicators not finalized) runs no atexit handler and no destructor:
-// its stats file still holds every decision and every call, exactly.
-func TestStatsFileIsExactAfterExitWithoutFinalize(t *testing.T) {
-	counted, files, _ := runGatherSuiteEndingBy(t, "_exit", t.TempDir())
-	requireStatsMatch(t, counted, files)
+// children do, communicators not destroyed) runs no atexit handler and no destructor: its
+// stats file still holds every decision and every launch, exactly.
+func TestStatsFileIsExactAfterExitWithoutDestroy(t *testing.T) {
+	res, want := statsRun(t, "exit:_exit")
+	for _, r := range res {
+		require.NoError(t, r.exit, "rank %d:\n%s", r.rank, r.stderr)
+		require.Equal(t, "exit", r.lines[len(r.lines)-1].Step)
+		requireCountsOfAnAbruptEnd(t, r, want)
+		require.Equal(t, 6, r.stats.interceptorCalls("ncclAllGather"))
+		require.Zero(t, r.stats.interceptorCalls("ncclCommDestroy"))
+	}
 }
 
 // The same for a process ended by SIGTERM's default action.
-func TestStatsFileIsExactAfterSIGTERMWithoutFinalize(t *testing.T) {
-	counted, files, _ := runGatherSuiteEndingBy(t, "sigterm", t.TempDir())
-	requireStatsMatch(t, counted, files)
+func TestStatsFileIsExactAfterSIGTERMWithoutDestroy(t *testing.T) {
+	res, want := statsRun(t, "exit:sigterm")
+	for _, r := range res {
+		require.True(t, killedBySignal(r.exit, syscall.SIGTERM), "rank %d: %v", r.rank, r.exit)
+		requireCountsOfAnAbruptEnd(t, r, want)
+	}
 }
 
-// A run that finalizes brings the percentiles up to date: they cover every call.
-func TestStatsFileAfterFinalizeCoversEveryCallWithPercentiles(t *testing.T) {
-	counted, files, _ := runGatherSuiteEndingBy(t, "finalize", t.TempDir())
-	requireStatsMatch(t, counted, files)
-	for _, st := range files {
-		require.Equal(t, st.OneShot.Calls, st.OneShot.LatencyCalls)
-		require.Greater(t, st.OneShot.P50us, 0.0)
-		require.GreaterOrEqual(t, st.OneShot.MaxUs, st.OneShot.P50us)
+// A run that destroys its communicator counts it too, and the same gathers; the library's
+// finalize brings the percentiles up to date: they cover every gather that took the path.
+func TestStatsFileAfterDestroyCoversEveryGatherWithPercentiles(t *testing.T) {
+	res, want := statsRun(t, "destroy")
+	for _, r := range res {
+		require.True(t, r.ended(), "rank %d:\n%s", r.rank, r.stderr)
+		require.Equal(t, want, r.stats.OneShot, "rank %d", r.rank)
+		require.Equal(t, 1, r.stats.interceptorCalls("ncclCommDestroy"))
+		raw, err := os.ReadFile(filepath.Join(r.dir, "stats.json"))
+		require.NoError(t, err)
+		var doc map[string]json.RawMessage
+		require.NoError(t, json.Unmarshal(raw, &doc))
+		var lat map[string]any
+		require.NoError(t, json.Unmarshal(doc[statsOneShot], &lat))
+		require.Equal(t, float64(want.Launches), lat["latency_calls"], "rank %d", r.rank)
+		require.Greater(t, lat["p50_us"], 0.0)
+		require.GreaterOrEqual(t, lat["max_us"], lat["p50_us"])
 	}
 }

@@ -11,10 +11,10 @@ import (
 	"github.com/roce-gather/roce_gather/roce/gather"
 )
 
-// plugincheck trace on the intercepted gather's records (mode intercepted): per rank, its
-// proxy's steps and its kernel's; across both ranks, one gather from the rank whose kernel
-// rang its doorbell second to the other (docs/benchmarks.md, "Where the microseconds of one
-// intercepted gather go").
+// plugincheck trace on the intercepted collectives' records: per rank, the proxy's steps and
+// the kernel's; across both ranks, one call from the rank whose kernel rang its doorbell
+// second to the other (docs/benchmarks.md, "Where the microseconds of one intercepted gather
+// go"), each collective apart.
 
 // commStream is one rank's records of one communicator in one file, in sequence order. The
 // records hold the communicator's address, which differs between the ranks, so the two
@@ -73,8 +73,8 @@ func hostStamps(r gather.TraceRecord) (first, last uint64) {
 // complete says whether an intercepted record has every stamp: the proxy's four and the
 // kernel's four (the proxy reads the kernel's stamps from its report, which it can miss).
 func complete(r gather.TraceRecord) bool {
-	return r.Has(gather.StampOSDoorbell) && r.Has(gather.StampOSPosted) && r.Has(gather.StampOSPeer) &&
-		r.Has(gather.StampOSRows) && r.KStart != 0 && r.KStaged != 0 && r.KArrived != 0 && r.KEnd != 0
+	return r.Has(gather.StampDoorbell) && r.Has(gather.StampPosted) && r.Has(gather.StampPeer) &&
+		r.Has(gather.StampRows) && r.KStart != 0 && r.KStaged != 0 && r.KArrived != 0 && r.KEnd != 0
 }
 
 // rangSecond says whether a's kernel rang its doorbell after b's (the kernel clock is one
@@ -101,9 +101,6 @@ func streamsOf(recs []fileRecord) []*commStream {
 	lastSeq := map[key]uint64{}
 	var all []*commStream
 	for i, r := range recs {
-		if r.Mode != gather.ModeIntercepted {
-			continue
-		}
 		k := key{r.file, r.CommID, r.Rank}
 		s := open[k]
 		if s == nil || r.Seq <= lastSeq[k] {
@@ -123,8 +120,8 @@ func streamsOf(recs []fileRecord) []*commStream {
 }
 
 // sameCommunicator says whether two ranks' streams are one communicator's: they ran at the
-// same time on the host clock, share a sampled gather, and agree on its size at every
-// gather both sampled.
+// same time on the host clock, share a sampled call, and agree on its collective and size at
+// every call both sampled.
 func sameCommunicator(recs []fileRecord, a, b *commStream) bool {
 	if a.rank == b.rank || a.first > b.last || b.first > a.last {
 		return false
@@ -132,7 +129,7 @@ func sameCommunicator(recs []fileRecord, a, b *commStream) bool {
 	shared := 0
 	for seq, i := range a.bySeq {
 		if j, ok := b.bySeq[seq]; ok {
-			if recs[i].BytesPerRank != recs[j].BytesPerRank {
+			if recs[i].BytesPerRank != recs[j].BytesPerRank || recs[i].Coll != recs[j].Coll {
 				return false
 			}
 			shared++
@@ -196,7 +193,7 @@ func pairIntercepted(recs []fileRecord) (interceptedPairing, error) {
 				g.late, g.early = j, i
 			}
 			l := recs[g.late]
-			link.offset = min(link.offset, int64(l.T[gather.StampOSDoorbell]-l.KStaged))
+			link.offset = min(link.offset, int64(l.T[gather.StampDoorbell]-l.KStaged))
 			p.gather = append(p.gather, g)
 		}
 		p.links = append(p.links, link)
@@ -218,15 +215,15 @@ var gatherSpans = []struct {
 		func(l, e gather.TraceRecord) float64 { return ns2us(l.KStart, l.KStaged) }},
 	{"posting", "late proxy: doorbell seen → write posted (host clock)",
 		func(l, e gather.TraceRecord) float64 {
-			return ns2us(l.T[gather.StampOSDoorbell], l.T[gather.StampOSPosted])
+			return ns2us(l.T[gather.StampDoorbell], l.T[gather.StampPosted])
 		}},
 	{"fabric", "late proxy's doorbell seen → early proxy's flag seen (host clock): the fabric's span",
 		func(l, e gather.TraceRecord) float64 {
-			return ns2us(l.T[gather.StampOSDoorbell], e.T[gather.StampOSPeer])
+			return ns2us(l.T[gather.StampDoorbell], e.T[gather.StampPeer])
 		}},
 	{"hand-offs", "rung→seen less fabric, per gather: the late proxy's sight of the doorbell and the early kernel's sight of the flag",
 		func(l, e gather.TraceRecord) float64 {
-			return ns2us(l.KStaged, e.KArrived) - ns2us(l.T[gather.StampOSDoorbell], e.T[gather.StampOSPeer])
+			return ns2us(l.KStaged, e.KArrived) - ns2us(l.T[gather.StampDoorbell], e.T[gather.StampPeer])
 		}},
 	{"rung→seen", "late kernel's doorbell rung → early kernel sees the data (kernel clock)",
 		func(l, e gather.TraceRecord) float64 { return ns2us(l.KStaged, e.KArrived) }},
@@ -236,7 +233,7 @@ var gatherSpans = []struct {
 		func(l, e gather.TraceRecord) float64 { return ns2us(l.KStart, e.KEnd) }},
 	{"delivery", "late proxy's write posted → early proxy's flag seen (host clock): the fabric's span after posting",
 		func(l, e gather.TraceRecord) float64 {
-			return ns2us(l.T[gather.StampOSPosted], e.T[gather.StampOSPeer])
+			return ns2us(l.T[gather.StampPosted], e.T[gather.StampPeer])
 		}},
 	{"apart", "the two kernels' starts apart (kernel clock)",
 		func(l, e gather.TraceRecord) float64 { return math.Abs(ns2us(l.KStart, e.KStart)) }},
@@ -278,13 +275,13 @@ var interceptedParts = []struct {
 	of   func(r gather.TraceRecord) (float64, bool)
 }{
 	{"to posted", func(r gather.TraceRecord) (float64, bool) {
-		return r.Between(gather.StampOSDoorbell, gather.StampOSPosted), r.Has(gather.StampOSPosted)
+		return r.Between(gather.StampDoorbell, gather.StampPosted), r.Has(gather.StampPosted)
 	}},
 	{"to flag seen", func(r gather.TraceRecord) (float64, bool) {
-		return r.Between(gather.StampOSDoorbell, gather.StampOSPeer), r.Has(gather.StampOSPeer)
+		return r.Between(gather.StampDoorbell, gather.StampPeer), r.Has(gather.StampPeer)
 	}},
 	{"to rows written", func(r gather.TraceRecord) (float64, bool) {
-		return r.Between(gather.StampOSDoorbell, gather.StampOSRows), r.Has(gather.StampOSRows)
+		return r.Between(gather.StampDoorbell, gather.StampRows), r.Has(gather.StampRows)
 	}},
 	{"kernel: rung", func(r gather.TraceRecord) (float64, bool) {
 		return ns2us(r.KStart, r.KStaged), r.KStart != 0 && r.KStaged != 0
@@ -297,22 +294,37 @@ var interceptedParts = []struct {
 	}},
 }
 
-func printInterceptedSummary(w io.Writer, groups map[traceGroup][]fileRecord, keys []traceGroup) {
-	fmt.Fprintf(w, "\nintercepted gathers, per rank: medians in microseconds after the proxy saw the kernel's first doorbell\n"+
-		"(host clock), then the kernel's steps after its start (kernel clock); \"reported\": the gathers whose report\n"+
-		"(the kernel's stamps and rows_written) the proxy read. NCCL's part (iallgather, its tests, done→reported,\n"+
-		"reported→next) does not apply: ncclAllGather launches the kernel on the caller's stream and NCCL holds no\n"+
-		"request to test.\n")
-	fmt.Fprintf(w, "%-4s %10s %7s %8s", "rank", "bytes/rank", "gathers", "reported")
+// collNames are each collective's name in the tables, one call and several.
+var collNames = map[gather.Coll][2]string{gather.CollAllGather: {"gather", "gathers"}, gather.CollAllReduce: {"all-reduce", "all-reduces"}}
+
+func collName(c gather.Coll, plural bool) string {
+	n, ok := collNames[c]
+	if !ok {
+		return c.String()
+	}
+	if plural {
+		return n[1]
+	}
+	return n[0]
+}
+
+func printInterceptedSummary(w io.Writer, coll gather.Coll, groups map[traceGroup][]fileRecord, keys []traceGroup) {
+	fmt.Fprintf(w, "\nintercepted %s, per rank: medians in microseconds after the proxy saw the kernel's first doorbell\n"+
+		"(host clock), then the kernel's steps after its start (kernel clock); \"reported\": the calls whose report\n"+
+		"(the kernel's stamps and rows_written) the proxy read.\n", collName(coll, true))
+	fmt.Fprintf(w, "%-4s %10s %7s %8s", "rank", "bytes/rank", collName(coll, true), "reported")
 	for _, p := range interceptedParts {
 		fmt.Fprintf(w, " %s", padLeft(p.name, 15))
 	}
 	fmt.Fprintln(w)
 	for _, k := range keys {
+		if k.coll != coll {
+			continue
+		}
 		rs := groups[k]
 		reported := 0
 		for _, r := range rs {
-			if r.Has(gather.StampOSRows) {
+			if r.Has(gather.StampRows) {
 				reported++
 			}
 		}
@@ -334,25 +346,36 @@ func printInterceptedSummary(w io.Writer, groups map[traceGroup][]fileRecord, ke
 	}
 }
 
-// printGatherTable prints one gather across both ranks, per size: the medians of
-// gatherSpans, then the hand-offs split by the clocks' estimated offset.
-func printGatherTable(w io.Writer, recs []fileRecord, p interceptedPairing) {
-	fmt.Fprintf(w, "\none intercepted gather across both ranks (both ranks' proxies on one host and their kernels on one GPU,\n"+
-		"whose clocks they share):\n")
+// printPairing says which streams of records paired with which, and which found no peer.
+func printPairing(w io.Writer, p interceptedPairing) {
+	fmt.Fprintf(w, "\nthe records across both ranks (both ranks' proxies on one host and their kernels on one GPU, whose\n"+
+		"clocks they share):\n")
 	for _, l := range p.links {
-		fmt.Fprintf(w, "  %s with %s: %d gathers in both, %d with every stamp on both ranks\n",
+		fmt.Fprintf(w, "  %s with %s: %d calls in both, %d with every stamp on both ranks\n",
 			l.streams[0], l.streams[1], l.paired, l.complete)
 	}
 	for _, s := range p.alone {
 		fmt.Fprintf(w, "  %s: no record of its peer's among the files (give both ranks' files of one run)\n", s)
 	}
-	if len(p.gather) == 0 {
-		fmt.Fprintf(w, "no gather with every stamp on both ranks: nothing to line up\n")
+}
+
+// printGatherTable prints one call of coll across both ranks, per size: the medians of
+// gatherSpans, then the hand-offs split by the clocks' estimated offset.
+func printGatherTable(w io.Writer, coll gather.Coll, recs []fileRecord, p interceptedPairing) {
+	var pairs []gatherPair
+	for _, g := range p.gather {
+		if recs[g.late].Coll == coll {
+			pairs = append(pairs, g)
+		}
+	}
+	fmt.Fprintf(w, "\none intercepted %s across both ranks:\n", collName(coll, false))
+	if len(pairs) == 0 {
+		fmt.Fprintf(w, "no %s with every stamp on both ranks: nothing to line up\n", collName(coll, false))
 		return
 	}
 	bySize := map[uint64][]gatherPair{}
 	var sizes []uint64
-	for _, g := range p.gather {
+	for _, g := range pairs {
 		b := recs[g.late].BytesPerRank
 		if bySize[b] == nil {
 			sizes = append(sizes, b)
@@ -361,9 +384,9 @@ func printGatherTable(w io.Writer, recs []fileRecord, p interceptedPairing) {
 	}
 	sort.Slice(sizes, func(i, j int) bool { return sizes[i] < sizes[j] })
 
-	fmt.Fprintf(w, "\nmedians in microseconds (the middle value, or the mean of the two middle ones) over the gathers with every\n"+
-		"stamp on both ranks; in each gather the late rank is the one whose kernel rang its doorbell second:\n")
-	fmt.Fprintf(w, "%10s %7s", "bytes/rank", "gathers")
+	fmt.Fprintf(w, "\nmedians in microseconds (the middle value, or the mean of the two middle ones) over the %s with every\n"+
+		"stamp on both ranks; in each the late rank is the one whose kernel rang its doorbell second:\n", collName(coll, true))
+	fmt.Fprintf(w, "%10s %7s", "bytes/rank", collName(coll, true))
 	for _, s := range gatherSpans {
 		fmt.Fprintf(w, " %s", padLeft(s.name, 9))
 	}
@@ -386,14 +409,14 @@ func printGatherTable(w io.Writer, recs []fileRecord, p interceptedPairing) {
 
 	fmt.Fprintf(w, "\nthe hand-offs split, an estimate: the host clock aligned on the kernel clock at the late proxy's quickest\n"+
 		"sight of a doorbell of each communicator (its zero is that sight, not a true zero); median (5th–95th percentile):\n")
-	fmt.Fprintf(w, "%10s %7s %26s %26s\n", "bytes/rank", "gathers", "doorbell rung→proxy sees", "flag seen→kernel sees")
+	fmt.Fprintf(w, "%10s %7s %26s %26s\n", "bytes/rank", collName(coll, true), "doorbell rung→proxy sees", "flag seen→kernel sees")
 	for _, b := range sizes {
 		gs := bySize[b]
 		var bell, flag []float64
 		for _, g := range gs {
 			l, e, off := recs[g.late], recs[g.early], p.links[g.link].offset
-			bell = append(bell, float64(int64(l.T[gather.StampOSDoorbell]-l.KStaged)-off)/1e3)
-			flag = append(flag, float64(int64(e.KArrived-e.T[gather.StampOSPeer])+off)/1e3)
+			bell = append(bell, float64(int64(l.T[gather.StampDoorbell]-l.KStaged)-off)/1e3)
+			flag = append(flag, float64(int64(e.KArrived-e.T[gather.StampPeer])+off)/1e3)
 		}
 		spread := func(v []float64) string {
 			return fmt.Sprintf("%.2f (%.2f–%.2f)", middle(v), percentile(v, 0.05), percentile(v, 0.95))

@@ -45,28 +45,28 @@ func (g synthGather) records(run synthRun) [2]gather.TraceRecord {
 	l.KStaged = l.KStart + g.s
 	e.KStart = l.KStart - g.a
 	e.KStaged = e.KStart + 1000
-	l.T[gather.StampOSDoorbell] = host(l.KStaged) + g.d
-	l.T[gather.StampOSPosted] = l.T[gather.StampOSDoorbell] + g.p
-	e.T[gather.StampOSPeer] = l.T[gather.StampOSPosted] + g.v
-	e.KArrived = kern(e.T[gather.StampOSPeer]) + g.f
+	l.T[gather.StampDoorbell] = host(l.KStaged) + g.d
+	l.T[gather.StampPosted] = l.T[gather.StampDoorbell] + g.p
+	e.T[gather.StampPeer] = l.T[gather.StampPosted] + g.v
+	e.KArrived = kern(e.T[gather.StampPeer]) + g.f
 	e.KEnd = e.KArrived + g.c
-	e.T[gather.StampOSDoorbell] = host(e.KStaged) + 500
-	e.T[gather.StampOSPosted] = e.T[gather.StampOSDoorbell] + 3000
-	l.T[gather.StampOSPeer] = e.T[gather.StampOSPosted] + 800
-	l.KArrived = kern(l.T[gather.StampOSPeer]) + 900
+	e.T[gather.StampDoorbell] = host(e.KStaged) + 500
+	e.T[gather.StampPosted] = e.T[gather.StampDoorbell] + 3000
+	l.T[gather.StampPeer] = e.T[gather.StampPosted] + 800
+	l.KArrived = kern(l.T[gather.StampPeer]) + 900
 	l.KEnd = l.KArrived + 2000
-	l.T[gather.StampOSRows] = host(l.KEnd) + 700
-	e.T[gather.StampOSRows] = host(e.KEnd) + 700
+	l.T[gather.StampRows] = host(l.KEnd) + 700
+	e.T[gather.StampRows] = host(e.KEnd) + 700
 	var recs [2]gather.TraceRecord
 	recs[g.late], recs[1-g.late] = l, e
 	for rank := range recs {
 		r := &recs[rank]
-		r.CommID, r.Seq, r.Rank, r.Mode, r.Lanes = run.comm[rank], g.seq, rank, gather.ModeIntercepted, 1
-		r.BytesPerRank, r.WindowBytes = g.bytes, 2*g.bytes
+		r.CommID, r.Seq, r.Rank, r.Coll, r.Lanes = run.comm[rank], g.seq, rank, gather.CollAllGather, 1
+		r.BytesPerRank = g.bytes
 	}
 	if g.noReport {
 		r := &recs[1]
-		r.T[gather.StampOSRows], r.KStart, r.KStaged, r.KArrived, r.KEnd = 0, 0, 0, 0, 0
+		r.T[gather.StampRows], r.KStart, r.KStaged, r.KArrived, r.KEnd = 0, 0, 0, 0, 0
 	}
 	return recs
 }
@@ -221,8 +221,8 @@ func TestInterceptedPairingRefusesTwoCandidates(t *testing.T) {
 func TestInterceptedStreamsSplitWhereTheSequenceRestarts(t *testing.T) {
 	var recs []fileRecord
 	for i, seq := range []uint64{4, 8, 4, 8, 12} {
-		r := gather.TraceRecord{Index: uint64(i + 1), CommID: 0xa000, Seq: seq, Mode: gather.ModeIntercepted, BytesPerRank: 16}
-		r.T[gather.StampOSDoorbell] = uint64(1000 * (i + 1))
+		r := gather.TraceRecord{Index: uint64(i + 1), CommID: 0xa000, Seq: seq, BytesPerRank: 16}
+		r.T[gather.StampDoorbell] = uint64(1000 * (i + 1))
 		recs = append(recs, fileRecord{"f", r})
 	}
 	s := streamsOf(recs)
@@ -242,8 +242,7 @@ func TestPlugincheckTracePrintsOneInterceptedGatherAcrossRanks(t *testing.T) {
 	require.NoError(t, err, "%s", raw)
 	out := string(raw)
 
-	require.NotContains(t, out, "after the call's iallgather", "no CollNet route table for intercepted records")
-	require.Contains(t, out, "NCCL's part (iallgather, its tests, done→reported,\nreported→next) does not apply")
+	require.Contains(t, out, "\nintercepted gathers, per rank: medians in microseconds after the proxy saw the kernel's first doorbell\n")
 	rankRows := regexp.MustCompile(`(?m)^([01]) +(16|4096) +(\d+) +(\d+)((?: +-?[0-9]+\.[0-9]{2}){6})$`).FindAllStringSubmatch(out, -1)
 	require.Len(t, rankRows, 4, "a row for each rank and size, every median a number:\n%s", out)
 	got := map[string][]string{}
@@ -259,9 +258,9 @@ func TestPlugincheckTracePrintsOneInterceptedGatherAcrossRanks(t *testing.T) {
 	require.Regexp(t, `(?m)^  kernel: its doorbell rung [0-9.]+ us after its start, the peer's data seen at [0-9.]+, its end at [0-9.]+ \(its own clock\)$`, out)
 
 	require.Contains(t, out, "  communicator 0xa000 rank 0 in "+files[0]+" with communicator 0xb000 rank 1 in "+files[1]+
-		": 4 gathers in both, 3 with every stamp on both ranks\n")
+		": 4 calls in both, 3 with every stamp on both ranks\n")
 	require.Contains(t, out, "  communicator 0xb000 rank 0 in "+files[2]+" with communicator 0xa000 rank 1 in "+files[3]+
-		": 2 gathers in both, 2 with every stamp on both ranks\n")
+		": 2 calls in both, 2 with every stamp on both ranks\n")
 	require.Regexp(t, `(?m)^bytes/rank gathers +staging +posting +fabric +hand-offs +rung→seen +copy-out +gather +delivery +apart$`, out)
 	spans := tableRows(t, out, "medians in microseconds (the middle value")
 	// 16 B: three gathers, the middle of each span.
@@ -308,15 +307,15 @@ func TestPlugincheckTraceCSVHasAbsoluteStampsAndThePeer(t *testing.T) {
 	}
 	// Run 1's seq 8 on rank 0 (the early rank) is file 0's second record: CSV row 2.
 	r, row := recs[0][0][1], rows[2]
-	require.Equal(t, []string{files[0], "0", "0xa000", "8", "intercepted"}, row[:5])
+	require.Equal(t, []string{files[0], "0", "0xa000", "8", "allgather", "16", "1"}, row[:7])
 	for name, want := range map[string]uint64{
-		"doorbell_seen_ns": r.T[gather.StampOSDoorbell], "write_posted_ns": r.T[gather.StampOSPosted],
-		"peer_flag_seen_ns": r.T[gather.StampOSPeer], "rows_written_ns": r.T[gather.StampOSRows],
+		"doorbell_seen_ns": r.T[gather.StampDoorbell], "write_posted_ns": r.T[gather.StampPosted],
+		"peer_flag_seen_ns": r.T[gather.StampPeer], "rows_written_ns": r.T[gather.StampRows],
 		"kernel_start_ns": r.KStart, "kernel_staged_ns": r.KStaged, "kernel_arrived_ns": r.KArrived, "kernel_end_ns": r.KEnd,
 	} {
 		require.Equal(t, strconv.FormatUint(want, 10), get(row, name), name)
 	}
-	require.Equal(t, "", get(row, "returned_ns"), "a stamp never taken is empty")
+	require.Equal(t, "", get(rows[7], "rows_written_ns"), "a stamp never taken is empty")
 	require.Equal(t, "0.000", get(row, "doorbell_seen_us"))
 	require.Equal(t, []string{files[1], "0xb000", "false"}, []string{get(row, "peer_file"), get(row, "peer_comm_id"), get(row, "late")})
 	// Its peer, rank 1's record of seq 8, was the late one.
@@ -333,8 +332,8 @@ func TestPlugincheckTraceCSVHasAbsoluteStampsAndThePeer(t *testing.T) {
 // gather and agree on the size of every gather they share.
 func TestInterceptedStreamsOfOtherGathersDoNotPair(t *testing.T) {
 	rec := func(file string, rank int, seq, bytes, at uint64) fileRecord {
-		r := gather.TraceRecord{Index: seq, CommID: 0xa000, Seq: seq, Rank: rank, Mode: gather.ModeIntercepted, BytesPerRank: bytes}
-		r.T[gather.StampOSDoorbell] = at
+		r := gather.TraceRecord{Index: seq, CommID: 0xa000, Seq: seq, Rank: rank, BytesPerRank: bytes}
+		r.T[gather.StampDoorbell] = at
 		return fileRecord{file, r}
 	}
 	sizes := []fileRecord{rec("r0", 0, 4, 16, 1000), rec("r0", 0, 8, 16, 2000), rec("r1", 1, 4, 16, 1100), rec("r1", 1, 8, 32, 2100)}

@@ -6,7 +6,6 @@
 
 #include <stddef.h>
 #include "net.h"
-#include "tuner.h"
 
 #define RG_PIN_SIZE(T, n) _Static_assert(sizeof(T) == (n), #T " must be " #n " bytes")
 #define RG_PIN_OFF(T, f, n) _Static_assert(offsetof(T, f) == (n), #T "." #f " must be at offset " #n)
@@ -45,8 +44,6 @@ RG_PIN_OFF(ncclNetProperties_v12_t, maxMultiRequestSize, 120);
 RG_PIN_OFF(ncclNetProperties_v12_t, railId, 124);
 RG_PIN_OFF(ncclNetProperties_v12_t, planeId, 126);
 
-RG_PIN_SIZE(ncclNetSGE_v8_t, 24);
-RG_PIN_SIZE(ncclNetSGE_v9_t, 24);
 RG_PIN_SIZE(ncclNetAttr_v11_t, 44);
 
 /* Function tables: one pointer per slot after the name. */
@@ -58,35 +55,5 @@ RG_PIN_SIZE(ncclNet_v12_t, 176);
 RG_PIN_OFF(ncclNet_v12_t, isend, 80);
 RG_PIN_OFF(ncclNet_v12_t, test, 104);
 RG_PIN_OFF(ncclNet_v12_t, finalize, 160);
-RG_PIN_SIZE(ncclCollNet_v8_t, 136);
-RG_PIN_SIZE(ncclCollNet_v9_t, 144);
-RG_PIN_SIZE(ncclCollNet_v10_t, 144);
-RG_PIN_SIZE(ncclCollNet_v11_t, 152);
-RG_PIN_SIZE(ncclCollNet_v12_t, 152);
-RG_PIN_OFF(ncclCollNet_v12_t, iallgather, 88);
-RG_PIN_OFF(ncclCollNet_v12_t, finalize, 144);
-
-RG_PIN_SIZE(ncclTuner_v3_t, 32);
-RG_PIN_SIZE(ncclTuner_v4_t, 32);
-RG_PIN_SIZE(ncclTuner_v5_t, 32);
-RG_PIN_SIZE(ncclTuner_v6_t, 40);
-RG_PIN_SIZE(ncclTuner_v7_t, 40);
-RG_PIN_OFF(ncclTuner_v7_t, getChunkSize, 32);
-
-/* Constants: 7x3 base latencies, 3x7x3 hardware latencies, then five per-capability
- * tables of 3 scales, 4 capabilities a table in v5 and v6, 5 in v7. */
-RG_PIN_SIZE(ncclTunerConstants_v5_t, (21 + 63 + 5 * 12) * 8);
-RG_PIN_OFF(ncclTunerConstants_v5_t, hwLatencies, 21 * 8);
-RG_PIN_OFF(ncclTunerConstants_v5_t, llMaxBws, (21 + 63) * 8);
-RG_PIN_OFF(ncclTunerConstants_v5_t, perChMaxRingLL128Bws, (21 + 63 + 12) * 8);
-RG_PIN_OFF(ncclTunerConstants_v5_t, perChMaxNVLSTreeBws, (21 + 63 + 4 * 12) * 8);
-RG_PIN_SIZE(ncclTunerConstants_v7_t, (21 + 63 + 5 * 15) * 8);
-RG_PIN_OFF(ncclTunerConstants_v7_t, hwLatencies, 21 * 8);
-RG_PIN_OFF(ncclTunerConstants_v7_t, llMaxBws, (21 + 63) * 8);
-RG_PIN_OFF(ncclTunerConstants_v7_t, perChMaxRingLL128Bws, (21 + 63 + 15) * 8);
-RG_PIN_OFF(ncclTunerConstants_v7_t, perChMaxTreeLL128Bws, (21 + 63 + 2 * 15) * 8);
-RG_PIN_OFF(ncclTunerConstants_v7_t, perChMaxTreeBws, (21 + 63 + 3 * 15) * 8);
-RG_PIN_OFF(ncclTunerConstants_v7_t, perChMaxNVLSTreeBws, (21 + 63 + 4 * 15) * 8);
-RG_PIN_SIZE(ncclNvlDomainInfo_v7_t, 12);
 
 #endif

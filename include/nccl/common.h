@@ -47,17 +47,6 @@ typedef ncclResult_t (*ncclProfilerCallback_t)(void** eHandle, int type, void* p
                                                void* extData);
 
 typedef enum {
-  ncclFuncBroadcast = 0,
-  ncclFuncReduce = 1,
-  ncclFuncAllGather = 2,
-  ncclFuncReduceScatter = 3,
-  ncclFuncAllReduce = 4,
-  ncclFuncSendRecv = 5,
-  ncclFuncSend = 6,
-  ncclFuncRecv = 7,
-} ncclFunc_t;
-
-typedef enum {
   ncclInt8 = 0,
   ncclUint8 = 1,
   ncclInt32 = 2,
@@ -84,11 +73,6 @@ typedef enum {
 #define NCCL_PTR_DMABUF 0x4
 
 #define NCCL_NET_HANDLE_MAXSIZE 128
-#define NCCL_NET_MAX_REQUESTS 32
-/* NCCL stores this in *request before an irecv whose completion it does not need. */
-#define NCCL_NET_OPTIONAL_RECV_COMPLETION 0x1
-/* Largest maxP2pBytes / maxCollBytes NCCL accepts: 1 TiB. */
-#define NCCL_MAX_NET_SIZE_BYTES (1ULL << 40)
 
 typedef enum {
   NCCL_NET_DEVICE_HOST = 0,

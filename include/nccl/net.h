@@ -1,4 +1,4 @@
-/* The ncclNet and ncclCollNet tables, versions 8 to 12, as NCCL 2.20 to 2.30 look them up.
+/* The ncclNet tables, versions 8 to 12, as NCCL 2.20 to 2.30 look them up.
  * Field order and types follow the published ABI; comments say what changed between versions. */
 #ifndef RG_NCCL_NET_H
 #define RG_NCCL_NET_H
@@ -23,12 +23,6 @@ typedef struct {
 } ncclNetProperties_v8_t;
 
 typedef struct {
-  void* mhandle;
-  void* address;
-  uint32_t size;
-} ncclNetSGE_v8_t;
-
-typedef struct {
   const char* name;
   ncclResult_t (*init)(ncclDebugLogger_t logFunction);
   ncclResult_t (*devices)(int* ndev);
@@ -49,32 +43,6 @@ typedef struct {
   ncclResult_t (*getDeviceMr)(void* comm, void* mhandle, void** dptr_mhandle);
   ncclResult_t (*irecvConsumed)(void* recvComm, int n, void* request);
 } ncclNet_v8_t;
-
-typedef struct {
-  const char* name;
-  ncclResult_t (*init)(ncclDebugLogger_t logFunction);
-  ncclResult_t (*devices)(int* ndev);
-  ncclResult_t (*getProperties)(int dev, ncclNetProperties_v8_t* props);
-  ncclResult_t (*listen)(int dev, void* handle, void** listenComm);
-  ncclResult_t (*connect)(void* handles[], int nranks, int rank, void* listenComm, void** collComm);
-  ncclResult_t (*reduceSupport)(ncclDataType_t dataType, ncclRedOp_t redOp, int* supported);
-  ncclResult_t (*regMr)(void* collComm, void* data, size_t size, int type, void** mhandle);
-  ncclResult_t (*regMrDmaBuf)(void* collComm, void* data, size_t size, int type, uint64_t offset, int fd,
-                              void** mhandle);
-  ncclResult_t (*deregMr)(void* collComm, void* mhandle);
-  ncclResult_t (*iallreduce)(void* collComm, void* sendData, void* recvData, int count, ncclDataType_t dataType,
-                             ncclRedOp_t redOp, void* sendMhandle, void* recvMhandle, void** request);
-  ncclResult_t (*iallgather)(void* collComm, void* sendData, int nRecvParts, ncclNetSGE_v8_t* recvParts,
-                             size_t bytesPerRank, size_t windowOffset, size_t windowBytes, void* sendMhandle,
-                             void** request);
-  ncclResult_t (*ireducescatter)(void* collComm, int nSendParts, ncclNetSGE_v8_t* sendParts, void* recvData,
-                                 size_t bytesPerRank, size_t windowOffset, size_t windowBytes,
-                                 ncclDataType_t dataType, ncclRedOp_t redOp, void* recvMhandle, void** request);
-  ncclResult_t (*iflush)(void* collComm, void* data, int size, void* mhandle, void** request);
-  ncclResult_t (*test)(void* request, int* done, int* size);
-  ncclResult_t (*closeColl)(void* collComm);
-  ncclResult_t (*closeListen)(void* listenComm);
-} ncclCollNet_v8_t;
 
 /* ---------------------------------------------------------------- v9 (NCCL 2.24)
  * Properties gain forceFlush, vProps, maxP2pBytes and maxCollBytes; sizes become size_t;
@@ -107,12 +75,6 @@ typedef struct {
 } ncclNetProperties_v9_t;
 
 typedef struct {
-  void* mhandle;
-  void* address;
-  size_t size;
-} ncclNetSGE_v9_t;
-
-typedef struct {
   const char* name;
   ncclResult_t (*init)(ncclDebugLogger_t logFunction);
   ncclResult_t (*devices)(int* ndev);
@@ -136,41 +98,12 @@ typedef struct {
   ncclResult_t (*makeVDevice)(int* d, ncclNetVDeviceProps_v9_t* props);
 } ncclNet_v9_t;
 
-typedef struct {
-  const char* name;
-  ncclResult_t (*init)(ncclDebugLogger_t logFunction);
-  ncclResult_t (*devices)(int* ndev);
-  ncclResult_t (*getProperties)(int dev, ncclNetProperties_v9_t* props);
-  ncclResult_t (*listen)(int dev, void* handle, void** listenComm);
-  ncclResult_t (*connect)(void* handles[], int nranks, int rank, void* listenComm, void** collComm);
-  ncclResult_t (*reduceSupport)(ncclDataType_t dataType, ncclRedOp_t redOp, int* supported);
-  ncclResult_t (*regMr)(void* collComm, void* data, size_t size, int type, void** mhandle);
-  ncclResult_t (*regMrDmaBuf)(void* collComm, void* data, size_t size, int type, uint64_t offset, int fd,
-                              void** mhandle);
-  ncclResult_t (*deregMr)(void* collComm, void* mhandle);
-  ncclResult_t (*iallreduce)(void* collComm, void* sendData, void* recvData, size_t count, ncclDataType_t dataType,
-                             ncclRedOp_t redOp, void* sendMhandle, void* recvMhandle, void** request);
-  ncclResult_t (*iallgather)(void* collComm, void* sendData, int nRecvParts, ncclNetSGE_v9_t* recvParts,
-                             size_t bytesPerRank, size_t windowOffset, size_t windowBytes, void* sendMhandle,
-                             void** request);
-  ncclResult_t (*ireducescatter)(void* collComm, int nSendParts, ncclNetSGE_v9_t* sendParts, void* recvData,
-                                 size_t bytesPerRank, size_t windowOffset, size_t windowBytes,
-                                 ncclDataType_t dataType, ncclRedOp_t redOp, void* recvMhandle, void** request);
-  ncclResult_t (*iflush)(void* collComm, void* data, int size, void* mhandle, void** request);
-  ncclResult_t (*test)(void* request, int* done, int* size);
-  ncclResult_t (*closeColl)(void* collComm);
-  ncclResult_t (*closeListen)(void* listenComm);
-  ncclResult_t (*makeVDevice)(int* d, ncclNetVDeviceProps_v9_t* props);
-} ncclCollNet_v9_t;
-
 /* ---------------------------------------------------------------- v10 (NCCL 2.26)
  * Net init gains the profiler callback, connect gains a comm config, isend/irecv gain
- * profiler handles. CollNet is unchanged from v9. */
+ * profiler handles. */
 
 typedef ncclNetVDeviceProps_v9_t ncclNetVDeviceProps_v10_t;
 typedef ncclNetProperties_v9_t ncclNetProperties_v10_t;
-typedef ncclNetSGE_v9_t ncclNetSGE_v10_t;
-
 #define RG_NCCL_TRAFFIC_CLASS_UNDEF -1
 
 typedef struct {
@@ -203,16 +136,12 @@ typedef struct {
   ncclResult_t (*makeVDevice)(int* d, ncclNetVDeviceProps_v10_t* props);
 } ncclNet_v10_t;
 
-typedef ncclCollNet_v9_t ncclCollNet_v10_t;
-
 /* ---------------------------------------------------------------- v11 (NCCL 2.28)
  * init is per communicator and returns a context; listen/connect take it; finalize and
  * setNetAttr are added; properties gain maxMultiRequestSize. */
 
 typedef ncclNetVDeviceProps_v9_t ncclNetVDeviceProps_v11_t;
 typedef ncclNetCommConfig_v10_t ncclNetCommConfig_v11_t;
-typedef ncclNetSGE_v9_t ncclNetSGE_v11_t;
-
 typedef struct {
   char* name;
   char* pciPath;
@@ -276,34 +205,6 @@ typedef struct {
   ncclResult_t (*setNetAttr)(void* ctx, ncclNetAttr_v11_t* netAttr);
 } ncclNet_v11_t;
 
-typedef struct {
-  const char* name;
-  ncclResult_t (*init)(void** ctx, uint64_t commId, ncclDebugLogger_t logFunction);
-  ncclResult_t (*devices)(int* ndev);
-  ncclResult_t (*getProperties)(int dev, ncclNetProperties_v11_t* props);
-  ncclResult_t (*listen)(void* ctx, int dev, void* handle, void** listenComm);
-  ncclResult_t (*connect)(void* handles[], int nranks, int rank, void* listenComm, void** collComm);
-  ncclResult_t (*reduceSupport)(ncclDataType_t dataType, ncclRedOp_t redOp, int* supported);
-  ncclResult_t (*regMr)(void* collComm, void* data, size_t size, int type, void** mhandle);
-  ncclResult_t (*regMrDmaBuf)(void* collComm, void* data, size_t size, int type, uint64_t offset, int fd,
-                              void** mhandle);
-  ncclResult_t (*deregMr)(void* collComm, void* mhandle);
-  ncclResult_t (*iallreduce)(void* collComm, void* sendData, void* recvData, size_t count, ncclDataType_t dataType,
-                             ncclRedOp_t redOp, void* sendMhandle, void* recvMhandle, void** request);
-  ncclResult_t (*iallgather)(void* collComm, void* sendData, int nRecvParts, ncclNetSGE_v11_t* recvParts,
-                             size_t bytesPerRank, size_t windowOffset, size_t windowBytes, void* sendMhandle,
-                             void** request);
-  ncclResult_t (*ireducescatter)(void* collComm, int nSendParts, ncclNetSGE_v11_t* sendParts, void* recvData,
-                                 size_t bytesPerRank, size_t windowOffset, size_t windowBytes,
-                                 ncclDataType_t dataType, ncclRedOp_t redOp, void* recvMhandle, void** request);
-  ncclResult_t (*iflush)(void* collComm, void* data, int size, void* mhandle, void** request);
-  ncclResult_t (*test)(void* request, int* done, int* size);
-  ncclResult_t (*closeColl)(void* collComm);
-  ncclResult_t (*closeListen)(void* listenComm);
-  ncclResult_t (*makeVDevice)(int* d, ncclNetVDeviceProps_v11_t* props);
-  ncclResult_t (*finalize)(void* ctx);
-} ncclCollNet_v11_t;
-
 /* ---------------------------------------------------------------- v12 (NCCL 2.30)
  * vProps.devs grows from 4 to 8 entries, which moves every later property, and
  * railId/planeId are appended. The function tables match v11. */
@@ -318,8 +219,6 @@ typedef struct {
 typedef ncclNetCommConfig_v10_t ncclNetCommConfig_v12_t;
 typedef ncclNetCommAttr_v11_t ncclNetCommAttr_v12_t;
 typedef ncclNetAttr_v11_t ncclNetAttr_v12_t;
-typedef ncclNetSGE_v9_t ncclNetSGE_v12_t;
-
 typedef struct {
   char* name;
   char* pciPath;
@@ -369,33 +268,5 @@ typedef struct {
   ncclResult_t (*finalize)(void* ctx);
   ncclResult_t (*setNetAttr)(void* ctx, ncclNetAttr_v12_t* netAttr);
 } ncclNet_v12_t;
-
-typedef struct {
-  const char* name;
-  ncclResult_t (*init)(void** ctx, uint64_t commId, ncclDebugLogger_t logFunction);
-  ncclResult_t (*devices)(int* ndev);
-  ncclResult_t (*getProperties)(int dev, ncclNetProperties_v12_t* props);
-  ncclResult_t (*listen)(void* ctx, int dev, void* handle, void** listenComm);
-  ncclResult_t (*connect)(void* handles[], int nranks, int rank, void* listenComm, void** collComm);
-  ncclResult_t (*reduceSupport)(ncclDataType_t dataType, ncclRedOp_t redOp, int* supported);
-  ncclResult_t (*regMr)(void* collComm, void* data, size_t size, int type, void** mhandle);
-  ncclResult_t (*regMrDmaBuf)(void* collComm, void* data, size_t size, int type, uint64_t offset, int fd,
-                              void** mhandle);
-  ncclResult_t (*deregMr)(void* collComm, void* mhandle);
-  ncclResult_t (*iallreduce)(void* collComm, void* sendData, void* recvData, size_t count, ncclDataType_t dataType,
-                             ncclRedOp_t redOp, void* sendMhandle, void* recvMhandle, void** request);
-  ncclResult_t (*iallgather)(void* collComm, void* sendData, int nRecvParts, ncclNetSGE_v12_t* recvParts,
-                             size_t bytesPerRank, size_t windowOffset, size_t windowBytes, void* sendMhandle,
-                             void** request);
-  ncclResult_t (*ireducescatter)(void* collComm, int nSendParts, ncclNetSGE_v12_t* sendParts, void* recvData,
-                                 size_t bytesPerRank, size_t windowOffset, size_t windowBytes,
-                                 ncclDataType_t dataType, ncclRedOp_t redOp, void* recvMhandle, void** request);
-  ncclResult_t (*iflush)(void* collComm, void* data, int size, void* mhandle, void** request);
-  ncclResult_t (*test)(void* request, int* done, int* size);
-  ncclResult_t (*closeColl)(void* collComm);
-  ncclResult_t (*closeListen)(void* listenComm);
-  ncclResult_t (*makeVDevice)(int* d, ncclNetVDeviceProps_v12_t* props);
-  ncclResult_t (*finalize)(void* ctx);
-} ncclCollNet_v12_t;
 
 #endif

@@ -334,9 +334,8 @@ static void trace_begin(rg_os_engine* e, uint64_t seq, uint64_t bytes, uint64_t 
   e->tr->comm_id = e->comm_id;
   e->tr->seq = seq;
   e->tr->bytes_per_rank = bytes;
-  e->tr->window_bytes = 2 * bytes;
   e->tr->rank = (uint32_t)e->rank;
-  e->tr->mode = RG_TRACE_MODE_INTERCEPTED;
+  e->tr->coll = RG_TRACE_ALLGATHER;
   e->tr->lanes = (uint32_t)e->link->nlanes;
   e->tr_nchunks = e->post_nchunks;
   e->tr->t[RG_T_OS_DOORBELL] = rg_now_ns();

@@ -21,7 +21,7 @@ static void watch_forks(void) { pthread_atfork(NULL, NULL, forked_child); }
 int rg_trace_attach(int fd, uint64_t capacity, uint64_t every, uint64_t pid) {
   static pthread_once_t once = PTHREAD_ONCE_INIT;
   if (capacity == 0 || every == 0) return EINVAL;
-  /* Never freed, like the mapping: a group connected before a later attach keeps both. */
+  /* Never freed, like the mapping: an engine set up before a later attach keeps both. */
   rg_trace* t = malloc(sizeof(*t));
   if (t == NULL) return ENOMEM;
   size_t len = rg_trace_bytes(capacity);
@@ -33,7 +33,7 @@ int rg_trace_attach(int fd, uint64_t capacity, uint64_t every, uint64_t pid) {
   }
   pthread_once(&once, watch_forks);
   rg_trace_detach();
-  /* The previous mapping stays: a group connected before still writes its calls there. */
+  /* The previous mapping stays: an engine set up before still writes its calls there. */
   rg_trace_header* h = p;
   h->version = RG_TRACE_VERSION;
   h->record_bytes = RG_TRACE_RECORD_BYTES;

@@ -18,43 +18,23 @@ import (
 	"github.com/roce-gather/roce_gather/internal/lockedfile"
 )
 
-// The timeline of sampled gathers (trace.h has the file's layout; docs/roce-gather.md,
-// "Timeline", what each stamp means).
+// The timeline of sampled intercepted collectives (trace.h has the file's layout;
+// docs/roce-gather.md, "Stats and timeline", what each stamp means).
 
-// Stamp names a step of one call's timeline.
+// Stamp names a step of one call's timeline, as its proxy sees it.
 type Stamp int
 
 const (
-	StampIallgather Stamp = C.RG_T_IALLGATHER
-	StampReturned   Stamp = C.RG_T_RETURNED
-	StampTokenSent  Stamp = C.RG_T_TOKEN_SENT
-	StampTokenSeen  Stamp = C.RG_T_TOKEN_SEEN
-	StampPosted     Stamp = C.RG_T_POSTED
-	StampWritesDone Stamp = C.RG_T_WRITES_DONE
-	StampPeerSeen   Stamp = C.RG_T_PEER_SEEN
-	StampLaunched   Stamp = C.RG_T_LAUNCHED
-	StampGo         Stamp = C.RG_T_GO
-	StampPlaced     Stamp = C.RG_T_PLACED
-	StampDone       Stamp = C.RG_T_DONE
-	StampFirstTest  Stamp = C.RG_T_FIRST_TEST
-	StampReported   Stamp = C.RG_T_REPORTED
-	StampNext       Stamp = C.RG_T_NEXT
-	// The intercepted gather, as its proxy sees it.
-	StampOSDoorbell Stamp = C.RG_T_OS_DOORBELL
-	StampOSPosted   Stamp = C.RG_T_OS_POSTED
-	StampOSPeer     Stamp = C.RG_T_OS_PEER
-	StampOSRows     Stamp = C.RG_T_OS_ROWS
+	StampDoorbell Stamp = C.RG_T_OS_DOORBELL // the kernel's first doorbell: its first chunk is staged
+	StampPosted   Stamp = C.RG_T_OS_POSTED   // the last chunk and its flag are posted to the peer
+	StampPeer     Stamp = C.RG_T_OS_PEER     // the peer's last chunk is in place, as its flags show
+	StampRows     Stamp = C.RG_T_OS_ROWS     // the kernel's report: its output is written
 	// Stamps is how many there are.
 	Stamps = int(C.RG_T_N)
 )
 
 var stampNames = [Stamps]string{
-	StampIallgather: "iallgather", StampReturned: "returned", StampTokenSent: "token_sent",
-	StampTokenSeen: "token_seen", StampPosted: "posted", StampWritesDone: "writes_done",
-	StampPeerSeen: "peer_seen", StampLaunched: "launched", StampGo: "go", StampPlaced: "placed",
-	StampDone: "done", StampFirstTest: "first_test", StampReported: "reported", StampNext: "next",
-	StampOSDoorbell: "doorbell_seen", StampOSPosted: "write_posted", StampOSPeer: "peer_flag_seen",
-	StampOSRows: "rows_written",
+	StampDoorbell: "doorbell_seen", StampPosted: "write_posted", StampPeer: "peer_flag_seen", StampRows: "rows_written",
 }
 
 // String is the stamp's name as the CSV header gives it.
@@ -65,12 +45,23 @@ func (s Stamp) String() string {
 	return fmt.Sprintf("stamp(%d)", int(s))
 }
 
-// Trace record flags.
+// Coll is the collective a record is of.
+type Coll uint32
+
 const (
-	TraceCUDA   = C.RG_TRACE_CUDA   // the call's buffers are GPU memory
-	TraceKernel = C.RG_TRACE_KERNEL // the gather kernel placed it
-	TraceFailed = C.RG_TRACE_FAILED // the call failed
+	CollAllGather Coll = C.RG_TRACE_ALLGATHER
+	CollAllReduce Coll = C.RG_TRACE_ALLREDUCE
 )
+
+func (c Coll) String() string {
+	switch c {
+	case CollAllGather:
+		return "allgather"
+	case CollAllReduce:
+		return "allreduce"
+	}
+	return fmt.Sprintf("coll(%d)", uint32(c))
+}
 
 // The file's layout, as trace.h lays it out (pinned against the C structs by a test).
 const (
@@ -91,42 +82,25 @@ type TraceHeader struct {
 
 // TraceRecord is one sampled call.
 type TraceRecord struct {
-	Index          uint64 // the record's number in the file, from 1
-	CommID         uint64
-	Seq            uint64 // the call's number in its group, from 1
-	WindowOffset   uint64
-	WindowBytes    uint64
-	BytesPerRank   uint64
-	Rank           int
-	Mode           Mode
-	Lanes          int
-	Flags          uint32
-	TestCalls      uint64
-	MaxTestGapNs   uint64
-	T              [Stamps]uint64 // CLOCK_MONOTONIC ns; 0 where the call never got there
-	PeerIallgather uint64         // the peer's StampIallgather, where its file was read too
-	// The intercepted gather's kernel by its own clock (%globaltimer, shared by both ranks
-	// of one GPU): its start, its first doorbell, its last chunk from the peer, its end; 0
-	// where not recorded.
+	Index        uint64 // the record's number in the file, from 1
+	CommID       uint64 // the communicator as this rank's process addresses it
+	Seq          uint64 // the call's number on its communicator, from 1
+	BytesPerRank uint64
+	Rank         int
+	Coll         Coll
+	Lanes        int
+	T            [Stamps]uint64 // CLOCK_MONOTONIC ns; 0 where the call never got there
+	// The kernel by its own clock (%globaltimer, shared by both ranks of one GPU; the host
+	// stand-in's is CLOCK_MONOTONIC): its start, its first doorbell, its last chunk from the
+	// peer, its end; 0 where not recorded.
 	KStart, KStaged, KArrived, KEnd uint64
-}
-
-// Base is the stamp the others are measured from: NCCL's iallgather (the CollNet route)
-// or the proxy's first sight of the kernel (the intercepted gather).
-func (r TraceRecord) Base() Stamp {
-	if r.T[StampIallgather] == 0 && r.T[StampOSDoorbell] != 0 {
-		return StampOSDoorbell
-	}
-	return StampIallgather
 }
 
 // Has says whether the call reached stamp s.
 func (r TraceRecord) Has(s Stamp) bool { return r.T[s] != 0 }
 
-// Since is the time from the call's base stamp to stamp s, in microseconds.
-func (r TraceRecord) Since(s Stamp) float64 {
-	return float64(int64(r.T[s]-r.T[r.Base()])) / 1e3
-}
+// Since is the time from the proxy's first sight of the doorbell to stamp s, in microseconds.
+func (r TraceRecord) Since(s Stamp) float64 { return r.Between(StampDoorbell, s) }
 
 // Between is the time from stamp a to stamp b, in microseconds.
 func (r TraceRecord) Between(a, b Stamp) float64 { return float64(int64(r.T[b]-r.T[a])) / 1e3 }
@@ -140,9 +114,8 @@ var traceFile *os.File
 // ErrTraceInUse says another process holds the trace file.
 var ErrTraceInUse = errors.New("another process holds it (put %p in the path for one file a process)")
 
-// AttachTrace makes path a trace file of capacity records and starts the timeline: groups
-// connected from then on sample every every-th call. Not to be called while a group
-// connects.
+// AttachTrace makes path a trace file of capacity records and starts the timeline: engines
+// set up from then on sample every every-th call. Not to be called while one is set up.
 func AttachTrace(path string, capacity, every uint64) error {
 	if capacity == 0 || every == 0 {
 		return fmt.Errorf("a trace of %d records sampling 1 call in %d", capacity, every)
@@ -175,7 +148,7 @@ func AttachTrace(path string, capacity, every uint64) error {
 	return nil
 }
 
-// DetachTrace stops the timeline for groups connected from then on.
+// DetachTrace stops the timeline for engines set up from then on.
 func DetachTrace() {
 	C.rg_trace_detach()
 	if traceFile != nil {
@@ -219,14 +192,12 @@ func ParseTrace(b []byte) (TraceHeader, []TraceRecord, error) {
 		if r.Index == 0 || (r.Index-1)%h.Capacity != i {
 			continue // never begun, or torn by a reuse of the slot
 		}
-		r.CommID, r.Seq = le.Uint64(p[8:]), le.Uint64(p[16:])
-		r.WindowOffset, r.WindowBytes, r.BytesPerRank = le.Uint64(p[24:]), le.Uint64(p[32:]), le.Uint64(p[40:])
-		r.Rank, r.Mode, r.Lanes, r.Flags = int(le.Uint32(p[48:])), Mode(le.Uint32(p[52:])), int(le.Uint32(p[56:])), le.Uint32(p[60:])
-		r.TestCalls, r.MaxTestGapNs = le.Uint64(p[64:]), le.Uint64(p[72:])
+		r.CommID, r.Seq, r.BytesPerRank = le.Uint64(p[8:]), le.Uint64(p[16:]), le.Uint64(p[24:])
+		r.Rank, r.Coll, r.Lanes = int(le.Uint32(p[32:])), Coll(le.Uint32(p[36:])), int(le.Uint32(p[40:]))
 		for s := range r.T {
-			r.T[s] = le.Uint64(p[80+8*s:])
+			r.T[s] = le.Uint64(p[48+8*s:])
 		}
-		k := p[80+8*Stamps:]
+		k := p[48+8*Stamps:]
 		r.KStart, r.KStaged, r.KArrived, r.KEnd = le.Uint64(k[0:]), le.Uint64(k[8:]), le.Uint64(k[16:]), le.Uint64(k[24:])
 		recs = append(recs, r)
 	}
@@ -261,32 +232,14 @@ func EncodeTrace(h TraceHeader, recs []TraceRecord) ([]byte, error) {
 		if c.index != 0 {
 			return nil, fmt.Errorf("records %d and %d share slot %d of a ring of %d", uint64(c.index), r.Index, (r.Index-1)%h.Capacity, h.Capacity)
 		}
-		c.index, c.comm_id, c.seq = C.uint64_t(r.Index), C.uint64_t(r.CommID), C.uint64_t(r.Seq)
-		c.window_offset, c.window_bytes, c.bytes_per_rank = C.uint64_t(r.WindowOffset), C.uint64_t(r.WindowBytes), C.uint64_t(r.BytesPerRank)
-		c.rank, c.mode, c.lanes, c.flags = C.uint32_t(r.Rank), C.uint32_t(r.Mode), C.uint32_t(r.Lanes), C.uint32_t(r.Flags)
-		c.test_calls, c.max_test_gap_ns = C.uint64_t(r.TestCalls), C.uint64_t(r.MaxTestGapNs)
+		c.index, c.comm_id, c.seq, c.bytes_per_rank = C.uint64_t(r.Index), C.uint64_t(r.CommID), C.uint64_t(r.Seq), C.uint64_t(r.BytesPerRank)
+		c.rank, c.coll, c.lanes = C.uint32_t(r.Rank), C.uint32_t(r.Coll), C.uint32_t(r.Lanes)
 		for s, t := range r.T {
 			c.t[s] = C.uint64_t(t)
 		}
 		c.k_start, c.k_staged, c.k_arrived, c.k_end = C.uint64_t(r.KStart), C.uint64_t(r.KStaged), C.uint64_t(r.KArrived), C.uint64_t(r.KEnd)
 	}
 	return C.GoBytes(p, C.int(n)), nil
-}
-
-// JoinPeers fills PeerIallgather of records whose peer's record (same communicator and
-// call, the other rank) is among them too: both ranks' files of one host share a clock.
-func JoinPeers(recs []TraceRecord) {
-	type key struct {
-		comm, seq uint64
-		rank      int
-	}
-	at := map[key]uint64{}
-	for _, r := range recs {
-		at[key{r.CommID, r.Seq, r.Rank}] = r.T[StampIallgather]
-	}
-	for i, r := range recs {
-		recs[i].PeerIallgather = at[key{r.CommID, r.Seq, 1 - r.Rank}]
-	}
 }
 
 // cTraceLayout is where the C compiler puts what ParseTrace reads, for the test that
@@ -299,26 +252,10 @@ func cTraceLayout() map[string]uintptr {
 		"h.magic": unsafe.Offsetof(h.magic), "h.version": unsafe.Offsetof(h.version),
 		"h.record_bytes": unsafe.Offsetof(h.record_bytes), "h.capacity": unsafe.Offsetof(h.capacity),
 		"h.begun": unsafe.Offsetof(h.begun), "h.every": unsafe.Offsetof(h.every), "h.pid": unsafe.Offsetof(h.pid),
-		"h.stamps":  unsafe.Offsetof(h.stamps),
-		"r.k_start": unsafe.Offsetof(r.k_start), "r.k_end": unsafe.Offsetof(r.k_end),
-		"r.index": unsafe.Offsetof(r.index), "r.comm_id": unsafe.Offsetof(r.comm_id), "r.seq": unsafe.Offsetof(r.seq),
-		"r.window_offset": unsafe.Offsetof(r.window_offset), "r.window_bytes": unsafe.Offsetof(r.window_bytes),
+		"h.stamps": unsafe.Offsetof(h.stamps),
+		"r.index":  unsafe.Offsetof(r.index), "r.comm_id": unsafe.Offsetof(r.comm_id), "r.seq": unsafe.Offsetof(r.seq),
 		"r.bytes_per_rank": unsafe.Offsetof(r.bytes_per_rank), "r.rank": unsafe.Offsetof(r.rank),
-		"r.mode": unsafe.Offsetof(r.mode), "r.lanes": unsafe.Offsetof(r.lanes), "r.flags": unsafe.Offsetof(r.flags),
-		"r.test_calls": unsafe.Offsetof(r.test_calls), "r.max_test_gap_ns": unsafe.Offsetof(r.max_test_gap_ns),
-		"r.t": unsafe.Offsetof(r.t),
+		"r.coll": unsafe.Offsetof(r.coll), "r.lanes": unsafe.Offsetof(r.lanes), "r.t": unsafe.Offsetof(r.t),
+		"r.k_start": unsafe.Offsetof(r.k_start), "r.k_end": unsafe.Offsetof(r.k_end),
 	}
-}
-
-// Mode says which path a timeline record is of: the intercepted gather's.
-type Mode uint8
-
-// ModeIntercepted marks the timeline records of the intercepted gather.
-const ModeIntercepted Mode = C.RG_TRACE_MODE_INTERCEPTED
-
-func (m Mode) String() string {
-	if m == ModeIntercepted {
-		return "intercepted"
-	}
-	return fmt.Sprintf("mode(%d)", uint8(m))
 }

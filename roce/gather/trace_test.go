@@ -12,14 +12,13 @@ import (
 // ParseTrace reads the file at the offsets trace.h gives its fields.
 func TestTraceLayoutIsTheCOne(t *testing.T) {
 	require.Equal(t, map[string]uintptr{
-		"header": 64, "record": 256,
+		"header": 64, "record": 112,
 		"h.magic": 0, "h.version": 8, "h.record_bytes": 12, "h.capacity": 16, "h.begun": 24, "h.every": 32,
 		"h.pid": 40, "h.stamps": 48,
-		"r.index": 0, "r.comm_id": 8, "r.seq": 16, "r.window_offset": 24, "r.window_bytes": 32,
-		"r.bytes_per_rank": 40, "r.rank": 48, "r.mode": 52, "r.lanes": 56, "r.flags": 60, "r.test_calls": 64,
-		"r.max_test_gap_ns": 72, "r.t": 80, "r.k_start": 80 + 8*18, "r.k_end": 104 + 8*18,
+		"r.index": 0, "r.comm_id": 8, "r.seq": 16, "r.bytes_per_rank": 24, "r.rank": 32, "r.coll": 36, "r.lanes": 40,
+		"r.t": 48, "r.k_start": 48 + 8*4, "r.k_end": 72 + 8*4,
 	}, cTraceLayout())
-	require.Equal(t, 18, Stamps)
+	require.Equal(t, 4, Stamps)
 }
 
 func TestTraceAttachWritesAnEmptyRing(t *testing.T) {
@@ -28,12 +27,12 @@ func TestTraceAttachWritesAnEmptyRing(t *testing.T) {
 	t.Cleanup(DetachTrace)
 	h, recs, err := ReadTrace(path)
 	require.NoError(t, err)
-	require.Equal(t, TraceHeader{Version: 2, Capacity: 8, Begun: 0, Every: 3, PID: uint64(os.Getpid())}, h)
+	require.Equal(t, TraceHeader{Version: 3, Capacity: 8, Begun: 0, Every: 3, PID: uint64(os.Getpid())}, h)
 	require.Empty(t, recs)
 	st, err := os.Stat(path)
 	require.NoError(t, err)
 	require.Equal(t, TraceBytes(8), st.Size())
-	require.Equal(t, int64(64+8*256), st.Size())
+	require.Equal(t, int64(64+8*112), st.Size())
 }
 
 func TestTraceFileHeldByAnotherIsRefused(t *testing.T) {
@@ -54,15 +53,15 @@ func TestTraceRejectsZeroCapacityOrSampling(t *testing.T) {
 }
 
 func traceBytes(capacity uint64, recs map[uint64]func(p []byte)) []byte {
-	b := make([]byte, 64+capacity*256)
+	b := make([]byte, 64+capacity*112)
 	le := binary.LittleEndian
 	le.PutUint64(b[0:], 0x3145434152544752)
-	le.PutUint32(b[8:], 2)
-	le.PutUint32(b[12:], 256)
+	le.PutUint32(b[8:], 3)
+	le.PutUint32(b[12:], 112)
 	le.PutUint64(b[16:], capacity)
-	le.PutUint32(b[48:], 18)
+	le.PutUint32(b[48:], 4)
 	for slot, f := range recs {
-		f(b[64+slot*256:])
+		f(b[64+slot*112:])
 	}
 	return b
 }
@@ -74,7 +73,7 @@ func TestParseTraceOrdersTheRingAndSkipsForeignSlots(t *testing.T) {
 		return func(p []byte) {
 			le.PutUint64(p[0:], index)
 			le.PutUint64(p[16:], seq)
-			le.PutUint64(p[80:], 1000*seq)
+			le.PutUint64(p[48:], 1000*seq)
 		}
 	}
 	b := traceBytes(4, map[uint64]func([]byte){0: rec(5, 50), 1: rec(6, 60), 2: rec(3, 30), 3: rec(9, 90)})
@@ -82,7 +81,7 @@ func TestParseTraceOrdersTheRingAndSkipsForeignSlots(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, recs, 3, "slot 3 holds index 9, which belongs in slot 0")
 	require.Equal(t, []uint64{30, 50, 60}, []uint64{recs[0].Seq, recs[1].Seq, recs[2].Seq})
-	require.Equal(t, uint64(30000), recs[0].T[StampIallgather])
+	require.Equal(t, uint64(30000), recs[0].T[StampDoorbell])
 }
 
 func TestParseTraceRefusesWhatIsNotATrace(t *testing.T) {
@@ -93,47 +92,42 @@ func TestParseTraceRefusesWhatIsNotATrace(t *testing.T) {
 	_, _, err = ParseTrace(b)
 	require.ErrorContains(t, err, "not a roce_gather trace file")
 	b = traceBytes(2, nil)
-	binary.LittleEndian.PutUint32(b[8:], 3)
+	binary.LittleEndian.PutUint32(b[8:], 2)
+	binary.LittleEndian.PutUint32(b[12:], 256)
+	binary.LittleEndian.PutUint32(b[48:], 18)
 	_, _, err = ParseTrace(b)
-	require.EqualError(t, err, "trace file version 3 with 256-byte records and 18 stamps; this library reads version 2, 256, 18")
-	_, _, err = ParseTrace(traceBytes(2, nil)[:64+256])
-	require.EqualError(t, err, "a trace file of 2 records is 576 bytes, not 320")
-}
-
-func TestJoinPeersMatchesCommAndCall(t *testing.T) {
-	recs := []TraceRecord{{CommID: 7, Seq: 1, Rank: 0}, {CommID: 7, Seq: 1, Rank: 1}, {CommID: 7, Seq: 2, Rank: 0}}
-	recs[0].T[StampIallgather], recs[1].T[StampIallgather], recs[2].T[StampIallgather] = 100, 150, 300
-	JoinPeers(recs)
-	require.Equal(t, uint64(150), recs[0].PeerIallgather)
-	require.Equal(t, uint64(100), recs[1].PeerIallgather)
-	require.Zero(t, recs[2].PeerIallgather, "no peer record")
+	require.EqualError(t, err, "trace file version 2 with 256-byte records and 18 stamps; this library reads version 3, 112, 4")
+	_, _, err = ParseTrace(traceBytes(2, nil)[:64+112])
+	require.EqualError(t, err, "a trace file of 2 records is 288 bytes, not 176")
 }
 
 // EncodeTrace writes what ParseTrace reads, each field at trace.h's offset and each record
 // in the slot of its index.
 func TestEncodeTraceIsReadBackFieldForField(t *testing.T) {
-	h := TraceHeader{Version: 2, Capacity: 3, Begun: 5, Every: 4, PID: 4242}
+	h := TraceHeader{Version: 3, Capacity: 3, Begun: 5, Every: 4, PID: 4242}
 	recs := []TraceRecord{
-		{Index: 4, CommID: 0xabc, Seq: 16, WindowOffset: 0, WindowBytes: 32, BytesPerRank: 16, Rank: 1, Mode: ModeIntercepted,
-			Lanes: 2, Flags: TraceCUDA, KStart: 1_000, KStaged: 3_000, KArrived: 9_000, KEnd: 12_000},
-		{Index: 5, CommID: 0xabc, Seq: 20, WindowBytes: 64, BytesPerRank: 32, Rank: 1, Mode: ModeIntercepted, Lanes: 1,
-			TestCalls: 3, MaxTestGapNs: 77},
+		{Index: 4, CommID: 0xabc, Seq: 16, BytesPerRank: 16, Rank: 1, Coll: CollAllGather, Lanes: 2,
+			KStart: 1_000, KStaged: 3_000, KArrived: 9_000, KEnd: 12_000},
+		{Index: 5, CommID: 0xabc, Seq: 20, BytesPerRank: 32, Rank: 1, Coll: CollAllReduce, Lanes: 1},
 	}
-	recs[0].T[StampOSDoorbell], recs[0].T[StampOSPosted], recs[0].T[StampOSPeer], recs[0].T[StampOSRows] = 500, 700, 900, 1100
-	recs[1].T[StampIallgather], recs[1].T[StampNext] = 10, 99
+	recs[0].T[StampDoorbell], recs[0].T[StampPosted], recs[0].T[StampPeer], recs[0].T[StampRows] = 500, 700, 900, 1100
+	recs[1].T[StampDoorbell] = 10
 	b, err := EncodeTrace(h, recs)
 	require.NoError(t, err)
-	require.Len(t, b, 64+3*256)
+	require.Len(t, b, 64+3*112)
 	le := binary.LittleEndian
 	require.Equal(t, uint64(0x3145434152544752), le.Uint64(b[0:]))
 	require.Equal(t, uint64(4242), le.Uint64(b[40:]), "pid")
 	slot0 := b[64:] // index 4 lives in slot (4-1) % 3 = 0
 	require.Equal(t, uint64(4), le.Uint64(slot0[0:]))
-	require.Equal(t, uint32(3), le.Uint32(slot0[52:]), "mode intercepted")
-	require.Equal(t, uint64(500), le.Uint64(slot0[80+8*int(StampOSDoorbell):]))
-	require.Equal(t, uint64(9_000), le.Uint64(slot0[80+8*18+16:]), "k_arrived")
-	require.Equal(t, uint64(5), le.Uint64(b[64+256:]), "index 5 in slot 1")
-	require.Zero(t, le.Uint64(b[64+512:]), "slot 2 never written")
+	require.Equal(t, uint64(16), le.Uint64(slot0[24:]), "bytes a rank")
+	require.Equal(t, uint32(1), le.Uint32(slot0[32:]), "rank")
+	require.Equal(t, uint32(2), le.Uint32(slot0[40:]), "lanes")
+	require.Equal(t, uint64(700), le.Uint64(slot0[48+8*int(StampPosted):]))
+	require.Equal(t, uint64(9_000), le.Uint64(slot0[48+8*4+16:]), "k_arrived")
+	require.Equal(t, uint64(5), le.Uint64(b[64+112:]), "index 5 in slot 1")
+	require.Equal(t, uint32(1), le.Uint32(b[64+112+36:]), "an all-reduce")
+	require.Zero(t, le.Uint64(b[64+224:]), "slot 2 never written")
 
 	gotH, got, err := ParseTrace(b)
 	require.NoError(t, err)

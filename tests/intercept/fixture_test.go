@@ -1,7 +1,7 @@
 // Package intercept tests the interceptor of libroce_gather.so: its own ncclAllGather and
 // communicator calls, how callers' calls reach them (relocation rebinding at NCCL's load,
 // objects opened later, LD_PRELOAD) and that they reach NCCL unchanged. NCCL is a stand-in
-// (testdata/fake_nccl.c); the callers are testdata/caller.c built as programs and
+// (cmd/plugincheck/standin/nccl.c); the callers are testdata/caller.c built as programs and
 // libraries. Every program runs as a child process: no Go process loads the library.
 package intercept
 
@@ -94,6 +94,7 @@ func build() (fixture, error) {
 		return f, err
 	}
 	td := func(p string) string { return filepath.Join(repo("tests/intercept/testdata"), p) }
+	standin := repo("cmd/plugincheck/standin/nccl.c")
 	a, b, d := filepath.Join(dir, "nccl-a"), filepath.Join(dir, "nccl-b"), filepath.Join(dir, "nccl-d")
 	f.ncclA, f.ncclB, f.ncclD = filepath.Join(a, "libnccl.so.2"), filepath.Join(b, "libnccl-copy.so.2"), filepath.Join(d, "libnccl.so.2")
 	f.libDir = filepath.Join(dir, "libs")
@@ -114,9 +115,9 @@ func build() (fixture, error) {
 		out  string
 		args []string
 	}{
-		{f.ncclA, []string{"-shared", "-fPIC", `-DFAKE_NAME="A"`, "-Wl,-soname,libnccl.so.2", td("fake_nccl.c"), "-ldl", "-lpthread"}},
-		{f.ncclB, []string{"-shared", "-fPIC", `-DFAKE_NAME="B"`, "-Wl,-soname,libnccl-copy.so.2", td("fake_nccl.c"), "-ldl", "-lpthread"}},
-		{f.ncclD, []string{"-shared", "-fPIC", `-DFAKE_NAME="D"`, "-DFAKE_DROP_pncclCommSplit", "-Wl,-soname,libnccl.so.2", td("fake_nccl.c"), "-ldl", "-lpthread"}},
+		{f.ncclA, []string{"-shared", "-fPIC", `-DFAKE_NAME="A"`, "-Wl,-soname,libnccl.so.2", standin, "-ldl", "-lpthread"}},
+		{f.ncclB, []string{"-shared", "-fPIC", `-DFAKE_NAME="B"`, "-Wl,-soname,libnccl-copy.so.2", standin, "-ldl", "-lpthread"}},
+		{f.ncclD, []string{"-shared", "-fPIC", `-DFAKE_NAME="D"`, "-DFAKE_DROP_pncclCommSplit", "-Wl,-soname,libnccl.so.2", standin, "-ldl", "-lpthread"}},
 		{f.caller, append([]string{td("caller.c"), exported}, withA...)},
 		{f.callerNow, append(append([]string{td("caller.c")}, withA...), now...)},
 		{f.callerNoNCCL, []string{"-DCALLER_NO_NCCL", td("caller.c"), "-ldl"}},

@@ -195,7 +195,7 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/rxe-run.XXXX")
 trap 'rm -rf "$work"' EXIT
 # The tree's layout, so that each test binary finds ../../build from its package's folder.
 mkdir -p "$work/root/rg/build" "$work/root/rg/tests/rxe" "$work/root/rg/roce/verbs" "$work/root/rg/roce/gather" "$work/root/rg/cmd/plugincheck"
-bins="libroce_gather.so plugincheck plugincheck-driver rxe.test verbs.test plugincheck.test gather.test"
+bins="libroce_gather.so libnccl-standin.so plugincheck plugincheck-driver plugincheck-rank rxe.test verbs.test plugincheck.test gather.test"
 for b in $bins; do
   if [ -f "$build/$b" ]; then cp "$build/$b" "$work/root/rg/build/"
   elif [ -z "$cmd" ]; then die "$build/$b is missing: make test-rxe builds it"; fi

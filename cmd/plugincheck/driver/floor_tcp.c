@@ -1,5 +1,5 @@
-/* The tcp floor: raw TCP between the two ranks over the interface the plugin's net uses,
- * with nothing of the plugin in the way. */
+/* The tcp floor: raw TCP between the two ranks over the interface the library's tcp fabric
+ * uses, with nothing of the library in the way. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -14,9 +14,9 @@
 #include "floor.h"
 #include "rank.h"
 
-const size_t floor_sizes[FLOOR_SIZES] = {8, 4096, 65536};
+const size_t floor_sizes[FLOOR_SIZES] = {16, 64, 256, 1024, 4096, 16384, 65536, 262144};
 
-const int floor_rounds[FLOOR_SIZES] = {20000, 10000, 2000};
+const int floor_rounds[FLOOR_SIZES] = {2000, 2000, 2000, 2000, 1000, 1000, 500, 200};
 
 static int fail(floor_result* out, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 static int fail(floor_result* out, const char* fmt, ...) {
@@ -41,70 +41,41 @@ static int iface_ipv4(const char* iface, struct in_addr* out) {
   return rc;
 }
 
-static int send_all(int fd, const void* buf, size_t n) {
-  const uint8_t* p = buf;
-  while (n > 0) {
-    ssize_t r = send(fd, p, n, MSG_NOSIGNAL);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return -1;
-    p += r;
-    n -= (size_t)r;
-  }
-  return 0;
-}
-
-/* busy: spin on non-blocking reads, as a poller does; else block in recv. */
-static int recv_all(int fd, void* buf, size_t n, int busy, uint64_t deadline) {
-  uint8_t* p = buf;
-  while (n > 0) {
-    ssize_t r = recv(fd, p, n, busy ? MSG_DONTWAIT : 0);
-    if (r > 0) {
-      p += r;
-      n -= (size_t)r;
-      continue;
+/* One round: size bytes to the peer and size bytes from it, both in flight at once (a
+ * gather's pattern), spinning on non-blocking calls as a poller does. */
+static int exchange_round(int fd, const uint8_t* out, uint8_t* in, size_t size, uint64_t deadline) {
+  size_t sent = 0, got = 0;
+  while (sent < size || got < size) {
+    if (sent < size) {
+      ssize_t r = send(fd, out + sent, size - sent, MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (r > 0) sent += (size_t)r;
+      else if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return -1;
     }
-    if (r == 0) return -1;
-    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return -1;
+    if (got < size) {
+      ssize_t r = recv(fd, in + got, size - got, MSG_DONTWAIT);
+      if (r > 0) got += (size_t)r;
+      else if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return -1;
+    }
     if (now_ns() > deadline) return -1;
   }
   return 0;
 }
 
-/* Half a round trip, rank 0 timing, both ranks spinning on their reads. */
-static int pingpong(int fd, size_t size, int rounds, uint64_t deadline, double* us) {
-  uint8_t* buf = calloc(1, size);
-  if (buf == NULL) return -1;
-  int warm = rounds / 10, rc = 0;
-  uint64_t t0 = 0;
-  for (int i = 0; i < warm + rounds && rc == 0; i++) {
-    if (i == warm) t0 = now_ns();
-    if (R.rank == 0) rc = send_all(fd, buf, size) || recv_all(fd, buf, size, 1, deadline);
-    else rc = recv_all(fd, buf, size, 1, deadline) || send_all(fd, buf, size);
-  }
-  *us = (double)(now_ns() - t0) / rounds / 2 / 1e3;
-  free(buf);
-  return rc;
-}
-
-/* Messages of FLOOR_STREAM_BYTES from rank 0 to rank 1, rank 1 timing from the barrier to
- * the last byte, as the plugin's bandwidth row is timed. */
-enum { STREAM_MSGS = 24 };
-static int stream(int fd, uint64_t deadline, double* gbps) {
-  uint8_t* buf = malloc(FLOOR_STREAM_BYTES);
-  if (buf == NULL) return -1;
-  memset(buf, 0x5a, FLOOR_STREAM_BYTES);
-  if (barrier("floor-stream") != 0) {
-    free(buf);
-    return -1;
-  }
+/* The mean round, after FLOOR_WARM_ROUNDS to warm up, of as many rounds as agreed_rounds
+ * gives; both ranks time it. Both reach agreed_rounds whatever failed before it. */
+static int exchange_rounds(int fd, size_t size, int most, uint64_t deadline, double* us, int* rounds) {
+  uint8_t* out = calloc(1, size);
+  uint8_t* in = calloc(1, size);
+  int rc = out == NULL || in == NULL;
   uint64_t t0 = now_ns();
-  int rc = 0;
-  for (int m = 0; m < STREAM_MSGS && rc == 0; m++)
-    rc = R.rank == 0 ? send_all(fd, buf, FLOOR_STREAM_BYTES) : recv_all(fd, buf, FLOOR_STREAM_BYTES, 0, deadline);
-  *gbps = (double)STREAM_MSGS * (double)FLOOR_STREAM_BYTES / (double)(now_ns() - t0);
-  uint8_t ack = 1; /* rank 0 leaves only after the last byte is in */
-  if (rc == 0) rc = R.rank == 0 ? recv_all(fd, &ack, 1, 0, deadline) : send_all(fd, &ack, 1);
-  free(buf);
+  for (int i = 0; i < FLOOR_WARM_ROUNDS && rc == 0; i++) rc = exchange_round(fd, out, in, size, deadline);
+  *rounds = agreed_rounds(now_ns() - t0, most);
+  if (*rounds < 0) rc = 1;
+  t0 = now_ns();
+  for (int i = 0; i < *rounds && rc == 0; i++) rc = exchange_round(fd, out, in, size, deadline);
+  *us = rc ? 0 : (double)(now_ns() - t0) / *rounds / 1e3;
+  free(out);
+  free(in);
   return rc;
 }
 
@@ -162,19 +133,14 @@ int floor_tcp(const char* iface, floor_result* out) {
   for (int i = 0; i < FLOOR_SIZES; i++) {
     int32_t mine = rc, peer = 0;
     if (exchange("floor-size", &mine, &peer, sizeof(mine)) != 0 || peer) rc = 1;
-    if (!rc && pingpong(fd, floor_sizes[i], floor_rounds[i], deadline, &out->oneway_us[i]) != 0) {
-      fail(out, "the floor's %zu-byte ping-pong over %s failed: %s", floor_sizes[i], iface, strerror(errno));
+    if (!rc && exchange_rounds(fd, floor_sizes[i], floor_rounds[i], deadline, &out->round_us[i], &out->rounds[i]) != 0) {
+      fail(out, "the floor's %zu-byte exchange over %s failed: %s", floor_sizes[i], iface, strerror(errno));
       rc = 1;
     }
   }
-  int32_t mine = rc, peer = 0;
-  if (exchange("floor-stream-ready", &mine, &peer, sizeof(mine)) != 0 || peer) rc = 1;
-  if (!rc && stream(fd, deadline, &out->stream_gbps) != 0)
-    rc = fail(out, "the floor's stream over %s failed: %s", iface, strerror(errno));
   if (fd >= 0) close(fd);
   if (rc) return out->how[0] ? -1 : fail(out, "the floor's transfers over %s failed", iface);
-  snprintf(out->how, sizeof(out->how),
-           "raw TCP on %s (%s), TCP_NODELAY, reads spin on MSG_DONTWAIT; stream: blocking send/recv", iface,
-           inet_ntoa(ip));
+  snprintf(out->how, sizeof(out->how), "raw TCP on %s (%s), TCP_NODELAY, both ways at once, spinning on MSG_DONTWAIT",
+           iface, inet_ntoa(ip));
   return 0;
 }

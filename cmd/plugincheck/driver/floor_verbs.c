@@ -1,8 +1,8 @@
-/* The verbs floor: raw RDMA writes between the two ranks on the device the plugin's net
- * reports, with nothing of the plugin in between. One RC queue pair a rank; a ping-pong
- * where each side polls the last byte of its landing buffer (perftest's ib_write_lat
- * does the same), and a stream of 64 MiB writes for bandwidth. libibverbs is opened at
- * run time, as the plugin opens it, so the driver still runs on hosts without rdma-core. */
+/* The verbs floor: raw RDMA writes between the two ranks on the device the library's verbs
+ * fabric opens, with nothing of the library in between. One RC queue pair a rank; each
+ * round both ranks write the round's message into the other's landing buffer and poll the
+ * last byte of their own (perftest's ib_write_lat polls the same way). libibverbs is opened
+ * at run time, as the library opens it, so the program still runs on hosts without rdma-core. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
@@ -94,10 +94,10 @@ typedef struct floor_state {
   char hca[64];
 } floor_state;
 
-enum { DEPTH = 64, INLINE = 64, STREAM_INFLIGHT = 4 };
+enum { DEPTH = 64, INLINE = 64 };
 #define PHASE_NS 30000000000ull /* longest wait for the peer in one round trip */
 
-/* The first HCA of the device name ("mlx5_0", "mlx5_0+mlx5_1", "mlx4_0:2"). */
+/* The first HCA of the fabric device's name ("mlx5_0", "mlx5_0+mlx5_1", "mlx4_0:2"). */
 static void first_hca(const char* dev, char* name, size_t n, uint8_t* port) {
   snprintf(name, n, "%s", dev);
   name[strcspn(name, "+")] = '\0';
@@ -152,7 +152,7 @@ static int setup(floor_state* s, const char* dev, char* why, size_t n) {
     if (strcmp(V.get_device_name(list[i]), s->hca) == 0) s->ctx = V.open_device(list[i]);
   V.free_device_list(list);
   if (s->ctx == NULL) {
-    snprintf(why, n, "no RDMA device %s could be opened (net device %s)", s->hca, dev);
+    snprintf(why, n, "no RDMA device %s could be opened (fabric device %s)", s->hca, dev);
     return -1;
   }
   /* The exported ibv_query_port fills the older, shorter struct; providers with the
@@ -167,7 +167,7 @@ static int setup(floor_state* s, const char* dev, char* why, size_t n) {
   }
   s->gid_index = -1;
   if (s->pa.link_layer == IBV_LINK_LAYER_ETHERNET && choose_gid(s, why, n) != 0) return -1;
-  size_t len = FLOOR_STREAM_BYTES;
+  size_t len = floor_sizes[FLOOR_SIZES - 1];
   s->sbuf = aligned_alloc(4096, len);
   s->rbuf = aligned_alloc(4096, len);
   if (s->sbuf == NULL || s->rbuf == NULL) {
@@ -258,61 +258,53 @@ static int write_to_peer(floor_state* s, const floor_peer* peer, size_t off, siz
   return 0;
 }
 
-/* Ping-pong of size bytes: rank 0 writes, rank 1 answers when the last byte of its
- * landing buffer shows the round's tag; half the mean round trip, after a tenth as many
- * rounds of warm-up, as the tcp floor and the plugin's rows are timed. */
-static int pingpong(floor_state* s, const floor_peer* peer, size_t size, int rounds, double* oneway_us, char* why,
-                    size_t n) {
-  int warm = rounds / 10;
-  int outstanding = 0;
+/* The round tags a landing buffer's last byte carries: 1 to 255, again and again. */
+static uint8_t next_tag(uint8_t t) { return t == 255 ? 1 : (uint8_t)(t + 1); }
+
+/* Rounds of size bytes each way: each rank writes its message (its last byte the round's tag)
+ * and waits until its own landing buffer's last byte shows the peer's message of that round.
+ * The peer may already have written the next round's there (it saw this rank's message
+ * first): either tag ends the wait. FLOOR_WARM_ROUNDS, then as many as agreed_rounds gives,
+ * timed. */
+static int one_round(floor_state* s, const floor_peer* peer, size_t size, uint8_t tag, int* outstanding, char* why,
+                     size_t n) {
   volatile uint8_t* last = s->rbuf + size - 1;
-  uint64_t t0 = 0, deadline = 0;
-  for (int i = 0; i < warm + rounds; i++) {
-    if (i == warm) t0 = now_ns();
-    deadline = now_ns() + PHASE_NS; /* a round, not the whole run: emulated hosts are slow */
-    uint8_t tag = (uint8_t)(i % 255 + 1);
-    while (R.rank == 1 && *last != tag) {
-      if (reap(s, &outstanding, why, n) != 0) return -1;
-      if (now_ns() > deadline) return snprintf(why, n, "no %zu-byte write from the peer within 30 s", size), -1;
-    }
-    s->sbuf[size - 1] = tag;
-    while (outstanding >= DEPTH / 2)
-      if (reap(s, &outstanding, why, n) != 0) return -1;
-    if (write_to_peer(s, peer, 0, size, &outstanding) != 0)
-      return snprintf(why, n, "ibv_post_send on %s failed", s->hca), -1;
-    while (R.rank == 0 && *last != tag) {
-      if (reap(s, &outstanding, why, n) != 0) return -1;
-      if (now_ns() > deadline) return snprintf(why, n, "no %zu-byte answer from the peer within 30 s", size), -1;
-    }
-    if (reap(s, &outstanding, why, n) != 0) return -1;
-  }
-  *oneway_us = (double)(now_ns() - t0) / rounds / 2 / 1e3;
-  while (outstanding > 0) {
-    if (reap(s, &outstanding, why, n) != 0) return -1;
-    if (now_ns() > deadline) return snprintf(why, n, "the last %zu-byte writes did not complete within 30 s", size), -1;
+  uint64_t deadline = now_ns() + PHASE_NS; /* a round, not the whole run: emulated hosts are slow */
+  s->sbuf[size - 1] = tag;
+  while (*outstanding >= DEPTH / 2)
+    if (reap(s, outstanding, why, n) != 0) return -1;
+  if (write_to_peer(s, peer, 0, size, outstanding) != 0) return snprintf(why, n, "ibv_post_send on %s failed", s->hca), -1;
+  while (*last != tag && *last != next_tag(tag)) {
+    if (reap(s, outstanding, why, n) != 0) return -1;
+    if (now_ns() > deadline) return snprintf(why, n, "no %zu-byte write from the peer within 30 s", size), -1;
   }
   return 0;
 }
 
-/* Rank 0 writes STREAM_MSGS messages of 64 MiB into rank 1's landing buffer,
- * STREAM_INFLIGHT at a time, as the plugin's bandwidth row sends them; timed from the
- * first post to the last completion (the peer's acknowledgement of its last byte). */
-enum { STREAM_MSGS = 24 };
-static int stream(floor_state* s, const floor_peer* peer, double* gbps, char* why, size_t n) {
-  int outstanding = 0;
-  uint64_t t0 = now_ns(), deadline = t0 + 4 * (uint64_t)R.timeout_s * 1000000000ull;
-  for (int posted = 0; posted < STREAM_MSGS || outstanding > 0;) {
-    if (posted < STREAM_MSGS && outstanding < STREAM_INFLIGHT) {
-      if (write_to_peer(s, peer, 0, FLOOR_STREAM_BYTES, &outstanding) != 0)
-        return snprintf(why, n, "ibv_post_send on %s failed", s->hca), -1;
-      posted++;
-    } else if (reap(s, &outstanding, why, n) != 0) {
-      return -1;
-    } else if (now_ns() > deadline) {
-      return snprintf(why, n, "%d writes of 64 MiB did not complete within %d s", STREAM_MSGS, 4 * R.timeout_s), -1;
-    }
+static int exchange_rounds(floor_state* s, const floor_peer* peer, size_t size, int most, double* round_us, int* rounds,
+                           char* why, size_t n) {
+  int outstanding = 0, rc = 0;
+  s->rbuf[size - 1] = 0;
+  if (barrier("floor-verbs-size") != 0) return snprintf(why, n, "the peer did not reach the %zu-byte rounds", size), -1;
+  uint8_t tag = 0;
+  uint64_t t0 = now_ns();
+  for (int i = 0; i < FLOOR_WARM_ROUNDS && rc == 0; i++) rc = one_round(s, peer, size, tag = next_tag(tag), &outstanding, why, n);
+  /* Both ranks reach the agreement, whatever failed, so neither waits for nothing. */
+  *rounds = agreed_rounds(now_ns() - t0, most);
+  if (*rounds < 0 && rc == 0) {
+    snprintf(why, n, "the ranks could not agree the %zu-byte rounds", size);
+    rc = -1;
   }
-  *gbps = (double)STREAM_MSGS * FLOOR_STREAM_BYTES / (double)(now_ns() - t0);
+  t0 = now_ns();
+  for (int i = 0; i < *rounds && rc == 0; i++) rc = one_round(s, peer, size, tag = next_tag(tag), &outstanding, why, n);
+  if (rc != 0) return -1;
+  *round_us = (double)(now_ns() - t0) / *rounds / 1e3;
+  uint64_t deadline = now_ns() + PHASE_NS;
+  while (outstanding > 0) {
+    if (reap(s, &outstanding, why, n) != 0) return -1;
+    if (now_ns() > deadline) return snprintf(why, n, "the last %zu-byte writes did not complete within 30 s", size), -1;
+  }
+  /* The peer's last write may still be landing: the next size starts from a barrier. */
   return 0;
 }
 
@@ -362,25 +354,21 @@ int floor_verbs(const char* dev, floor_result* out) {
     uint32_t both[2] = {(uint32_t)ok, 0};
     ok = exchange("floor-verbs-rts", &both[0], &both[1], sizeof(uint32_t)) == 0 && ok && both[1];
     for (int i = 0; i < FLOOR_SIZES && ok; i++)
-      ok = pingpong(&s, &peer, floor_sizes[i], floor_rounds[i], &out->oneway_us[i], why, sizeof(why)) == 0;
-    if (ok && R.rank == 0) ok = stream(&s, &peer, &out->stream_gbps, why, sizeof(why)) == 0;
-    /* Rank 1 waits here while rank 0 streams; the result travels back to it. */
-    double res[2] = {ok ? out->stream_gbps : -1, 0};
-    if (exchange("floor-verbs-done", &res[0], &res[1], sizeof(double)) != 0 || res[1] < 0) {
+      ok = exchange_rounds(&s, &peer, floor_sizes[i], floor_rounds[i], &out->round_us[i], &out->rounds[i], why,
+                           sizeof(why)) == 0;
+    int32_t done[2] = {ok, 0};
+    if (exchange("floor-verbs-done", &done[0], &done[1], sizeof(int32_t)) != 0 || !done[1]) {
       if (ok) snprintf(why, sizeof(why), "the peer's side failed");
       ok = 0;
     }
-    if (R.rank == 1) out->stream_gbps = res[1];
     unsigned mtu = 128u << (me.mtu < peer.mtu ? me.mtu : peer.mtu);
     if (ok) {
       if (s.gid_index >= 0)
         snprintf(out->how, sizeof(out->how), "RDMA writes on %s:%u GID %d, one RC queue pair, path MTU %u, "
-                 "last-byte polling; stream: %d writes of 64 MiB, %d in flight", s.hca, s.port, s.gid_index, mtu,
-                 STREAM_MSGS, STREAM_INFLIGHT);
+                 "both ways at once, last-byte polling", s.hca, s.port, s.gid_index, mtu);
       else
         snprintf(out->how, sizeof(out->how), "RDMA writes on %s:%u LID %u, one RC queue pair, path MTU %u, "
-                 "last-byte polling; stream: %d writes of 64 MiB, %d in flight", s.hca, s.port, s.pa.lid, mtu,
-                 STREAM_MSGS, STREAM_INFLIGHT);
+                 "both ways at once, last-byte polling", s.hca, s.port, s.pa.lid, mtu);
       rc = 0;
     } else {
       snprintf(out->how, sizeof(out->how), "verbs floor failed: %s", why);

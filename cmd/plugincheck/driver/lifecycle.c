@@ -1,13 +1,13 @@
-/* NCCL's life cycle, repeated: init, devices, getProperties, a listen, finalize; and for
- * "reopen", dlclose and dlopen around each cycle as NCCL 2.28 does when its last
- * communicator goes. Prints what the process holds before and after. */
+/* NCCL's life cycle of the net table, repeated: init (one a communicator from NCCL 2.28),
+ * devices, finalize; and for "reopen", dlclose and dlopen around each cycle as NCCL 2.28
+ * does when its last communicator goes. Prints what the process holds before and after. */
 #include <dirent.h>
 #include <dlfcn.h>
 #include <stdlib.h>
 #include <string.h>
 #include "driver.h"
 
-int count_fds(void) {
+static int count_fds(void) {
   DIR* d = opendir("/proc/self/fd");
   int n = 0;
   if (d == NULL) return -1;
@@ -27,25 +27,18 @@ static long status_field(const char* key) {
   return v;
 }
 
-void snapshot(const char* label, int cycle) {
+static void snapshot(const char* label, int cycle) {
   printf("CYCLE %s %d fds=%d threads=%ld rss_kb=%ld\n", label, cycle, count_fds(), status_field("Threads:"),
          status_field("VmRSS:"));
   fflush(stdout);
 }
 
 static int one_cycle(const plugin* p, int cycle) {
-  void *ctx = NULL, *cctx = NULL, *listen = NULL;
+  void* ctx = NULL;
   ncclNetCommConfig_v12_t cfg = {.trafficClass = -1};
-  uint8_t handle[NCCL_NET_HANDLE_MAXSIZE];
-  int n = 0;
-  ncclNetProperties_v12_t props;
+  int n = -1;
   if (p->net12->init(&ctx, 0x100 + (uint64_t)cycle, &cfg, driver_logger, NULL) != ncclSuccess) return -1;
-  if (p->net12->devices(&n) != ncclSuccess || n < 1) return -1;
-  if (p->net12->getProperties(0, &props) != ncclSuccess || props.name == NULL) return -1;
-  if (p->coll12->init(&cctx, 0x100 + (uint64_t)cycle, driver_logger) != ncclSuccess) return -1;
-  if (p->net12->listen(ctx, 0, handle, &listen) != ncclSuccess || listen == NULL) return -1;
-  if (p->net12->closeListen(listen) != ncclSuccess) return -1;
-  if (p->coll12->finalize(cctx) != ncclSuccess) return -1;
+  if (p->net12->devices(&n) != ncclSuccess || n != 0) return -1;
   if (p->net12->finalize(ctx) != ncclSuccess) return -1;
   return 0;
 }
@@ -54,8 +47,8 @@ int run_lifecycle(const char* path, int cycles, int reopen) {
   driver_tag = "lifecycle";
   plugin p;
   char err[512];
-  if (plugin_open(path, &p, err, sizeof(err)) != 0 || p.net12 == NULL || p.coll12 == NULL) {
-    fprintf(stderr, "[lifecycle] %s\n", p.lib ? "the library lacks the v12 tables" : err);
+  if (plugin_open(path, &p, err, sizeof(err)) != 0 || p.net12 == NULL) {
+    fprintf(stderr, "[lifecycle] %s\n", p.lib ? "the library lacks ncclNetPlugin_v12" : err);
     return 2;
   }
   /* The first cycle starts the runtime's threads; measure from the second. */

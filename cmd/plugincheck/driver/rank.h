@@ -1,53 +1,63 @@
-/* Shared by the suites a rank runs. */
+/* plugincheck-rank: one rank of plugincheck's two-rank runs (selftest, bench), an ordinary
+ * NCCL application. It is linked with the stand-in NCCL (build/libnccl-standin.so, found
+ * through RUNPATH $ORIGIN) and calls NCCL's API through its relocations; NCCL_NET_PLUGIN
+ * names the library under test, which the stand-in loads at the first communicator's init
+ * as NCCL does. Without a CUDA driver the library runs the host stand-in of its kernel.
+ *
+ * Its steps come on the command line and each prints one JSON line on stdout; the unique id
+ * and the barriers cross to the other rank through the parent ("XCHG" lines, exchange()). */
 #ifndef RG_RANK_H
 #define RG_RANK_H
 
-#include "driver.h"
+#include <stddef.h>
+#include <stdint.h>
+#include "nccl/api.h"
+#include "util.h"
+
+/* NCCL's API as nccl.h declares it: the calls this program makes, each a relocation. */
+ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId);
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank);
+ncclResult_t ncclCommFinalize(ncclComm_t comm);
+ncclResult_t ncclCommDestroy(ncclComm_t comm);
+ncclResult_t ncclCommAbort(ncclComm_t comm);
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError);
+ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
+                           ncclComm_t comm, cudaStream_t stream);
+
+/* A stream the stand-in ignores; the library passes it to its kernel's launch. */
+#define RANK_STREAM ((cudaStream_t)(uintptr_t)0x5157)
 
 typedef struct rank_env {
-  plugin p;
-  const ncclNet_v12_t* net;
-  void* netctx;
-  uint64_t comm_id;
-  int rank;
-  int timeout_s;
+  int rank;      /* 0 or 1 */
+  int timeout_s; /* the longest wait for the peer outside NCCL's calls */
 } rank_env;
-
 extern rank_env R;
 
-typedef struct conn_pair {
-  void* send;
-  void* recv;
-  int connect_retries, accept_retries;
-} conn_pair;
+/* Prints {"step":step,<fields>} as one line; safe from any thread. */
+void out_line(const char* step, const char* fields_fmt, ...) __attribute__((format(printf, 2, 3)));
 
-/* Prints "CASE name PASS|FAIL detail" and counts it. */
-void case_result(const char* name, int ok, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
+/* The exchange with the peer rank, through the parent: writes "XCHG <tag> <hex>" and reads
+ * back the peer's line with the same tag. 0, or -1 (said on stderr). */
+int exchange(const char* tag, const void* mine, void* peers, int len);
+/* A barrier is an exchange of nothing. */
+int barrier(const char* tag);
+
+/* A communicator made through the parent: rank 0 makes the unique id, the parent carries
+ * it to rank 1 (tag names the exchange), both init. Returns NCCL's result. */
+ncclResult_t make_comm(const char* tag, ncclComm_t* comm);
+
+/* The pattern of seed in b[0..n); check_pattern returns the first offset that differs, or -1. */
 void fill_pattern(uint8_t* b, size_t n, uint64_t seed);
 long check_pattern(const uint8_t* b, size_t n, uint64_t seed);
-int test_until_done(const char* what, void* req, int* sizes, int (*test)(void*, int*, int*));
-/* The tcp fabric's net: sends are two-sided, so an early send is taken at once. */
-int two_sided_net(void);
-/* Each rank listens, swaps handles with the peer and connects a send and a recv comm. */
-int connect_pair(const char* tag, conn_pair* cp);
-void close_pair(conn_pair* cp);
+/* The seed of rank r's shard in the n-th gather of a run with key k (both ranks agree). */
+uint64_t shard_seed(uint64_t k, uint64_t n, int r);
 
-/* A send buffer and a receive buffer of n bytes each, registered with a pair's comms. */
-typedef struct reg_bufs {
-  uint8_t *send, *recv;
-  void *smh, *rmh;
-} reg_bufs;
-/* 0, or -1 with nothing left allocated. */
-int reg_bufs_open(conn_pair* cp, size_t n, reg_bufs* b);
-void reg_bufs_close(conn_pair* cp, reg_bufs* b);
-
-int suite_p2p(void);
-int suite_gather(void);
-int suite_bench(void);
-int suite_fault(const char* which);
-int suite_cycles(int n);
-int suite_load(int seconds);
-/* Prints "CYCLE label n fds=… threads=… rss_kb=…". */
-void snapshot(const char* label, int cycle);
+/* step bench:FABRIC:TARGET (bench.c): the floor, then the gather at every size. */
+int step_bench(ncclComm_t comm, const char* spec, uint8_t* send, uint8_t* recv);
+/* The bench's largest gather, bytes a rank. */
+size_t bench_max_bytes(void);
+/* step load:SECONDS (load.c): two communicators on two threads. */
+int step_load(int seconds);
+size_t load_max_bytes(void);
 
 #endif

@@ -1,4 +1,6 @@
-/* A stand-in libnccl for the interceptor's tests, on machines without a GPU or NCCL.
+/* A stand-in libnccl for plugincheck's rank program and the interceptor's tests, on machines
+ * without a GPU or NCCL. make builds it as build/libnccl-standin.so (that soname, so that it is
+ * never taken for a real libnccl); the tests build copies under NCCL's own names.
  *
  * - Each API function is defined once and published under two names at one address, as
  *   NCCL does: pncclX (strong) and ncclX (weak). -DFAKE_DROP_pncclCommSplit publishes
@@ -8,8 +10,8 @@
  *   init and devices, and its finalize at destroy and abort: the plugin's init runs from
  *   inside this library, as it does from inside NCCL.
  * - Two ranks in two processes exchange host memory over one TCP connection: the process
- *   that made the unique id (ncclGetUniqueId) listens on loopback and puts the address in
- *   the id; the other connects. ncclAllGather is synchronous, byte for byte, for any count
+ *   that made the unique id (ncclGetUniqueId) listens on loopback, or on the IPv4 address
+ *   FAKE_NCCL_ADDR names (two hosts), and puts the address in the id; the other connects. ncclAllGather is synchronous, byte for byte, for any count
  *   and datatype, in place or not; the stream is ignored. ncclAllReduce sums (the library
  *   does not wrap it).
  * - Every call is appended to FAKE_NCCL_LOG as one JSON line: the function, its arguments
@@ -213,11 +215,21 @@ static int listener_for(uint16_t port) {
 static ncclResult_t get_unique_id(ncclUniqueId* out) {
   FORCED("ncclGetUniqueId", "\"uniqueId\":\"%p\"", (void*)out);
   if (out == NULL) return ncclInvalidArgument;
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  const char* addr = getenv("FAKE_NCCL_ADDR");
+  if (addr != NULL && *addr != '\0' && inet_pton(AF_INET, addr, &a.sin_addr) != 1) {
+    logger(NCCL_LOG_WARN, NCCL_INIT, __FILE__, __LINE__, "FAKE_NCCL_ADDR=%s is not an IPv4 address", addr);
+    record("ncclGetUniqueId", ncclInvalidArgument, "\"uniqueId\":\"%p\"", (void*)out);
+    return ncclInvalidArgument;
+  }
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   socklen_t len = sizeof(a);
   if (fd < 0 || bind(fd, (struct sockaddr*)&a, sizeof(a)) != 0 || listen(fd, 8) != 0 ||
       getsockname(fd, (struct sockaddr*)&a, &len) != 0 || nlisteners == 64) {
+    char ip[INET_ADDRSTRLEN] = "";
+    inet_ntop(AF_INET, &a.sin_addr, ip, sizeof(ip));
+    logger(NCCL_LOG_WARN, NCCL_INIT, __FILE__, __LINE__, "listening on %s for the unique id's peer: %s", ip,
+           nlisteners == 64 ? "64 ids made already" : strerror(errno));
     if (fd >= 0) close(fd);
     record("ncclGetUniqueId", ncclSystemError, "\"uniqueId\":\"%p\"", (void*)out);
     return ncclSystemError;
