@@ -35,13 +35,20 @@ KERNEL_CHECK_SRC := tests/gpu/kernel_check.c kernels/place.c internal/cudadrv/cu
 $(BUILD)/kernel-check: $(KERNEL_CHECK_SRC) kernels/place.h internal/cudadrv/cudadrv.h include/cuda_subset.h | need-build
 	$(CC) $(DRIVER_CFLAGS) -o $@ $(KERNEL_CHECK_SRC) -ldl -lpthread
 
-# NCCL through its C API for tests/gpu: ncclCommAbort after the peer's death, and gathers
-# with no framework around them. NCCL is opened at run time. Steps capi and abort build the
-# same cases linked with -lnccl on the GPU machine (tests/gpu/gather_linked.c).
-NCCL_MIN := tests/gpu/nccl_min.c tests/gpu/nccl_dlopen.c internal/cudadrv/cudadrv.c
-NCCL_MIN_H := tests/gpu/nccl_min.h tests/gpu/nccl_api.h internal/cudadrv/cudadrv.h include/cuda_subset.h
-$(BUILD)/abort-nccl $(BUILD)/gather-nccl: $(BUILD)/%-nccl: tests/gpu/%_nccl.c $(NCCL_MIN) $(NCCL_MIN_H) | need-build
-	$(CC) $(DRIVER_CFLAGS) -o $@ $< $(NCCL_MIN) -ldl -lpthread
+# NCCL through its C API for tests/gpu and tests/nccl-versions: gathers with no framework
+# around them, and ncclCommAbort after the peer's death. Linked with -lnccl, as a user's C
+# program is (each call through the program's own relocation slot, which the library rebinds),
+# against a stand-in libnccl.so.2 that serves the link only (tests/gpu/nccl_stub.c; clean's
+# lib* removes it); at run time the library path gives NCCL's own.
+NCCL_STUB := $(BUILD)/libnccl-stub/libnccl.so
+NCCL_MIN := tests/gpu/nccl_min.c internal/cudadrv/cudadrv.c
+NCCL_MIN_H := tests/gpu/nccl_min.h tests/gpu/nccl_api.h include/nccl/api.h include/nccl/common.h \
+	internal/cudadrv/cudadrv.h include/cuda_subset.h
+$(NCCL_STUB): tests/gpu/nccl_stub.c tests/gpu/nccl_api.h include/nccl/api.h include/nccl/common.h | need-build
+	mkdir -p $(@D)
+	$(CC) $(DRIVER_CFLAGS) -shared -fPIC -Wl,-soname,libnccl.so.2 -o $@ $<
+$(BUILD)/abort-nccl $(BUILD)/gather-nccl: $(BUILD)/%-nccl: tests/gpu/%_nccl.c $(NCCL_MIN) $(NCCL_MIN_H) $(NCCL_STUB) | need-build
+	$(CC) $(DRIVER_CFLAGS) -o $@ $< $(NCCL_MIN) -L$(dir $(NCCL_STUB)) -lnccl -ldl -lpthread
 
 # Rebuilds the embedded PTX of the gather kernel; needs nvcc (any CUDA 11.8 or newer).
 # compute_75 PTX of ISA 7.8 (nvcc 11.8) loads on every CUDA 12 and 13 driver and runs on
