@@ -45,13 +45,20 @@ $(BUILD)/plugincheck-rank: $(RANK_SRC) $(PC_H) $(BUILD)/libnccl-standin.so | nee
 	$(CC) $(DRIVER_CFLAGS) -o $@ $(RANK_SRC) -L$(BUILD) -l:libnccl-standin.so -Wl,--enable-new-dtags,-rpath,'$$ORIGIN' \
 		-ldl -lpthread
 
-# NCCL through its C API for tests/gpu: ncclCommAbort after the peer's death, and gathers
-# with no framework around them. NCCL is opened at run time. Steps capi and abort build the
-# same cases linked with -lnccl on the GPU machine (tests/gpu/gather_linked.c).
-NCCL_MIN := tests/gpu/nccl_min.c tests/gpu/nccl_dlopen.c internal/cudadrv/cudadrv.c
-NCCL_MIN_H := tests/gpu/nccl_min.h tests/gpu/nccl_api.h internal/cudadrv/cudadrv.h include/cuda_subset.h
-$(BUILD)/abort-nccl $(BUILD)/gather-nccl: $(BUILD)/%-nccl: tests/gpu/%_nccl.c $(NCCL_MIN) $(NCCL_MIN_H) | need-build
-	$(CC) $(DRIVER_CFLAGS) -o $@ $< $(NCCL_MIN) -ldl -lpthread
+# NCCL through its C API for tests/gpu and tests/nccl-versions: gathers with no framework
+# around them, and ncclCommAbort after the peer's death. Linked with -lnccl, as a user's C
+# program is (each call through the program's own relocation slot, which the library rebinds),
+# against a stand-in libnccl.so.2 that serves the link only (tests/gpu/nccl_stub.c; clean's
+# lib* removes it); at run time the library path gives NCCL's own.
+NCCL_STUB := $(BUILD)/libnccl-stub/libnccl.so
+NCCL_MIN := tests/gpu/nccl_min.c internal/cudadrv/cudadrv.c
+NCCL_MIN_H := tests/gpu/nccl_min.h tests/gpu/nccl_api.h include/nccl/api.h include/nccl/common.h \
+	internal/cudadrv/cudadrv.h include/cuda_subset.h
+$(NCCL_STUB): tests/gpu/nccl_stub.c tests/gpu/nccl_api.h include/nccl/api.h include/nccl/common.h | need-build
+	mkdir -p $(@D)
+	$(CC) $(DRIVER_CFLAGS) -shared -fPIC -Wl,-soname,libnccl.so.2 -o $@ $<
+$(BUILD)/abort-nccl $(BUILD)/gather-nccl: $(BUILD)/%-nccl: tests/gpu/%_nccl.c $(NCCL_MIN) $(NCCL_MIN_H) $(NCCL_STUB) | need-build
+	$(CC) $(DRIVER_CFLAGS) -o $@ $< $(NCCL_MIN) -L$(dir $(NCCL_STUB)) -lnccl -ldl -lpthread
 
 # Rebuilds the embedded PTX of the intercepted gather's kernel with clang's CUDA mode, which
 # needs no CUDA toolkit (Debian's clang-14). PTX ISA 6.3 for compute_75 loads on every

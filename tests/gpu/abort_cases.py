@@ -2,8 +2,8 @@
 
     python abort_cases.py --task abort --rank R --port P --result FILE --params '{"marker": PATH}'
 
-Both ranks gather 4 KiB a rank (within the cap: the one-shot path in the oneshot config):
-warm-ups checked against the CPU reference, then a loop. Rank 1, after ITERATIONS loop
+Both ranks gather 4 KiB a rank (within the window: the intercepted path where the library is
+loaded): warm-ups checked against the CPU reference, then a loop. Rank 1, after ITERATIONS loop
 gathers, writes its result, then the marker file (the time, taken just before its end), and
 SIGKILLs itself: rank 0 is then inside a gather its peer never joins. Rank 0 keeps one
 gather in flight at a time and polls it (waiting on it might never return), sees the
@@ -23,12 +23,8 @@ import time
 import traceback
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-
 import common
 import launch
-from torch_cases import Ctx, gather_into, gen
 
 SHARD = 4096  # bytes a rank
 WARMUPS = 5
@@ -36,6 +32,14 @@ ITERATIONS = 200  # rank 1's loop gathers before its kill
 LINGER_S = 1.0  # rank 0 goes on gathering this long after it saw the marker
 WAIT_S = 20  # rank 0's longest wait for the marker
 PG_TIMEOUT_S = 30  # also bounds PyTorch's abort, which gives up on ncclCommAbort after it
+
+
+def load_torch():
+    """PyTorch, for task abort; task abort-nccl runs without it."""
+    global torch, dist, Ctx, gather_into, gen
+    import torch
+    import torch.distributed as dist
+    from torch_cases import Ctx, gather_into, gen
 
 
 def write_json(path, d):
@@ -124,7 +128,7 @@ def survive(res, marker, gather):
                 work, done = None, done + 1
             else:
                 time.sleep(0.0002)
-        except Exception as e:  # NCCL's error (the plugin's, for a dead peer) through PyTorch
+        except Exception as e:  # NCCL's error (the library's, for a dead peer) through PyTorch
             work = None
             if "first_error_at" not in n:
                 n.update(first_error_at=time.time(), first_error=f"{type(e).__name__}: {e}"[:600])
@@ -149,10 +153,11 @@ ABORT_NCCL = os.path.join(launch.BUILD, "abort-nccl")
 
 
 def nccl_abort(args, res):
-    """Task abort-nccl: the same timeline through NCCL's C API (tests/gpu/abort_nccl.c), so
-    that what is measured is ncclCommAbort itself, not the framework around it."""
+    """Task abort-nccl: the same timeline through NCCL's C API (build/abort-nccl, linked with
+    -lnccl: tests/gpu/abort_nccl.c), so that what is measured is ncclCommAbort itself, not the
+    framework around it."""
     d = os.path.dirname(args.params["marker"])
-    program = args.params.get("program", ABORT_NCCL)  # or abort-linked, linked with -lnccl (gather_linked.c)
+    program = args.params.get("program", ABORT_NCCL)
     p = subprocess.run([program, str(args.rank), str(args.local), d], capture_output=True, text=True, timeout=35)
     print(p.stdout + p.stderr, flush=True)
     kv = dict(l.split(" ", 1) for l in p.stdout.splitlines() if " " in l and l.split(" ", 1)[0].isupper())
@@ -186,6 +191,7 @@ def main():
         res.write()
         os._exit(0)
     try:
+        load_torch()
         torch.cuda.set_device(args.local)
         dist.init_process_group(backend="nccl", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                 world_size=2, device_id=torch.device("cuda", args.local),

@@ -2,9 +2,10 @@
  *
  *   abort-nccl RANK DEVICE DIR        (two processes, ranks 0 and 1, sharing DIR)
  *
- * Rank 0 writes the unique id into DIR; both ranks init, run warm-up all-gathers of 4 KiB
- * a rank and check them. Rank 1 then runs 200 more, writes DIR/died with the time and
- * kills itself with SIGKILL. Rank 0 keeps all-gathers in flight, polls
+ * Linked with -lnccl (nccl_api.h), so its calls reach the library's wrappers once the library
+ * has rebound them. Rank 0 writes the unique id into DIR; both ranks init, run warm-up
+ * all-gathers of 4 KiB a rank and check them. Rank 1 then runs 200 more, writes DIR/died with
+ * the time and kills itself with SIGKILL. Rank 0 keeps all-gathers in flight, polls
  * ncclCommGetAsyncError, and 1 s after it sees DIR/died calls ncclCommAbort, timed.
  * Lines "KEY value" on stdout carry the times (epoch seconds) for the caller. */
 #include <signal.h>
@@ -26,8 +27,8 @@ int main(int argc, char** argv) {
   int rank = atoi(argv[1]), device = atoi(argv[2]);
   const char* dir = argv[3];
   const rg_cuda_api* cu = cuda_on(device);
-  nccl_load();
-  nccl_comm_t comm = nccl_pair(rank, dir);
+  nccl_describe();
+  ncclComm_t comm = nccl_pair(rank, dir);
 
   CUdeviceptr send, recv;
   CUstream s;
@@ -40,7 +41,7 @@ int main(int argc, char** argv) {
   die_if(cu->cuMemcpyHtoDAsync(send, host, SHARD, s) != CUDA_SUCCESS || cu->cuStreamSynchronize(s) != CUDA_SUCCESS,
          "copying the shard to the device");
   for (int i = 0; i < WARMUPS; i++) {
-    die_if(nccl.all_gather((void*)send, (void*)recv, SHARD, NCCL_UINT8, comm, s) != NCCL_SUCCESS, "ncclAllGather");
+    die_if(ncclAllGather((void*)send, (void*)recv, SHARD, ncclUint8, comm, s) != ncclSuccess, "ncclAllGather");
     die_if(cu->cuStreamSynchronize(s) != CUDA_SUCCESS, "warm-up gather");
   }
   die_if(cu->cuMemcpyDtoH(host, recv, 2 * SHARD) != CUDA_SUCCESS, "cuMemcpyDtoH");
@@ -50,7 +51,7 @@ int main(int argc, char** argv) {
 
   if (rank == 1) {
     for (int i = 0; i < 200; i++) {
-      die_if(nccl.all_gather((void*)send, (void*)recv, SHARD, NCCL_UINT8, comm, s) != NCCL_SUCCESS, "ncclAllGather");
+      die_if(ncclAllGather((void*)send, (void*)recv, SHARD, ncclUint8, comm, s) != ncclSuccess, "ncclAllGather");
       die_if(cu->cuStreamSynchronize(s) != CUDA_SUCCESS, "gather");
     }
     double t = now_s();
@@ -59,17 +60,18 @@ int main(int argc, char** argv) {
   }
 
   double died = 0, seen = 0, first_error = 0;
-  int gathers = 0, async = NCCL_SUCCESS;
+  int gathers = 0;
+  ncclResult_t async = ncclSuccess;
   while (seen == 0 || now_s() < seen + 1.0) {
-    if (cu->cuStreamQuery(s) == CUDA_SUCCESS && async == NCCL_SUCCESS) {
-      if (nccl.all_gather((void*)send, (void*)recv, SHARD, NCCL_UINT8, comm, s) == NCCL_SUCCESS) gathers++;
+    if (cu->cuStreamQuery(s) == CUDA_SUCCESS && async == ncclSuccess) {
+      if (ncclAllGather((void*)send, (void*)recv, SHARD, ncclUint8, comm, s) == ncclSuccess) gathers++;
     }
-    if (async == NCCL_SUCCESS && nccl.comm_get_async_error(comm, &async) == NCCL_SUCCESS && async != NCCL_SUCCESS &&
-        async != NCCL_IN_PROGRESS) {
+    if (async == ncclSuccess && ncclCommGetAsyncError(comm, &async) == ncclSuccess && async != ncclSuccess &&
+        async != ncclInProgress) {
       first_error = now_s();
-      printf("ASYNC_ERROR %s\n", nccl.get_error_string(async));
-    } else if (async == NCCL_IN_PROGRESS) {
-      async = NCCL_SUCCESS;
+      printf("ASYNC_ERROR %s\n", ncclGetErrorString(async));
+    } else if (async == ncclInProgress) {
+      async = ncclSuccess;
     }
     if (seen == 0 && file_get(dir, "died", &died, sizeof(died))) seen = now_s();
     usleep(200);
@@ -78,9 +80,9 @@ int main(int argc, char** argv) {
   double called = now_s();
   printf("ABORT_CALLED_AT %.6f\n", called);
   fflush(stdout);
-  int rc = nccl.comm_abort(comm);
+  ncclResult_t rc = ncclCommAbort(comm);
   double returned = now_s();
-  printf("ABORT_RC %s\nABORT_RETURNED_AT %.6f\nABORT_TOOK_S %.3f\nAFTER_DEATH_S %.3f\n", nccl.get_error_string(rc),
+  printf("ABORT_RC %s\nABORT_RETURNED_AT %.6f\nABORT_TOOK_S %.3f\nAFTER_DEATH_S %.3f\n", ncclGetErrorString(rc),
          returned, returned - called, returned - died);
   fflush(stdout);
   _exit(0);

@@ -1,12 +1,11 @@
-"""Rank worker for the timing steps (latency, sweep, calibrate): microseconds per two-rank
+"""Rank worker for the timing steps (latency, calibrate): microseconds per two-rank
 all-gather, as repeated samples (started by launch.run_pair, or by calibrate.py under torchrun).
 
     python bench.py --task latency --rank R --port P --result FILE [--params JSON]
 
-params: sizes (bytes a rank, default common.LATENCY_SHARDS), modes ("graph", "eager"; default
-both), reps (samples a size and mode, default 3), target_ms (about how long one sample lasts,
-default 10), budget_s (no further round of samples starts after this; default 60), cap (the
-run's ROCE_GATHER_MAX_BYTES, where the ledger splits one-shot from NCCL).
+params: sizes (bytes a rank), modes ("graph", "eager"; default both), reps (samples a size and
+mode, default 3), target_ms (about how long one sample lasts, default 10), budget_s (no further
+round of samples starts after this; default 60).
 
 For each size, int32 shards: WARMUP eager gathers, checked, then GRAPH_GATHERS gathers
 captured in one CUDA graph. A pilot (3 replays, then 4 timed) sets how many replays one sample
@@ -26,7 +25,6 @@ import time
 import torch
 import torch.distributed as dist
 
-import common
 import measure
 from torch_cases import elapsed_ms, worker_main
 
@@ -120,10 +118,9 @@ def sample(ctx, c, mode):
 
 def task_latency(ctx):
     p = ctx.params
-    sizes = [int(b) for b in p.get("sizes", common.LATENCY_SHARDS)]
+    sizes = [int(b) for b in p["sizes"]]
     modes = p.get("modes", ["graph", "eager"])
     reps, target_ms, budget_s = int(p.get("reps", 3)), float(p.get("target_ms", 10)), float(p.get("budget_s", 60))
-    ctx.ledger = common.Ledger(cap=int(p.get("cap", common.CAP)))
     t0 = time.monotonic()
     num = ctx.res.d["numbers"]
     samples = {m: {str(b): [] for b in sizes} for m in modes}

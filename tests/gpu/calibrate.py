@@ -11,9 +11,8 @@ On each of two hosts, one GPU each, with the job's environment exported as for a
 (NCCL_NET_PLUGIN=none: its IB or socket transport, whichever it picks) and the intercepted
 path (NCCL_NET_PLUGIN alone: this checkout's library unless NCCL_NET_PLUGIN names one) with
 the window opened over every size measured (ROCE_GATHER_MIN_BYTES=0, ROCE_GATHER_MAX_BYTES=the
-largest size); neither run takes the CollNet route (ROCE_GATHER_NET, NCCL_NET and
-NCCL_COLLNET_ENABLE are dropped). Each run is `calibrate.py --task calibrate` (bench.py's
-sampler: per size, GRAPH_GATHERS gathers in one CUDA graph, replayed; REPS samples a size).
+largest size). Each run is `calibrate.py --task calibrate` (bench.py's sampler: per size,
+GRAPH_GATHERS gathers in one CUDA graph, replayed; REPS samples a size).
 Then it reads what the runs wrote, checks that every gather was byte-exact and that every one
 of the intercepted runs took the intercepted path (ROCE_GATHER_STATS against the worker's
 ledger), and prints a table and the window (measure.window: README.md, "Calibration", gives
@@ -39,8 +38,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = [1 << k for k in range(4, 23)]
 REPS = 3
 ROLES = ("nccl", "intercept")
-# The library's variables that make it NCCL's network and collNet: no part of either run.
-COLLNET_VARS = ("NCCL_NET", "NCCL_COLLNET_ENABLE", "ROCE_GATHER_NET")
 
 
 def task_calibrate(ctx):
@@ -159,12 +156,12 @@ def is_library(path, lib):
 
 
 def run_env(base, role, stats, cap, lib):
-    """The environment of one torchrun: the user's, less the CollNet route's variables; for
-    "nccl", NCCL on its own (NCCL_NET_PLUGIN=none, the library out of LD_PRELOAD); for
-    "intercept", NCCL_NET_PLUGIN (this checkout's library unless it names one) with the window
-    opened over every size measured and stats to a file; multicast off in both."""
+    """The environment of one torchrun: the user's; for "nccl", NCCL on its own
+    (NCCL_NET_PLUGIN=none, the library out of LD_PRELOAD); for "intercept", NCCL_NET_PLUGIN
+    (this checkout's library unless it names one) with the window opened over every size
+    measured and stats to a file; multicast off in both."""
     import launch
-    env = {k: v for k, v in base.items() if k not in COLLNET_VARS}
+    env = dict(base)
     if role == "nccl":
         env["NCCL_NET_PLUGIN"] = "none"
         env.pop("ROCE_GATHER_STATS", None)

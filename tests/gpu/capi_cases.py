@@ -1,14 +1,14 @@
-"""Rank worker for step capi: all-gathers through NCCL's C API (tests/gpu/gather_nccl.c).
+"""Rank worker for step capi: all-gathers through NCCL's C API (build/gather-nccl, from
+tests/gpu/gather_nccl.c, linked with -lnccl: its ncclAllGather goes through its own relocation
+slot, which the library rebinds).
 
-    python capi_cases.py --task gather --rank R --port P --result FILE --params '{"dir": D, "registered": false}'
+    python capi_cases.py --task gather --rank R --port P --result FILE --params '{"dir": D}'
 
-params "program": the program to run, build/gather-nccl (NCCL opened with dlopen) by default,
-or gather-linked (the same cases linked with -lnccl: tests/gpu/gather_linked.c).
+params "program": the program to run (build/gather-nccl by default), "timeout" (s, 80).
 
 The C program checks every byte itself; this worker turns its CASE lines into the result
-file and the ledger the plugin's ROCE_GATHER_STATS are checked against. No PyTorch: the
-host waits for the stream before every copy, so no CUDA call of the application is ever
-queued behind a collective (docs/roce-gather.md, "CUDA calls on the proxy thread").
+file and the ledger the library's ROCE_GATHER_STATS are checked against. No PyTorch: the
+host waits for the stream before every copy, so no copy is ever queued behind a collective.
 """
 import os
 import subprocess
@@ -25,8 +25,6 @@ def main():
     res = common.Result(args)
     ledger = common.Ledger()
     cmd = [args.params.get("program", GATHER_NCCL), str(args.rank), str(args.local), args.params["dir"]]
-    if args.params.get("registered"):
-        cmd.append("registered")
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.params.get("timeout", 80))
         out, rc = p.stdout + p.stderr, p.returncode
@@ -49,7 +47,7 @@ def main():
     lines = out.splitlines()
     res.d["numbers"]["nccl_lib"] = next((l.split(" ", 1)[1] for l in lines if l.startswith("NCCL_LIB ")), None)
     res.d["numbers"]["nccl"] = next((l.split(" ", 1)[1] for l in lines if l.startswith("NCCL_VERSION ")), None)
-    # The linked program says where its ncclAllGather slot leads, before and after NCCL's init.
+    # The program says where its ncclAllGather slot leads, before and after NCCL's init.
     res.d["numbers"]["slots"] = [l.split(" ", 2)[2] for l in lines if l.startswith("SLOT ncclAllGather ")]
     res.d["completed"] = rc == 0 and "FINALIZED" in out
     res.write()

@@ -1,11 +1,11 @@
-"""Shared by the parent steps and the rank workers. Imports neither torch nor jax.
+"""Shared by the parent steps and the rank workers (and tests/nccl-versions/run.py). Imports
+neither torch nor jax.
 
 The library counts, per process, into the ROCE_GATHER_STATS file, which it keeps current as it
 counts (so it survives any end short of a lost disk): the ncclAllGather calls its interceptor
-took or handed to NCCL and the gathers its kernel finished (intercepted.*), and on the CollNet
-route every two-rank AllGather its tuner decided (tuner.*) and every one-shot gather it executed
-(oneshot.*). A worker keeps a Ledger of the gathers it asked for; the parent compares the two
-(intercept_check, stats_check), so the path each case took is read, not assumed.
+took or handed to NCCL and the gathers its kernel finished (intercepted.*), and how it was
+reached (interceptor.way_in). A worker keeps a Ledger of the gathers it asked for; the parent
+compares the two (intercept_check), so the path each case took is read, not assumed.
 """
 import argparse
 import faulthandler
@@ -18,14 +18,8 @@ import zlib
 # The library's configuration, where the intercepted gather's default windows are set.
 CONFIG_GO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "plugin",
                          "config.go")
-# The CollNet route's per-rank shard cap both ranks agree on in the tests' configs.
-CAP = 524288
-# Shard sizes of the gather matrix: 16 B to 512 KiB, one past the cap, and an odd 100 B.
-MATRIX_SHARDS = [1 << k for k in range(4, 20)] + [CAP + 16, 100]
-# Shard sizes of the latency runs: powers of four from 16 B to 1 MiB, plus 4, 8, 32, 64 KiB.
-LATENCY_SHARDS = [16, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 262144, 1048576]
-# Shard sizes of step topology's check: 16 B to 64 KiB, and an odd 100 B.
-SMALL_SHARDS = [16, 100, 1024, 4096, 16384, 65536]
+# Shard sizes of the gather matrix: 16 B to 512 KiB, 512 KiB + 16, and an odd 100 B.
+MATRIX_SHARDS = [1 << k for k in range(4, 20)] + [(512 << 10) + 16, 100]
 MAX_FAILURES = 40  # failure messages a worker keeps (it counts them all)
 
 
@@ -35,34 +29,22 @@ def seed_of(tag, rank):
 
 
 class Ledger:
-    """The AllGathers a worker asked for, kept the two ways the library's stats count them.
+    """The ncclAllGather calls a worker asked for, as the interceptor sees them.
 
-    n's FIELDS, for the CollNet route, split at cap: enq, collectives NCCL enqueued (the tuner
-    decides once per enqueue; a CUDA graph's gathers are enqueued once, at capture); execs,
-    gathers that ran (graph replays count). The list form dist.all_gather is kept apart:
-    PyTorch may or may not issue it as one AllGather, and the stats say which.
-
-    n["calls"], for the intercepted path: per size (bytes a rank, as a string), each
-    ncclAllGather as the interceptor sees it (CALL_FIELDS). A communicator agrees at its first
-    call issued outside a CUDA graph capture (PyTorch issues its collectives outside
-    ncclGroupStart/End): calls captured before that go to NCCL ("pre", and "replays_pre" the
-    gathers their replays ran); from it on, eager calls ("eager", of which "first" made the
-    agreement), captured calls ("captured", once at capture), the gathers their replays ran
-    ("replays") and list-form calls ("list") are decided by the window alone, which the parent
-    applies (intercept_check). gather's comm names the communicator. A caller that issues its
-    gathers inside ncclGroupStart/End (XLA: grouped=True) agrees when the group of its first
-    call ends, so that first call goes to NCCL ("pre") and the next ones are eager.
+    n["calls"]: per size (bytes a rank, as a string), each call by kind (CALL_FIELDS). A
+    communicator agrees at its first call issued outside a CUDA graph capture (PyTorch issues
+    its collectives outside ncclGroupStart/End): calls captured before that go to NCCL ("pre",
+    and "replays_pre" the gathers their replays ran); from it on, eager calls ("eager", of which
+    "first" made the agreement), captured calls ("captured", once at capture), the gathers their
+    replays ran ("replays") and list-form calls ("list": dist.all_gather, which PyTorch may or
+    may not issue as one AllGather) are decided by the window alone, which the parent applies
+    (intercept_check). gather's comm names the communicator. A caller that issues its gathers
+    inside ncclGroupStart/End (XLA: grouped=True) agrees when the group of its first call ends,
+    so that first call goes to NCCL ("pre") and the next ones are eager.
     """
 
-    FIELDS = ("small_enq", "big_enq", "small_exec", "big_exec", "list_small", "list_big")
-
-    def __init__(self, cap=CAP):
-        self.cap = cap
-        self.n = dict.fromkeys(self.FIELDS, 0)
-        self.n["calls"] = {}
-        # Communicators whose first gather reached the interceptor: each made the agreement's
-        # two exchanges, AllGathers of AGREEMENT_BYTES a rank through NCCL, which NCCL's tuner counts.
-        self.n["agreements"] = 0
+    def __init__(self):
+        self.n = {"calls": {}}
         self.agreed = set()  # communicators whose agreement call was made
         self.captured = {}  # (comm, bytes) -> {True: captured after the agreement, False: before}
 
@@ -77,13 +59,8 @@ class Ledger:
         else:
             raise ValueError(f"gather({shard_bytes}, enq={enq}, execs={execs}): neither eager calls (enq == execs), "
                              "captured calls (execs 0) nor graph replays (enq 0)")
-        small = shard_bytes <= self.cap
-        if listform:
-            assert kind == "eager", "the list form is counted for eager calls only"
-            self.n["list_small" if small else "list_big"] += enq
-        else:
-            self.n["small_enq" if small else "big_enq"] += enq
-            self.n["small_exec" if small else "big_exec"] += execs
+        if listform and kind != "eager":
+            raise ValueError("the list form is counted for eager calls only")
         row = self.n["calls"].setdefault(str(shard_bytes), dict.fromkeys(CALL_FIELDS, 0))
         if listform:
             if comm not in self.agreed:
@@ -92,13 +69,11 @@ class Ledger:
             row["list"] += enq
         elif kind == "eager" and grouped and comm not in self.agreed:
             self.agreed.add(comm)  # at the end of this call's group
-            self.n["agreements"] += 1
             row["pre"] += 1
             row["eager"] += enq - 1
         elif kind == "eager":
             if comm not in self.agreed:
                 self.agreed.add(comm)
-                self.n["agreements"] += 1
                 row["first"] += 1
             row["eager"] += enq
         elif kind == "captured":
@@ -114,12 +89,20 @@ class Ledger:
             row["replays" if True in took else "replays_pre"] += execs
 
 
-# The size of each of the agreement's two exchanges, bytes a rank (gather.ProposalSize).
-AGREEMENT_BYTES = 128
-AGREEMENT_EXCHANGES = 2
-
 # The interceptor's view of a ledger's calls of one size (Ledger).
 CALL_FIELDS = ("first", "eager", "captured", "list", "replays", "pre", "replays_pre")
+
+
+def merged(*ledgers):
+    """One ledger (Ledger.n) of the calls of several (a process's communicators kept apart):
+    their calls summed per size and kind."""
+    calls = {}
+    for n in ledgers:
+        for b, row in n["calls"].items():
+            out = calls.setdefault(b, dict.fromkeys(CALL_FIELDS, 0))
+            for k, v in row.items():
+                out[k] += v
+    return {"calls": calls}
 
 
 def intercept_expectation(calls, window, list_as_allgather):
@@ -272,92 +255,16 @@ def intercept_check(stats, ledger, window, way_in=None):
     return F, info
 
 
-def stats_check(stats, ledger, oneshot_on, mode=None):
-    """Compares one rank's ROCE_GATHER_STATS with its ledger. Returns (failures, info)."""
-    if stats is None:
-        return ["no ROCE_GATHER_STATS file was written (the plugin did not load, or never initialised its net)"], {}
-    t, o = stats["tuner"], stats["oneshot"]
-    # The agreement's exchanges are AllGathers NCCL runs like any other: small ones.
-    L = dict(ledger)
-    extra = AGREEMENT_EXCHANGES * ledger.get("agreements", 0)
-    L["small_enq"] = ledger["small_enq"] + extra
-    L["small_exec"] = ledger["small_exec"] + extra
-    info = {}
-    F = []
-    taken = (stats.get("intercepted") or {}).get("launches", 0)
-    if taken:
-        F.append(f"the interceptor took {taken} ncclAllGather calls (intercepted.launches) on the CollNet route "
-                 "(ROCE_GATHER_NET=1 NCCL_COLLNET_ENABLE=1), where it hands every gather to NCCL")
-    if not oneshot_on:  # ROCE_GATHER_ENABLE=0, or the tcp fabric's default: NCCL's ring for every gather
-        if t["oneshot_gathers"] or o["calls"]:
-            F.append(f"one-shot path used while off (ROCE_GATHER_ENABLE=0, or the tcp fabric's default): "
-                     f"tuner.oneshot_gathers={t['oneshot_gathers']} "
-                     f"oneshot.calls={o['calls']}")
-        total = L["small_enq"] + L["big_enq"]
-        lists = L["list_small"] + L["list_big"]
-        if t["nccl_gathers"] not in (total, total + lists):
-            F.append(f"tuner.nccl_gathers={t['nccl_gathers']}, expected {total}"
-                     + (f" or {total + lists} (list form as AllGathers)" if lists else ""))
-        return F, info
-    if t["nccl_not_offered"]:
-        F.append(f"NCCL did not offer CollNet Direct for {t['nccl_not_offered']} gathers within the cap "
-                 "(tuner.nccl_not_offered): they ran on NCCL's ring, not the one-shot path")
-    ks = [k for k in (1, 0) if t["oneshot_gathers"] == L["small_enq"] + k * L["list_small"]
-          and t["nccl_gathers"] == L["big_enq"] + k * L["list_big"]]
-    if ks:
-        k = ks[0]
-        if L["list_small"] + L["list_big"]:
-            info["list_form"] = "one AllGather per call" if k == 1 else "not an AllGather (no tuner call)"
-    else:
-        k = 1
-        exp = (f"oneshot_gathers={L['small_enq']} nccl_gathers={L['big_enq']}")
-        if L["list_small"] + L["list_big"]:
-            exp += (f" (or {L['small_enq'] + L['list_small']}/{L['big_enq'] + L['list_big']} "
-                    "with each list-form call counted as one AllGather)")
-        F.append(f"tuner counts oneshot_gathers={t['oneshot_gathers']} nccl_gathers={t['nccl_gathers']} "
-                 f"(not offered {t['nccl_not_offered']}); expected {exp}")
-    if o["errors"]:
-        F.append(f"oneshot.errors={o['errors']}")
-    if o["calls"] <= 0:
-        F.append("oneshot.calls=0: no gather ran over the one-shot path")
-    least = L["small_exec"] + k * L["list_small"]
-    if o["calls"] < least:
-        F.append(f"oneshot.calls={o['calls']} but {least} gathers were steered to the one-shot path and ran")
-    if mode == "eager" and (o["rendezvous"] or o["eager"] != o["calls"]):
-        F.append(f"ROCE_GATHER_MODE=eager but oneshot.eager={o['eager']} rendezvous={o['rendezvous']}")
-    if mode == "rendezvous" and (o["eager"] or o["rendezvous"] != o["calls"]):
-        F.append(f"ROCE_GATHER_MODE=rendezvous but oneshot.rendezvous={o['rendezvous']} eager={o['eager']}")
-    return F, info
-
-
 def stats_brief(stats):
-    """One rank's stats as a flat dict, for tables."""
+    """One rank's stats as a flat dict, for tables: the intercepted path's counts (os_*: its
+    kernel's gathers and their latency) and the interceptor's way in."""
     if stats is None:
         return None
-    t, o = stats.get("tuner") or {}, stats.get("oneshot") or {}
     i, w = stats.get("intercepted") or {}, stats.get("interceptor") or {}
-    return {"tuner_oneshot": t.get("oneshot_gathers", 0), "tuner_nccl": t.get("nccl_gathers", 0),
-            "not_offered": t.get("nccl_not_offered", 0), "unoffered": t.get("oneshot_unoffered", 0),
-            "calls": o.get("calls", 0), "eager": o.get("eager", 0), "by_kernel": o.get("eager_by_kernel", 0),
-            "rendezvous": o.get("rendezvous", 0), "errors": o.get("errors", 0), "p50_us": o.get("p50_us", 0),
-            "p99_us": o.get("p99_us", 0), "max_us": o.get("max_us", 0),
-            # The intercepted path (os_*: its kernel's gathers), and the interceptor's way in.
-            "launches": i.get("launches", 0), "forwarded": i.get("forwarded", 0), "os_gathers": i.get("gathers", 0),
+    return {"launches": i.get("launches", 0), "forwarded": i.get("forwarded", 0), "os_gathers": i.get("gathers", 0),
             "os_errors": i.get("errors", 0), "os_p50_us": i.get("p50_us", 0), "os_p99_us": i.get("p99_us", 0),
             "os_max_us": i.get("max_us", 0), "proxy_naps": i.get("proxy_naps", 0),
             "proxy_woke": i.get("proxy_woke_to_work", 0), "way_in": w.get("way_in", "unknown")}
-
-
-def placement_failure(brief, kernel):
-    """Why one rank's stats (stats_brief) show its eager calls placed otherwise than asked,
-    by the gather kernel (kernel) or by copies, or "" when they are as asked."""
-    st = brief or {}
-    eager, by_kernel = st.get("eager") or 0, st.get("by_kernel") or 0
-    if not eager:
-        return "no eager one-shot call was made"
-    if by_kernel != (eager if kernel else 0):
-        return f"{by_kernel} of {eager} eager calls placed by the gather kernel; expected {'all' if kernel else 'none'}"
-    return ""
 
 
 def compare_digests(ref_name, ref, name, other):
@@ -472,7 +379,7 @@ def worker_args():
     if a.rank is None:
         a.rank = int(os.environ["RANK"])
     # The GPU: cuda:<rank> on the one-host testbed, cuda:$LOCAL_RANK under torchrun, or the
-    # params' "device" (step topology puts both ranks on one GPU).
+    # params' "device" (ROCE_GATHER_GPU_ONE_DEVICE puts both ranks on one GPU).
     a.local = int(os.environ["LOCAL_RANK"]) if a.port is None and "LOCAL_RANK" in os.environ else a.rank
     a.local = a.params.get("device", a.local)
     return a
@@ -516,11 +423,10 @@ def cli_window(mode, env):
 
 
 def main():
-    """python3 common.py RESULT.json STATS.json [intercept[:FLOOR:CAP]|eager|rendezvous|off]: checks
-    one rank's ROCE_GATHER_STATS against the ledger its worker wrote (for runs outside run_all.sh):
-    the intercepted path (the default; the window as given, else as the library works it out
-    from this environment), or the CollNet route (eager, rendezvous: its forced mode; off: no
-    one-shot gather)."""
+    """python3 common.py RESULT.json STATS.json [intercept[:FLOOR:CAP]|off]: checks one rank's
+    ROCE_GATHER_STATS against the ledger its worker wrote (for runs outside run_all.sh): the
+    intercepted path within the window given, else as the library works it out from this
+    environment (the default), or the path off (ROCE_GATHER_ENABLE=0: every gather to NCCL)."""
     import sys
     if len(sys.argv) < 3:
         raise SystemExit(main.__doc__)
@@ -529,10 +435,9 @@ def main():
     with open(sys.argv[2]) as f:
         stats = json.load(f)
     mode = sys.argv[3] if len(sys.argv) > 3 else "intercept"
-    if mode.split(":")[0] == "intercept":
-        failures, info = intercept_check(stats, res["ledger"], cli_window(mode, os.environ))
-    else:
-        failures, info = stats_check(stats, res["ledger"], mode != "off", mode if mode != "off" else None)
+    if mode.split(":")[0] not in ("intercept", "off"):
+        raise SystemExit(f"common.py: {mode!r} is neither intercept[:FLOOR:CAP] nor off")
+    failures, info = intercept_check(stats, res["ledger"], None if mode == "off" else cli_window(mode, os.environ))
     print(json.dumps({"worker_failures": res["failures"], "stats": stats_brief(stats), "ledger": res["ledger"],
                       "stats_failures": failures, **info}, indent=1))
     raise SystemExit(1 if failures or res["failures"] or not res["completed"] else 0)

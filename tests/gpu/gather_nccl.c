@@ -1,21 +1,23 @@
 /* gather-nccl: collectives through NCCL's C API, every byte checked, no framework around.
  *
- *   gather-nccl RANK DEVICE DIR [registered|p2p|recreate]   (two processes, ranks 0 and 1, sharing DIR)
+ *   gather-nccl RANK DEVICE DIR [p2p|recreate]   (two processes, ranks 0 and 1, sharing DIR)
+ *
+ * Linked with -lnccl (nccl_api.h), so each call of NCCL's functions goes through this
+ * program's own relocation slot, as a user's C program's does.
  *
  * Default: all-gathers of shards of 16 B to 512 KiB (powers of two), 512 KiB + 16, 100 B
  * and odd sizes (1, 3, 4097 B), three seeds each, out of place and in place, then a burst
- * of BURST 4 KiB gathers into distinct outputs before one wait (more calls in flight than
- * the plugin's 16 slots, so slots and credits are reused under load); with "registered"
- * the buffers are registered with ncclCommRegister first, which is NCCL's registered-buffer
- * path for CollNet when GPUDirect is on.
+ * of BURST 4 KiB gathers into distinct outputs before one wait (48 calls queued on the stream
+ * at once: the intercepted path's slots, one per sequence parity, are reused under load).
  *
  * "p2p": ncclSend/ncclRecv between the two ranks, 1 B to 16 MiB + 5: both ways at once in
- * one group, one way in each direction, and eight of each in flight in one group.
+ * one group, one way in each direction, and eight of each in flight in one group (the
+ * library sees the group calls and must hand them and the sends to NCCL untouched).
  *
  * "recreate": a communicator is made, gathers, is finalized and destroyed, and a second
  * one is made in the same process and gathers again. NCCL unloads the net plugin when its
- * last communicator goes (NCCL_NET_PLUGIN_REF_COUNT keeps it loaded), so this is where a
- * plugin that is not found again, or not initialised again, fails.
+ * last communicator goes (NCCL_NET_PLUGIN_REF_COUNT keeps it loaded), so this is where the
+ * second communicator's gathers can lose the library.
  *
  * The host waits for the stream before it copies anything, so no copy is ever queued
  * behind a collective (docs/roce-gather.md, "CUDA calls on the proxy thread"). Prints
@@ -85,7 +87,7 @@ static void free_buffers(buffers* b) {
 }
 
 /* One all-gather of n bytes a rank, checked with its guard bytes. */
-static int one_gather(nccl_comm_t comm, buffers* b, int rank, uint64_t n, int seed, int inplace) {
+static int one_gather(ncclComm_t comm, buffers* b, int rank, uint64_t n, int seed, int inplace) {
   memset(b->host, POISON, b->recv_bytes);
   for (int r = 0; r < 2; r++)
     for (uint64_t j = 0; j < n; j++) b->want[GUARD + r * n + j] = byte_of(r, seed, j);
@@ -96,24 +98,16 @@ static int one_gather(nccl_comm_t comm, buffers* b, int rank, uint64_t n, int se
   to_device(b->recv, b->host, b->recv_bytes);
   to_device(b->send, b->want + GUARD + rank * n, n);
   const void* src = inplace ? (const void*)(uintptr_t)(b->recv + GUARD + rank * n) : (const void*)(uintptr_t)b->send;
-  int rc = nccl.all_gather(src, (void*)(uintptr_t)(b->recv + GUARD), n, NCCL_UINT8, comm, s);
-  if (rc != NCCL_SUCCESS) printf("FAIL ncclAllGather: %s\n", nccl.get_error_string(rc));
-  die_if(rc != NCCL_SUCCESS, "ncclAllGather");
+  ncclResult_t rc = ncclAllGather(src, (void*)(uintptr_t)(b->recv + GUARD), n, ncclUint8, comm, s);
+  if (rc != ncclSuccess) printf("FAIL ncclAllGather: %s\n", ncclGetErrorString(rc));
+  die_if(rc != ncclSuccess, "ncclAllGather");
   sync_stream("the gather's stream failed");
   die_if(cu->cuMemcpyDtoH(b->host, b->recv, b->recv_bytes) != CUDA_SUCCESS, "cuMemcpyDtoH");
   return memcmp(b->host, b->want, b->recv_bytes) == 0;
 }
 
-static void gathers(nccl_comm_t comm, int rank, int registered) {
+static void gathers(ncclComm_t comm, int rank) {
   buffers b = alloc_buffers(MAX_SHARD, 2 * (size_t)MAX_SHARD);
-  void *send_reg = NULL, *recv_reg = NULL;
-  if (registered) {
-    int rc = nccl.comm_register(comm, (void*)b.send, b.send_bytes, &send_reg);
-    if (rc == NCCL_SUCCESS) rc = nccl.comm_register(comm, (void*)b.recv, b.recv_bytes, &recv_reg);
-    if (rc != NCCL_SUCCESS) printf("FAIL ncclCommRegister: %s\n", nccl.get_error_string(rc));
-    die_if(rc != NCCL_SUCCESS, "ncclCommRegister");
-    printf("REGISTERED send and receive buffers\n");
-  }
   uint64_t shards[32];
   int ns = 0;
   for (uint64_t n = 16; n <= 512 * 1024; n *= 2) shards[ns++] = n;
@@ -138,9 +132,9 @@ static void gathers(nccl_comm_t comm, int rank, int registered) {
   memset(b.host, POISON, b.recv_bytes);
   to_device(b.recv, b.host, b.recv_bytes);
   for (int i = 0; i < BURST; i++) {
-    int rc = nccl.all_gather((const void*)(uintptr_t)(b.send + (CUdeviceptr)i * BURST_SHARD),
-                             (void*)(uintptr_t)(b.recv + (CUdeviceptr)i * 2 * BURST_SHARD), BURST_SHARD, NCCL_UINT8, comm, s);
-    die_if(rc != NCCL_SUCCESS, "ncclAllGather (burst)");
+    ncclResult_t rc = ncclAllGather((const void*)(uintptr_t)(b.send + (CUdeviceptr)i * BURST_SHARD),
+                             (void*)(uintptr_t)(b.recv + (CUdeviceptr)i * 2 * BURST_SHARD), BURST_SHARD, ncclUint8, comm, s);
+    die_if(rc != ncclSuccess, "ncclAllGather (burst)");
   }
   sync_stream("the burst's stream failed");
   die_if(cu->cuMemcpyDtoH(b.host, b.recv, b.recv_bytes) != CUDA_SUCCESS, "cuMemcpyDtoH");
@@ -159,29 +153,25 @@ static void gathers(nccl_comm_t comm, int rank, int registered) {
       break;
     }
   }
-  if (registered) {
-    nccl.comm_deregister(comm, send_reg);
-    nccl.comm_deregister(comm, recv_reg);
-  }
   free_buffers(&b);
 }
 
 /* Sends n bytes of seed's pattern from `from` to `to` while the other way (when both)
  * carries the peer's pattern; the receiver checks its buffer and its guard bytes. */
-static void p2p_case(nccl_comm_t comm, buffers* b, int rank, uint64_t n, int seed, int from, int both, const char* label) {
+static void p2p_case(ncclComm_t comm, buffers* b, int rank, uint64_t n, int seed, int from, int both, const char* label) {
   int peer = 1 - rank;
   int sending = both || rank == from, receiving = both || rank != from;
   for (uint64_t j = 0; j < n; j++) b->want[j] = byte_of(rank, seed, j);
   to_device(b->send, b->want, n);
   memset(b->host, POISON, b->recv_bytes);
   to_device(b->recv, b->host, b->recv_bytes);
-  int rc = nccl.group_start();
-  if (rc == NCCL_SUCCESS && sending) rc = nccl.send((const void*)(uintptr_t)b->send, n, NCCL_UINT8, peer, comm, s);
-  if (rc == NCCL_SUCCESS && receiving) rc = nccl.recv((void*)(uintptr_t)(b->recv + GUARD), n, NCCL_UINT8, peer, comm, s);
-  int end = nccl.group_end();
-  if (rc == NCCL_SUCCESS) rc = end;
-  if (rc != NCCL_SUCCESS) printf("FAIL ncclSend/ncclRecv: %s\n", nccl.get_error_string(rc));
-  die_if(rc != NCCL_SUCCESS, "ncclSend/ncclRecv");
+  ncclResult_t rc = ncclGroupStart();
+  if (rc == ncclSuccess && sending) rc = ncclSend((const void*)(uintptr_t)b->send, n, ncclUint8, peer, comm, s);
+  if (rc == ncclSuccess && receiving) rc = ncclRecv((void*)(uintptr_t)(b->recv + GUARD), n, ncclUint8, peer, comm, s);
+  ncclResult_t end = ncclGroupEnd();
+  if (rc == ncclSuccess) rc = end;
+  if (rc != ncclSuccess) printf("FAIL ncclSend/ncclRecv: %s\n", ncclGetErrorString(rc));
+  die_if(rc != ncclSuccess, "ncclSend/ncclRecv");
   sync_stream("the send/recv stream failed");
   if (!receiving) return;
   die_if(cu->cuMemcpyDtoH(b->host, b->recv, b->recv_bytes) != CUDA_SUCCESS, "cuMemcpyDtoH");
@@ -192,7 +182,7 @@ static void p2p_case(nccl_comm_t comm, buffers* b, int rank, uint64_t n, int see
   record(name, n, memcmp(b->host, b->want, b->recv_bytes) == 0);
 }
 
-static void p2p(nccl_comm_t comm, int rank) {
+static void p2p(ncclComm_t comm, int rank) {
   buffers b = alloc_buffers(MAX_P2P, MAX_P2P);
   const uint64_t sizes[] = {1, 3, 100, 4096, 65537, 1024 * 1024, MAX_P2P};
   for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
@@ -207,18 +197,18 @@ static void p2p(nccl_comm_t comm, int rank) {
   to_device(b.send, b.want, P2P_INFLIGHT * P2P_INFLIGHT_BYTES);
   memset(b.host, POISON, b.recv_bytes);
   to_device(b.recv, b.host, b.recv_bytes);
-  int rc = nccl.group_start();
-  for (int k = 0; k < P2P_INFLIGHT && rc == NCCL_SUCCESS; k++) {
-    rc = nccl.send((const void*)(uintptr_t)(b.send + (CUdeviceptr)k * P2P_INFLIGHT_BYTES), P2P_INFLIGHT_BYTES, NCCL_UINT8,
+  ncclResult_t rc = ncclGroupStart();
+  for (int k = 0; k < P2P_INFLIGHT && rc == ncclSuccess; k++) {
+    rc = ncclSend((const void*)(uintptr_t)(b.send + (CUdeviceptr)k * P2P_INFLIGHT_BYTES), P2P_INFLIGHT_BYTES, ncclUint8,
                    peer, comm, s);
-    if (rc == NCCL_SUCCESS)
-      rc = nccl.recv((void*)(uintptr_t)(b.recv + GUARD + (CUdeviceptr)k * P2P_INFLIGHT_BYTES), P2P_INFLIGHT_BYTES,
-                     NCCL_UINT8, peer, comm, s);
+    if (rc == ncclSuccess)
+      rc = ncclRecv((void*)(uintptr_t)(b.recv + GUARD + (CUdeviceptr)k * P2P_INFLIGHT_BYTES), P2P_INFLIGHT_BYTES,
+                     ncclUint8, peer, comm, s);
   }
-  int end = nccl.group_end();
-  if (rc == NCCL_SUCCESS) rc = end;
-  if (rc != NCCL_SUCCESS) printf("FAIL ncclSend/ncclRecv: %s\n", nccl.get_error_string(rc));
-  die_if(rc != NCCL_SUCCESS, "ncclSend/ncclRecv (in flight)");
+  ncclResult_t end = ncclGroupEnd();
+  if (rc == ncclSuccess) rc = end;
+  if (rc != ncclSuccess) printf("FAIL ncclSend/ncclRecv: %s\n", ncclGetErrorString(rc));
+  die_if(rc != ncclSuccess, "ncclSend/ncclRecv (in flight)");
   sync_stream("the send/recv stream failed");
   die_if(cu->cuMemcpyDtoH(b.host, b.recv, b.recv_bytes) != CUDA_SUCCESS, "cuMemcpyDtoH");
   memset(b.want, POISON, b.recv_bytes);
@@ -228,20 +218,21 @@ static void p2p(nccl_comm_t comm, int rank) {
   free_buffers(&b);
 }
 
-/* Two communicators one after the other, each checked with a few gathers (below the
- * one-shot cap and one above it). Returns 0 when the second could not be made. */
+/* Two communicators one after the other, each checked with a few gathers (16 B and 4 KiB within
+ * the tcp fabric's default window, 512 KiB and 512 KiB + 16 above it). Returns 0 when the second
+ * could not be made. */
 static int recreate(int rank, const char* dir) {
   const uint64_t sizes[] = {16, 4096, 512 * 1024, 512 * 1024 + 16};
   buffers b = alloc_buffers(MAX_SHARD, 2 * (size_t)MAX_SHARD);
   char name[96];
   for (int gen = 1; gen <= 2; gen++) {
-    nccl_comm_t comm;
+    ncclComm_t comm;
     snprintf(name, sizeof(name), "id%d", gen);
-    int rc = nccl_pair_named(rank, dir, name, &comm);
+    ncclResult_t rc = nccl_pair_named(rank, dir, name, &comm);
     snprintf(name, sizeof(name), "recreate/comm%d/init", gen);
-    record(name, 0, rc == NCCL_SUCCESS);
-    if (rc != NCCL_SUCCESS) {
-      printf("FAIL ncclCommInitRank (communicator %d of 2): %s\n", gen, nccl.get_error_string(rc));
+    record(name, 0, rc == ncclSuccess);
+    if (rc != ncclSuccess) {
+      printf("FAIL ncclCommInitRank (communicator %d of 2): %s\n", gen, ncclGetErrorString(rc));
       free_buffers(&b);
       return 0;
     }
@@ -250,7 +241,7 @@ static int recreate(int rank, const char* dir) {
       snprintf(name, sizeof(name), "recreate/comm%d/gather/%llu", gen, (unsigned long long)sizes[i]);
       record(name, sizes[i], ok);
     }
-    die_if(nccl.comm_finalize(comm) != NCCL_SUCCESS || nccl.comm_destroy(comm) != NCCL_SUCCESS, "finalize");
+    die_if(ncclCommFinalize(comm) != ncclSuccess || ncclCommDestroy(comm) != ncclSuccess, "finalize");
     printf("DESTROYED communicator %d\n", gen);
     fflush(stdout);
   }
@@ -260,14 +251,13 @@ static int recreate(int rank, const char* dir) {
 
 int main(int argc, char** argv) {
   const char* mode = argc > 4 ? argv[4] : "gather";
-  if (argc < 4 || argc > 5 ||
-      (strcmp(mode, "gather") && strcmp(mode, "registered") && strcmp(mode, "p2p") && strcmp(mode, "recreate"))) {
-    fprintf(stderr, "usage: gather-nccl RANK DEVICE DIR [registered|p2p|recreate]\n");
+  if (argc < 4 || argc > 5 || (strcmp(mode, "gather") && strcmp(mode, "p2p") && strcmp(mode, "recreate"))) {
+    fprintf(stderr, "usage: gather-nccl RANK DEVICE DIR [p2p|recreate]\n");
     return 2;
   }
   int rank = atoi(argv[1]), device = atoi(argv[2]);
   cu = cuda_on(device);
-  nccl_load();
+  nccl_describe();
   die_if(cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS, "cannot create a stream");
   if (strcmp(mode, "recreate") == 0) {
     int made = recreate(rank, argv[3]);
@@ -276,14 +266,14 @@ int main(int argc, char** argv) {
     fflush(stdout);
     return failed || !made ? 1 : 0;
   }
-  nccl_comm_t comm = nccl_pair(rank, argv[3]);
+  ncclComm_t comm = nccl_pair(rank, argv[3]);
   if (strcmp(mode, "p2p") == 0)
     p2p(comm, rank);
   else
-    gathers(comm, rank, strcmp(mode, "registered") == 0);
+    gathers(comm, rank);
   printf("CASES %d FAILED %d\n", cases, failed);
   fflush(stdout);
-  die_if(nccl.comm_finalize(comm) != NCCL_SUCCESS || nccl.comm_destroy(comm) != NCCL_SUCCESS, "finalize");
+  die_if(ncclCommFinalize(comm) != ncclSuccess || ncclCommDestroy(comm) != ncclSuccess, "finalize");
   printf("FINALIZED\n");
   fflush(stdout);
   return failed ? 1 : 0;

@@ -1,4 +1,4 @@
-"""Rank worker for step f: the same gathers through JAX, with no change but the environment.
+"""Rank worker for step jax: the same gathers through JAX, with no change but the environment.
 
     python jax_cases.py --task gather --rank R --port P --result FILE
 
@@ -17,7 +17,7 @@ import numpy as np
 import common
 
 SIZES = [1 << k for k in range(4, 20)]  # 16 B .. 512 KiB, uint8, params "seeds" each (3)
-EXTRA = [(d, b) for d in ("float32", "bfloat16", "int32") for b in (16, 4096, common.CAP)] + [("uint8", common.CAP + 16)]
+EXTRA = [(d, b) for d in ("float32", "bfloat16", "int32") for b in (16, 4096, 512 << 10)] + [("uint8", (512 << 10) + 16)]
 
 
 def gen(tag, rank, numel, dtype):

@@ -36,87 +36,27 @@ PEER_GRACE_S = 15
 
 # Never multicast: set in every process, last, so nothing overrides it.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# The intercepted gather (DESIGN.md, "One intercepted gather, end to end"): the library named
-# in NCCL_NET_PLUGIN and nothing else of its own. NCCL loads it at the first communicator's
-# init, it rebinds PyTorch's ncclAllGather slots to itself, offers NCCL no network device
-# (ROCE_GATHER_NET=0), and two-rank gathers within the agreed window run outside NCCL.
+# The library as a user loads it (DESIGN.md, "One intercepted gather, end to end"): named in
+# NCCL_NET_PLUGIN and nothing else of its own. NCCL loads it at the first communicator's init,
+# it rebinds the callers' ncclAllGather slots to itself, offers NCCL no network device (NCCL
+# carries its own traffic), and two-rank gathers within the agreed window run outside NCCL.
 INTERCEPT = {"NCCL_NET_PLUGIN": LIB}
 # The fabric whose default window the intercept configs get: the testbed has no RDMA port, so
 # ROCE_GATHER_FABRIC=auto takes tcp there.
 INTERCEPT_FABRIC = "tcp"
 # The calibration's intercepted runs open the window over every size it measures.
 WIDE_CAP = 4 << 20
-# The CollNet route, the earlier design: the library is NCCL's network again (ROCE_GATHER_NET=1,
-# NCCL_NET) and its collNet (NCCL_COLLNET_ENABLE=1); the interceptor then steps aside and hands
-# every gather to NCCL. Over the tcp fabric its one-shot path is off unless the cap is given
-# (docs/benchmarks.md). ROCE_GATHER_MIN_BYTES=1 opens the floor: every gather within the cap
-# goes one-shot, whatever the plugin's default floor, which is what every step's ledger assumes.
-PLUGIN = {"NCCL_NET_PLUGIN": LIB, "NCCL_NET": "roce_gather", "NCCL_COLLNET_ENABLE": "1", "ROCE_GATHER_NET": "1",
-          "ROCE_GATHER_FABRIC": "tcp", "ROCE_GATHER_TCP_IF": "lo", "ROCE_GATHER_MAX_BYTES": "524288",
-          "ROCE_GATHER_MIN_BYTES": "1"}
-GDR = dict(PLUGIN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1")
-# NCCL's ring over this library's network (NCCL's own choice of algorithm, protocol and channels).
-RING = dict(PLUGIN, ROCE_GATHER_ENABLE="0")
-# The sweep opens the cap to 1 MiB, so that every size it measures (16 B to 1 MiB) goes
-# one-shot in the one-shot configs.
-OPEN_CAP = 1 << 20
-OPEN = dict(PLUGIN, ROCE_GATHER_MAX_BYTES=str(OPEN_CAP))
-OPEN_GDR = dict(OPEN, NCCL_NET_GDR_LEVEL="SYS", ROCE_GATHER_TCP_CUDA="1")
 CONFIGS = {
-    "oneshot": dict(PLUGIN),
-    "oneshot-mode-eager": dict(PLUGIN, ROCE_GATHER_MODE="eager"),
-    "oneshot-mode-rendezvous": dict(PLUGIN, ROCE_GATHER_MODE="rendezvous"),
-    # GPUDirect: NCCL hands GPU memory to the plugin (and registers graph buffers).
-    # The tcp fabric then copies GPU memory with CUDA calls from its own threads, which an
-    # application's blocking copy queued behind a collective stalls (docs/roce-gather.md):
-    # the workers wait for the device before they copy anything to the host.
-    "oneshot-gdr": dict(GDR),
-    # The gather kernel in place of the default copies (ROCE_GATHER_PLACEMENT=copy), eager calls.
-    "oneshot-gdr-kernel": dict(GDR, ROCE_GATHER_PLACEMENT="kernel"),
-    "oneshot-gdr-rendezvous": dict(GDR, ROCE_GATHER_MODE="rendezvous"),
-    "ring-over-plugin": dict(RING),
+    # NCCL's own socket transport, no library: the reference every config is held to.
     "nccl-socket": {"NCCL_NET_PLUGIN": "none"},
-    # The intercepted gather: NCCL_NET_PLUGIN alone (defaults: the same, as a user loads it),
-    # LD_PRELOAD alone (the library's ncclAllGather preempts NCCL's), and the proxy never
-    # napping (its nap must not show in graph replays).
+    # The intercepted gather: NCCL_NET_PLUGIN alone, LD_PRELOAD alone (the library's
+    # ncclAllGather preempts NCCL's), and the proxy never napping (its nap must not show in
+    # graph replays).
     "intercept": dict(INTERCEPT),
-    "defaults": dict(INTERCEPT),
     "intercept-preload": {"LD_PRELOAD": LIB},
     "intercept-nonap": dict(INTERCEPT, ROCE_GATHER_PROXY_IDLE_MS="0"),
     # Step calibrate: the window opened over every size it measures.
     "intercept-wide": dict(INTERCEPT, ROCE_GATHER_MIN_BYTES="0", ROCE_GATHER_MAX_BYTES=str(WIDE_CAP)),
-    # Step sweep (and calibrate: os-staged). One factor changed at a time from os-staged.
-    "os-staged": dict(OPEN),
-    "os-eager": dict(OPEN, ROCE_GATHER_MODE="eager"),
-    "os-rendezvous": dict(OPEN, ROCE_GATHER_MODE="rendezvous"),
-    "os-ch1": dict(OPEN, ROCE_GATHER_ONESHOT_CHANNELS="1"),
-    "os-ch2": dict(OPEN, ROCE_GATHER_ONESHOT_CHANNELS="2"),
-    # A tuner cannot give a collective more channels than the communicator has (2 here by
-    # default): NCCL_MIN_NCHANNELS makes NCCL build as many as the tuner is asked for.
-    "os-ch4": dict(OPEN, ROCE_GATHER_ONESHOT_CHANNELS="4", NCCL_MIN_NCHANNELS="4"),
-    "os-ch8": dict(OPEN, ROCE_GATHER_ONESHOT_CHANNELS="8", NCCL_MIN_NCHANNELS="8"),
-    "os-chunk-128k": dict(OPEN, ROCE_GATHER_ONESHOT_CHUNK="131072"),  # the tuner's getChunkSize: NCCL 2.30
-    "os-chunk-512k": dict(OPEN, ROCE_GATHER_ONESHOT_CHUNK="524288"),
-    # Registered buffers with GPUDirect declared: graph capture registers them (NCCL_GRAPH_REGISTER=1,
-    # NCCL's default); or ncclCommRegister, which PyTorch calls on every segment of its caching
-    # allocator with TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1, with graph registration
-    # off so that it is the only one; or neither (GPUDirect on NCCL's own buffers).
-    "os-gdr": dict(OPEN_GDR),
-    "os-gdr-eager": dict(OPEN_GDR, ROCE_GATHER_MODE="eager"),
-    "os-gdr-rendezvous": dict(OPEN_GDR, ROCE_GATHER_MODE="rendezvous"),
-    "os-gdr-commreg": dict(OPEN_GDR, NCCL_GRAPH_REGISTER="0", TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1"),
-    "os-gdr-unreg": dict(OPEN_GDR, NCCL_GRAPH_REGISTER="0"),
-    # The gather kernel against the two copies it replaces, end to end: eager mode on GPU
-    # memory, timed with eager calls (graph replays deadlock against ROCE_GATHER_TCP_CUDA's staging).
-    "os-place-kernel": dict(OPEN_GDR, ROCE_GATHER_MODE="eager", ROCE_GATHER_PLACEMENT="kernel"),
-    "os-place-copy": dict(OPEN_GDR, ROCE_GATHER_MODE="eager", ROCE_GATHER_PLACEMENT="copy"),
-    # NCCL's own choice for two ranks over this plugin, one knob at a time.
-    "ring-ll": dict(RING, NCCL_PROTO="LL"),
-    "ring-ll128": dict(RING, NCCL_PROTO="LL128"),
-    "ring-simple": dict(RING, NCCL_PROTO="Simple"),
-    "ring-ch1": dict(RING, NCCL_MIN_NCHANNELS="1", NCCL_MAX_NCHANNELS="1"),
-    "ring-ch2": dict(RING, NCCL_MIN_NCHANNELS="2", NCCL_MAX_NCHANNELS="2"),
-    "ring-ch4": dict(RING, NCCL_MIN_NCHANNELS="4", NCCL_MAX_NCHANNELS="4"),
 }
 # Cleared from the inherited environment so that nothing outside changes what a config means.
 OWNED = {"NCCL_NET_PLUGIN", "NCCL_NET", "NCCL_COLLNET_ENABLE", "NCCL_NET_GDR_LEVEL", "NCCL_TUNER_PLUGIN",
@@ -127,20 +67,10 @@ OWNED = {"NCCL_NET_PLUGIN", "NCCL_NET", "NCCL_COLLNET_ENABLE", "NCCL_NET_GDR_LEV
 
 
 def uses_plugin(config):
-    """The library is in the ranks' processes (NCCL_NET_PLUGIN or LD_PRELOAD names it)."""
+    """The library is in the ranks' processes (NCCL_NET_PLUGIN or LD_PRELOAD names it): its
+    interceptor takes the calls, and its stats are judged."""
     c = CONFIGS[config]
     return c.get("NCCL_NET_PLUGIN") == LIB or LIB in c.get("LD_PRELOAD", "").split(":")
-
-
-def collnet_route(config):
-    """The library is NCCL's network and collNet: the interceptor steps aside."""
-    c = CONFIGS[config]
-    return uses_plugin(config) and c.get("ROCE_GATHER_NET") == "1" and c.get("NCCL_COLLNET_ENABLE") == "1"
-
-
-def intercepting(config):
-    """The library's ncclAllGather takes the calls: the intercepted path's stats are judged."""
-    return uses_plugin(config) and not collnet_route(config)
 
 
 def way_in(config):
@@ -149,30 +79,12 @@ def way_in(config):
     return "preempting" if LIB in CONFIGS[config].get("LD_PRELOAD", "").split(":") else "rebound"
 
 
-def oneshot_on(config):
-    """The CollNet route's one-shot path is on."""
-    c = CONFIGS[config]
-    if not collnet_route(config) or c.get("ROCE_GATHER_ENABLE") == "0":
-        return False
-    # Over tcp the path is off unless the cap is given (plugin/config.go, CollNetDefaultWindows).
-    return c.get("ROCE_GATHER_FABRIC") != "tcp" or "ROCE_GATHER_MAX_BYTES" in c
-
-
-def gather_mode(config):
-    return CONFIGS[config].get("ROCE_GATHER_MODE")
-
-
-def cap_of(config):
-    """The per-rank cap of a CollNet-route config (bytes): where its ledger splits one-shot from NCCL."""
-    return int(CONFIGS[config].get("ROCE_GATHER_MAX_BYTES", common.CAP))
-
-
 def intercept_window(config):
     """The window both ranks of config agree on, (floor, cap) in bytes a rank: a gather takes the
     intercepted path when floor <= bytes a rank <= cap (plugin/config.go, Window; both ranks get
-    the same environment). None where the path is off (not intercepting, ROCE_GATHER_ENABLE=0,
-    off by the fabric's default, or an empty window)."""
-    if not intercepting(config):
+    the same environment). None where the path is off (no library, ROCE_GATHER_ENABLE=0, off by
+    the fabric's default, or an empty window)."""
+    if not uses_plugin(config):
         return None
     c = CONFIGS[config]
     if c.get("ROCE_GATHER_ENABLE") == "0":
@@ -210,8 +122,8 @@ def rank_env(config, rank, stats_path, extra=None, nccl_lib=""):
     env.update({k: v for k, v in c.items() if k != "LD_PRELOAD"})
     if uses_plugin(config):
         env["ROCE_GATHER_STATS"] = stats_path
-    if (oneshot_on(config) or intercept_window(config)) and stats_path:
-        # A timeline of every fourth one-shot call, beside the stats (plugincheck trace reads it).
+    if intercept_window(config) and stats_path:
+        # A timeline of every fourth intercepted gather, beside the stats (plugincheck trace reads it).
         env.update(ROCE_GATHER_TRACE=stats_path + ".trace", ROCE_GATHER_TRACE_EVERY="4",
                    ROCE_GATHER_TRACE_RECORDS="8192")
     env.update(extra or {})
@@ -224,11 +136,8 @@ def rank_env(config, rank, stats_path, extra=None, nccl_lib=""):
 
 
 def judge_stats(config, stats, ledger):
-    """One rank's ROCE_GATHER_STATS against its worker's ledger, by the route config takes.
-    Returns (failures, info)."""
-    if intercepting(config):
-        return common.intercept_check(stats, ledger, intercept_window(config), way_in(config))
-    return common.stats_check(stats, ledger, oneshot_on(config), gather_mode(config))
+    """One rank's ROCE_GATHER_STATS against its worker's ledger. Returns (failures, info)."""
+    return common.intercept_check(stats, ledger, intercept_window(config), way_in(config))
 
 
 def free_port():
@@ -318,9 +227,6 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
     one_gpu = os.environ.get("ROCE_GATHER_GPU_ONE_DEVICE")
     if one_gpu is not None and "device" not in (params or {}):
         params = dict(params or {}, device=int(one_gpu))  # both ranks on that GPU
-    if os.environ.get("ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH") == "1" and collnet_route(config):
-        # A step that sets the plugin's variable itself keeps its own value.
-        extra_env = dict({"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": "1"}, **(extra_env or {}))
     logs = [os.path.join(work, "logs", f"{run}.rank{r}.log") for r in (0, 1)]
     results = [os.path.join(work, "raw", f"{run}.rank{r}.json") for r in (0, 1)]
     stats = [os.path.join(work, "raw", f"{run}.stats.rank{r}.json") for r in (0, 1)]

@@ -1,4 +1,4 @@
-"""Numbers from repeated timings, shared by the timing steps (latency, sweep, calibrate) and
+"""Numbers from repeated timings, shared by the timing steps (latency, calibrate) and
 calibrate.py. Imports neither torch nor jax: test_logic.py runs all of it on any machine.
 
 A sample is the mean microseconds per gather of one timed batch (bench.py: N graph replays,
@@ -95,16 +95,6 @@ def pooled(runs, mode):
     return out
 
 
-def comparison_rows(table, sizes, a, b):
-    """Per size: a and b summarized, ratio a/b, and the verdict of a against b.
-    table: {config: {bytes: [samples]}}."""
-    rows = []
-    for size in sizes:
-        sa, sb = summarize(table.get(a, {}).get(size)), summarize(table.get(b, {}).get(size))
-        rows.append({"bytes": size, a: sa, b: sb, "ratio": ratio(sa, sb), "verdict": compare(sa, sb)})
-    return rows
-
-
 def worst_spread(table, configs, sizes):
     """The largest spread_pct of each config over the sizes: the spread to state for a run."""
     out = {}
@@ -112,27 +102,6 @@ def worst_spread(table, configs, sizes):
         ss = [summarize(table.get(c, {}).get(s)) for s in sizes]
         ss = [s for s in ss if s]
         out[c] = max((s["spread_pct"] for s in ss), default=None)
-    return out
-
-
-# ---- sweep: the cheapest configuration per size ---------------------------------------------
-
-def cheapest(table, sizes, configs=None):
-    """Per size, the configuration with the lowest median among `configs` (default: all),
-    the runner-up, and whether the winner is faster than the runner-up beyond the spread.
-    table: {config: {bytes: summary}}."""
-    out = []
-    for size in sizes:
-        cands = sorted(((s["median"], c, s) for c, by in table.items() if configs is None or c in configs
-                        for s in [by.get(size)] if s), key=lambda t: (t[0], t[1]))
-        if not cands:
-            out.append({"bytes": size, "best": None})
-            continue
-        best = cands[0]
-        second = cands[1] if len(cands) > 1 else None
-        out.append({"bytes": size, "best": best[1], "best_s": best[2], "second": second[1] if second else None,
-                    "second_s": second[2] if second else None,
-                    "beyond_spread": bool(second) and compare(best[2], second[2]) == "faster"})
     return out
 
 

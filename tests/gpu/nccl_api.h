@@ -1,42 +1,30 @@
-/* The NCCL API subset tests/gpu's C programs call, as a table of entry points, so that one
- * program's cases run against NCCL opened with dlopen (nccl_dlopen.c: gather-nccl,
- * abort-nccl, built by make all) or against the NCCL it is linked with (gather_linked.c:
- * gather-linked, abort-linked, built on the GPU machine). Needs no CUDA or NCCL header. */
+/* The part of NCCL's C API that tests/gpu's C programs (gather-nccl, abort-nccl) call by name,
+ * declared from NCCL's nccl.h with the types of include/nccl/api.h, so that they build without
+ * NCCL's headers. They link with -lnccl like a user's program: against the stand-in
+ * tests/gpu/nccl_stub.c at build time, against NCCL's libnccl.so.2 from the library path at run
+ * time, so that every call goes through the program's own relocation slot for its name: the
+ * slot the library rebinds when NCCL loads it (NCCL_NET_PLUGIN), or the name its own
+ * definition preempts (LD_PRELOAD). */
 #ifndef RG_TESTS_NCCL_API_H
 #define RG_TESTS_NCCL_API_H
 
-#include <stddef.h>
+#include "nccl/api.h"
 
-typedef struct {
-  char internal[128];
-} nccl_unique_id;
-typedef struct nccl_comm* nccl_comm_t;
-struct CUstream_st; /* CUstream and cudaStream_t point to it */
-enum { NCCL_SUCCESS = 0, NCCL_IN_PROGRESS = 7, NCCL_UINT8 = 1 };
-
-typedef struct nccl_api {
-  int (*get_unique_id)(nccl_unique_id*);
-  int (*comm_init_rank)(nccl_comm_t*, int, nccl_unique_id, int);
-  int (*all_gather)(const void*, void*, size_t, int, nccl_comm_t, struct CUstream_st*);
-  int (*comm_get_async_error)(nccl_comm_t, int*);
-  int (*comm_abort)(nccl_comm_t);
-  int (*comm_finalize)(nccl_comm_t);
-  int (*comm_destroy)(nccl_comm_t);
-  int (*comm_register)(nccl_comm_t, void*, size_t, void**);
-  int (*comm_deregister)(nccl_comm_t, void*);
-  const char* (*get_error_string)(int);
-  int (*send)(const void*, size_t, int, int, nccl_comm_t, struct CUstream_st*);
-  int (*recv)(void*, size_t, int, int, nccl_comm_t, struct CUstream_st*);
-  int (*group_start)(void);
-  int (*group_end)(void);
-  int version;      /* ncclGetVersion: major*10000 + minor*100 + patch */
-  const char* path; /* the library that defines NCCL's functions */
-} nccl_api;
-
-extern nccl_api nccl;
-
-/* Fills `nccl` and prints "NCCL_LIB path" and "NCCL_VERSION x.y.z"; ends the process with
- * "FAIL what" and status 1 when NCCL cannot be had. */
-void nccl_load(void);
+ncclResult_t ncclGetVersion(int* version);
+const char* ncclGetErrorString(ncclResult_t result);
+ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId);
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank);
+ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
+                           ncclComm_t comm, cudaStream_t stream);
+ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
+                      cudaStream_t stream);
+ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
+                      cudaStream_t stream);
+ncclResult_t ncclGroupStart(void);
+ncclResult_t ncclGroupEnd(void);
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError);
+ncclResult_t ncclCommAbort(ncclComm_t comm);
+ncclResult_t ncclCommFinalize(ncclComm_t comm);
+ncclResult_t ncclCommDestroy(ncclComm_t comm);
 
 #endif

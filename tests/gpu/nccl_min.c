@@ -1,10 +1,10 @@
 /* See nccl_min.h. */
+#define _GNU_SOURCE /* dladdr */
+#include <dlfcn.h>
 #include <stdio.h>
 #include <time.h>
 #include <unistd.h>
 #include "nccl_min.h"
-
-nccl_api nccl;
 
 void die_if(int bad, const char* what) {
   if (bad) {
@@ -52,10 +52,32 @@ int file_get(const char* dir, const char* name, void* data, size_t n) {
   return got == n;
 }
 
-int nccl_pair_named(int rank, const char* dir, const char* name, nccl_comm_t* comm) {
-  nccl_unique_id id;
+/* The object that the address of ncclAllGather, read through this program's slot now, lies in:
+ * NCCL's library, or the one that rebound or preempted the name. Not inlined, so that each
+ * call reads the slot afresh. */
+__attribute__((noinline)) static void print_slot(const char* when) {
+  Dl_info info;
+  const char* where = dladdr((void*)ncclAllGather, &info) && info.dli_fname ? info.dli_fname : "(unknown)";
+  printf("SLOT ncclAllGather %s: %s\n", when, where[0] ? where : "(this program)");
+}
+
+void nccl_describe(void) {
+  setvbuf(stdout, NULL, _IOLBF, 0); /* the caller may kill this process; keep every line it printed */
+  int version = 0;
+  ncclResult_t rc = ncclGetVersion(&version);
+  if (rc != ncclSuccess) printf("FAIL ncclGetVersion: %s\n", ncclGetErrorString(rc));
+  die_if(rc != ncclSuccess, "ncclGetVersion");
+  Dl_info info;
+  printf("NCCL_LIB %s\n", dladdr((void*)ncclGetVersion, &info) && info.dli_fname ? info.dli_fname : "libnccl.so.2");
+  printf("NCCL_VERSION %d.%d.%d\n", version / 10000, version / 100 % 100, version % 100);
+  print_slot("before any communicator");
+}
+
+ncclResult_t nccl_pair_named(int rank, const char* dir, const char* name, ncclComm_t* comm) {
+  static int first = 1;
+  ncclUniqueId id;
   if (rank == 0) {
-    die_if(nccl.get_unique_id(&id) != NCCL_SUCCESS, "ncclGetUniqueId");
+    die_if(ncclGetUniqueId(&id) != ncclSuccess, "ncclGetUniqueId");
     file_put(dir, name, &id, sizeof(id));
   } else {
     for (int i = 0; !file_get(dir, name, &id, sizeof(id)); i++) {
@@ -63,16 +85,18 @@ int nccl_pair_named(int rank, const char* dir, const char* name, nccl_comm_t* co
       usleep(10000);
     }
   }
-  nccl_comm_t c;
-  int rc = nccl.comm_init_rank(&c, 2, id, rank);
-  if (rc == NCCL_SUCCESS) *comm = c;
+  ncclComm_t c = NULL;
+  ncclResult_t rc = ncclCommInitRank(&c, 2, id, rank);
+  if (first) print_slot("after the first ncclCommInitRank"); /* NCCL has loaded NCCL_NET_PLUGIN by now */
+  first = 0;
+  if (rc == ncclSuccess) *comm = c;
   return rc;
 }
 
-nccl_comm_t nccl_pair(int rank, const char* dir) {
-  nccl_comm_t comm;
-  int rc = nccl_pair_named(rank, dir, "id", &comm);
-  if (rc != NCCL_SUCCESS) printf("FAIL ncclCommInitRank: %s\n", nccl.get_error_string(rc));
-  die_if(rc != NCCL_SUCCESS, "ncclCommInitRank");
+ncclComm_t nccl_pair(int rank, const char* dir) {
+  ncclComm_t comm;
+  ncclResult_t rc = nccl_pair_named(rank, dir, "id", &comm);
+  if (rc != ncclSuccess) printf("FAIL ncclCommInitRank: %s\n", ncclGetErrorString(rc));
+  die_if(rc != ncclSuccess, "ncclCommInitRank");
   return comm;
 }

@@ -15,9 +15,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 STYLE = {"intercept": ("tab:green", "-", 2.4), "intercept-preload": ("tab:olive", "--", 1.4),
-         "intercept-nonap": ("tab:cyan", ":", 1.4), "oneshot": ("tab:red", "-", 2.2),
-         "ring-over-plugin": ("tab:blue", "-", 2.0), "nccl-socket": ("tab:gray", "-", 2.0),
-         "oneshot-mode-eager": ("tab:orange", ":", 1.2), "oneshot-mode-rendezvous": ("tab:purple", ":", 1.2)}
+         "intercept-nonap": ("tab:cyan", ":", 1.4), "intercept-wide": ("tab:red", "-.", 1.4),
+         "nccl-socket": ("tab:gray", "-", 2.0)}
 OTHER = ("black", "-.", 1.0)  # a config without a style of its own
 
 

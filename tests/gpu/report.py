@@ -1,8 +1,8 @@
 """Gathers the steps' results: OUT/summary.json, OUT/summary.md, OUT/latency.png,
-OUT/latency.csv, OUT/sweep.csv, OUT/sweep.md and OUT/results.tar.gz (every log and raw file);
-prints a short table. The summary's second line says whether CUDA MPS ran (mps.summary).
+OUT/latency.csv and OUT/results.tar.gz (every log and raw file); prints a short table. The
+summary's second line says whether CUDA MPS ran (mps.summary).
 
-    python3 report.py --work DIR --out OUTDIR --steps "env kernels ..." --start EPOCH
+    python3 report.py --work DIR --out OUTDIR --steps "env gather ..." --start EPOCH
 
 Exit status 1 when a step failed (or ended without a result).
 """
@@ -101,7 +101,7 @@ def main():
     with open(os.path.join(a.work, "summary.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     os.makedirs(a.out, exist_ok=True)
-    for name in ("summary.json", "summary.md", "latency.png", "latency.csv", "sweep.csv", "sweep.md"):
+    for name in ("summary.json", "summary.md", "latency.png", "latency.csv"):
         if os.path.exists(os.path.join(a.work, name)):
             shutil.copy(os.path.join(a.work, name), os.path.join(a.out, name))
     with tarfile.open(os.path.join(a.out, "results.tar.gz"), "w:gz") as tar:
@@ -125,7 +125,7 @@ def main():
     if cmp_ and cmp_.get("rows"):
         L = lat["numbers"]["latency"]
         cols = [c for c in lat["numbers"].get("configs", []) if L.get(c, {}).get("graph")]
-        name = f"{cmp_['a']}/{cmp_['b']}".replace("ring-over-plugin/nccl-socket", "ring/socket")
+        name = f"{cmp_['a']}/{cmp_['b']}"
         print("\nus per gather under CUDA graph replay, median (min-max):")
         print(f"{'bytes':>8} " + " ".join(f"{c:>20}" for c in cols) + f" {name:>22} verdict")
         for row in cmp_["rows"]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU testbed run (DESIGN.md, testing ladder item 4): two processes made to look like two
-# nodes, one GPU each or both on one GPU under CUDA MPS, real NCCL through PyTorch and JAX.
+# nodes, one GPU each or both on one GPU under CUDA MPS, real NCCL through PyTorch, JAX and
+# NCCL's C API, the intercepted gather beside NCCL's own socket transport.
 #
 #   bash tests/gpu/run_all.sh [OUTDIR]      # OUTDIR defaults to $OUT
 #
@@ -8,20 +9,14 @@
 # (ROCE_GATHER_GPU_BUDGET_S, 480 s by default, MPS's start included: with the last step's 10 s
 # kill grace, MPS's stop (25 s at most) and the report's 45 s, the whole run stays within 560 s),
 # goes on after a failed step, and exits non-zero if any step failed. OUTDIR gets summary.md,
-# summary.json, latency.png, latency.csv, sweep.csv, sweep.md and results.tar.gz (every log and
-# raw result).
+# summary.json, latency.png, latency.csv and results.tar.gz (every log and raw result).
 # tests/gpu/README.md says what each step checks.
 #
-# ROCE_GATHER_GPU_STEPS: the steps to run, by name or group (default: check):
-#   check     = env kernels p2p gather graphs capi jax abort topology recreate
-#   timing    = env latency plot calibrate
-#   sweep     = env sweep
-#   intercept = env gather graphs capi jax abort latency plot
-# Steps gather, graphs, capi, jax, abort and latency run the intercepted gather beside NCCL's
-# own transport; ROCE_GATHER_GPU_ROUTE=collnet runs their CollNet-route configs instead.
+# ROCE_GATHER_GPU_STEPS: the steps to run, by name or group (steps.py's PLAN; default: check):
+#   check  = env gather graphs capi jax abort recreate latency plot   (validates the product)
+#   timing = env latency plot calibrate                               (measures it)
 # ROCE_GATHER_GPU_ONE_DEVICE=0: both ranks of every pair on GPU 0, under CUDA MPS (started
-# here before the first pair, stopped at the end; ROCE_GATHER_GPU_MPS=0 leaves it off), and
-# ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH defaults to 1 (one GPU has no NVSwitch).
+# here before the first pair, stopped at the end; ROCE_GATHER_GPU_MPS=0 leaves it off).
 # ROCE_GATHER_GPU_NCCL_LIB=/path/to/libnccl.so.2: every pair runs that NCCL (LD_PRELOAD).
 set -u -o pipefail
 
@@ -37,26 +32,23 @@ mkdir -p "$OUTDIR" && OUTDIR="$(cd "$OUTDIR" && pwd)"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NCCL_MNNVL_ENABLE=0
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 
+# "name limit" a step, in the order they run; an unknown name ends the run before anything starts.
+# shellcheck disable=SC2086 # one word a step or group
+if ! PLAN="$(python3 "$HERE/steps.py" plan ${ROCE_GATHER_GPU_STEPS:-check})"; then
+	echo "run_all.sh: nothing was run (ROCE_GATHER_GPU_STEPS=${ROCE_GATHER_GPU_STEPS:-})" >&2
+	exit 2
+fi
+WANT="$(echo "$PLAN" | cut -d' ' -f1 | tr '\n' ' ')"
+
 START=$(date +%s)
 BUDGET=${ROCE_GATHER_GPU_BUDGET_S:-480}
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/roce_gather_gpu.XXXXXX")"
 mkdir -p "$WORK/logs" "$WORK/steps" "$WORK/raw"
 
-WANT=""
-for w in ${ROCE_GATHER_GPU_STEPS:-check}; do
-	case $w in
-	check) WANT="$WANT env kernels p2p gather graphs capi jax abort topology recreate" ;;
-	timing) WANT="$WANT env latency plot calibrate" ;;
-	sweep) WANT="$WANT env sweep" ;;
-	intercept) WANT="$WANT env gather graphs capi jax abort latency plot" ;;
-	*) WANT="$WANT $w" ;;
-	esac
-done
-echo "roce_gather GPU tests: work dir $WORK, results to $OUTDIR, budget ${BUDGET}s, steps:$WANT"
+echo "roce_gather GPU tests: work dir $WORK, results to $OUTDIR, budget ${BUDGET}s, steps: $WANT"
 
 # One GPU for both ranks: CUDA MPS, so that their kernels run side by side.
 if [ -n "${ROCE_GATHER_GPU_ONE_DEVICE:-}" ]; then
-	export ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH="${ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH:-1}"
 	if [ "${ROCE_GATHER_GPU_MPS:-1}" != 0 ]; then
 		export CUDA_MPS_PIPE_DIRECTORY="$WORK/mps/pipe" CUDA_MPS_LOG_DIRECTORY="$WORK/mps/log"
 		mps() { timeout -k 5 "$1" python3 "$HERE/mps.py" "$2" --work "$WORK" "${@:3}" >>"$WORK/logs/mps.log" 2>&1; }
@@ -78,8 +70,6 @@ STEPS=""
 # step NAME LIMIT_S: python3 steps.py NAME under min(LIMIT_S, what the budget has left).
 step() {
 	local name=$1 limit=$2 now left t0 rc
-	case " $WANT " in *" $name "*) ;; *) return ;; esac
-	case " $STEPS " in *" $name "*) return ;; esac # named twice (env in two groups): once
 	STEPS="$STEPS $name"
 	now=$(date +%s)
 	left=$((START + BUDGET - now))
@@ -92,7 +82,7 @@ step() {
 	echo "== $name (limit ${limit}s)"
 	t0=$(date +%s)
 	timeout -s TERM -k 10 "$limit" python3 "$HERE/steps.py" "$name" --work "$WORK" --deadline "$((t0 + limit - 2))" \
-		>"$WORK/logs/$name.log" 2>&1
+		>"$WORK/logs/$name.log" 2>&1 </dev/null
 	rc=$?
 	echo "$rc $(($(date +%s) - t0))" >"$WORK/steps/$name.meta"
 	tail -n 1 "$WORK/logs/$name.log" | cut -c1-200
@@ -102,20 +92,11 @@ step() {
 	fi
 }
 
-step env 45
-step kernels 60
-step p2p 120
-step gather 200
-step graphs 120
-step capi 260
-step jax 240 # two pairs: NCCL_NET_PLUGIN alone, LD_PRELOAD alone
-step abort 200
-step latency 250 # fits its rounds into what it has left
-step plot 30
-step calibrate 150
-step recreate 150
-step topology 150
-step sweep 450 # last: it fits its pairs into whatever the budget has left
+mapfile -t PLANNED <<<"$PLAN"
+for line in "${PLANNED[@]}"; do
+	# shellcheck disable=SC2086 # "name limit": two words
+	step $line
+done
 
 if [ -n "${ROCE_GATHER_GPU_MPS_ON:-}" ]; then
 	mps 25 stop || echo "CUDA MPS: stop needed a kill (logs/mps.log)"

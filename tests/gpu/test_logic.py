@@ -1,9 +1,10 @@
-"""The testbed's logic that needs no GPU, checked on any machine with python3 (and gcc and bash
-for the MPS cases): tables, ratios, spreads and verdicts; the calibration window; the sweep's
-grid; the re-create case's expectations; the ranks' environments; CUDA MPS start, stop and
-restart (against a stand-in nvidia-cuda-mps-control and a stand-in libcuda.so.1); a pair killed
-at its limit; the steps latency, sweep, calibrate and recreate and the report, from canned
-records; run_all.sh's MPS handling.
+"""The testbed's logic that needs no GPU, checked on any machine with python3 (and gcc, make and
+bash for the C programs and the MPS cases): tables, ratios, spreads and verdicts; the
+calibration window; the step plan and its groups; the re-create step's verdicts; the ranks'
+environments; the ledger against the stats; the C programs as make builds them, run against a
+stand-in NCCL; CUDA MPS start, stop and restart (against a stand-in nvidia-cuda-mps-control and
+a stand-in libcuda.so.1); a pair killed at its limit; every step and the report from canned
+records; run_all.sh's MPS handling and groups.
 
     python3 tests/gpu/test_logic.py [-v]
 """
@@ -83,23 +84,14 @@ class MeasureTest(unittest.TestCase):
         self.assertEqual([measure.size_label(b) for b in (16, 4096, 1 << 20, 524304)],
                          ["16 B", "4 KiB", "1 MiB", "524304 B"])
 
-    def test_pooled_and_comparison(self):
-        runs = [("ring", {"graph": {"16": [30, 31]}}), ("ring", {"graph": {"16": [32]}}),
+    def test_pooled_and_spread(self):
+        runs = [("intercept", {"graph": {"16": [30, 31]}}), ("intercept", {"graph": {"16": [32]}}),
                 ("sock", {"graph": {"16": [20, 21, 22]}, "eager": {"16": [50]}})]
         t = measure.pooled(runs, "graph")
-        self.assertEqual(t, {"ring": {16: [30, 31, 32]}, "sock": {16: [20, 21, 22]}})
-        rows = measure.comparison_rows(t, [16, 64], "ring", "sock")
-        self.assertEqual(rows[0]["verdict"], "slower")
-        self.assertAlmostEqual(rows[0]["ratio"]["median"], 31 / 21)
-        self.assertIsNone(rows[1]["verdict"])
-        self.assertAlmostEqual(measure.worst_spread(t, ["ring"], [16])["ring"], 100 * 2 / 31)
-
-    def test_cheapest(self):
-        table = {"a": {16: S(10, 11), 64: S(30, 31)}, "b": {16: S(12, 13), 64: S(20, 40)}, "c": {16: None}}
-        best = measure.cheapest(table, [16, 64, 256])
-        self.assertEqual((best[0]["best"], best[0]["second"], best[0]["beyond_spread"]), ("a", "b", True))
-        self.assertEqual((best[1]["best"], best[1]["second"], best[1]["beyond_spread"]), ("b", "a", False))
-        self.assertIsNone(best[2]["best"])
+        self.assertEqual(t, {"intercept": {16: [30, 31, 32]}, "sock": {16: [20, 21, 22]}})
+        self.assertEqual(measure.pooled(runs, "eager"), {"sock": {16: [50]}})
+        self.assertAlmostEqual(measure.worst_spread(t, ["intercept"], [16])["intercept"], 100 * 2 / 31)
+        self.assertEqual(measure.worst_spread(t, ["sock", "none"], [16, 64]), {"sock": 100 * 2 / 21, "none": None})
 
     def test_latency_csv_roundtrip(self):
         with tempfile.TemporaryDirectory() as d:
@@ -114,8 +106,8 @@ class MeasureTest(unittest.TestCase):
 class WindowTest(unittest.TestCase):
     SIZES = [16, 256, 4096, 16384, 65536, 262144, 1048576]
 
-    def make(self, os_, ring):
-        return ({b: S(*x) for b, x in zip(self.SIZES, os_)}, {b: S(*x) for b, x in zip(self.SIZES, ring)})
+    def make(self, path, ref):
+        return ({b: S(*x) for b, x in zip(self.SIZES, path)}, {b: S(*x) for b, x in zip(self.SIZES, ref)})
 
     def test_contiguous_window(self):
         o, r = self.make([(50, 51), (50, 52), (40, 41), (42, 43), (60, 61), (200, 210), (500, 510)],
@@ -169,127 +161,131 @@ class WindowTest(unittest.TestCase):
         self.assertEqual((w["floor"], w["cap"]), (16384, 1048576))
 
 
-# ---- plans -----------------------------------------------------------------------------------
+# ---- the plan, the re-create verdicts and the configs ----------------------------------------
 
-class SweepPlanTest(unittest.TestCase):
-    def test_every_config_exists(self):
-        for _, cs in plans.SWEEP_FAMILIES:
-            for c in cs:
-                self.assertIn(c, launch.CONFIGS)
-        for c in plans.SWEEP_OPT_IN:
-            self.assertIn(c, launch.CONFIGS)
-        for c in launch.CONFIGS:
-            if c.startswith("os-"):
-                self.assertEqual(launch.cap_of(c), 1 << 20)
-                self.assertTrue(launch.oneshot_on(c))
-            if "gdr" in c:
-                self.assertEqual(launch.CONFIGS[c]["ROCE_GATHER_TCP_CUDA"], "1")
-                self.assertEqual(launch.CONFIGS[c]["NCCL_NET_GDR_LEVEL"], "SYS")
-            if c.startswith("ring-"):
-                self.assertFalse(launch.oneshot_on(c))
-        self.assertEqual(launch.cap_of("oneshot"), 524288)
-        # The library as a user loads it: NCCL_NET_PLUGIN alone, the intercepted path, no CollNet route.
-        self.assertFalse(any(k.startswith("ROCE_GATHER_") for k in launch.CONFIGS["defaults"]))
-        self.assertTrue(launch.uses_plugin("defaults"))
-        self.assertFalse(launch.oneshot_on("defaults"))
-        self.assertTrue(launch.oneshot_on("oneshot"))
+class StepPlanTest(unittest.TestCase):
+    def test_every_step_has_its_function_and_groups(self):
+        names = [n for n, _, _ in steps.PLAN]
+        self.assertEqual(len(names), len(set(names)))
+        self.assertEqual(sorted(names), sorted(n[len("step_"):] for n in dir(steps) if n.startswith("step_")))
+        for n, limit, groups in steps.PLAN:
+            self.assertGreater(limit, 0, n)
+            self.assertTrue(groups, n)
 
-    def test_plan(self):
-        all_, unknown = plans.sweep_plan("", launch.CONFIGS)
-        self.assertEqual(all_[:3], ["nccl-socket", "ring-over-plugin", "os-staged"])
-        self.assertEqual(len(all_), 21)
-        self.assertEqual(all_[3:5], ["os-place-kernel", "os-place-copy"])
-        self.assertEqual(unknown, [])
-        sel, unknown = plans.sweep_plan("gdr, os-gdr-unreg bogus", launch.CONFIGS)
-        self.assertEqual(sel, ["nccl-socket", "ring-over-plugin", "os-gdr", "os-gdr-commreg", "os-gdr-rendezvous",
-                               "os-gdr-unreg"])
-        self.assertEqual(unknown, ["bogus"])
-        self.assertEqual(plans.family_of("os-ch4"), "channels")
-        self.assertEqual(plans.family_of("ring-ch2"), "ring-channels")
-        self.assertEqual(plans.version_tuple("2.30.7"), (2, 30, 7))
-        self.assertIsNone(plans.version_tuple(None))
+    def test_groups_and_order(self):
+        self.assertEqual([n for n, _ in steps.plan(["check"])],
+                         ["env", "gather", "graphs", "capi", "jax", "abort", "recreate", "latency", "plot"])
+        self.assertEqual([n for n, _ in steps.plan(["timing"])], ["env", "latency", "plot", "calibrate"])
+        # Each once, in the plan's order, whatever the order asked.
+        self.assertEqual(steps.plan(["plot", "gather", "timing", "gather"]),
+                         [("env", 45), ("gather", 200), ("latency", 250), ("plot", 30), ("calibrate", 150)])
+        self.assertEqual(steps.plan([]), [])
+        with self.assertRaisesRegex(ValueError, "names 'sweep', 'intercept': neither a step .* nor a group "
+                                                r"\(check, timing\)"):
+            steps.plan(["gather", "sweep", "intercept"])
 
-    def test_placement_is_timed_eager_and_kept_apart(self):
-        self.assertEqual(plans.sweep_mode("os-place-copy"), "eager")
-        self.assertEqual(plans.sweep_mode("os-staged"), "graph")
-        sizes = [16, 4096]
-        res = {"ring-over-plugin": {"status": "ok", "samples": {16: [30, 31, 32], 4096: [40, 41, 42]}},
-               "os-staged": {"status": "ok", "samples": {16: [50, 51, 52], 4096: [60, 61, 62]}},
-               "os-place-kernel": {"status": "ok", "samples": {16: [10, 11, 12], 4096: [20, 21, 22]}},
-               "os-place-copy": {"status": "ok", "samples": {16: [14, 15, 16], 4096: [20, 22, 24]}}}
-        summ, rows = plans.sweep_rows(res, sizes)
-        by = {(r["config"], r["bytes"]): r for r in rows}
-        self.assertIsNone(by[("os-place-kernel", 16)]["vs_ring"], "eager-timed configs get no ratio to the graph-timed ring")
-        self.assertEqual(by[("os-staged", 16)]["vs_ring_verdict"], "slower")
-        place = plans.placement_rows(res, sizes, summ)
-        self.assertEqual([r[0] for r in place], ["16 B", "4 KiB"])
-        self.assertEqual(place[0][4], "faster")  # 10-12 against 14-16
-        self.assertEqual(place[1][4], "within")
-        md = plans.sweep_markdown("2.30.7", res, sizes, summ)
-        # The cheapest-per-size table never names an eager-timed config, though its medians are lowest.
-        table = md.split("Median µs a gather")[0]
-        self.assertNotIn("os-place", table)
-        self.assertIn("kernel vs copy", md)
-        self.assertEqual(plans.placement_mismatch("os-place-copy", {"eager": 8, "by_kernel": 0}), "")
-        self.assertIn("expected none", plans.placement_mismatch("os-place-copy", {"eager": 8, "by_kernel": 8}))
-        self.assertIn("expected all", plans.placement_mismatch("os-place-kernel", {"eager": 8, "by_kernel": 7}))
-        self.assertIn("no eager", plans.placement_mismatch("os-place-kernel", {"eager": 0}))
-        self.assertEqual(plans.placement_mismatch("os-staged", {}), "")
-        del res["os-place-copy"]
-        self.assertEqual(plans.placement_rows(res, sizes, summ), [])
+    def test_plan_command(self):
+        p = subprocess.run([sys.executable, os.path.join(HERE, "steps.py"), "plan"], capture_output=True, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(p.stdout.split("\n")[0], "env 45")
+        self.assertEqual(len(p.stdout.split()), 2 * len(steps.plan([steps.DEFAULT_GROUP])))
+        p = subprocess.run([sys.executable, os.path.join(HERE, "steps.py"), "plan", "kernels"], capture_output=True,
+                           text=True)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("names 'kernels': neither a step", p.stderr)
 
-    def test_pair_status(self):
-        base = {"timed_out": False, "limit": 45, "failures": []}
-        self.assertEqual(plans.pair_status(base)[0], "ok")
-        self.assertEqual(plans.pair_status(dict(base, failures=["x rank 0 stats: oneshot.calls=0"]))[0], "path differs")
-        self.assertEqual(plans.pair_status(dict(base, failures=["x rank 0: wrong output", "x rank 0 stats: y"]))[0],
-                         "failed")
-        self.assertEqual(plans.pair_status(dict(base, timed_out=True, failures=["t"]))[0], "killed")
-        self.assertEqual(plans.pair_status(None)[0], "not run")
+
+def recreate_rec(firsts=("ok", "ok"), seconds=("ok", "ok"), stats=None, failures=(), timed_out=False, values=()):
+    """A re-create pair's record: each rank's group outcomes and ledgers (RECREATE_SIZES and one
+    above a cap of 256 KiB), and stats as given (default: every in-window gather of both groups
+    intercepted)."""
+    above = 262144 + 16
+    results, ledgers = [], {}
+    for key in ("first", "second"):
+        L = common.Ledger()
+        for b in plans.RECREATE_SIZES[key] + [above]:
+            L.gather(b, comm=key)
+        ledgers[key] = L.n
+    for r in (0, 1):
+        n = {"first": firsts[r], "second": seconds[r], "ledgers": ledgers}
+        if seconds[r] == "error":
+            n["second_error"] = "DistBackendError: NCCL error in: ncclCommInitRankConfig"
+        results.append({"failures": list(values), "numbers": n})
+    if stats is None:
+        e = common.intercept_expectation(common.merged(*ledgers.values())["calls"], (0, 262144), True)
+        stats = istats(e["launches"], e["gathers"], e["launch_bytes"], e["bytes"], forwarded=2, way_in="rebound")
+    return {"timed_out": timed_out, "limit": 60, "failures": list(failures), "results": results, "stats": [stats, stats],
+            "ledgers": ledgers}
 
 
 class RecreatePlanTest(unittest.TestCase):
-    def test_expectations(self):
-        e = plans.recreate_expectation
-        self.assertEqual(e("2.28.9", True, {})[0], "fail")
-        self.assertEqual(e("2.29.7", True, {})[0], "fail")
-        self.assertEqual(e("2.28.9", True, {"NCCL_NET_PLUGIN_REF_COUNT": "1"})[0], "pass")
-        self.assertEqual(e("2.30.7", True, {})[0], "pass")
-        self.assertEqual(e("2.28.9", False, {})[0], "pass")
-        self.assertIsNone(e("2.26.6", True, {})[0])
-        self.assertIsNone(e(None, True, {})[0])
+    W = (0, 262144)
 
-    def test_observed_and_verdict(self):
-        ok = {"numbers": {"first": "ok", "second": "ok"}}
-        bad = {"numbers": {"first": "ok", "second": "error", "second_error": "x"}}
-        self.assertEqual(plans.recreate_observed([ok, ok]), "pass")
-        self.assertEqual(plans.recreate_observed([ok, bad]), "fail")
-        self.assertEqual(plans.recreate_observed([bad, None]), "error")
-        self.assertEqual(plans.recreate_observed([{"numbers": {"first": "error"}}, ok]), "error")
-        v = plans.recreate_verdict
-        self.assertTrue(v("fail", "fail", True)[0])
-        self.assertFalse(v("fail", "fail", False)[0])
-        self.assertFalse(v("fail", "pass", False)[0])
-        self.assertTrue(v("pass", "pass", False)[0])
-        self.assertFalse(v("pass", "fail", True)[0])
-        self.assertFalse(v("pass", "error", False)[0])
-        self.assertTrue(v(None, "fail", False)[0])
+    def test_cases(self):
+        self.assertEqual([c for c, *_ in plans.recreate_cases("")], ["intercept", "intercept-refcount1", "nccl-socket"])
+        cases = plans.recreate_cases("/n/libnccl.so.2")
+        self.assertEqual([(c, cfg, env.get(plans.REF_COUNT), lib) for c, cfg, env, lib in cases],
+                         [("intercept", "intercept", None, ""), ("intercept-refcount1", "intercept", "1", ""),
+                          ("nccl-lib", "intercept", None, "/n/libnccl.so.2"),
+                          ("nccl-lib-refcount1", "intercept", "1", "/n/libnccl.so.2"),
+                          ("nccl-socket", "nccl-socket", None, "")])
 
+    def test_observed(self):
+        o = plans.recreate_observed
+        self.assertEqual(o(recreate_rec(), self.W, "rebound"),
+                         ("ok", "both process groups byte-exact, every in-window gather intercepted"))
+        self.assertEqual(o(recreate_rec(stats=None), None, None)[0], "ok")  # NCCL's transport: no stats to read
+        st, text = o(recreate_rec(seconds=("ok", "error")), self.W, "rebound")
+        self.assertEqual(st, "second failed")
+        self.assertIn("ncclCommInitRankConfig", text)
+        self.assertEqual(o(recreate_rec(firsts=("error", "ok")), self.W, "rebound")[0], "error")
+        self.assertEqual(o(recreate_rec(values=["recreate/second/32B: 1 of 64 bytes differ"]), self.W, "rebound"),
+                         ("error", "wrong values: recreate/second/32B: 1 of 64 bytes differ"))
+        self.assertEqual(o(recreate_rec(timed_out=True), self.W, "rebound"), ("error", "still running after 60s: killed"))
+        self.assertEqual(o(recreate_rec(failures=["r rank 0: NCCL 2.28.9 ran, not 2.30.7 from LD_PRELOAD=/x"]), self.W,
+                           "rebound")[0], "error")
+        rec = recreate_rec()
+        rec["results"][1] = None
+        self.assertEqual(o(rec, self.W, "rebound"), ("error", "a rank wrote no result"))
 
-# ---- launch ----------------------------------------------------------------------------------
+    def test_path_names_the_group_that_took_it(self):
+        L = recreate_rec()["ledgers"]
+        one = {k: common.intercept_expectation(L[k]["calls"], self.W, True) for k in L}
+        first = istats(one["first"]["launches"], one["first"]["gathers"], one["first"]["launch_bytes"],
+                       one["first"]["bytes"], forwarded=5, way_in="rebound")
+        st, text = plans.recreate_observed(recreate_rec(stats=first), self.W, "rebound")
+        self.assertEqual((st, text), ("off the path", "rank 0: only the first process group's gathers took the path "
+                                                      "(the second's went to NCCL)"))
+        second = istats(one["second"]["launches"], one["second"]["gathers"], one["second"]["launch_bytes"],
+                        one["second"]["bytes"], forwarded=1, way_in="rebound")
+        self.assertIn("only the second process group's gathers took the path; the first's are not in the stats",
+                      plans.recreate_observed(recreate_rec(stats=second), self.W, "rebound")[1])
+        none = istats(0, 0, 0, 0, forwarded=8, way_in="rebound")
+        st, text = plans.recreate_observed(recreate_rec(stats=none), self.W, "rebound")
+        self.assertEqual(st, "off the path")
+        self.assertIn("intercepted.launches=0 gathers=0; expected launches=6 gathers=6", text)
+
+    def test_needs_ref_count(self):
+        n = plans.recreate_needs_ref_count
+        self.assertEqual(n("ok", "ok"), "not needed")
+        self.assertEqual(n("ok", None), "not needed")
+        self.assertEqual(n("second failed", "ok"), "needed")
+        self.assertEqual(n("off the path", "ok"), "needed")
+        self.assertEqual(n("off the path", "off the path"), "unknown")
+        self.assertEqual(n("error", "ok"), "unknown")
+
 
 class LaunchEnvTest(unittest.TestCase):
     def test_rank_env(self):
         outer = {"NCCL_PROTO": "LL", "NCCL_MAX_NCHANNELS": "9", "ROCE_GATHER_MODE": "eager", "NCCL_NVLS_ENABLE": "1",
                  "CUDA_MPS_PIPE_DIRECTORY": "/p", "CUDA_MPS_LOG_DIRECTORY": "/l", "LD_PRELOAD": "/x.so",
-                 "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1", "PATH": "/bin"}
+                 "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1", "NCCL_NET": "roce_gather", "PATH": "/bin"}
         with mock.patch.dict(os.environ, outer, clear=True):
-            e = launch.rank_env("ring-ll", 1, "/s.json", {"NCCL_DEBUG": "INFO"}, "/n/libnccl.so.2")
-            self.assertEqual(e["NCCL_PROTO"], "LL")  # the config's, not the outer one
-            self.assertNotIn("NCCL_MAX_NCHANNELS", e)
-            self.assertNotIn("ROCE_GATHER_MODE", e)
-            self.assertNotIn("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", e)
-            self.assertEqual(e["ROCE_GATHER_ENABLE"], "0")
+            e = launch.rank_env("intercept-nonap", 1, "/s.json", {"NCCL_DEBUG": "INFO"}, "/n/libnccl.so.2")
+            for k in ("NCCL_PROTO", "NCCL_MAX_NCHANNELS", "ROCE_GATHER_MODE", "NCCL_NET",
+                      "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"):
+                self.assertNotIn(k, e)  # nothing from outside changes what a config means
+            self.assertEqual(e["ROCE_GATHER_PROXY_IDLE_MS"], "0")
             self.assertEqual(e["ROCE_GATHER_STATS"], "/s.json")
             self.assertEqual(e["NCCL_HOSTID"], "testhost-1")
             self.assertEqual(e["NCCL_DEBUG"], "INFO")
@@ -300,10 +296,9 @@ class LaunchEnvTest(unittest.TestCase):
             e = launch.rank_env("nccl-socket", 0, "/s.json", {"NCCL_NVLS_ENABLE": "1"}, "")
             self.assertEqual(e["LD_PRELOAD"], "/x.so")
             self.assertNotIn("ROCE_GATHER_STATS", e)
+            self.assertNotIn("ROCE_GATHER_TRACE", e)
+            self.assertEqual(e["NCCL_NET_PLUGIN"], "none")
             self.assertEqual(e["NCCL_NVLS_ENABLE"], "0")  # multicast stays off whatever a step asks
-            e = launch.rank_env("os-gdr-commreg", 0, "/s", None)
-            self.assertEqual((e["NCCL_GRAPH_REGISTER"], e["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"]), ("0", "1"))
-            self.assertEqual(e["ROCE_GATHER_MIN_BYTES"], "1")
 
     def test_lib_version(self):
         with tempfile.TemporaryDirectory() as d:
@@ -319,32 +314,27 @@ class LaunchEnvTest(unittest.TestCase):
 
 
 class InterceptConfigTest(unittest.TestCase):
-    """The intercept configs: what each puts in the ranks' environment, and the window their
-    ledgers are judged by, read from plugin/config.go."""
+    """The configs: what each puts in the ranks' environment, and the window their ledgers are
+    judged by, read from plugin/config.go."""
 
     def test_configs(self):
         lib = launch.LIB
+        self.assertEqual(sorted(launch.CONFIGS), ["intercept", "intercept-nonap", "intercept-preload", "intercept-wide",
+                                                  "nccl-socket"])
         self.assertEqual(launch.CONFIGS["intercept"], {"NCCL_NET_PLUGIN": lib})  # NCCL_NET_PLUGIN alone
-        self.assertEqual(launch.CONFIGS["defaults"], launch.CONFIGS["intercept"])
         self.assertEqual(launch.CONFIGS["intercept-preload"], {"LD_PRELOAD": lib})
         self.assertEqual(launch.CONFIGS["intercept-nonap"], {"NCCL_NET_PLUGIN": lib, "ROCE_GATHER_PROXY_IDLE_MS": "0"})
-        for c in ("intercept", "intercept-preload", "intercept-nonap", "intercept-wide", "defaults"):
-            self.assertTrue(launch.intercepting(c), c)
-            self.assertFalse(launch.collnet_route(c), c)
-            self.assertFalse(launch.oneshot_on(c), c)
+        for c in ("intercept", "intercept-preload", "intercept-nonap", "intercept-wide"):
+            self.assertTrue(launch.uses_plugin(c), c)
         self.assertEqual((launch.way_in("intercept"), launch.way_in("intercept-preload")), ("rebound", "preempting"))
-        # The CollNet route: the library is NCCL's network again, the interceptor steps aside.
-        for c in launch.CONFIGS:
-            if c.startswith(("oneshot", "os-", "ring-")):
-                self.assertEqual(launch.CONFIGS[c]["ROCE_GATHER_NET"], "1", c)
-                self.assertTrue(launch.collnet_route(c), c)
-                self.assertFalse(launch.intercepting(c), c)
-                self.assertIsNone(launch.intercept_window(c), c)
-        self.assertEqual(launch.CONFIGS["ring-over-plugin"]["ROCE_GATHER_ENABLE"], "0")
         self.assertFalse(launch.uses_plugin("nccl-socket"))
-        self.assertFalse(launch.intercepting("nccl-socket"))
-        for c in launch.CONFIGS:  # never multicast, whatever a config says
+        self.assertIsNone(launch.intercept_window("nccl-socket"))
+        for c in launch.CONFIGS:  # never multicast, and never a variable the library no longer reads
             self.assertNotIn("NCCL_NVLS_ENABLE", launch.CONFIGS[c])
+            for k in ("ROCE_GATHER_NET", "ROCE_GATHER_MODE", "ROCE_GATHER_PLACEMENT", "ROCE_GATHER_TCP_CUDA",
+                      "ROCE_GATHER_ONESHOT_CHANNELS", "ROCE_GATHER_ONESHOT_CHUNK", "ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH",
+                      "NCCL_NET", "NCCL_COLLNET_ENABLE"):
+                self.assertNotIn(k, launch.CONFIGS[c], c)
 
     def test_window_from_config_go(self):
         tcp = common.default_window("tcp")
@@ -355,7 +345,7 @@ class InterceptConfigTest(unittest.TestCase):
             go = os.path.join(d, "config.go")
             with open(go, "w") as f:
                 f.write("package plugin\n\nconst (\n\tMaxMaxBytes = 64 << 20\n\tSmall = 4 * 1024 // four KiB\n)\n\n"
-                        "var CollNetDefaultWindows = map[string]FabricWindow{\n\t\"tcp\": {MinBytes: 7, MaxBytes: 9},\n}\n\n"
+                        "var OtherWindows = map[string]FabricWindow{\n\t\"tcp\": {MinBytes: 7, MaxBytes: 9},\n}\n\n"
                         "var DefaultWindows = map[string]FabricWindow{\n"
                         "\t\"verbs\": {MinBytes: Small, MaxBytes: 512 << 10}, // measured\n"
                         "\t\"tcp\":   {Off: true, MinBytes: 0, MaxBytes: 1 << 20},\n"
@@ -389,7 +379,7 @@ class InterceptConfigTest(unittest.TestCase):
 
     def test_rank_env(self):
         outer = {"LD_PRELOAD": "/x.so", "NCCL_NET_PLUGIN": "/outer.so", "ROCE_GATHER_NET": "1", "NCCL_NET": "IB",
-                 "NCCL_COLLNET_ENABLE": "1", "PATH": "/bin", "ROCE_GATHER_GPU_DIRECT_WITHOUT_NVSWITCH": "1"}
+                 "NCCL_COLLNET_ENABLE": "1", "PATH": "/bin"}
         with mock.patch.dict(os.environ, outer, clear=True):
             e = launch.rank_env("intercept", 0, "/s.json")
             mine = {k: v for k, v in e.items() if k.startswith("ROCE_GATHER_") or k in ("NCCL_NET_PLUGIN", "NCCL_NET",
@@ -403,9 +393,6 @@ class InterceptConfigTest(unittest.TestCase):
             self.assertEqual(e["LD_PRELOAD"], f"{launch.LIB}:/n/libnccl.so.2:/x.so")
             self.assertNotIn("NCCL_NET_PLUGIN", e)
             self.assertEqual(e["ROCE_GATHER_STATS"], "/s.json")
-            e = launch.rank_env("oneshot", 0, "/s.json", None, "/n/libnccl.so.2")
-            self.assertEqual(e["LD_PRELOAD"], "/n/libnccl.so.2:/x.so")
-            self.assertEqual((e["ROCE_GATHER_NET"], e["NCCL_NET"], e["NCCL_COLLNET_ENABLE"]), ("1", "roce_gather", "1"))
             e = launch.rank_env("intercept-nonap", 0, "/s.json")
             self.assertEqual(e["ROCE_GATHER_PROXY_IDLE_MS"], "0")
         with mock.patch.dict(os.environ, {"PATH": "/bin"}, clear=True):
@@ -458,8 +445,14 @@ class InterceptLedgerTest(unittest.TestCase):
         self.assertEqual((e0["launches"], e0["gathers"]), (6, 42))
         off = common.intercept_expectation(c, None, True)  # the path off: every call is NCCL's
         self.assertEqual((off["launches"], off["gathers"], off["forwarded_min"]), (0, 0, 1 + 8 + 2))
-        # The old split is kept as it was.
-        self.assertEqual((L["small_enq"], L["big_enq"], L["list_small"]), (1 + 1 + 4 + 1, 2, 2))
+
+    def test_merged(self):
+        a = calls_of((16, 1, 1, False, "first"), (4096, 2, 2, False, "first"))
+        b = calls_of((16, 1, 1, False, "second"), (32, 3, 0, False, "second"))
+        m = common.merged(a, b)["calls"]
+        self.assertEqual(m["16"], dict(first=2, eager=2, captured=0, list=0, replays=0, pre=0, replays_pre=0))
+        self.assertEqual((m["4096"]["eager"], m["32"]["captured"]), (2, 3))
+        self.assertEqual(a["calls"]["16"]["first"], 1)  # the inputs stay as they were
 
     def test_grouped_calls_agree_at_the_first_groups_end(self):
         L = common.Ledger()
@@ -469,7 +462,6 @@ class InterceptLedgerTest(unittest.TestCase):
         L.gather(self.BIG, grouped=True)
         c = L.n["calls"]
         self.assertEqual(c["16"], dict(first=0, eager=1, captured=0, list=0, replays=0, pre=1, replays_pre=0))
-        self.assertEqual(L.n["agreements"], 1)
         e = common.intercept_expectation(c, self.W, True)
         self.assertEqual((e["launches"], e["gathers"], e["first_in"]), (2, 2, 0))
         self.assertEqual(e["forwarded_min"], 2)  # the first call and the one above the window
@@ -541,7 +533,7 @@ class InterceptLedgerTest(unittest.TestCase):
         self.assertEqual(len(F), 1)
         self.assertIn("gathers=68", F[0])
         self.assertIn("no ROCE_GATHER_STATS file", common.intercept_check(None, L, self.W)[0][0])
-        self.assertIn("no \"intercepted\" section", common.intercept_check({"tuner": {}}, L, self.W)[0][0])
+        self.assertIn("no \"intercepted\" section", common.intercept_check({"pid": 1}, L, self.W)[0][0])
 
     def test_path_off_and_way_in(self):
         L = self.ledger()
@@ -555,18 +547,31 @@ class InterceptLedgerTest(unittest.TestCase):
         F, note = common.way_in_check({"interceptor": {"way_in": "rebound"}}, "preempting")
         self.assertEqual(F, ["interceptor.way_in='rebound', expected 'preempting' (LD_PRELOAD alone)"])
 
-    def test_judge_by_route(self):
+    def test_judge_by_config(self):
         L = calls_of((16, 5, 5, False, "default"))
         good = istats(5, 5, 80, 80, way_in="preempting")
         self.assertEqual(launch.judge_stats("intercept-preload", good, L)[0], [])
         self.assertEqual(len(launch.judge_stats("intercept", good, L)[0]), 1)  # way in: rebound expected
-        # The CollNet route: the tuner's and one-shot counts, and the interceptor stepped aside.
-        st = stats_for(L, True)
-        self.assertEqual(launch.judge_stats("oneshot", st, L)[0], [])
-        st["intercepted"] = {"launches": 3}
-        F, _ = launch.judge_stats("oneshot", st, L)
-        self.assertEqual(F, ["the interceptor took 3 ncclAllGather calls (intercepted.launches) on the CollNet route "
-                             "(ROCE_GATHER_NET=1 NCCL_COLLNET_ENABLE=1), where it hands every gather to NCCL"])
+        big = calls_of((16, 1, 1, False, "default"), (8 << 20, 2, 2, False, "default"))
+        F, _ = launch.judge_stats("intercept-wide", istats(1, 1, 16, 16, forwarded=2, way_in="rebound"), big)
+        self.assertEqual(F, [], "8 MiB is above intercept-wide's cap too")
+
+    def test_cli(self):
+        with tempfile.TemporaryDirectory() as d:
+            L = calls_of((16, 4, 4, False, "default"))
+            res, st = os.path.join(d, "r.json"), os.path.join(d, "s.json")
+            with open(res, "w") as f:
+                json.dump({"failures": [], "completed": True, "ledger": L}, f)
+            with open(st, "w") as f:
+                json.dump(istats(4, 4, 64, 64), f)
+            run = lambda *a: subprocess.run([sys.executable, os.path.join(HERE, "common.py"), res, st, *a],
+                                            capture_output=True, text=True)
+            self.assertEqual(run("intercept:0:4096").returncode, 0)
+            p = run("off")
+            self.assertEqual(p.returncode, 1)
+            self.assertIn("expected launches=0 gathers=0 (window off)", p.stdout)
+            p = run("eager")
+            self.assertEqual((p.returncode, p.stderr.strip()), (1, "common.py: 'eager' is neither intercept[:FLOOR:CAP] nor off"))
 
     def test_cli_window(self):
         self.assertEqual(common.cli_window("intercept:16:4096", {}), (16, 4096))
@@ -683,36 +688,7 @@ class RunPairTest(unittest.TestCase):
         self.assertIn("LD_PRELOAD None", read(rec["logs"][0]))
 
 
-# ---- the programs linked with -lnccl ---------------------------------------------------------
-
-# nccl.h's declarations that tests/gpu/gather_linked.c uses, as NCCL 2.28's header gives them;
-# the real header also includes cuda_runtime.h, which defines cudaStream_t as below.
-STANDIN_NCCL_H = """#include <stddef.h>
-typedef struct CUstream_st* cudaStream_t;
-typedef enum { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3,
-               ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6, ncclInProgress = 7 } ncclResult_t;
-typedef enum { ncclInt8 = 0, ncclUint8 = 1 } ncclDataType_t;
-typedef struct { char internal[128]; } ncclUniqueId;
-typedef struct ncclComm* ncclComm_t;
-ncclResult_t ncclGetVersion(int* version);
-ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId);
-ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank);
-ncclResult_t ncclCommFinalize(ncclComm_t comm);
-ncclResult_t ncclCommDestroy(ncclComm_t comm);
-ncclResult_t ncclCommAbort(ncclComm_t comm);
-const char* ncclGetErrorString(ncclResult_t result);
-ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError);
-ncclResult_t ncclCommRegister(const ncclComm_t comm, void* buff, size_t size, void** handle);
-ncclResult_t ncclCommDeregister(const ncclComm_t comm, void* handle);
-ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
-                           ncclComm_t comm, cudaStream_t stream);
-ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
-                      cudaStream_t stream);
-ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
-                      cudaStream_t stream);
-ncclResult_t ncclGroupStart(void);
-ncclResult_t ncclGroupEnd(void);
-"""
+# ---- the C programs, as make builds them -----------------------------------------------------
 
 # A stand-in for the library's LD_PRELOAD way in: its ncclAllGather takes every call made by name,
 # counts those within STANDIN_CAP bytes as launches (the others as forwarded), hands each to
@@ -750,32 +726,33 @@ __attribute__((destructor)) static void write_stats(void) {
 """
 
 
-@unittest.skipUnless(shutil.which("gcc"), "needs gcc")
-class LinkedProgramTest(unittest.TestCase):
-    """gather-linked built the way step capi builds it (against a stand-in nccl.h, NCCL and
-    libcuda), run as a pair through capi_cases.py: its cases pass, and every ncclAllGather it
-    makes is reached by a library preempting the name, whose counts intercept_check holds to
-    the worker's ledger."""
+@unittest.skipUnless(shutil.which("gcc") and shutil.which("make"), "needs gcc and make")
+class CProgramTest(unittest.TestCase):
+    """build/gather-nccl and build/abort-nccl as make builds them (linked with -lnccl against a
+    stand-in at link time), run against the version matrix's stand-in NCCL and libcuda through
+    capi_cases.py and abort_cases.py: the cases pass, every ncclAllGather the program makes goes
+    through its own slot and so reaches a library preempting the name, and intercept_check holds
+    that library's counts to the worker's ledger."""
 
     @classmethod
     def setUpClass(cls):
+        repo = launch.REPO
+        p = subprocess.run(["make", "--no-print-directory", "-C", repo, "build/gather-nccl", "build/abort-nccl"],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stdout + p.stderr
         cls.dir = tempfile.mkdtemp()
-        d, repo = cls.dir, launch.REPO
-        os.makedirs(os.path.join(d, "include"))
-        with open(os.path.join(d, "include", "nccl.h"), "w") as f:
-            f.write(STANDIN_NCCL_H)
+        d = cls.dir
         with open(os.path.join(d, "interceptor.c"), "w") as f:
             f.write(STANDIN_INTERCEPTOR)
-        with open(os.path.join(d, "warn.h"), "w") as f:  # a warning under -Wundef, in every file
-            f.write("#if RG_NOT_DEFINED_ANYWHERE\n#endif\n")
         cc = ["gcc", "-O1", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC"]
         testdata = os.path.join(repo, "tests", "nccl-versions", "testdata")
-        for cmd in (cc + ["-Wl,-soname,libnccl.so.2", "-I" + os.path.join(repo, "include"), "-DFAKE_VERSION=22803",
-                          "-o", os.path.join(d, "libnccl.so.2"), os.path.join(testdata, "fake_nccl.c"), "-ldl"],
+        cls.nccl = os.path.join(d, "nccl")
+        os.makedirs(cls.nccl)
+        for cmd in (cc + ["-I" + os.path.join(repo, "include"), "-DFAKE_VERSION=22803",
+                          "-o", os.path.join(cls.nccl, "libnccl.so.2"), os.path.join(testdata, "fake_nccl.c"), "-ldl"],
                     cc + ["-o", os.path.join(d, "libcuda.so.1"), os.path.join(testdata, "fake_cuda.c")],
                     cc + ["-o", os.path.join(d, "interceptor.so"), os.path.join(d, "interceptor.c"), "-ldl"]):
             subprocess.run(cmd, check=True)
-        os.symlink("libnccl.so.2", os.path.join(d, "libnccl.so"))
 
     @classmethod
     def tearDownClass(cls):
@@ -789,84 +766,74 @@ class LinkedProgramTest(unittest.TestCase):
     def tearDown(self):
         shutil.rmtree(self.work)
 
-    def build(self, program):
-        s = steps.Step("capi", self.work, time.time() + 300)
-        with contextlib.redirect_stdout(io.StringIO()):
-            out = steps.build_linked(s, program, [os.path.join(self.dir, "include")], ["-L" + self.dir])
-        return s, out
+    def test_linked_with_lnccl(self):
+        for program in (steps.GATHER_NCCL, steps.ABORT_NCCL):
+            if shutil.which("readelf"):
+                dyn = subprocess.run(["readelf", "-dW", program], capture_output=True, text=True).stdout
+                self.assertIn("Shared library: [libnccl.so.2]", dyn)
+                relocs = steps.relocations(program, "ncclAllGather")
+                self.assertTrue(relocs and set(relocs) <= {"R_X86_64_GLOB_DAT", "R_X86_64_JUMP_SLOT"}, relocs)
+            s = steps.Step("capi", self.work, time.time() + 60)
+            with contextlib.redirect_stdout(io.StringIO()):
+                steps.linked_slots(s, program)
+            self.assertEqual(s.d["failures"], [])
+        s = steps.Step("capi", self.work, time.time() + 60)
+        with mock.patch.object(steps, "relocations", return_value=[]), contextlib.redirect_stdout(io.StringIO()):
+            steps.linked_slots(s, steps.GATHER_NCCL)
+        self.assertEqual(s.d["failures"], ["build/gather-nccl calls ncclAllGather through no relocation slot "
+                                           "(readelf -rW): nothing for the library to rebind"])
 
-    def test_build_command(self):
-        cmd = steps.linked_build_command("gather-linked", "/o/g", ["/cuda/include"])
-        self.assertEqual(cmd[-3:], ["-lnccl", "-ldl", "-lpthread"])
-        self.assertIn("-isystem/cuda/include", cmd)
-        self.assertIn("-I/usr/include", cmd)
-        srcs = [os.path.relpath(c, launch.REPO) for c in cmd if c.endswith(".c")]
-        self.assertEqual(srcs, ["tests/gpu/gather_nccl.c", "tests/gpu/gather_linked.c", "tests/gpu/nccl_min.c",
-                                "internal/cudadrv/cudadrv.c"])
-        self.assertEqual(steps.linked_build_command("abort-linked", "/o/a", [])[
-            steps.linked_build_command("abort-linked", "/o/a", []).index("-o") + 2], os.path.join(
-            launch.REPO, "tests/gpu/abort_nccl.c"))
+    def test_the_link_stub_says_so_when_loaded(self):
+        # The stub is found at run time only under the name it was linked by, which nothing gives.
+        stub = os.path.join(self.work, "stub")
+        os.makedirs(stub)
+        shutil.copy(os.path.join(launch.BUILD, "libnccl-stub", "libnccl.so"), os.path.join(stub, "libnccl.so.2"))
+        p = subprocess.run([steps.GATHER_NCCL, "0", "0", self.work], capture_output=True, text=True, timeout=30,
+                           env=dict(os.environ, LD_LIBRARY_PATH=f"{stub}:{self.dir}"))
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("FAIL ncclGetVersion: the link-time stand-in for libnccl.so.2 was loaded: put NCCL's "
+                      "libnccl.so.2 on the library path", p.stdout)
 
-    def test_builds_and_calls_by_name(self):
-        s, program = self.build("gather-linked")
-        self.assertEqual(s.d["failures"], [])
-        self.assertEqual(s.d["numbers"]["linked"]["gather-linked"]["warnings"], [])  # the project's zero warnings
-        self.assertTrue(os.access(program, os.X_OK))
-        relocs = s.d["numbers"]["linked"]["gather-linked"]["ncclAllGather_relocations"]
-        if relocs is not None:  # readelf present
-            self.assertTrue(relocs and set(relocs) <= {"R_X86_64_GLOB_DAT", "R_X86_64_JUMP_SLOT"}, relocs)
-        s2, again = self.build("gather-linked")  # once a run
-        self.assertEqual(again, program)
-        self.assertNotIn("linked", s2.d["numbers"])
-        s3, abort = self.build("abort-linked")
-        self.assertEqual(s3.d["failures"], [])
-        self.assertEqual(s3.d["numbers"]["linked"]["abort-linked"]["warnings"], [])
-        self.assertTrue(os.access(abort, os.X_OK))
-
-    def test_build_failure_says_why(self):
-        s = steps.Step("capi", self.work, time.time() + 300)
-        with contextlib.redirect_stdout(io.StringIO()):
-            out = steps.build_linked(s, "gather-linked", [], ["-L" + self.dir, "-include", "no_such_header.h"])
-        self.assertIsNone(out)
-        self.assertIn("gather-linked, linked with -lnccl, did not build (exit 1", s.d["failures"][0])
-        self.assertIn("no_such_header.h", s.d["failures"][0])
-
-    def test_warnings_are_shown(self):
-        s = steps.Step("capi", self.work, time.time() + 300)
-        with contextlib.redirect_stdout(io.StringIO()):
-            out = steps.build_linked(s, "gather-linked", [os.path.join(self.dir, "include")],
-                                     ["-L" + self.dir, "-Wundef", "-include", os.path.join(self.dir, "warn.h")])
-        self.assertIsNotNone(out, s.d["failures"])
-        self.assertTrue(any("gcc warned" in n for n in s.d["notes"]), s.d["notes"])
-
-    def pair(self, program, cap):
+    def pair(self, cap, worker="capi_cases.py", task="gather", params=None, expect_rcs=(0, 0)):
         cfg = {"intercept-preload": {"LD_PRELOAD": os.path.join(self.dir, "interceptor.so")}}
         with mock.patch.dict(launch.CONFIGS, cfg), mock.patch.object(launch, "LIB", cfg["intercept-preload"]["LD_PRELOAD"]), \
                 mock.patch.dict(os.environ, {"PYTHONPATH": HERE}):
             rendezvous = tempfile.mkdtemp(dir=self.work)  # each pair its own, as step capi gives each run
-            return launch.run_pair(self.work, "capi.t", "intercept-preload", "capi_cases.py", "gather", 60,
-                                   {"dir": rendezvous, "program": program, "device": 0, "timeout": 50},
-                                   {"LD_LIBRARY_PATH": self.dir, "NCCL_NET_PLUGIN": "none", "STANDIN_CAP": str(cap)},
-                                   nccl_lib="")
+            return launch.run_pair(self.work, "capi.t", "intercept-preload", worker, task, 60,
+                                   dict({"dir": rendezvous, "device": 0, "timeout": 50}, **(params or {})),
+                                   {"LD_LIBRARY_PATH": f"{self.nccl}:{self.dir}", "NCCL_NET_PLUGIN": "none",
+                                    "STANDIN_CAP": str(cap)}, nccl_lib="", expect_rcs=expect_rcs,
+                                   check_stats=worker == "capi_cases.py")
 
     def test_pair_through_the_preempted_name(self):
-        _, program = self.build("gather-linked")
         cap = launch.intercept_window("intercept-preload")[1]
-        rec = self.pair(program, cap)
+        rec = self.pair(cap)
         self.assertEqual(rec["failures"], [], rec["tails"])
         res = rec["results"][0]
         self.assertEqual(res["cases"], 174)  # 21 sizes x 3 seeds x in and out of place, and the burst of 48
         self.assertEqual(res["numbers"]["nccl"], "2.28.3")
+        self.assertEqual(res["numbers"]["nccl_lib"], os.path.join(self.nccl, "libnccl.so.2"))
         self.assertEqual(res["numbers"]["slots"], [f"before any communicator: {self.dir}/interceptor.so",
                                                    f"after the first ncclCommInitRank: {self.dir}/interceptor.so"])
         # Every case within the window: all 174 but the 12 of 512 KiB and 512 KiB + 16 where the cap is lower.
         within = 174 - (12 if cap < 524288 else 0)
         self.assertEqual(rec["stats"][0]["intercepted"]["launches"], within)
         self.assertIn("capi.t rank 0: way in: preempting", rec["notes"])
-        # A library that hands every call to NCCL fails the check: the ledger asked for 174 within the window.
-        rec = self.pair(program, 0)
+        # A library that hands every call to NCCL fails the check: the ledger asked for them within the window.
+        rec = self.pair(0)
         self.assertTrue(any(f"stats: intercepted.launches=0 gathers=0; expected launches={within} gathers={within}" in f
                             for f in rec["failures"]), rec["failures"])
+
+    def test_abort_pair(self):
+        marker = os.path.join(self.work, "raw", "abort", "died")
+        os.makedirs(os.path.dirname(marker))
+        rec = self.pair(1 << 20, "abort_cases.py", "abort-nccl", {"marker": marker})
+        self.assertEqual(rec["failures"], [], rec["tails"])
+        t = steps.abort_times(rec)
+        self.assertEqual(steps.abort_verdict(t), [])
+        self.assertTrue(t["api"].startswith("ncclCommAbort ("), t["api"])
+        self.assertGreater(t["abort_returned_s"], 0.9)  # rank 0 aborts 1 s after it sees the death
+        self.assertGreater(t["loop_gathers"], 0)
 
 
 # ---- MPS ----------------------------------------------------------------------------------
@@ -1065,26 +1032,14 @@ def samples_for(us_by_size, n=3, jitter=0.02):
     return {str(b): [us * (1 + jitter * (i - 1)) for i in range(n)] for b, us in us_by_size.items()}
 
 
-def ledger_for(sizes, cap, eager=16, captured=4, replays=200):
+def ledger_for(sizes, eager=16, captured=4, replays=200):
     """A bench-like ledger: per size, eager calls, then captured ones, then the gathers of their replays."""
-    L = common.Ledger(cap)
+    L = common.Ledger()
     for b in sizes:
         L.gather(b, enq=eager, execs=eager)
         L.gather(b, enq=captured, execs=0)
         L.gather(b, enq=0, execs=replays)
     return L.n
-
-
-def stats_for(ledger, oneshot):
-    """The CollNet route's stats for a ledger: the agreement's exchanges (AllGathers of 128 bytes
-    a rank the interceptor makes through NCCL) are small gathers like the rest."""
-    extra = common.AGREEMENT_EXCHANGES * ledger.get("agreements", 0)
-    small = ledger["small_enq"] + extra if oneshot else 0
-    return {"tuner": {"oneshot_gathers": small,
-                      "nccl_gathers": ledger["big_enq"] + (0 if oneshot else ledger["small_enq"] + extra),
-                      "nccl_not_offered": 0, "oneshot_unoffered": small},
-            "oneshot": {"calls": ledger["small_exec"] + extra if oneshot else 0, "eager": 0, "rendezvous": 0,
-                        "eager_by_kernel": 0, "errors": 0, "p50_us": 1, "p99_us": 2, "max_us": 3}}
 
 
 def istats_for(ledger, config):
@@ -1095,23 +1050,18 @@ def istats_for(ledger, config):
 
 
 def record(run, config, numbers, work, timed_out=False, failures=None, nccl="2.28.9", stats=True, completed=True,
-           cap=None, sizes=None, results=None):
-    cap = cap or launch.cap_of(config)
+           sizes=None, results=None):
     sizes = sizes or [int(b) for b in (numbers.get("samples", {}).get("graph") or {})]
-    led = ledger_for(sizes, cap)
+    led = ledger_for(sizes)
     res = {"completed": completed and not timed_out, "failures": [], "n_failures": 0, "cases": 0,
            "numbers": dict(numbers, nccl=nccl), "ledger": led}
     logs = []
     for r in (0, 1):
         p = os.path.join(work, "logs", f"{run}.rank{r}.log")
         with open(p, "w") as f:
-            f.write(f"NCCL INFO NCCL version {nccl}+cuda13.0\nNCCL INFO 2 coll channels, 2 collnet channels, 0 nvls channels\n")
+            f.write(f"NCCL INFO NCCL version {nccl}+cuda13.0\n")
         logs.append(p)
-    st = None
-    if stats and launch.intercepting(config):
-        st = istats_for(led, config)
-    elif stats and launch.uses_plugin(config):
-        st = stats_for(led, launch.oneshot_on(config))
+    st = istats_for(led, config) if stats and launch.uses_plugin(config) else None
     return {"run": run, "config": config, "seconds": 12.0, "rcs": [0, 0], "limit": 45, "exit_times": [0, 0],
             "timed_out": timed_out, "cut_short": False, "results": results or [res, json.loads(json.dumps(res))],
             "stats": [st, st], "logs": logs, "failures": list(failures or []) + (
@@ -1141,149 +1091,12 @@ class StepsTest(unittest.TestCase):
             f.write("0 10")
         return d
 
-    def test_latency(self):
-        sizes = common.LATENCY_SHARDS
-        base = {"ring-over-plugin": 40, "nccl-socket": 22, "oneshot": 70}
-        calls = []
-
-        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
-            calls.append((run, config, params["cap"]))
-            us = {b: base[config] + b / 4096 for b in sizes}
-            if config == "ring-over-plugin":  # no slower than socket from 4 KiB on
-                us = {b: (v if b < 4096 else base["nccl-socket"] + b / 4096) for b, v in us.items()}
-            smp = {"graph": samples_for(us), "eager": samples_for({b: v + 40 for b, v in us.items()})}
-            return record(run, config, {"samples": smp, "agreed": True}, work, sizes=sizes)
-        d = self.run_step("latency", fake, {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "3", "ROCE_GATHER_GPU_ROUTE": "collnet"})
-        self.assertEqual(len(calls), 9)
-        self.assertEqual([c[1] for c in calls[:3]], ["ring-over-plugin", "nccl-socket", "oneshot"])
-        self.assertEqual([c[1] for c in calls[3:6]], ["nccl-socket", "oneshot", "ring-over-plugin"])
-        self.assertEqual(calls[2][2], 524288)
-        self.assertEqual(d["status"], "warn")
-        self.assertEqual(d["numbers"]["ring_slower_than_socket_beyond_spread"], [16, 64, 256, 1024])
-        self.assertIn("slower beyond the spread at 4/11 sizes", d["headline"])
-        with open(os.path.join(self.work, "latency.csv")) as f:
-            rows = list(csv.DictReader(f))
-        self.assertEqual(len(rows), 3 * 3 * 2 * len(sizes) * 3)  # configs x rounds x modes x sizes x samples
-        t = measure.read_latency_csv(os.path.join(self.work, "latency.csv"))
-        self.assertEqual(t["graph"]["nccl-socket"][16]["n"], 9)
-        self.assertIn("| 16 B |", d["md"][0])
-        rv = {x["bytes"]: x for x in d["numbers"]["ring_vs_socket"]}
-        self.assertAlmostEqual(rv[16]["ratio"]["median"], (40 + 16 / 4096) / (22 + 16 / 4096))
-        self.assertEqual(rv[65536]["verdict"], "within")
-
     def test_latency_fails_without_data(self):
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
             return record(run, config, {"samples": {}, "agreed": False}, work, timed_out=True, sizes=[16])
-        d = self.run_step("latency", fake, {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "1", "ROCE_GATHER_GPU_ROUTE": "collnet"})
+        d = self.run_step("latency", fake, {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "1"})
         self.assertEqual(d["status"], "fail")
-
-    def test_sweep(self):
-        sizes = plans.SWEEP_SIZES
-        seen, modes = [], {}
-
-        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
-            seen.append((config, timeout, params["cap"], extra_env["NCCL_DEBUG"]))
-            modes[config] = params["modes"]
-            us = {b: 30 + b / 2048 for b in sizes}
-            if config in ("os-place-kernel", "os-place-copy"):  # timed eager: their own table
-                us = {b: 5 + b / 4096 for b in sizes} if config == "os-place-kernel" else {b: 4 + b / 8192 for b in sizes}
-                rec = record(run, config, {"samples": {"eager": samples_for(us)}, "agreed": True}, work, sizes=sizes)
-                for st in rec["stats"]:
-                    st["oneshot"].update(eager=100, eager_by_kernel=100 if config == "os-place-kernel" else 0)
-                return rec
-            if config == "nccl-socket":
-                us = {b: 20 + b / 2048 for b in sizes}
-            if config == "os-ch2":  # one-shot faster than the ring from 16 KiB to 256 KiB
-                us = {b: (v * 0.6 if 16384 <= b <= 262144 else v * 1.5) for b, v in us.items()}
-            if config == "os-gdr":  # hangs at 64 KiB: partial samples, killed
-                part = {k: v for k, v in samples_for(us).items() if int(k) < 65536}
-                return record(run, config, {"samples": {"graph": part}, "agreed": False, "progress": "round 1 65536B graph"},
-                              work, timed_out=True)
-            if config == "os-eager":
-                return record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work,
-                              failures=[f"{run} rank 0 stats: oneshot.calls=0: no gather ran over the one-shot path"])
-            return record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work)
-        d = self.run_step("sweep", fake, {"ROCE_GATHER_GPU_SWEEP": ""})
-        ran = [c for c, *_ in seen]
-        self.assertNotIn("os-chunk-128k", ran)  # NCCL 2.28.9: no getChunkSize
-        self.assertEqual(len(ran), 19)
-        self.assertEqual(modes["os-place-copy"], ["eager"])
-        self.assertEqual(modes["os-staged"], ["graph"])
-        self.assertEqual({t for c, t, *_ in seen if "gdr" in c}, {plans.SWEEP_GDR_LIMIT_S})
-        self.assertEqual({cap for c, _, cap, _ in seen if c.startswith("os-")}, {1 << 20})
-        res = d["numbers"]["results"]
-        self.assertEqual(res["os-chunk-128k"]["status"], "skipped")
-        self.assertEqual(res["os-gdr"]["status"], "killed")
-        self.assertIn("last progress: round 1 65536B graph", res["os-gdr"]["note"])
-        self.assertEqual(res["os-eager"]["status"], "path differs")
-        self.assertEqual(d["status"], "fail")  # the killed pair
-        self.assertIn("beats ring-over-plugin beyond the spread at 16 KiB, 32 KiB, 64 KiB, 128 KiB, 256 KiB",
-                      d["headline"])
-        with open(os.path.join(self.work, "sweep.csv")) as f:
-            rows = list(csv.DictReader(f))
-        self.assertIn("the gather kernel against the copies: 16 B 1.25", d["headline"])
-        self.assertEqual(len(rows), 21 * len(sizes))
-        gdr = [r for r in rows if r["config"] == "os-gdr"]
-        self.assertEqual([r["samples"] for r in gdr], ["3"] * 7 + ["0"] * 5)
-        r = next(r for r in rows if r["config"] == "os-ch2" and r["bytes_per_rank"] == "65536")
-        self.assertEqual(r["verdict_vs_ring"], "faster")
-        self.assertEqual((r["coll_channels"], r["collnet_channels"]), ("2", "2"))
-        md = read(os.path.join(self.work, "sweep.md"))
-        self.assertIn("| 64 KiB | os-ch2", md)
-        self.assertIn("| os-gdr | killed |", md)
-        self.assertIn("| 4 KiB | 6.0 (5.9-6.1) | 4.5 (4.4-4.6) | 1.33 (1.28-1.39) | slower |", md)
-
-    def test_sweep_placement_is_checked_on_both_ranks(self):
-        sizes = plans.SWEEP_SIZES
-        seen = {}
-
-        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
-            seen[config] = timeout
-            mode = params["modes"][0]
-            rec = record(run, config, {"samples": {mode: samples_for({b: 30 + b / 2048 for b in sizes})},
-                                       "agreed": True}, work, sizes=sizes)
-            if config.startswith("os-place"):
-                good = {"eager": 100, "eager_by_kernel": 100 if config == "os-place-kernel" else 0}
-                rec["stats"] = [json.loads(json.dumps(st)) for st in rec["stats"]]
-                for st in rec["stats"]:
-                    st["oneshot"].update(good)
-                if config == "os-place-copy":  # rank 1's eager calls went to the kernel
-                    rec["stats"][1]["oneshot"]["eager_by_kernel"] = 100
-            return rec
-        d = self.run_step("sweep", fake, {"ROCE_GATHER_GPU_SWEEP": "placement"})
-        res = d["numbers"]["results"]
-        self.assertEqual(res["os-place-kernel"]["status"], "ok")
-        self.assertEqual(res["os-place-copy"]["status"], "path differs")
-        self.assertIn("rank 1: 100 of 100 eager calls placed by the gather kernel; expected none",
-                      res["os-place-copy"]["note"])
-        self.assertIn("sweep.os-place-copy: rank 1: 100 of 100", d["notes"][0])  # the run's name once
-        self.assertNotIn("Placement of eager gathers", read(os.path.join(self.work, "sweep.md")))  # one pair wrong: no table
-        # Timed with eager calls, they do not hang: the normal limit, not the short GPUDirect one.
-        self.assertEqual(seen["os-place-copy"], plans.SWEEP_LIMIT_S)
-
-    def test_capi_checks_the_placement_asked_for(self):
-        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
-            rec = record(run, config, {}, work, sizes=[4096])
-            if launch.CONFIGS[config].get("ROCE_GATHER_TCP_CUDA") and not launch.gather_mode(config):
-                kernel = 318 if config == "oneshot-gdr-kernel" else 0
-                if config == "oneshot-gdr" and params.get("registered"):
-                    kernel = 0
-                rec["stats"] = [{"tuner": st["tuner"], "oneshot": dict(st["oneshot"], eager=318, eager_by_kernel=kernel)}
-                                for st in rec["stats"]]
-            return rec
-        d = self.run_step("capi", fake, {"ROCE_GATHER_GPU_ROUTE": "collnet"})
-        self.assertEqual(d["failures"], [])
-        placed = {"oneshot-gdr": 318}  # copies asked for, yet every call by the kernel: caught
-
-        def wrong(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
-            rec = fake(work, run, config, worker, task, timeout, params, extra_env, **kw)
-            if config in placed and not params.get("registered"):
-                for st in rec["stats"]:
-                    st["oneshot"]["eager_by_kernel"] = placed[config]
-            return rec
-        d = self.run_step("capi", wrong, {"ROCE_GATHER_GPU_ROUTE": "collnet"})
-        self.assertTrue(any("capi.oneshot-gdr rank 0: 318 of 318 eager calls placed by the gather kernel; expected none"
-                            in f for f in d["failures"]), d["failures"])
+        self.assertIn("no graph-replay samples: nothing measured", d["failures"])
 
     def test_calibrate(self):
         sizes = calibrate.SIZES
@@ -1296,8 +1109,7 @@ class StepsTest(unittest.TestCase):
             us = {b: 30 + b / 4096 for b in sizes}
             if role == "intercept":
                 us = {b: (v * 0.7 if 4096 <= b <= 131072 else v * 1.4) for b, v in us.items()}
-            rec = record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work, sizes=sizes,
-                         cap=params["cap"])
+            rec = record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work, sizes=sizes)
             for res in rec["results"]:
                 res["params"] = params
             return rec
@@ -1315,8 +1127,7 @@ class StepsTest(unittest.TestCase):
 
     def test_calibrate_wrong_path_gives_no_answer(self):
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
-            rec = record(run, config, {"samples": {"graph": samples_for({16: 10})}, "agreed": True}, work, sizes=[16],
-                         cap=params["cap"])
+            rec = record(run, config, {"samples": {"graph": samples_for({16: 10})}, "agreed": True}, work, sizes=[16])
             if params["role"] == "intercept":
                 for st in rec["stats"]:
                     st["intercepted"].update(launches=0, gathers=0)
@@ -1327,16 +1138,13 @@ class StepsTest(unittest.TestCase):
         self.assertTrue(any("rank 1 stats: intercepted.launches=0" in f for f in d["failures"]), d["failures"])
         self.assertTrue(any("calibrate.1.intercept stats: intercepted.launches=0" in f for f in d["failures"]))
 
-    # ---- the intercept route (the default) ----
-
     def intercept_latency_fake(self, calls, shape=None):
         """A fake pair of bench.py: socket 30 + b/2048 µs; intercept 0.5x of it to 64 KiB, 0.8x to 256 KiB, then
-        equal; preload and nonap as intercept; the ring 1.2x. shape(config, bytes, us) may change one."""
+        equal; preload and nonap as intercept. shape(config, bytes, us) may change one."""
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
             calls.append((run, config, params))
             sock = {b: 30 + b / 2048 for b in params["sizes"]}
-            f = {"nccl-socket": lambda b: 1.0, "ring-over-plugin": lambda b: 1.2}.get(
-                config, lambda b: 0.5 if b <= 65536 else 0.8 if b <= 262144 else 1.0)
+            f = {"nccl-socket": lambda b: 1.0}.get(config, lambda b: 0.5 if b <= 65536 else 0.8 if b <= 262144 else 1.0)
             us = {b: v * f(b) for b, v in sock.items()}
             if shape:
                 us = {b: shape(config, b, v) for b, v in us.items()}
@@ -1347,9 +1155,11 @@ class StepsTest(unittest.TestCase):
     def test_latency_intercept(self):
         calls = []
         d = self.run_step("latency", self.intercept_latency_fake(calls))
-        self.assertEqual(len(calls), 5 * plans.LATENCY_ROUNDS)
-        self.assertEqual([c[1] for c in calls[:5]], plans.LATENCY_CONFIGS)
-        self.assertEqual([c[1] for c in calls[5:10]], plans.LATENCY_CONFIGS[1:] + plans.LATENCY_CONFIGS[:1])
+        n = len(plans.LATENCY_CONFIGS)
+        self.assertEqual(plans.LATENCY_CONFIGS, ["nccl-socket", "intercept", "intercept-preload", "intercept-nonap"])
+        self.assertEqual(len(calls), n * plans.LATENCY_ROUNDS)
+        self.assertEqual([c[1] for c in calls[:n]], plans.LATENCY_CONFIGS)
+        self.assertEqual([c[1] for c in calls[n:2 * n]], plans.LATENCY_CONFIGS[1:] + plans.LATENCY_CONFIGS[:1])
         self.assertEqual(calls[0][2]["sizes"], [1 << k for k in range(4, 23)])
         self.assertEqual(calls[0][2]["modes"], ["graph"])
         self.assertEqual(d["status"], "pass", d["failures"] + d["notes"])
@@ -1361,7 +1171,7 @@ class StepsTest(unittest.TestCase):
         self.assertIn("| 4 MiB | NCCL (outside the window) |", md)
         self.assertIn("| intercept | 4 |", d["md"][1])  # the proxy's naps: 4 pairs
         with open(os.path.join(self.work, "latency.csv")) as f:
-            self.assertEqual(len(list(csv.DictReader(f))), 5 * plans.LATENCY_ROUNDS * 19 * 3)
+            self.assertEqual(len(list(csv.DictReader(f))), n * plans.LATENCY_ROUNDS * 19 * 3)
         rows = {r["bytes"]: r for r in d["numbers"]["compare"]["rows"]}
         self.assertAlmostEqual(rows[16]["ratio"]["median"], 0.5)
 
@@ -1389,7 +1199,7 @@ class StepsTest(unittest.TestCase):
         fake = self.intercept_latency_fake([])
 
         def slow(*a, **kw):
-            clock[0] += 50  # every pair takes 50 s: a round 250 s
+            clock[0] += 60  # every pair takes 60 s: a round 240 s
             return fake(*a, **kw)
         s = steps.Step("latency", self.work, 1000.0 + 600)
         with mock.patch.object(launch, "run_pair", side_effect=slow), mock.patch.object(steps.time, "time",
@@ -1398,7 +1208,7 @@ class StepsTest(unittest.TestCase):
             steps.step_latency(s)
         d = s.finish()
         self.assertEqual(d["numbers"]["rounds"], 2)
-        self.assertIn("rounds 3 to 4 not started: 94s left in the step, a round took up to 250s", d["notes"])
+        self.assertIn("rounds 3 to 4 not started: 114s left in the step, a round took up to 240s", d["notes"])
         self.assertEqual(d["failures"], [])
 
     def test_gather_intercept(self):
@@ -1407,7 +1217,7 @@ class StepsTest(unittest.TestCase):
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
             calls.append((config, params))
             res = {"completed": True, "failures": [], "n_failures": 0, "cases": 500, "digests": {"a": "1", "b": "2"},
-                   "numbers": {"nccl": "2.28.9"}, "ledger": ledger_for([16], 524288)}
+                   "numbers": {"nccl": "2.28.9"}, "ledger": ledger_for([16])}
             if config == "intercept-preload":
                 res = dict(res, digests={"a": "1", "b": "X"})
             return record(run, config, {}, work, results=[res, json.loads(json.dumps(res))], sizes=[16])
@@ -1428,7 +1238,7 @@ class StepsTest(unittest.TestCase):
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
             calls.append((run, config, params, extra_env))
             res = {"completed": True, "failures": [], "n_failures": 0, "cases": 9, "numbers": {"sizes": params["sizes"]},
-                   "ledger": ledger_for(params["sizes"], 524288)}
+                   "ledger": ledger_for(params["sizes"])}
             return record(run, config, {}, work, results=[res, dict(res)], sizes=params["sizes"])
         d = self.run_step("graphs", fake)
         cap = launch.intercept_window("intercept")[1]
@@ -1442,26 +1252,29 @@ class StepsTest(unittest.TestCase):
 
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
             calls.append((run, config, params))
-            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 174, "ledger": ledger_for([16], 524288),
+            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 174, "ledger": ledger_for([16]),
                    "numbers": {"slots": ["before any communicator: /usr/lib/libnccl.so.2",
                                          "after the first ncclCommInitRank: /r/build/libroce_gather.so"]}}
             return record(run, config, {}, work, results=[res, dict(res)], sizes=[16])
 
-        def built(s, program):
-            s.d["numbers"]["linked"] = {program: {"ncclAllGather_relocations": ["R_X86_64_GLOB_DAT"]}}
-            return "/w/bin/" + program
-        with mock.patch.object(steps, "build_linked", side_effect=built):
+        program = os.path.join(self.work, "gather-nccl")
+        open(program, "w").close()
+        with mock.patch.object(steps, "GATHER_NCCL", program), \
+                mock.patch.object(steps, "relocations", return_value=["R_X86_64_GLOB_DAT"]):
             d = self.run_step("capi", fake)
-        self.assertEqual([(r, c) for r, c, _ in calls], [("capi.linked.nccl-socket", "nccl-socket"),
-                                                          ("capi.linked.intercept", "intercept")])
-        self.assertEqual(calls[1][2]["program"], "/w/bin/gather-linked")
+        self.assertEqual([(r, c) for r, c, _ in calls], [("capi.nccl-socket", "nccl-socket"), ("capi.intercept", "intercept")])
+        self.assertNotIn("program", calls[1][2])  # capi_cases.py runs build/gather-nccl
         self.assertEqual(d["failures"], [])
-        self.assertIn("gather-linked (ncclAllGather through R_X86_64_GLOB_DAT): 174 cases a rank; byte-exact and "
+        self.assertEqual(d["numbers"]["ncclAllGather_relocations"], ["R_X86_64_GLOB_DAT"])
+        self.assertIn("gather-nccl (ncclAllGather through R_X86_64_GLOB_DAT): 174 cases a rank; byte-exact and "
                       "stats consistent: 2/2 runs", d["headline"])
         self.assertTrue(any("leads to before any communicator: /usr/lib/libnccl.so.2; after" in n for n in d["notes"]))
-        with mock.patch.object(steps, "build_linked", return_value=None):
+        calls.clear()
+        with mock.patch.object(steps, "GATHER_NCCL", os.path.join(self.work, "absent")):
             d = self.run_step("capi", fake)
-        self.assertEqual(d["headline"], "gather-linked did not build")
+        self.assertEqual(d["failures"], [f"{os.path.relpath(os.path.join(self.work, 'absent'), launch.REPO)} is missing "
+                                         "(make all builds it)"])
+        self.assertEqual(calls, [])
 
     def jax_fake(self, seen, taken, why):
         """A JAX pair: 3 grouped gathers of 16 B a rank; taken: the stats show them on the path
@@ -1516,28 +1329,33 @@ class StepsTest(unittest.TestCase):
             res = {"completed": True, "failures": [], "n_failures": 0, "cases": 5, "numbers": n, "ledger": None}
             rec = record(run, config, {}, work, results=[res, dict(res, numbers={})], sizes=[16])
             rec["exit_times"] = [102.0, 100.0]
-            if launch.intercepting(config):
+            if launch.uses_plugin(config):
                 rec["stats"] = [istats(launches, launches, way_in="rebound"), None]
             return rec
         return fake
 
     def test_abort_intercept(self):
         calls = []
-        with mock.patch.object(steps, "build_linked", return_value="/w/bin/abort-linked"):
+        program = os.path.join(self.work, "abort-nccl")
+        open(program, "w").close()
+        with mock.patch.object(steps, "ABORT_NCCL", program):
             d = self.run_step("abort", self.abort_fake(calls))
-        self.assertEqual([(r, c) for r, c, _ in calls], [("abort-nccl.nccl-socket", "nccl-socket"),
-                                                          ("abort-nccl.intercept", "intercept"),
-                                                          ("abort.nccl-socket", "nccl-socket"), ("abort.intercept", "intercept")])
-        self.assertEqual([p.get("program") for _, _, p in calls], ["/w/bin/abort-linked"] * 2 + [None] * 2)
-        self.assertEqual(d["failures"], [])
-        with mock.patch.object(steps, "build_linked", return_value="/w/bin/abort-linked"):
+            self.assertEqual([(r, c) for r, c, _ in calls], [("abort-nccl.nccl-socket", "nccl-socket"),
+                                                              ("abort-nccl.intercept", "intercept"),
+                                                              ("abort.nccl-socket", "nccl-socket"),
+                                                              ("abort.intercept", "intercept")])
+            self.assertEqual(d["failures"], [])
+            self.assertEqual(d["numbers"]["abort-nccl.intercept"]["abort_returned_s"], 1.5)
             d = self.run_step("abort", self.abort_fake([], launches=0))
         self.assertEqual(d["failures"], [f"{r} rank 0: no gather took the intercepted path (intercepted.launches 0): its "
                                          "abort was not tested" for r in ("abort-nccl.intercept", "abort.intercept")])
         calls = []
-        with mock.patch.object(steps, "build_linked", return_value=None):  # the build failed: PyTorch's runs still go
-            self.run_step("abort", self.abort_fake(calls))
+        with mock.patch.object(steps, "ABORT_NCCL", os.path.join(self.work, "absent")):  # PyTorch's runs still go
+            d = self.run_step("abort", self.abort_fake(calls))
         self.assertEqual([r for r, _, _ in calls], ["abort.nccl-socket", "abort.intercept"])
+        self.assertEqual(len(d["failures"]), 2)
+        self.assertIn("abort-nccl.nccl-socket: ", d["failures"][0])
+        self.assertIn("is missing (make all builds it)", d["failures"][0])
 
     def test_report_intercept(self):
         self.run_step("latency", self.intercept_latency_fake([]), {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "1"})
@@ -1553,85 +1371,105 @@ class StepsTest(unittest.TestCase):
         self.assertIn("4194304", text)  # every size, 16 B to 4 MiB
         self.assertIn("## latency: pass", read(os.path.join(out, "summary.md")))
 
-    def test_route_is_checked(self):
-        with mock.patch.dict(os.environ, {"ROCE_GATHER_GPU_ROUTE": "ring"}):
-            with self.assertRaisesRegex(ValueError, "ROCE_GATHER_GPU_ROUTE='ring' is neither intercept"):
-                steps.route()
-        with mock.patch.dict(os.environ, {"ROCE_GATHER_GPU_ROUTE": ""}):
-            self.assertEqual(steps.route(), "intercept")
-
-    def recreate_fake(self, second_by_case):
+    def recreate_fake(self, shape_by_case, seen=None):
+        """A re-create pair: recreate_rec's record, each case shaped by shape_by_case[case](rec) if given;
+        PyTorch's NCCL is 2.28.9, ROCE_GATHER_GPU_NCCL_LIB's 2.30.7."""
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
             case = run.split(".", 1)[1]
+            if seen is not None:
+                seen.append((case, config, params, extra_env.get(plans.REF_COUNT), kw.get("nccl_lib")))
             nccl = "2.30.7" if kw.get("nccl_lib") else "2.28.9"
-            second = second_by_case[case]
-            n = {"first": "ok", "second": "ok" if second == "ok" else "error"}
-            if second != "ok":
-                n["second_error"] = f"DistBackendError: NCCL error ... Last error:\n{second}"
-            res = {"completed": True, "failures": [], "n_failures": 0, "numbers": dict(n, nccl=nccl), "ledger": None}
-            return record(run, config, {}, work, nccl=nccl, results=[res, dict(res)], sizes=[16])
+            rec = record(run, config, {}, work, nccl=nccl, sizes=[16])
+            canned = recreate_rec(stats=None if launch.uses_plugin(config) else {})
+            rec.update(results=canned["results"], stats=canned["stats"] if launch.uses_plugin(config) else [None, None])
+            for res in rec["results"]:
+                res["numbers"]["nccl"] = nccl
+            if case in shape_by_case:
+                shape_by_case[case](rec)
+            return rec
         return fake
 
-    def test_recreate(self):
-        fake = self.recreate_fake({"plugin": plans.NET_PLUGIN_FAIL, "plugin-refcount": "ok", "nccl-socket": "ok",
-                                   "plugin-nccl-lib": "ok"})
-        d = self.run_step("recreate", fake, {"ROCE_GATHER_GPU_NCCL_LIB": ""})
+    def test_recreate_not_needed(self):
+        seen = []
+        d = self.run_step("recreate", self.recreate_fake({}, seen), {"ROCE_GATHER_GPU_NCCL_LIB": ""})
         self.assertEqual(d["status"], "pass", d["failures"])
-        self.assertEqual(d["numbers"]["plugin"]["expected"], "fail")
-        self.assertTrue(d["numbers"]["plugin"]["ok"])
-        self.assertNotIn("plugin-nccl-lib", d["numbers"])
-        self.assertIn("skipped: no ROCE_GATHER_GPU_NCCL_LIB", d["md"][0])
-        self.assertIn("3/3 cases as expected", d["headline"])
+        self.assertEqual([c[:2] + c[3:] for c in seen], [("intercept", "intercept", None, ""),
+                                                         ("intercept-refcount1", "intercept", "1", ""),
+                                                         ("nccl-socket", "nccl-socket", None, "")])
+        cap = launch.intercept_window("intercept")[1]
+        self.assertEqual({p["above"] for _, _, p, _, _ in seen}, {cap + 16})
+        self.assertEqual(len({p["port2"] for _, _, p, _, _ in seen}), 3)
+        self.assertEqual(d["numbers"]["ref_count_needed"], {"2.28.9": "not needed"})
+        self.assertEqual(d["numbers"]["intercept"]["status"], "ok")
+        self.assertEqual(d["headline"], "3/3 cases ok; NCCL_NET_PLUGIN_REF_COUNT=1 not needed on NCCL 2.28.9; PyTorch's "
+                                        "NCCL only (no ROCE_GATHER_GPU_NCCL_LIB)")
+        self.assertIn("| intercept | 2.28.9 | unset | ok: both process groups byte-exact, every in-window gather "
+                      "intercepted | 6 / 6 |", d["md"][0])
+
+    def test_recreate_needed_is_a_warning(self):
+        def first_only(rec):
+            L = rec["results"][0]["numbers"]["ledgers"]
+            e = common.intercept_expectation(L["first"]["calls"], launch.intercept_window("intercept"), True)
+            rec["stats"] = [istats(e["launches"], e["gathers"], e["launch_bytes"], e["bytes"], forwarded=5,
+                                   way_in="rebound")] * 2
+
+        def second_fails(rec):
+            for res in rec["results"]:
+                res["numbers"].update(second="error", second_error="DistBackendError: NCCL error")
         with tempfile.NamedTemporaryFile(suffix="libnccl.so.2") as lib:
-            d = self.run_step("recreate", fake, {"ROCE_GATHER_GPU_NCCL_LIB": lib.name})
-        self.assertTrue(d["numbers"]["plugin-nccl-lib"]["ok"])
-        self.assertEqual(d["numbers"]["plugin-nccl-lib"]["nccl"], "2.30.7")
-        self.assertEqual(d["numbers"]["plugin"]["nccl"], "2.28.9")  # PyTorch's own, whatever the env says
+            d = self.run_step("recreate", self.recreate_fake({"intercept": first_only, "nccl-lib": second_fails}),
+                              {"ROCE_GATHER_GPU_NCCL_LIB": lib.name})
+        self.assertEqual(d["status"], "warn", d["failures"])
+        self.assertEqual(d["numbers"]["ref_count_needed"], {"2.28.9": "needed", "2.30.7": "needed"})
+        self.assertIn("recreate.intercept: NCCL 2.28.9 needs NCCL_NET_PLUGIN_REF_COUNT=1 for a process group made after "
+                      "the last one was destroyed; without it: rank 0: only the first process group's gathers took the "
+                      "path (the second's went to NCCL)", d["notes"])
+        self.assertTrue(any(n.startswith("recreate.nccl-lib: NCCL 2.30.7 needs") and "DistBackendError" in n
+                            for n in d["notes"]), d["notes"])
+
+    def test_recreate_failures(self):
+        def off(rec):
+            rec["stats"] = [istats(0, 0, 0, 0, forwarded=8, way_in="rebound")] * 2
+
+        def wrong(rec):
+            rec["results"][1]["failures"] = ["recreate/first/16B: 1 of 32 bytes differ"]
+        # REF_COUNT=1 does not mend it: both fail; wrong bytes fail whatever the case.
+        d = self.run_step("recreate", self.recreate_fake({"intercept": off, "intercept-refcount1": off,
+                                                          "nccl-socket": wrong}), {"ROCE_GATHER_GPU_NCCL_LIB": ""})
+        self.assertEqual(d["status"], "fail")
+        self.assertEqual([f.split(":")[0] for f in d["failures"]],
+                         ["recreate.intercept", "recreate.intercept-refcount1", "recreate.nccl-socket"])
+        self.assertIn("wrong values: recreate/first/16B", d["failures"][2])
+        self.assertEqual(d["numbers"]["ref_count_needed"], {"2.28.9": "unknown"})
 
     def test_recreate_on_the_wrong_nccl(self):
-        """A pair whose ranks ran another NCCL than the one LD_PRELOAD named fails the case, whatever it observed."""
-        inner = self.recreate_fake({"plugin": plans.NET_PLUGIN_FAIL, "plugin-refcount": "ok", "nccl-socket": "ok",
-                                    "plugin-nccl-lib": "ok"})
-
-        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
-            rec = inner(work, run, config, worker, task, timeout, params, extra_env, **kw)
-            if kw.get("nccl_lib"):
-                rec["failures"].append(f"{run} rank 0: NCCL 2.28.9 ran, not 2.30.7 from LD_PRELOAD={kw['nccl_lib']}")
-            return rec
+        """A pair whose ranks ran another NCCL than the one LD_PRELOAD named fails its case, whatever it observed."""
+        def wrong_nccl(rec):
+            rec["failures"].append("recreate.nccl-lib rank 0: NCCL 2.28.9 ran, not 2.30.7 from LD_PRELOAD=/x")
         with tempfile.NamedTemporaryFile(suffix="libnccl.so.2") as lib:
-            d = self.run_step("recreate", fake, {"ROCE_GATHER_GPU_NCCL_LIB": lib.name})
+            d = self.run_step("recreate", self.recreate_fake({"nccl-lib": wrong_nccl}), {"ROCE_GATHER_GPU_NCCL_LIB": lib.name})
         self.assertEqual(d["status"], "fail")
-        self.assertFalse(d["numbers"]["plugin-nccl-lib"]["ok"])
-        self.assertIn("ran, not 2.30.7", d["numbers"]["plugin-nccl-lib"]["verdict"])
-        self.assertTrue(d["numbers"]["plugin"]["ok"])
-
-    def test_recreate_unexpected(self):
-        fake = self.recreate_fake({"plugin": "ok", "plugin-refcount": "some other error", "nccl-socket": "ok",
-                                   "plugin-nccl-lib": "ok"})
-        d = self.run_step("recreate", fake, {"ROCE_GATHER_GPU_NCCL_LIB": ""})
-        self.assertEqual(d["status"], "fail")
-        self.assertTrue(any("expected to fail" in f for f in d["failures"]))
-        self.assertTrue(any("recreate.plugin-refcount" in f and "expected to work" in f for f in d["failures"]))
+        self.assertEqual(d["failures"], ["recreate.nccl-lib: recreate.nccl-lib rank 0: NCCL 2.28.9 ran, not 2.30.7 from "
+                                         "LD_PRELOAD=/x"])
+        self.assertEqual(d["numbers"]["nccl-lib-refcount1"]["status"], "ok")
 
     def test_report(self):
-        self.test_latency()
-        d = self.run_step("sweep", lambda work, run, config, *a, **kw: record(
-            run, config, {"samples": {"graph": samples_for({b: 30 for b in plans.SWEEP_SIZES})}, "agreed": True}, work),
-            {"ROCE_GATHER_GPU_SWEEP": "core"})
-        self.assertEqual(d["numbers"]["configs"], ["nccl-socket", "ring-over-plugin", "os-staged"])
+        self.run_step("latency", self.intercept_latency_fake([]), {"ROCE_GATHER_GPU_LATENCY_ROUNDS": "1"})
+        self.run_step("recreate", self.recreate_fake({}), {"ROCE_GATHER_GPU_NCCL_LIB": ""})
         out = os.path.join(self.work, "out")
-        argv = ["report.py", "--work", self.work, "--out", out, "--steps", "latency sweep", "--start", str(time.time())]
+        argv = ["report.py", "--work", self.work, "--out", out, "--steps", "recreate latency", "--start", str(time.time())]
         with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(self.out):
             with self.assertRaises(SystemExit) as e:
                 report.main()
-        self.assertEqual(e.exception.code, 0)  # warn is no failure
-        self.assertEqual(sorted(os.listdir(out)), ["latency.csv", "results.tar.gz", "summary.json", "summary.md",
-                                                   "sweep.csv", "sweep.md"])
+        self.assertEqual(e.exception.code, 0)
+        self.assertEqual(sorted(os.listdir(out)), ["latency.csv", "results.tar.gz", "summary.json", "summary.md"])
         md = read(os.path.join(out, "summary.md"))
         self.assertIn("CUDA MPS: not used", md)
-        self.assertIn("## latency: warn", md)
-        self.assertIn("Cheapest per size", md)
-        self.assertIn("ring/socket", self.out.getvalue())
+        self.assertIn("## recreate: pass", md)
+        self.assertIn("## latency: pass", md)
+        s = json.loads(read(os.path.join(out, "summary.json")))
+        self.assertEqual(list(s["steps"]), ["recreate", "latency"])
+        self.assertEqual(s["steps"]["recreate"]["numbers"]["ref_count_needed"], {"2.28.9": "not needed"})
 
 
 class CalibrateDriverTest(unittest.TestCase):
@@ -1645,21 +1483,17 @@ class CalibrateDriverTest(unittest.TestCase):
         self.assertEqual(cmd[cmd.index("--result") + 1], "/o/cal.2.intercept.json")
         self.assertEqual(json.loads(cmd[cmd.index("--params") + 1]), {"role": "intercept", "sizes": [16, 4096], "reps": 3,
                                                                       "cap": 4096})
-        # What a user exported for the CollNet route, or an LD_PRELOAD of the library, takes no part.
-        user = {"NCCL_NET_PLUGIN": "/mine.so", "NCCL_NET": "roce_gather", "NCCL_COLLNET_ENABLE": "1",
-                "ROCE_GATHER_NET": "1", "ROCE_GATHER_MAX_BYTES": "64K", "NCCL_NVLS_ENABLE": "1",
+        # The user's job environment, but the window opened and the stats to the run's file; for
+        # NCCL's runs, no library: NCCL_NET_PLUGIN=none and the library out of LD_PRELOAD.
+        user = {"NCCL_NET_PLUGIN": "/mine.so", "NCCL_NET": "IB", "ROCE_GATHER_MAX_BYTES": "64K", "NCCL_NVLS_ENABLE": "1",
                 "LD_PRELOAD": "/opt/x.so:/usr/lib/libroce_gather.so", "ROCE_GATHER_STATS": "/tmp/s"}
         e = calibrate.run_env(user, "intercept", "/o/s.json", 1 << 20, "/lib.so")
         self.assertEqual((e["NCCL_NET_PLUGIN"], e["ROCE_GATHER_MAX_BYTES"], e["ROCE_GATHER_MIN_BYTES"],
-                          e["ROCE_GATHER_ENABLE"], e["ROCE_GATHER_STATS"], e["NCCL_NVLS_ENABLE"]),
-                         ("/mine.so", "1048576", "0", "1", "/o/s.json", "0"))
-        for k in calibrate.COLLNET_VARS:
-            self.assertNotIn(k, e)
+                          e["ROCE_GATHER_ENABLE"], e["ROCE_GATHER_STATS"], e["NCCL_NVLS_ENABLE"], e["NCCL_NET"]),
+                         ("/mine.so", "1048576", "0", "1", "/o/s.json", "0", "IB"))
         e = calibrate.run_env(user, "nccl", "/o/s.json", 1 << 20, "/lib.so")
-        self.assertEqual((e["NCCL_NET_PLUGIN"], e["LD_PRELOAD"]), ("none", "/opt/x.so"))
+        self.assertEqual((e["NCCL_NET_PLUGIN"], e["LD_PRELOAD"], e["NCCL_NET"]), ("none", "/opt/x.so", "IB"))
         self.assertNotIn("ROCE_GATHER_STATS", e)
-        for k in calibrate.COLLNET_VARS:
-            self.assertNotIn(k, e)
         e = calibrate.run_env({"NCCL_NET_PLUGIN": "none"}, "intercept", "/o/s.json", 1 << 20, "/lib.so")
         self.assertEqual(e["NCCL_NET_PLUGIN"], "/lib.so")
         self.assertNotIn("LD_PRELOAD", calibrate.run_env({"LD_PRELOAD": "/lib.so"}, "nccl", "/s", 16, "/lib.so"))
@@ -1669,7 +1503,7 @@ class CalibrateDriverTest(unittest.TestCase):
             sizes = [16, 4096, 65536]
             for i, role in calibrate.plan(1):
                 us = {16: 20, 4096: 30, 65536: 80} if role == "nccl" else {16: 40, 4096: 20, 65536: 50}
-                led = ledger_for(sizes, 65536)
+                led = ledger_for(sizes)
                 with open(os.path.join(d, f"cal.{i}.{role}.json"), "w") as f:
                     json.dump({"completed": True, "failures": [], "ledger": led, "params": {"cap": 65536},
                                "numbers": {"samples": {"graph": samples_for(us)}}}, f)
@@ -1803,12 +1637,15 @@ class BenchTest(unittest.TestCase):
 
     def test_ledger_matches_what_ran(self):
         ctx, res, counts, written = self.run_task({"sizes": [16, 4096, 1 << 20], "modes": ["graph", "eager"], "reps": 3,
-                                                   "target_ms": 10, "budget_s": 60, "cap": 524288})
-        L = ctx.ledger.n
+                                                   "target_ms": 10, "budget_s": 60})
+        calls = ctx.ledger.n["calls"]
         self.assertEqual(res.d["n_failures"], 0, res.d["failures"])
-        self.assertEqual(L["small_enq"] + L["big_enq"], counts["enq"])  # what the plugin's tuner decides
-        self.assertEqual(L["small_exec"] + L["big_exec"], counts["exec"])
-        self.assertGreater(L["big_enq"], 0)  # 1 MiB is above the cap
+        self.assertEqual(sorted(calls), ["1048576", "16", "4096"])
+        # What the interceptor sees: every call made (eager, the agreement's among them, and captured),
+        # and every gather run.
+        self.assertEqual(sum(r["eager"] + r["captured"] for r in calls.values()), counts["enq"])
+        self.assertEqual(sum(r["eager"] + r["replays"] for r in calls.values()), counts["exec"])
+        self.assertEqual(sum(r["first"] for r in calls.values()), 1)  # the first call made the agreement
         n = res.d["numbers"]
         self.assertEqual(n["reps_done"], 3)
         self.assertTrue(n["agreed"])
@@ -1821,13 +1658,14 @@ class BenchTest(unittest.TestCase):
         ctx, res, counts, _ = self.run_task({"sizes": [16], "modes": ["graph"], "reps": 5, "budget_s": 0})
         self.assertEqual(res.d["numbers"]["reps_done"], 1)
         self.assertIn("budget", res.d["numbers"]["stopped"])
-        self.assertEqual(ctx.ledger.n["small_exec"], counts["exec"])
+        row = ctx.ledger.n["calls"]["16"]
+        self.assertEqual(row["eager"] + row["replays"], counts["exec"])
 
     def test_calibrate_defaults(self):
         ctx, res, counts, _ = self.run_task({"role": "intercept", "sizes": [16, 1 << 20], "reps": 1}, task="calibrate")
-        self.assertEqual(ctx.ledger.cap, 1 << 20)  # the cap opened to the largest size: all one-shot
-        self.assertEqual(ctx.ledger.n["big_enq"], 0)
+        self.assertEqual(ctx.params["cap"], 1 << 20)  # the window opened to the largest size, which analyse judges by
         self.assertEqual(list(res.d["numbers"]["samples"]), ["graph"])
+        self.assertEqual(sorted(ctx.ledger.n["calls"]), ["1048576", "16"])
 
 
 class MatrixGroupsTest(unittest.TestCase):
@@ -1934,21 +1772,29 @@ class RunAllTest(unittest.TestCase):
     def test_groups(self):
         out, tmp = tempfile.mkdtemp(), tempfile.mkdtemp()
         try:
-            env = dict(os.environ, ROCE_GATHER_GPU_STEPS="timing plot", TMPDIR=tmp, ROCE_GATHER_GPU_BUDGET_S="10")
+            env = dict(os.environ, ROCE_GATHER_GPU_STEPS="plot timing", TMPDIR=tmp, ROCE_GATHER_GPU_BUDGET_S="10")
             env.pop("ROCE_GATHER_GPU_ONE_DEVICE", None)
-            p = subprocess.run(["bash", os.path.join(HERE, "run_all.sh"), out], capture_output=True, text=True, env=env,
-                               timeout=120)
-            self.assertIn("steps: env latency plot calibrate plot", p.stdout)
+            run = lambda: subprocess.run(["bash", os.path.join(HERE, "run_all.sh"), out], capture_output=True, text=True,
+                                         env=env, timeout=120)
+            p = run()
+            self.assertIn("steps: env latency plot calibrate \n", p.stdout)
             s = json.loads(read(os.path.join(out, "summary.json")))
             self.assertEqual(list(s["steps"]), ["env", "latency", "plot", "calibrate"])  # each once, in order
             self.assertNotEqual(p.returncode, 0)  # every step skipped: the budget of 10 s is below 15
-            env["ROCE_GATHER_GPU_STEPS"] = "intercept"
-            p = subprocess.run(["bash", os.path.join(HERE, "run_all.sh"), out], capture_output=True, text=True, env=env,
-                               timeout=120)
-            self.assertIn("steps: env gather graphs capi jax abort latency plot", p.stdout)
+            env.pop("ROCE_GATHER_GPU_STEPS")  # the default group
+            p = run()
+            self.assertIn("steps: env gather graphs capi jax abort recreate latency plot \n", p.stdout)
             s = json.loads(read(os.path.join(out, "summary.json")))
-            # Run in the script's order: latency, which fits its rounds into what is left, last but plot.
-            self.assertEqual(list(s["steps"]), ["env", "gather", "graphs", "capi", "jax", "abort", "latency", "plot"])
+            # Run in the plan's order: latency, which fits its rounds into what is left, last but plot.
+            self.assertEqual(list(s["steps"]), ["env", "gather", "graphs", "capi", "jax", "abort", "recreate", "latency",
+                                                "plot"])
+            # A name that is neither a step nor a group: nothing runs, and the run says why.
+            os.remove(os.path.join(out, "summary.json"))
+            env["ROCE_GATHER_GPU_STEPS"] = "gather intercept"
+            p = run()
+            self.assertEqual(p.returncode, 2)
+            self.assertIn("ROCE_GATHER_GPU_STEPS names 'intercept': neither a step", p.stderr)
+            self.assertFalse(os.path.exists(os.path.join(out, "summary.json")))
         finally:
             shutil.rmtree(out)
             shutil.rmtree(tmp)

@@ -1,6 +1,6 @@
 """Rank worker for the PyTorch correctness cases (started by launch.run_pair).
 
-    python torch_cases.py --task p2p|matrix|graphs|small --rank R --port P --result FILE [--params JSON]
+    python torch_cases.py --task matrix|graphs --rank R --port P --result FILE [--params JSON]
 
 Every input comes from a seed (gen), so each rank can regenerate both ranks' data and
 check every output byte for byte on the CPU; outputs are also hashed (digests) so the
@@ -79,13 +79,6 @@ class Ctx:
         dist.all_reduce(torch.zeros(1, device=self.dev))
         torch.cuda.synchronize()
 
-    def timed_us(self, fn, iters, warmup):
-        """Mean microseconds per fn() call, from CUDA events around `iters` back-to-back calls."""
-        for _ in range(warmup):
-            fn()
-        self.sync_peers()
-        return elapsed_ms(fn, iters) * 1000.0 / iters
-
 
 def elapsed_ms(fn, n):
     """Milliseconds for n back-to-back fn() calls, CUDA events around them."""
@@ -99,9 +92,8 @@ def elapsed_ms(fn, n):
 
 
 def host(t):
-    """t copied to the host once the device is idle. A blocking copy queued behind a
-    collective would stall every CUDA call of the plugin's threads until the collective
-    ends, which on CUDA memory (GDR) never happens (docs/roce-gather.md, "CUDA calls")."""
+    """t copied to the host once the device is idle, so that no copy is ever queued behind a
+    collective."""
     torch.cuda.synchronize()
     return t.cpu()
 
@@ -146,10 +138,9 @@ def gather_list(ctx, name, shards):
 
 
 def task_matrix(ctx):
-    """Step d: both gather forms over sizes, dtypes and seeds; odd sizes; odd addresses. params:
-    extra_shards (more sizes, bytes a rank), graph (each size captured and replayed), groups (a
-    second group, dist.new_group), port2 (then the default group destroyed and made again on
-    that port)."""
+    """Step gather: both gather forms over sizes, dtypes and seeds; odd sizes; odd addresses.
+    params: extra_shards (more sizes, bytes a rank), groups (a second group, dist.new_group),
+    port2 (then the default group destroyed and made again on that port)."""
     seeds = ctx.params.get("seeds", 3)
     for nbytes in common.MATRIX_SHARDS + [int(b) for b in ctx.params.get("extra_shards", [])]:
         for dname, dt in DTYPES.items():
@@ -165,8 +156,6 @@ def task_matrix(ctx):
     for dname, n, in_off, out_off in OFFSET_CASES:
         name = f"offset/{dname}/{n}el/in+{in_off}/out+{out_off}"
         gather_into(ctx, name, [gen(name, r, n, DTYPES[dname]) for r in (0, 1)], in_off, out_off)
-    if ctx.params.get("graph"):
-        graph_matrix(ctx)
     if ctx.params.get("groups"):
         second_group(ctx)
     if ctx.params.get("port2"):
@@ -226,29 +215,8 @@ def capture(fn):
     return g
 
 
-def graph_matrix(ctx):
-    """Each size and dtype captured alone and replayed twice with new data (with
-    NCCL_NET_GDR_LEVEL=SYS this is NCCL's registered-buffer path)."""
-    for nbytes in common.MATRIX_SHARDS:
-        for dname, dt in DTYPES.items():
-            n = nbytes // dt.itemsize
-            inp = torch.zeros(n, dtype=dt, device=ctx.dev)
-            base, out = guarded(2 * n, dt, ctx.dev)
-            g = capture(lambda: dist.all_gather_into_tensor(out, inp))
-            ctx.ledger.gather(nbytes, enq=1, execs=0)
-            for rep in range(2):
-                name = f"graph/{dname}/{nbytes}B/replay{rep}"
-                shards = [gen(name, r, n, dt) for r in (0, 1)]
-                inp.copy_(shards[ctx.rank])
-                base.view(torch.uint8).fill_(POISON)
-                g.replay()
-                ctx.ledger.gather(nbytes, enq=0, execs=1)
-                check_gathered(ctx, name, base, 0, shards)
-            del g
-
-
 def task_graphs(ctx):
-    """Step e: four gathers in one CUDA graph, replayed with new shards copied into the
+    """Step graphs: four gathers in one CUDA graph, replayed with new shards copied into the
     captured inputs before each replay; every row must be that replay's own data."""
     sizes = ctx.params.get("sizes", [16, 4096, 65536, 524288])
     replays = ctx.params.get("replays", 64)
@@ -285,70 +253,7 @@ def task_graphs(ctx):
     del g
 
 
-def task_small(ctx):
-    """Step topology: a handful of gathers, uint8 and float32 shards of 16 B to 64 KiB, each
-    checked against the CPU reference."""
-    for nbytes in common.SMALL_SHARDS:
-        for dname in ("uint8", "float32"):
-            dt = DTYPES[dname]
-            name = f"small/{dname}/{nbytes}B"
-            gather_into(ctx, name, [gen(name, r, nbytes // dt.itemsize, dt) for r in (0, 1)])
-
-
-P2P_NUMELS = [1, 1000, 262144, 16777216]  # float32: 4 B, 4000 B, 1 MiB, 64 MiB
-
-
-def task_p2p(ctx):
-    """Step c: the plugin as NCCL's network only. Exact references: with two ranks each
-    sum is a single addition, identical on the CPU and the GPU."""
-    rank, dev = ctx.rank, ctx.dev
-    f32 = torch.float32
-    for n in P2P_NUMELS:
-        for dname in ("float32", "bfloat16"):
-            dt = DTYPES[dname]
-            name = f"all_reduce/{dname}/{n}el"
-            a = [gen(name, r, n, dt) for r in (0, 1)]
-            x = a[rank].to(dev)
-            dist.all_reduce(x)
-            ctx.check(name, host(x), (a[0].float() + a[1].float()).to(dt))
-        name = f"all_gather/float32/{n}el"
-        shards = [gen(name, r, n, f32) for r in (0, 1)]
-        out = torch.empty(2 * n, dtype=f32, device=dev)
-        dist.all_gather_into_tensor(out, shards[rank].to(dev))
-        ctx.ledger.gather(n * 4)
-        ctx.check(name, host(out), torch.cat(shards), rows=2)
-        for root in (0, 1):
-            name = f"broadcast/root{root}/{n}el"
-            data = gen(name, root, n, f32)
-            x = data.to(dev) if rank == root else torch.full((n,), -7.0, device=dev)
-            dist.broadcast(x, src=root)
-            ctx.check(name, host(x), data)
-        for src in (0, 1):
-            name = f"send_recv/{src}to{1 - src}/{n}el"
-            data = gen(name, src, n, f32)
-            if rank == src:
-                dist.send(data.to(dev), dst=1 - src)
-            else:
-                x = torch.full((n,), -7.0, device=dev)
-                dist.recv(x, src=src)
-                ctx.check(name, host(x), data)
-    # Bus bandwidth at 64 MiB, NCCL-tests definitions (n = 2 ranks): all_reduce moves
-    # 64 MiB, busBw = algBw * 2(n-1)/n; all_gather's size is its 64 MiB output, busBw = algBw * (n-1)/n.
-    size = 64 << 20
-    x = torch.ones(size // 4, device=dev)
-    us = ctx.timed_us(lambda: dist.all_reduce(x), iters=20, warmup=5)
-    bw = {"all_reduce": {"bytes": size, "us": us, "algbw": size / us / 1e3}}
-    bw["all_reduce"]["busbw"] = bw["all_reduce"]["algbw"] * 2 * (2 - 1) / 2
-    inp = torch.ones(size // 8, device=dev)
-    out = torch.empty(size // 4, device=dev)
-    us = ctx.timed_us(lambda: dist.all_gather_into_tensor(out, inp), iters=20, warmup=5)
-    ctx.ledger.gather(size // 2, enq=25, execs=25)
-    bw["all_gather"] = {"bytes": size, "us": us, "algbw": size / us / 1e3}
-    bw["all_gather"]["busbw"] = bw["all_gather"]["algbw"] * (2 - 1) / 2
-    ctx.res.d["numbers"]["bandwidth"] = bw
-
-
-TASKS = {"p2p": task_p2p, "matrix": task_matrix, "graphs": task_graphs, "small": task_small}
+TASKS = {"matrix": task_matrix, "graphs": task_graphs}
 
 
 def record_nccl(res):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs the plugin against NCCL releases through NCCL's C API and tabulates the results.
+"""Runs the library against NCCL releases through NCCL's C API and tabulates the results.
 
     python3 run.py --out OUTDIR [--builds WORK [--follow]] [--libs DIR] [--installed]
                    [--deadline EPOCH] [--parallel N] [--mps]
@@ -10,20 +10,28 @@ WORK/builds.json says every build has), from a folder of libraries an earlier ru
 (--libs DIR: nccl-libs-N.tar.xz or X.Y.Z/libnccl.so.2), and with --installed from the
 machine itself (the libnccl.so.2 of the dynamic linker's cache, PyTorch's wheel).
 
-Per release, two ranks (two processes, NCCL_HOSTID different per rank, so that NCCL
-connects them through the net plugin), with the plugin found as NCCL_NET_PLUGIN=roce_gather
-on LD_LIBRARY_PATH (build/libnccl-net-roce_gather.so) after that release's libnccl.so.2:
-  gather                  build/gather-nccl: 174 all-gathers, every byte and guard checked
-  p2p                     build/gather-nccl p2p: ncclSend/ncclRecv, 1 B to 16 MiB + 5
-  abort                   build/abort-nccl: rank 1 dies, rank 0's ncclCommAbort must return
+Per release, two ranks (two processes, NCCL_HOSTID different per rank, so that NCCL connects
+them as two nodes, over its own socket transport on loopback), running programs linked with
+-lnccl (build/gather-nccl, build/abort-nccl: tests/gpu/nccl_api.h) against that release's
+libnccl.so.2 (LD_LIBRARY_PATH), with the library found as NCCL_NET_PLUGIN=roce_gather
+(build/libnccl-net-roce_gather.so on LD_LIBRARY_PATH) and nothing else of its own but its
+stats file and the tcp fabric (whose window is judged): NCCL loads it at the first
+communicator's init, the library rebinds the programs' slots for ncclAllGather and the calls
+it must see, and two-rank gathers within its window take the intercepted path.
+  gather                  gather-nccl: 174 all-gathers, every byte and guard checked
+  p2p                     gather-nccl p2p: ncclSend/ncclRecv in groups, 1 B to 16 MiB + 5
+  abort                   abort-nccl: rank 1 dies, rank 0's ncclCommAbort must return
                           within 10 s of the death
-  recreate                build/gather-nccl recreate: a communicator destroyed, a new one made
+  recreate                gather-nccl recreate: a communicator destroyed, a new one made
   recreate-refcount1      the same with NCCL_NET_PLUGIN_REF_COUNT=1 (2.26 and later)
   recreate-refcount0      the same with NCCL_NET_PLUGIN_REF_COUNT=0 (2.26, 2.27: default 1)
-Recorded per release: the net, collNet and tuner ABI versions NCCL initialised (the plugin's
-NCCL_DEBUG=INFO lines), NCCL's own lines about its plugins, whether the one-shot path ran
-(ROCE_GATHER_STATS), every case's result and the plugin's unload notice. Writes
-OUTDIR/matrix.json and OUTDIR/matrix.md; the logs stay under WORK (or --work).
+Judged per case: the exit status, every byte (CASE lines), and, for the gathers, both ranks'
+ROCE_GATHER_STATS against the gathers each rank made (tests/gpu/common.py's ledger and
+intercept_check): every gather within the window intercepted, none outside it, the way in
+"rebound"; the abort's rank 0 must have gathered on the intercepted path before the death.
+Recorded per release: the net table version NCCL initialised, NCCL's own lines about its
+plugins, the library's WARN lines. Writes OUTDIR/matrix.json and OUTDIR/matrix.md; the logs
+stay under WORK (or --work).
 """
 import argparse
 import glob
@@ -41,28 +49,29 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 BUILD = os.path.join(REPO, "build")
+sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+import common  # noqa: E402  the ledger, intercept_check, the default windows (plugin/config.go)
+
 GATHER = os.path.join(BUILD, "gather-nccl")
 ABORT = os.path.join(BUILD, "abort-nccl")
 PEER_GRACE_S = 15
 ABORT_LIMIT_S = 10.0
-GATHER_CASES, P2P_CASES, RECREATE_CASES = 174, 15, 10
-ONESHOT_GATHERS, NCCL_GATHERS = 168, 6  # at or below the 512 KiB cap, and above it
-# The table versions each NCCL release looks up first (its net.cc / tuner.cc; docs/compatibility.md).
-EXPECTED_ABI = [((2, 20), (8, 8, None)), ((2, 22), (8, 8, 3)), ((2, 24), (9, 9, 4)), ((2, 26), (10, 10, 4)),
-                ((2, 28), (11, 11, 5)), ((2, 30), (12, 12, 6))]
-UNLOAD_NOTICE = re.compile(r"NCCL asked for net ABI v(\d+) \(NCCL [^)]*\) and NCCL_NET_PLUGIN_REF_COUNT is")
+GATHER_CASES, P2P_CASES = 174, 15
+# The fabric the ranks are given, and whose default window the stats are judged by.
+FABRIC = "tcp"
+# The net table version each NCCL release looks up first (its net.cc; docs/compatibility.md).
+EXPECTED_NET = [((2, 20), 8), ((2, 24), 9), ((2, 26), 10), ((2, 28), 11), ((2, 30), 12)]
 
 
 def version_key(v):
     return tuple(int(x) for x in v.split("."))
 
 
-def expected_abi(version):
-    """(net, collNet, tuner) that a release asks for first among what this library exports
-    (tuner v3 to v6: 2.20 and 2.21 ask for v1 and v2 and get none)."""
+def expected_net(version):
+    """The net table version a release asks for first among v8 to v12, which the library exports."""
     minor = version_key(version)[:2]
     got = None
-    for first, abi in EXPECTED_ABI:
+    for first, abi in EXPECTED_NET:
         if minor >= first:
             got = abi
     return got
@@ -80,45 +89,32 @@ def refcount_variants(version):
     return v
 
 
-def recreate_expectation(version, refcount):
-    """"pass" or "fail" for a communicator made after the last one was destroyed, from
-    NCCL's source: 2.28 and 2.29 forget the plugin's name when they unload it (their default
-    count is 0), 2.27 does too but unloads only with a count of 0, the others find it again."""
-    minor = version_key(version)[:2]
-    if (2, 28) <= minor <= (2, 29):
-        return "pass" if refcount == "1" else "fail"
-    if minor == (2, 27) and refcount == "0":
-        return "fail"
-    return "pass"
-
-
-def notice_expected(net_abi, refcount):
-    """Whether the plugin's unload WARN must appear (plugin/unload.go)."""
-    if net_abi == 11:
-        return refcount != "1"
-    if net_abi == 10:
-        return refcount == "0"
-    return False
+def window():
+    """The window the ranks' gathers are judged by, (floor, cap) in bytes a rank, or None."""
+    return common.default_window(FABRIC)
 
 
 # ---- reading the ranks' output --------------------------------------------------------
 
 NCCL_LINE = re.compile(r"NCCL (INFO|WARN) (.*)$")
-PLUGIN_LINES = re.compile(r"NET/Plugin|TUNER/Plugin|NET plugin|tuner plugin|Loaded (net|coll|collnet) plugin|"
-                          r"Using network|NCCL_NET_PLUGIN|NET_PLUGIN_REF_COUNT|Unloading plugin|Closing (net|collnet) plugin")
+PLUGIN_LINES = re.compile(r"NET/Plugin|NET plugin|Loaded net plugin|Using network|NCCL_NET_PLUGIN|NET_PLUGIN_REF_COUNT|"
+                          r"Unloading plugin|Closing net plugin")
+# The net table version: NCCL's own line (2.26 and later), or the library's where it logs one.
+NET_VERSION = (re.compile(r"Loaded net plugin roce_gather \(v(\d+)\)"), re.compile(r"NET/roce_gather : net ABI v(\d+) initialised"))
+LIBRARY = "NET/roce_gather : "
 
 
 def parse_log(text):
-    """What one rank's output says: its CASE lines, counts, FAIL lines, the NCCL library it
-    loaded, the ABI versions the plugin was initialised with, NCCL's plugin and WARN lines,
-    the unload notice, and the KEY value lines of abort-nccl."""
-    r = {"cases": {}, "cases_total": None, "cases_failed": None, "fails": [], "finalized": False, "nccl_lib": None,
-         "nccl_version": None, "net": None, "collnet": None, "tuner": None, "nccl_plugin_lines": [], "warns": [],
-         "unload_notice": None, "kv": {}}
+    """What one rank's output says: its CASE lines (in order, with their bytes), counts, FAIL
+    lines, the NCCL library it loaded, the net table version, NCCL's plugin lines, the WARN
+    lines (NCCL's and the library's), and the KEY value lines of abort-nccl."""
+    r = {"cases": {}, "gathers": [], "cases_total": None, "cases_failed": None, "fails": [], "finalized": False,
+         "nccl_lib": None, "nccl_version": None, "net": None, "nccl_plugin_lines": [], "warns": [], "kv": {}}
     for line in text.splitlines():
         f = line.split()
         if f[:1] == ["CASE"] and len(f) == 4:
             r["cases"][f[1]] = f[3] == "PASS"
+            r["gathers"].append((f[1], int(f[2])))
         elif f[:1] == ["CASES"] and len(f) == 4:
             r["cases_total"], r["cases_failed"] = int(f[1]), int(f[3])
         elif line.startswith("FAIL "):
@@ -135,15 +131,10 @@ def parse_log(text):
         if not m:
             continue
         level, msg = m.groups()
-        for key, pat in (("net", r"NET/roce_gather : net ABI v(\d+) initialised"),
-                         ("collnet", r"NET/roce_gather : collNet ABI v(\d+) initialised"),
-                         ("tuner", r"NET/roce_gather : tuner v(\d+), communicator")):
-            mm = re.search(pat, msg)
-            if mm and r[key] is None:
-                r[key] = int(mm.group(1))
-        mm = UNLOAD_NOTICE.search(msg)
-        if mm:
-            r["unload_notice"] = msg
+        for pat in NET_VERSION:
+            mm = pat.search(msg)
+            if mm and r["net"] is None:
+                r["net"] = int(mm.group(1))
         if level == "WARN" and msg not in r["warns"] and len(r["warns"]) < 10:
             r["warns"].append(msg)
         if level == "INFO" and PLUGIN_LINES.search(msg) and msg not in r["nccl_plugin_lines"] and len(r["nccl_plugin_lines"]) < 12:
@@ -157,6 +148,45 @@ def read_stats(path):
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def ledger_of(log, only=None):
+    """The gathers one rank made, as tests/gpu's ledger keeps them: every CASE line but p2p's
+    and a communicator's init, each an eager ncclAllGather on its communicator (recreate/commN/,
+    else the one communicator); only: that communicator's alone."""
+    L = common.Ledger()
+    for name, nbytes in log["gathers"]:
+        if name.startswith("p2p/") or name.endswith("/init"):
+            continue
+        comm = name.split("/")[1] if name.startswith("recreate/") else "comm1"
+        if only is None or comm == only:
+            L.gather(nbytes, comm=comm)
+    return L.n
+
+
+def path_of(stats, logs, win):
+    """Whether both ranks' gathers took the intercepted path exactly as their ledgers say:
+    {"intercepted", "launches", "forwarded", "failures", "first_only"}. first_only: on some rank
+    the launches are exactly those of the first communicator (a re-created one's went to NCCL)."""
+    out = {"intercepted": True, "launches": [], "forwarded": [], "failures": [], "first_only": False}
+    for r in (0, 1):
+        F, _ = common.intercept_check(stats[r], ledger_of(logs[r]), win, "rebound")
+        b = common.stats_brief(stats[r]) or {}
+        out["launches"].append(b.get("launches"))
+        out["forwarded"].append(b.get("forwarded"))
+        if F:
+            out["intercepted"] = False
+            out["failures"] += [f"rank {r}: {x}" for x in F]
+            first = common.intercept_expectation(ledger_of(logs[r], "comm1")["calls"], win, True)
+            if any(n.startswith("recreate/comm2/") for n, _ in logs[r]["gathers"]) and \
+                    first["launches"] and b.get("launches") == first["launches"]:
+                out["first_only"] = True
+    return out
+
+
+def library_warns(out):
+    """The library's own WARN lines among a case's, without their prefix."""
+    return [w.split(LIBRARY, 1)[1] for w in out.get("warns", []) if LIBRARY in w]
 
 
 # ---- running a pair of ranks ----------------------------------------------------------
@@ -208,11 +238,11 @@ def clean_env():
 def rank_env(base, lib_dir, rank, tag, stats, extra):
     env = dict(base)
     env["LD_LIBRARY_PATH"] = ":".join(p for p in (lib_dir, BUILD, base.get("LD_LIBRARY_PATH", "")) if p)
-    # The matrix measures the plugin tables and the CollNet route: this library carries NCCL's traffic.
-    env.update(NCCL_NET_PLUGIN="roce_gather", NCCL_NET="roce_gather", NCCL_COLLNET_ENABLE="1", ROCE_GATHER_NET="1",
-               ROCE_GATHER_FABRIC="tcp", ROCE_GATHER_TCP_IF="lo", ROCE_GATHER_MAX_BYTES="524288",
-               ROCE_GATHER_STATS=stats, NCCL_HOSTID=f"{tag}-{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_MNNVL_ENABLE="0",
-               NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET,TUNING,ENV")
+    # The library as NCCL_NET_PLUGIN alone loads it: NCCL carries its own traffic, the
+    # library takes the gathers within its window.
+    env.update(NCCL_NET_PLUGIN="roce_gather", ROCE_GATHER_FABRIC=FABRIC, ROCE_GATHER_STATS=stats,
+               NCCL_HOSTID=f"{tag}-{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_MNNVL_ENABLE="0",
+               NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET,ENV")
     env.update(extra)
     # Never NVLink multicast, whatever else is set.
     env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
@@ -249,7 +279,6 @@ def run_case(rel, name, prog, mode, extra, cfg, deadline):
     limit = min(CASE_LIMIT_S[name.split("-")[0]], deadline - time.time() - 5)
     if limit < 20:
         return {"result": "not run", "why": "no time left before the deadline"}
-    extra = dict(extra, **cfg.gpu_env)
     cmds, envs = [], []
     for r in (0, 1):
         cmds.append([prog, str(r), str(cfg.devices[r]), workdir] + ([mode] if mode and mode != "gather" else []))
@@ -262,49 +291,46 @@ def run_case(rel, name, prog, mode, extra, cfg, deadline):
         with open(path, errors="replace") as f:
             logs.append(parse_log(f.read()))
     stats = [read_stats(os.path.join(workdir, f"stats.rank{r}.json")) for r in (0, 1)]
-    res = judge(rel, name, rcs, timed_out, logs, stats, extra)
+    res = judge(rel, name, rcs, timed_out, logs, stats, extra, cfg.window)
     res.update(seconds=secs, rcs=rcs, dir=os.path.relpath(workdir, cfg.work))
     return res
 
 
-def judge(rel, name, rcs, timed_out, logs, stats, extra):
-    """One case's result: "pass" or "fail" with the failures, and what was read."""
+def judge(rel, name, rcs, timed_out, logs, stats, extra, win):
+    """One case's result: "pass" or "fail" (exit status, bytes, the abort's timing) with the
+    failures; for the gathers, the path they took within win ("path", path_of); what was read."""
     F = []
     kind = name.split("-")[0]
     expect_rcs = (0, -signal.SIGKILL) if kind == "abort" else (0, 0)
     if timed_out:
         F.append("did not end within its time limit: both ranks killed")
+    for r in (0, 1):  # the program's own words first: they say why it ended as it did
+        F.extend(f"rank {r}: {x}" for x in logs[r]["fails"][:3])
     for r in (0, 1):
         if rcs[r] != expect_rcs[r]:
             F.append(f"rank {r} exited with status {rcs[r]}, not {expect_rcs[r]}")
-        F.extend(f"rank {r}: {x}" for x in logs[r]["fails"][:3])
         got = logs[r]["nccl_version"]
         if got is not None and got != rel.version:
             F.append(f"rank {r} loaded NCCL {got} ({logs[r]['nccl_lib']}), not {rel.version}")
-    out = {"nccl_lib": logs[0]["nccl_lib"], "nccl_version": logs[0]["nccl_version"],
-           "abi": {k: logs[0][k] for k in ("net", "collnet", "tuner")}, "nccl_plugin_lines": logs[0]["nccl_plugin_lines"],
-           "warns": logs[0]["warns"] + [w for w in logs[1]["warns"] if w not in logs[0]["warns"]],
-           "unload_notice": bool(logs[0]["unload_notice"] or logs[1]["unload_notice"])}
-    want = {"gather": GATHER_CASES, "p2p": P2P_CASES, "recreate": RECREATE_CASES}.get(kind)
-    if want is not None:
+    out = {"nccl_lib": logs[0]["nccl_lib"], "nccl_version": logs[0]["nccl_version"], "net": logs[0]["net"],
+           "nccl_plugin_lines": logs[0]["nccl_plugin_lines"],
+           "warns": logs[0]["warns"] + [w for w in logs[1]["warns"] if w not in logs[0]["warns"]]}
+    want = {"gather": GATHER_CASES, "p2p": P2P_CASES}.get(kind)
+    if kind in ("gather", "p2p", "recreate"):
         for r in (0, 1):
             L = logs[r]
             bad = sorted(c for c, ok in L["cases"].items() if not ok)
             if bad:
                 F.append(f"rank {r}: wrong bytes in {len(bad)} case(s): {', '.join(bad[:4])}")
-            if L["cases_total"] != want and kind != "recreate":
+            if want is not None and L["cases_total"] != want:
                 F.append(f"rank {r}: {L['cases_total']} cases reported, not {want}")
         out["cases"] = [len(logs[r]["cases"]) for r in (0, 1)]
         out["cases_passed"] = [sum(logs[r]["cases"].values()) for r in (0, 1)]
-    if kind == "gather":
-        s = stats[0] or {}
-        t, o = s.get("tuner", {}), s.get("oneshot", {})
-        out["oneshot"] = {"calls": o.get("calls"), "errors": o.get("errors"), "tuner_oneshot": t.get("oneshot_gathers"),
-                          "tuner_nccl": t.get("nccl_gathers"), "nccl_not_offered": t.get("nccl_not_offered"),
-                          "oneshot_unoffered": t.get("oneshot_unoffered"), "stats_read": stats[0] is not None}
-        out["oneshot_used"] = bool(o.get("calls"))
-        if o.get("errors"):
-            F.append(f"rank 0: {o['errors']} one-shot gather(s) failed")
+    if kind in ("gather", "recreate"):
+        out["path"] = path_of(stats, logs, win)
+    if kind == "recreate":
+        out["refcount"] = extra.get("NCCL_NET_PLUGIN_REF_COUNT")
+        out["second_communicator"] = all(logs[r]["cases"].get("recreate/comm2/init") for r in (0, 1))
     if kind == "abort":
         kv = logs[0]["kv"]
         try:
@@ -314,32 +340,16 @@ def judge(rel, name, rcs, timed_out, logs, stats, extra):
         out["abort_rc"] = kv.get("ABORT_RC")
         out["abort_took_s"] = kv.get("ABORT_TOOK_S")
         out["first_error"] = kv.get("ASYNC_ERROR")
+        # What was aborted must be the intercepted path: rank 0's gathers took it before the death.
+        out["on_path"] = bool((common.stats_brief(stats[0]) or {}).get("launches"))
         if died and back:
             out["returned_after_death_s"] = round(back - died, 2)
             if back - died > ABORT_LIMIT_S:
                 F.append(f"ncclCommAbort returned {back - died:.1f} s after the peer's death (limit {ABORT_LIMIT_S:.0f} s)")
         elif not timed_out:
             F.append("rank 0 did not report the abort's return")
-    if kind == "recreate":
-        refcount = extra.get("NCCL_NET_PLUGIN_REF_COUNT")
-        out["refcount"] = refcount
-        out["expected"] = recreate_expectation(rel.version, refcount)
-        net = out["abi"]["net"]
-        if net is not None and out["unload_notice"] != notice_expected(net, refcount):
-            out["notice_mismatch"] = (f"the plugin's unload notice was {'given' if out['unload_notice'] else 'not given'} "
-                                      f"with net v{net} and NCCL_NET_PLUGIN_REF_COUNT={refcount or 'unset'}")
     out["result"] = "fail" if F else "pass"
     out["failures"] = F
-    if kind == "recreate":
-        out["nccl_net_failure"] = any("Failed to initialize any NET plugin" in w for w in out["warns"])
-        # NCCL's predicted failure: the first communicator worked on both ranks, the second
-        # could not be made because NCCL found no net plugin.
-        first_ok = all(sum(1 for c, ok in logs[r]["cases"].items() if c.startswith("recreate/comm1/") and ok) == 5 for r in (0, 1))
-        out["first_communicator_ok"] = first_ok
-        if out["expected"] == "fail":
-            out["as_expected"] = out["result"] == "fail" and first_ok and out["nccl_net_failure"]
-        else:
-            out["as_expected"] = out["result"] == "pass"
     return out
 
 
@@ -350,14 +360,38 @@ def run_release(rel, cfg, deadline):
             continue
         rel.cases[name] = run_case(rel, name, prog, mode, extra, cfg, deadline)
         r = rel.cases[name]
-        print(f"  {rel.label} {name}: {r['result']}" + (f" ({'; '.join(r.get('failures', [])[:2])})" if r.get("failures") else ""),
-              flush=True)
+        print(f"  {rel.label} {name}: {r['result']}" + (f" ({'; '.join(r.get('failures', [])[:2])})" if r.get("failures") else "")
+              + ("" if r.get("path", {}).get("intercepted", True) else "; not on the intercepted path"), flush=True)
 
 
 # ---- the verdict and the table --------------------------------------------------------
 
+def recreate_ok(c):
+    """A re-created communicator worked: both made, every byte right, every in-window gather of
+    both on the intercepted path."""
+    return c.get("result") == "pass" and c.get("path", {}).get("intercepted")
+
+
+def recreate_why(c):
+    """What went wrong in a re-create case, in a few words."""
+    if c.get("result") != "pass":
+        return (c.get("failures") or ["?"])[0]
+    p = c.get("path", {})
+    if p.get("first_only"):
+        return "the second communicator's gathers went to NCCL"
+    return (p.get("failures") or ["?"])[0]
+
+
+def not_taken(c):
+    """Why a case's gathers did not take the intercepted path: the check's first failure and the
+    library's first WARN."""
+    why = ((c.get("path") or {}).get("failures") or ["?"])[0]
+    said = library_warns(c)
+    return why + (f"; the library: {said[0]}" if said else "")
+
+
 def summarize(rel, cuda):
-    """The row of one release: ABI versions seen, one-shot use, per-case cells, verdict."""
+    """The row of one release: the net version seen, the path taken, per-case cells, verdict."""
     row = {"version": rel.version, "label": rel.label, "source": rel.source, "lib_dir": rel.lib_dir, "build": rel.build,
            "cases": rel.cases, "notes": list(rel.notes)}
     if rel.build and rel.build.get("status") != "ok":
@@ -367,51 +401,43 @@ def summarize(rel, cuda):
         row["verdict"] = f"{what}: {b['error'][0] if b.get('error') else 'see its build log'}"
         return row
     g = rel.cases.get("gather", {})
-    abi = g.get("abi") or {}
-    row["abi"] = abi
-    exp = expected_abi(rel.version)
-    seen = (abi.get("net"), abi.get("collnet"), abi.get("tuner"))
-    fmt = lambda t: ", ".join(f"{k} {'v' + str(x) if x is not None else 'none'}" for k, x in zip(("net", "collNet", "tuner"), t))
-    abi_ok = g.get("result") != "pass" or exp is None or seen == exp
-    if not abi_ok:
-        row["notes"].append(f"NCCL initialised {fmt(seen)}; its source asks first for {fmt(exp)}")
-    oneshot_ok = g.get("result") != "pass" or g.get("oneshot_used") or (exp is not None and exp[2] is None)
+    row["net"] = g.get("net")
+    exp = expected_net(rel.version)
+    if g.get("result") == "pass" and row["net"] is None:
+        row["notes"].append("the net table's version is in no log line (NCCL's \"Loaded net plugin\", the library's "
+                            "\"net ABI\")")
     # A release built too late for any case has none: it is incomplete, not failed.
     core = [rel.cases.get(c, {}).get("result", "not run") for c in ("gather", "p2p", "abort")]
     recreates = {n: c for n, c in rel.cases.items() if n.startswith("recreate")}
-    for n, c in recreates.items():
-        if c.get("notice_mismatch"):
-            row["notes"].append(f"{n}: {c['notice_mismatch']}")
     if "not run" in core or any(c.get("result") == "not run" for c in recreates.values()):
         row["verdict"] = "incomplete: not every case ran before the deadline"
         return row
-    if core != ["pass"] * 3:
-        bad = [c for c in ("gather", "p2p", "abort") if rel.cases[c]["result"] != "pass"]
+    if g["result"] != "pass":
+        row["verdict"] = f"fails: gather: {g['failures'][0]}"
+        return row
+    if not g["path"]["intercepted"]:
+        row["verdict"] = "the intercepted path was not taken: " + not_taken(g)
+        return row
+    bad = [c for c in ("p2p", "abort") if rel.cases[c]["result"] != "pass"]
+    if bad:
         row["verdict"] = "fails: " + "; ".join(f"{c}: {rel.cases[c]['failures'][0]}" for c in bad)
         return row
-    if not all(c["as_expected"] for c in recreates.values()):
-        bad = [n for n, c in recreates.items() if not c["as_expected"]]
-        row["verdict"] = "fails: " + "; ".join(
-            f"{n}: {(recreates[n]['failures'] or ['passed, where NCCL is expected to fail'])[0]}" for n in bad)
+    if not rel.cases["abort"].get("on_path"):
+        row["verdict"] = "fails: abort: rank 0's gathers took NCCL's path, so no abort of the intercepted path was tested"
         return row
-    if not abi_ok:
-        row["verdict"] = f"unexpected: NCCL initialised {fmt(seen)}, not {fmt(exp)}"
+    if row["net"] is not None and exp is not None and row["net"] != exp:
+        row["verdict"] = f"unexpected: NCCL initialised net v{row['net']}; its source asks first for v{exp}"
         return row
-    if not oneshot_ok:
-        o = g.get("oneshot") or {}
-        row["verdict"] = (f"the one-shot path was not used (tuner decisions: {o.get('tuner_oneshot')} one-shot, "
-                          f"{o.get('tuner_nccl')} NCCL, {o.get('nccl_not_offered')} with CollNet Direct not offered)")
-        return row
-    if all(c["result"] == "pass" for c in recreates.values()):
+    plain, one, zero = recreates.get("recreate"), recreates.get("recreate-refcount1"), recreates.get("recreate-refcount0")
+    if all(recreate_ok(c) for c in recreates.values()):
         row["verdict"] = "works"
-    elif recreates.get("recreate", {}).get("result") == "pass":
-        row["verdict"] = "works (NCCL_NET_PLUGIN_REF_COUNT=0 breaks re-created communicators, as NCCL's source predicts)"
+    elif plain and not recreate_ok(plain) and one and recreate_ok(one) and (not zero or not recreate_ok(zero)):
+        row["verdict"] = ("works; a communicator created after the last one was destroyed needs "
+                          f"NCCL_NET_PLUGIN_REF_COUNT=1 (without it: {recreate_why(plain)})")
+    elif plain and recreate_ok(plain) and (not one or recreate_ok(one)) and zero and not recreate_ok(zero):
+        row["verdict"] = f"works (NCCL_NET_PLUGIN_REF_COUNT=0 breaks re-created communicators: {recreate_why(zero)})"
     else:
-        row["verdict"] = "works; a communicator created after the last one was destroyed needs NCCL_NET_PLUGIN_REF_COUNT=1"
-    if exp is not None and exp[2] is None:
-        calls = (g.get("oneshot") or {}).get("calls")
-        row["verdict"] += (" (no tuner: this release looks up tuner v1 or v2, which the library does not export; "
-                           + (f"NCCL's own tuning sent {calls} gathers to the one-shot path)" if calls else "no gather took the one-shot path)"))
+        row["verdict"] = "fails: " + "; ".join(f"{n}: {recreate_why(c)}" for n, c in recreates.items() if not recreate_ok(c))
     return row
 
 
@@ -422,11 +448,20 @@ def cell_case(c):
         return "not run"
     if c.get("result") == "pass":
         if "returned_after_death_s" in c:
-            return f"pass ({c['returned_after_death_s']:.1f} s after the death)"
+            return f"pass ({c['returned_after_death_s']:.1f} s after the death" + ("" if c.get("on_path") else "; NCCL's path") + ")"
         if "cases_passed" in c:
             return f"pass ({min(c['cases_passed'])}/{min(c['cases'])})"
         return "pass"
     return "FAIL: " + (c["failures"][0] if c.get("failures") else "?")
+
+
+def cell_path(c):
+    """The gather case's path: every in-window gather intercepted on both ranks, or what the stats show."""
+    p = (c or {}).get("path")
+    if not p or c.get("result") == "not run":
+        return "-"
+    counts = f"{p['launches'][0]} intercepted, {p['forwarded'][0]} to NCCL (rank 0)"
+    return f"yes, both ranks: {counts}" if p["intercepted"] else f"NO: {counts}"
 
 
 def cell_recreate(c):
@@ -434,38 +469,28 @@ def cell_recreate(c):
         return "-"
     if c.get("result") == "not run":
         return "not run"
-    s = "passes" if c["result"] == "pass" else ("fails: NCCL \"Failed to initialize any NET plugin\"" if c.get("nccl_net_failure")
-                                                else "fails: " + (c["failures"][0] if c["failures"] else "?"))
-    s += "" if c.get("as_expected") else " (NOT as NCCL's source predicts)"
-    if c.get("unload_notice"):
-        s += "; plugin warned"
-    return s
+    if recreate_ok(c):
+        return "passes, both communicators intercepted"
+    if c.get("result") == "pass":
+        return "both communicators byte-exact, but " + recreate_why(c)
+    return "fails: " + recreate_why(c)
 
 
 def markdown(rows, meta):
-    head = ["NCCL", "source", "net / collNet / tuner", "gathers", "one-shot path", "p2p", "abort", "re-create",
-            "re-create, REF_COUNT=1", "re-create, REF_COUNT=0", "verdict"]
+    head = ["NCCL", "source", "net", "gathers", "intercepted", "p2p", "abort", "re-create", "re-create, REF_COUNT=1",
+            "re-create, REF_COUNT=0", "verdict"]
     out = [f"# NCCL version matrix ({meta['date']})", "",
-           f"CUDA {meta['cuda']}, {meta['gpus']}; plugin {meta['plugin_sha256'][:12]}; "
-           f"{meta['seconds']:.0f} s. Each case: two ranks, NCCL's C API, the plugin over its tcp fabric on loopback.", "",
+           f"CUDA {meta['cuda']}, {meta['gpus']}; library {meta['plugin_sha256'][:12]}; {meta['seconds']:.0f} s. Each "
+           "case: two ranks, programs linked with -lnccl, the library as NCCL_NET_PLUGIN=roce_gather alone, NCCL's own "
+           f"socket transport on loopback, the intercepted path's window {meta['window']}.", "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         c = r["cases"]
-        abi = r.get("abi") or {}
-        abis = " / ".join("-" if abi.get(k) is None else f"v{abi[k]}" for k in ("net", "collnet", "tuner")) if abi else "-"
         g = c.get("gather", {})
-        o = g.get("oneshot") or {}
-        if not g or g.get("result") == "not run":
-            one = "-"
-        elif g.get("oneshot_used"):
-            one = f"yes: {o.get('calls')} calls; tuner {o.get('tuner_oneshot')} one-shot, {o.get('tuner_nccl')} NCCL"
-        else:
-            one = "no" + (f" (tuner {o.get('tuner_oneshot')} one-shot, {o.get('tuner_nccl')} NCCL, {o.get('nccl_not_offered')} not offered)"
-                          if o.get("stats_read") else " (no stats)")
         src = r["source"] + (f", {r['build']['seconds']:.0f} s" if r.get("build") and r["build"].get("status") == "ok" else "")
-        cells = [r["label"], src, abis, cell_case(g), one, cell_case(c.get("p2p")), cell_case(c.get("abort")),
-                 cell_recreate(c.get("recreate")), cell_recreate(c.get("recreate-refcount1")), cell_recreate(c.get("recreate-refcount0")),
-                 r["verdict"]]
+        cells = [r["label"], src, f"v{r['net']}" if r.get("net") else "-", cell_case(g), cell_path(g), cell_case(c.get("p2p")),
+                 cell_case(c.get("abort")), cell_recreate(c.get("recreate")), cell_recreate(c.get("recreate-refcount1")),
+                 cell_recreate(c.get("recreate-refcount0")), r["verdict"]]
         out.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
     notes = [(r["label"], n) for r in rows for n in r["notes"]]
     if notes:
@@ -473,6 +498,10 @@ def markdown(rows, meta):
     lines = [(r["label"], l) for r in rows for l in (r["cases"].get("gather", {}).get("nccl_plugin_lines") or [])[:6]]
     if lines:
         out += ["", "NCCL's own lines about its plugins (rank 0 of the gather case):", ""] + [f"- {l}: `{x}`" for l, x in lines]
+    warns = [(r["label"], w) for r in rows for w in library_warns(r["cases"].get("gather", {}))[:2]]
+    if warns:
+        out += ["", "The library's WARN lines (the gather case, both ranks, the first two):", ""] + [
+            f"- {l}: `{w}`" for l, w in warns]
     return "\n".join(out) + "\n"
 
 
@@ -617,15 +646,17 @@ def main():
             raise SystemExit(f"run.py: {prog} is missing: run make (or carry build/) first")
     if not (args.builds or args.libs or args.installed):
         raise SystemExit("run.py: nothing to run: give --builds, --libs or --installed")
+    try:
+        win = window()
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"run.py: cannot read the {FABRIC} fabric's default window: {e}")
     cfg = Config()
     cfg.work = os.path.abspath(args.work or args.builds or f"/tmp/nccl-versions.{os.getpid()}")
     os.makedirs(os.path.join(cfg.work, "runs"), exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
-    cfg.base_env = clean_env()
+    cfg.base_env, cfg.window = clean_env(), win
     ngpu = gpu_count()
     cfg.devices = (0, 1) if ngpu >= 2 else (0, 0)
-    # One GPU for both ranks: NCCL sees no NVSwitch and (2.24+) offers no CollNet Direct.
-    cfg.gpu_env = {"ROCE_GATHER_DIRECT_WITHOUT_NVSWITCH": "1"} if ngpu < 2 else {}
     mps, mps_note = (None, "CUDA MPS not asked for")
     if args.mps and ngpu < 2:
         mps, mps_note = start_mps(cfg.work, cfg.base_env)
@@ -707,7 +738,8 @@ def main():
         pass
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)), "cuda": cuda, "plugin_sha256": sha,
             "gpus": f"{ngpu} GPU(s), ranks on devices {cfg.devices[0]} and {cfg.devices[1]}, {mps_note}",
-            "seconds": time.time() - start, "deadline_hit": time.time() > deadline}
+            "seconds": time.time() - start, "deadline_hit": time.time() > deadline,
+            "window": "off" if win is None else f"{win[0]} to {win[1]} bytes a rank ({FABRIC} fabric's default)"}
     with open(os.path.join(args.out, "matrix.json"), "w") as f:
         json.dump({"meta": meta, "builds": builds, "releases": rows}, f, indent=2)
     with open(os.path.join(args.out, "matrix.md"), "w") as f:

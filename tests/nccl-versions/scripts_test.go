@@ -1,12 +1,15 @@
 // Package ncclversions tests the version matrix's scripts (build.py, run.py) on a machine
 // without a GPU: NCCL's build is a stand-in Makefile, NCCL itself a stand-in library
-// (testdata/fake_nccl.c) that loads the real plugin the way each release does, and CUDA
-// a stand-in libcuda.so.1 (testdata/fake_cuda.c). What they show is that the scripts
-// build, run, time out, read and tabulate as intended; the matrix itself runs on a GPU.
+// (testdata/fake_nccl.c) that loads the real library as its net plugin the way each release
+// does, and CUDA a stand-in libcuda.so.1 (testdata/fake_cuda.c), which cannot load the
+// intercepted path's kernel: every gather goes to NCCL there, and the rows say so. What they
+// show is that the scripts build, run, time out, read, judge and tabulate as intended; the
+// matrix itself runs on a GPU.
 package ncclversions
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -55,55 +58,50 @@ func fakes(t *testing.T, dir string, versions ...string) (cudaDir, libsDir strin
 	return
 }
 
+type path struct {
+	Intercepted bool     `json:"intercepted"`
+	Launches    []int    `json:"launches"`
+	Forwarded   []int    `json:"forwarded"`
+	Failures    []string `json:"failures"`
+}
+
 type caseResult struct {
-	Result          string   `json:"result"`
-	Failures        []string `json:"failures"`
-	UnloadNotice    bool     `json:"unload_notice"`
-	NCCLNetFailure  bool     `json:"nccl_net_failure"`
-	AsExpected      bool     `json:"as_expected"`
-	Expected        string   `json:"expected"`
-	CasesPassed     []int    `json:"cases_passed"`
-	NCCLVersion     string   `json:"nccl_version"`
-	ReturnedAfterS  float64  `json:"returned_after_death_s"`
-	FirstCommOK     bool     `json:"first_communicator_ok"`
-	NoticeMismatch  string   `json:"notice_mismatch"`
-	OneShotUsed     bool     `json:"oneshot_used"`
-	NCCLPluginLines []string `json:"nccl_plugin_lines"`
+	Result             string   `json:"result"`
+	Failures           []string `json:"failures"`
+	CasesPassed        []int    `json:"cases_passed"`
+	NCCLVersion        string   `json:"nccl_version"`
+	ReturnedAfterS     float64  `json:"returned_after_death_s"`
+	OnPath             bool     `json:"on_path"`
+	SecondCommunicator bool     `json:"second_communicator"`
+	Path               *path    `json:"path"`
+	NCCLPluginLines    []string `json:"nccl_plugin_lines"`
+	Warns              []string `json:"warns"`
 }
 
 type row struct {
 	Version string                `json:"version"`
 	Verdict string                `json:"verdict"`
-	ABI     map[string]*int       `json:"abi"`
+	Net     *int                  `json:"net"`
 	Cases   map[string]caseResult `json:"cases"`
 	Notes   []string              `json:"notes"`
 }
 
-func abi(r row) string {
-	s := []string{}
-	for _, k := range []string{"net", "collnet", "tuner"} {
-		if r.ABI[k] == nil {
-			s = append(s, "-")
-		} else {
-			s = append(s, strconv.Itoa(*r.ABI[k]))
-		}
-	}
-	return strings.Join(s, "/")
-}
-
-// Each modelled release through every case: the ABI versions read from the plugin's own
-// lines, byte-exact gathers and p2p, the abort timeline, and the re-created communicator
-// failing exactly where NCCL's unload forgets the plugin (with the plugin's notice), passing
-// with NCCL_NET_PLUGIN_REF_COUNT=1.
+// Each modelled release through every case, the real library loaded by NCCL_NET_PLUGIN alone:
+// the net table's version read from NCCL's line, the library's interceptor bound to the
+// programs' slots (way in "rebound") and handing every gather to NCCL (the stand-in CUDA loads
+// no kernel), which the stats show and the verdict says; byte-exact gathers and p2p; the abort
+// timeline; the re-created communicator made after NCCL's unload forgot the plugin's name
+// (2.27 with NCCL_NET_PLUGIN_REF_COUNT=0, 2.28 without it) on NCCL's internal network, its
+// gathers still seen by the library.
 func TestRunPyOverStandInReleases(t *testing.T) {
 	dir := t.TempDir()
-	cudaDir, libs := fakes(t, dir, "2.30.7", "2.28.9", "2.27.7", "2.22.3", "2.20.5")
+	cudaDir, libs := fakes(t, dir, "2.31.2", "2.30.7", "2.28.9", "2.27.7", "2.22.3", "2.20.5")
 	out := filepath.Join(dir, "out")
 	cmd := exec.Command("python3", "run.py", "--out", out, "--libs", libs, "--work", filepath.Join(dir, "work"), "--parallel", "3",
 		"--deadline", strconv.FormatInt(time.Now().Unix()+240, 10))
 	cmd.Env = append(os.Environ(), "LD_LIBRARY_PATH="+cudaDir, "TMPDIR="+dir) // the stand-in NCCL's shared files go there
 	msg, err := cmd.CombinedOutput()
-	// No stand-in gather takes the one-shot path, so run.py exits 1: rows say why.
+	// No stand-in gather takes the intercepted path, so run.py exits 1: rows say why.
 	var ee *exec.ExitError
 	require.ErrorAs(t, err, &ee, "%s", msg)
 	require.Equal(t, 1, ee.ExitCode(), "%s", msg)
@@ -117,10 +115,16 @@ func TestRunPyOverStandInReleases(t *testing.T) {
 	for _, r := range m.Releases {
 		rows[r.Version] = r
 	}
-	require.Len(t, rows, 5, "%s", msg)
-	for v, want := range map[string]string{"2.30.7": "12/12/6", "2.28.9": "11/11/5", "2.27.7": "10/10/4", "2.22.3": "8/8/3", "2.20.5": "8/8/-"} {
+	require.Len(t, rows, 6, "%s", msg)
+	for v, want := range map[string]int{"2.31.2": 12, "2.30.7": 12, "2.28.9": 11, "2.27.7": 10, "2.22.3": 0, "2.20.5": 0} {
 		r := rows[v]
-		require.Equal(t, want, abi(r), v)
+		if want == 0 { // before 2.26 NCCL's loader names no version, and the library logs none
+			require.Nil(t, r.Net, v)
+			require.Contains(t, r.Notes, "the net table's version is in no log line (NCCL's \"Loaded net plugin\", the library's \"net ABI\")")
+		} else {
+			require.NotNil(t, r.Net, v)
+			require.Equal(t, want, *r.Net, v)
+		}
 		for _, c := range []string{"gather", "p2p", "abort"} {
 			require.Equal(t, "pass", r.Cases[c].Result, "%s %s: %v", v, c, r.Cases[c].Failures)
 			require.Equal(t, v, r.Cases[c].NCCLVersion)
@@ -129,42 +133,77 @@ func TestRunPyOverStandInReleases(t *testing.T) {
 		require.Equal(t, []int{15, 15}, r.Cases["p2p"].CasesPassed)
 		require.Greater(t, r.Cases["abort"].ReturnedAfterS, 0.9, "rank 0 aborts 1 s after it sees the death")
 		require.Less(t, r.Cases["abort"].ReturnedAfterS, 10.0)
-		require.False(t, r.Cases["gather"].OneShotUsed)
+		require.False(t, r.Cases["abort"].OnPath)
+		// Both ranks' stats: the library saw every gather and handed each to NCCL.
+		g := r.Cases["gather"].Path
+		require.NotNil(t, g, v)
+		require.False(t, g.Intercepted)
+		require.Equal(t, []int{0, 0}, g.Launches)
+		require.Equal(t, []int{174, 174}, g.Forwarded)
+		require.Contains(t, g.Failures[0], "rank 0: intercepted.launches=0 gathers=0; expected launches=")
+		require.True(t, strings.HasPrefix(r.Verdict, "the intercepted path was not taken: rank 0: intercepted.launches=0 gathers=0; expected launches="), r.Verdict)
+		require.Contains(t, r.Verdict, "; the library: one-shot gather off for communicator ")
 		for n, c := range r.Cases {
 			if strings.HasPrefix(n, "recreate") {
-				require.True(t, c.AsExpected, "%s %s: expected %s, got %s %v", v, n, c.Expected, c.Result, c.Failures)
-				require.Empty(t, c.NoticeMismatch, "%s %s", v, n)
+				require.Equal(t, "pass", c.Result, "%s %s: %v", v, n, c.Failures)
+				require.True(t, c.SecondCommunicator, "%s %s", v, n)
+				require.Equal(t, []int{8, 8}, c.Path.Forwarded, "%s %s: both communicators' 4 gathers reached the library", v, n)
 			}
 		}
 	}
-	// 2.28.9: the default re-create fails as NCCL's unload predicts, after a good first
-	// communicator, with the plugin's notice; REF_COUNT=1 passes without one.
+	// NCCL's unload forgot the plugin's name: the second communicator found none and took
+	// NCCL's internal network; with NCCL_NET_PLUGIN_REF_COUNT=1 (and on 2.30, which keeps the
+	// name) it found the plugin again.
+	internal := "NET/Plugin: no plugin found: using the internal network"
 	rc := rows["2.28.9"].Cases
-	require.Equal(t, "fail", rc["recreate"].Result)
-	require.True(t, rc["recreate"].NCCLNetFailure)
-	require.True(t, rc["recreate"].FirstCommOK)
-	require.True(t, rc["recreate"].UnloadNotice)
-	require.Equal(t, "pass", rc["recreate-refcount1"].Result)
-	require.False(t, rc["recreate-refcount1"].UnloadNotice)
+	require.Contains(t, rc["recreate"].NCCLPluginLines, internal)
+	require.NotContains(t, rc["recreate-refcount1"].NCCLPluginLines, internal)
 	require.NotContains(t, rc, "recreate-refcount0")
-	// 2.27.7: only an explicit 0 unloads it.
 	rc = rows["2.27.7"].Cases
-	require.Equal(t, "pass", rc["recreate"].Result)
-	require.Equal(t, "fail", rc["recreate-refcount0"].Result)
-	require.True(t, rc["recreate-refcount0"].UnloadNotice)
-	require.Equal(t, "pass", rows["2.30.7"].Cases["recreate"].Result)
-	require.False(t, rows["2.30.7"].Cases["recreate"].UnloadNotice)
+	require.NotContains(t, rc["recreate"].NCCLPluginLines, internal)
+	require.Contains(t, rc["recreate-refcount0"].NCCLPluginLines, internal)
+	require.NotContains(t, rows["2.30.7"].Cases["recreate"].NCCLPluginLines, internal)
 	require.NotContains(t, rows["2.22.3"].Cases, "recreate-refcount1", "no NCCL_NET_PLUGIN_REF_COUNT before 2.26")
 
-	for _, v := range []string{"2.30.7", "2.28.9", "2.27.7", "2.22.3"} {
-		require.Equal(t, "the one-shot path was not used (tuner decisions: 0 one-shot, 0 NCCL, 0 with CollNet Direct not offered)", rows[v].Verdict)
-	}
-	require.Equal(t, "works (no tuner: this release looks up tuner v1 or v2, which the library does not export; no gather took the one-shot path)",
-		rows["2.20.5"].Verdict)
 	md, err := os.ReadFile(filepath.Join(out, "matrix.md"))
 	require.NoError(t, err)
-	require.Contains(t, string(md), "| 2.28.9 | built | v11 / v11 / v5 | pass (174/174) | no (tuner 0 one-shot, 0 NCCL, 0 not offered) | pass (15/15) | pass (")
-	require.Contains(t, string(md), `| fails: NCCL "Failed to initialize any NET plugin"; plugin warned | passes | - |`)
+	require.Contains(t, string(md), "| 2.28.9 | built | v11 | pass (174/174) | NO: 0 intercepted, 174 to NCCL (rank 0) | pass (15/15) | pass (")
+	require.Contains(t, string(md), "; NCCL's path) | both communicators byte-exact, but rank 0: intercepted.launches=0 gathers=0; expected launches=4 gathers=4 ")
+	require.Contains(t, string(md), "the intercepted path's window 0 to 262144 bytes a rank (tcp fabric's default)")
+}
+
+// The verdicts from canned logs and stats (run.judge and run.summarize): a release whose every
+// in-window gather took the path works; a re-created communicator off the path without
+// NCCL_NET_PLUGIN_REF_COUNT=1 but on it with it is a release that works and needs the
+// variable; and each way of not working is named.
+func TestRunPyJudgesThePath(t *testing.T) {
+	cmd := exec.Command("python3", "testdata/judge.py")
+	cmd.Env = append(os.Environ(), "PYTHONDONTWRITEBYTECODE=1")
+	raw, err := cmd.Output()
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		t.Fatalf("%v: %s", err, ee.Stderr)
+	}
+	require.NoError(t, err)
+	var got struct {
+		Verdicts map[string]string `json:"verdicts"`
+		MD       string            `json:"md"`
+	}
+	require.NoError(t, json.Unmarshal(raw, &got))
+	require.Equal(t, map[string]string{
+		"works": "works",
+		"refcount needed": "works; a communicator created after the last one was destroyed needs NCCL_NET_PLUGIN_REF_COUNT=1 " +
+			"(without it: the second communicator's gathers went to NCCL)",
+		"refcount0 breaks": "works (NCCL_NET_PLUGIN_REF_COUNT=0 breaks re-created communicators: rank 0: ncclCommInitRank " +
+			"(communicator 2 of 2): invalid usage)",
+		"refcount1 does not mend": "fails: recreate: the second communicator's gathers went to NCCL; recreate-refcount1: " +
+			"the second communicator's gathers went to NCCL",
+		"abort off the path": "fails: abort: rank 0's gathers took NCCL's path, so no abort of the intercepted path was tested",
+		"another way in":     "the intercepted path was not taken: rank 0: interceptor.way_in='preempting', expected 'rebound' (NCCL_NET_PLUGIN alone)",
+		"another net":        "unexpected: NCCL initialised net v12; its source asks first for v11",
+	}, got.Verdicts)
+	require.Contains(t, got.MD, "| 2.30.7 | built | v12 | pass (174/174) | yes, both ranks: 162 intercepted, 12 to NCCL (rank 0) | "+
+		"pass (15/15) | pass (1.5 s after the death) | passes, both communicators intercepted | passes, both communicators intercepted | - | works |")
 }
 
 // A stand-in NCCL source tarball whose src.build runs the given recipe.
@@ -308,7 +347,7 @@ func TestMatrixShBuildsRunsAndCollects(t *testing.T) {
 	require.NoError(t, err)
 	require.Contains(t, string(md), "| 2.20.5 | built | - | - | - | - | - | - | - | - | the build failed with CUDA unknown: include/nccl.h:12:10: fatal error: cuda_runtime.h: No such file or directory |")
 	require.Contains(t, string(md), `| 2.28.9 | built, `)
-	require.Contains(t, string(md), `| fails: NCCL "Failed to initialize any NET plugin"; plugin warned | passes | - |`)
+	require.Contains(t, string(md), "| both communicators byte-exact, but rank 0: intercepted.launches=0 gathers=0; expected launches=4 gathers=4 ")
 	list, err := exec.Command("tar", "-tJf", filepath.Join(out, "logs.tar.xz")).Output()
 	require.NoError(t, err)
 	for _, want := range []string{"./builds.json", "./logs/build-2.20.5.log", "./runs/rg2-28-9/recreate/rank0.log", "./run.out"} {

@@ -1,11 +1,13 @@
 /* A stand-in libnccl.so.2 for testing the version matrix's scripts on a machine without a
  * GPU or NCCL: two ranks exchange through a shared file, and the net plugin is loaded and
- * initialised as the NCCL release FAKE_VERSION (e.g. 22809) would: the net and collNet
- * table it looks up first, init once per process (net v8-v10) or per communicator with
- * finalize (v11, v12), and its unload after the last communicator (2.28 and 2.29 forget
- * the plugin's name unless NCCL_NET_PLUGIN_REF_COUNT > 0); NCCL_NET_PLUGIN=none (2.28 on)
- * loads no plugin. Nothing here is NCCL's code:
- * it models only what the scripts read (docs/compatibility.md has the facts). */
+ * initialised as the NCCL release FAKE_VERSION (e.g. 22809) would: the net table it looks up
+ * first, init once per process (net v8-v10) or per communicator with finalize (v11, v12), and
+ * its unload after the last communicator (2.27 to 2.29 forget the plugin's name unless
+ * NCCL_NET_PLUGIN_REF_COUNT > 0); a plugin not found leaves NCCL's internal network, or fails
+ * the communicator when NCCL_NET names one; NCCL_NET_PLUGIN=none (2.28 on) loads no plugin.
+ * Each API function is a strong pncclX with a weak ncclX at the same address, as in NCCL, so
+ * that the library's interceptor finds what it forwards to. Nothing here is NCCL's code: it
+ * models only what the scripts read (docs/compatibility.md has the facts). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
@@ -20,7 +22,6 @@
 #include <time.h>
 #include <unistd.h>
 #include "nccl/net.h"
-#include "nccl/tuner.h"
 
 #ifndef FAKE_VERSION
 #error "build with -DFAKE_VERSION=22809 (major*10000 + minor*100 + patch)"
@@ -47,7 +48,7 @@ struct fake_comm {
   char* data;
   unsigned long long seq;
   int error;
-  void *netctx, *collctx, *tunerctx;
+  void* netctx;
 };
 
 typedef struct fake_comm* comm_t;
@@ -77,14 +78,10 @@ static void logger(ncclDebugLogLevel level, unsigned long flags, const char* fil
 
 /* ---- the plugin, as this release loads it ---- */
 static int net_abi(void) { return MINOR >= 30 ? 12 : MINOR >= 28 ? 11 : MINOR >= 26 ? 10 : MINOR >= 24 ? 9 : 8; }
-/* 2.20 and 2.21 look up tuner v1 and v2, which the library does not export. */
-static int tuner_abi(void) { return MINOR >= 30 ? 6 : MINOR >= 28 ? 5 : MINOR >= 24 ? 4 : MINOR >= 22 ? 3 : 0; }
 static char plugin_name[256];
 static int name_read, live_comms;
 static void* plugin;
-static void* net;  /* the net table of version net_abi() */
-static void* coll; /* the collNet table */
-static void *process_netctx, *process_collctx;
+static void* net; /* the net table of version net_abi() */
 static int process_init_done;
 
 static long refcount_param(void) {
@@ -122,17 +119,23 @@ static int load_plugin(void) {
   char sym[64];
   snprintf(sym, sizeof(sym), "ncclNetPlugin_v%d", net_abi());
   net = dlsym(plugin, sym);
-  snprintf(sym, sizeof(sym), "ncclCollNetPlugin_v%d", net_abi());
-  coll = dlsym(plugin, sym);
   if (!net) return -1;
+  if (MINOR >= 26) /* 2.26 on, the table's own loader (src/plugin/net/net_vN.cc) names its version */
+    logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "NET/Plugin: Loaded net plugin %s (v%d)", *(const char**)net,
+           net_abi());
   logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "Successfully loaded external network plugin %s", lib);
   return 0;
 }
 
 static int init_plugin(comm_t c, unsigned long long commId) {
   if (load_plugin() != 0) {
-    logger(NCCL_LOG_WARN, NCCL_INIT, __FILE__, __LINE__, "Failed to initialize any NET plugin");
-    return ncclInvalidUsage;
+    const char* want = getenv("NCCL_NET");
+    if (want && *want) {
+      logger(NCCL_LOG_WARN, NCCL_INIT, __FILE__, __LINE__, "Failed to initialize any NET plugin");
+      return ncclInvalidUsage;
+    }
+    logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "NET/Plugin: no plugin found: using the internal network");
+    internal_net = 1;
   }
   if (internal_net) {
     live_comms++;
@@ -140,57 +143,35 @@ static int init_plugin(comm_t c, unsigned long long commId) {
   }
   int abi = net_abi();
   ncclNetCommConfig_v12_t cfg = {.trafficClass = -1};
-  ncclResult_t r = ncclSuccess, rc = ncclSuccess;
+  ncclResult_t r = ncclSuccess;
   if (abi >= 11) {
     r = abi == 12 ? ((ncclNet_v12_t*)net)->init(&c->netctx, commId, &cfg, logger, NULL)
                   : ((ncclNet_v11_t*)net)->init(&c->netctx, commId, &cfg, logger, NULL);
-    if (coll && r == ncclSuccess)
-      rc = abi == 12 ? ((ncclCollNet_v12_t*)coll)->init(&c->collctx, commId, logger)
-                     : ((ncclCollNet_v11_t*)coll)->init(&c->collctx, commId, logger);
   } else if (!process_init_done) {
     r = abi == 10 ? ((ncclNet_v10_t*)net)->init(logger, NULL)
                   : abi == 9 ? ((ncclNet_v9_t*)net)->init(logger) : ((ncclNet_v8_t*)net)->init(logger);
-    if (coll && r == ncclSuccess)
-      rc = abi == 10 ? ((ncclCollNet_v10_t*)coll)->init(logger)
-                     : abi == 9 ? ((ncclCollNet_v9_t*)coll)->init(logger) : ((ncclCollNet_v8_t*)coll)->init(logger);
     process_init_done = r == ncclSuccess;
   }
-  (void)process_netctx;
-  (void)process_collctx;
-  if (r != ncclSuccess || rc != ncclSuccess) {
+  if (r != ncclSuccess) {
     logger(NCCL_LOG_WARN, NCCL_INIT, __FILE__, __LINE__, "Failed to initialize any NET plugin");
     return ncclInvalidUsage;
   }
   logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "Initialized NET plugin %s", *(const char**)net);
   live_comms++;
-  /* The tuner, from the same library, once the net is up. */
-  char sym[64];
-  snprintf(sym, sizeof(sym), "ncclTunerPlugin_v%d", tuner_abi());
-  void* t = tuner_abi() ? dlsym(plugin, sym) : NULL;
-  static double constants[sizeof(ncclTunerConstants_v5_t) / sizeof(double)];
-  ncclNvlDomainInfo_v5_t nvl = {2, 1, 1};
-  if (t && tuner_abi() >= 5)
-    ((ncclTuner_v5_t*)t)->init(&c->tunerctx, commId, 2, 2, logger, &nvl, (ncclTunerConstants_v5_t*)constants);
-  else if (t)
-    ((ncclTuner_v3_t*)t)->init(2, 2, logger, &c->tunerctx);
   return ncclSuccess;
 }
 
 static void finalize_plugin(comm_t c) {
   if (internal_net) {
     live_comms--;
+    internal_net = 0; /* the next communicator looks for the plugin again */
     return;
   }
   int abi = net_abi();
-  if (abi >= 11) {
-    if (abi == 12) {
-      ((ncclNet_v12_t*)net)->finalize(c->netctx);
-      if (coll) ((ncclCollNet_v12_t*)coll)->finalize(c->collctx);
-    } else {
-      ((ncclNet_v11_t*)net)->finalize(c->netctx);
-      if (coll) ((ncclCollNet_v11_t*)coll)->finalize(c->collctx);
-    }
-  }
+  if (abi == 12)
+    ((ncclNet_v12_t*)net)->finalize(c->netctx);
+  else if (abi == 11)
+    ((ncclNet_v11_t*)net)->finalize(c->netctx);
   if (--live_comms > 0 || MINOR < 27) return;
   if (refcount_param() > 0) return; /* the count never reaches zero: never unloaded */
   logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "Unloading plugin %s", plugin_name);
@@ -201,6 +182,9 @@ static void finalize_plugin(comm_t c) {
 }
 
 /* ---- two ranks through a shared file ---- */
+
+/* NCCL's layout: the strong pncclX, and ncclX a weak alias at its address. */
+#define NCCL_NAME(f) __typeof__(p##f) f __attribute__((weak, alias("p" #f)));
 static int peer_alive(comm_t c) {
   int p = c->h->pid[1 - c->rank];
   return p == 0 || kill(p, 0) == 0 || errno != ESRCH;
@@ -220,19 +204,19 @@ static int barrier(comm_t c) {
   return ncclSuccess;
 }
 
-int ncclGetVersion(int* v) {
+int pncclGetVersion(int* v) {
   *v = FAKE_VERSION;
   return ncclSuccess;
 }
 
-const char* ncclGetErrorString(int r) {
+const char* pncclGetErrorString(int r) {
   static const char* s[] = {"no error", "unhandled cuda error", "unhandled system error", "internal error",
                             "invalid argument", "invalid usage", "remote process exited or there was a network error",
                             "NCCL operation in progress"};
   return r >= 0 && r < 8 ? s[r] : "unknown result code";
 }
 
-int ncclGetUniqueId(fake_id* id) {
+int pncclGetUniqueId(fake_id* id) {
   memset(id, 0, sizeof(*id));
   const char* tmp = getenv("TMPDIR");
   snprintf(id->path, sizeof(id->path), "%s/fake-nccl.XXXXXX", tmp && *tmp ? tmp : "/tmp");
@@ -242,7 +226,7 @@ int ncclGetUniqueId(fake_id* id) {
   return ncclSuccess;
 }
 
-int ncclCommInitRank(comm_t* out, int nranks, fake_id id, int rank) {
+int pncclCommInitRank(comm_t* out, int nranks, fake_id id, int rank) {
   if (nranks != 2 || rank < 0 || rank > 1) return ncclInvalidArgument;
   comm_t c = calloc(1, sizeof(*c));
   c->rank = rank;
@@ -265,7 +249,7 @@ int ncclCommInitRank(comm_t* out, int nranks, fake_id id, int rank) {
   return ncclSuccess;
 }
 
-int ncclAllGather(const void* send, void* recv, size_t n, int type, comm_t c, void* stream) {
+int pncclAllGather(const void* send, void* recv, size_t n, int type, comm_t c, void* stream) {
   (void)type;
   (void)stream;
   if (c->error) return c->error;
@@ -313,17 +297,17 @@ static int flush_group(void) {
   return rc;
 }
 
-int ncclGroupStart(void) {
+int pncclGroupStart(void) {
   grp.depth++;
   return ncclSuccess;
 }
 
-int ncclGroupEnd(void) {
+int pncclGroupEnd(void) {
   if (--grp.depth > 0) return ncclSuccess;
   return flush_group();
 }
 
-int ncclSend(const void* buf, size_t n, int type, int peer, comm_t c, void* stream) {
+int pncclSend(const void* buf, size_t n, int type, int peer, comm_t c, void* stream) {
   (void)type;
   (void)peer;
   (void)stream;
@@ -334,7 +318,7 @@ int ncclSend(const void* buf, size_t n, int type, int peer, comm_t c, void* stre
   return grp.depth ? ncclSuccess : flush_group();
 }
 
-int ncclRecv(void* buf, size_t n, int type, int peer, comm_t c, void* stream) {
+int pncclRecv(void* buf, size_t n, int type, int peer, comm_t c, void* stream) {
   (void)type;
   (void)peer;
   (void)stream;
@@ -345,32 +329,54 @@ int ncclRecv(void* buf, size_t n, int type, int peer, comm_t c, void* stream) {
   return grp.depth ? ncclSuccess : flush_group();
 }
 
-int ncclCommGetAsyncError(comm_t c, int* e) {
+int pncclCommGetAsyncError(comm_t c, int* e) {
   *e = c->error;
   return ncclSuccess;
 }
 
-int ncclCommAbort(comm_t c) {
+int pncclCommAbort(comm_t c) {
   (void)c;
   return ncclSuccess;
 }
 
-int ncclCommFinalize(comm_t c) { return barrier(c); }
+int pncclCommFinalize(comm_t c) { return barrier(c); }
 
-int ncclCommDestroy(comm_t c) {
+int pncclCommDestroy(comm_t c) {
   finalize_plugin(c);
   return ncclSuccess;
 }
 
-int ncclCommRegister(comm_t c, void* b, size_t n, void** h) {
+/* The queries the interceptor asks of a communicator it learns at its first gather. */
+int pncclCommCount(comm_t c, int* n) {
   (void)c;
-  (void)n;
-  *h = b;
+  *n = 2;
   return ncclSuccess;
 }
 
-int ncclCommDeregister(comm_t c, void* h) {
-  (void)c;
-  (void)h;
+int pncclCommUserRank(comm_t c, int* r) {
+  *r = c->rank;
   return ncclSuccess;
 }
+
+int pncclCommCuDevice(comm_t c, int* d) {
+  (void)c;
+  *d = 0;
+  return ncclSuccess;
+}
+
+NCCL_NAME(ncclGetVersion)
+NCCL_NAME(ncclGetErrorString)
+NCCL_NAME(ncclGetUniqueId)
+NCCL_NAME(ncclCommInitRank)
+NCCL_NAME(ncclAllGather)
+NCCL_NAME(ncclGroupStart)
+NCCL_NAME(ncclGroupEnd)
+NCCL_NAME(ncclSend)
+NCCL_NAME(ncclRecv)
+NCCL_NAME(ncclCommGetAsyncError)
+NCCL_NAME(ncclCommAbort)
+NCCL_NAME(ncclCommFinalize)
+NCCL_NAME(ncclCommDestroy)
+NCCL_NAME(ncclCommCount)
+NCCL_NAME(ncclCommUserRank)
+NCCL_NAME(ncclCommCuDevice)
