@@ -43,16 +43,16 @@ type fixture struct {
 }
 
 var (
-	fixOnce sync.Once
-	fix     fixture
-	fixErr  error
-	fixDir  string
+	fixOnce  sync.Once
+	fix      fixture
+	fixErr   error
+	cleanups []string // folders the package's tests made, removed when they end
 )
 
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if fixDir != "" {
-		os.RemoveAll(fixDir)
+	for _, d := range cleanups {
+		os.RemoveAll(d)
 	}
 	os.Exit(code)
 }
@@ -88,7 +88,7 @@ func build() (fixture, error) {
 	if err != nil {
 		return f, err
 	}
-	fixDir = dir
+	cleanups = append(cleanups, dir)
 	// The loader and /proc name objects by resolved paths.
 	if dir, err = filepath.EvalSymlinks(dir); err != nil {
 		return f, err
