@@ -28,7 +28,7 @@ void* rg_wrapper(enum rg_wrapped w);
 
 /* The calling thread's ncclGroupStart depth as the wrappers counted it: starts that succeeded
  * less the ends made at a depth above 0. A group opened before the entry hook went in is not
- * in it. */
+ * in it (oneshot.c probes for one). */
 int rg_intercept_group_depth(void);
 
 #endif

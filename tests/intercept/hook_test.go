@@ -2,7 +2,8 @@ package intercept
 
 // The callers the entry hook exists for: the serving engines' own bindings (pynccl), which take
 // every function before the first communicator; programs holding NCCL's addresses in their
-// data; an entry the hook refuses; NCCLs built with other compilers' flags.
+// data; groups opened before the hook; an entry the hook refuses; NCCLs built with other
+// compilers' flags.
 
 import (
 	"path/filepath"
@@ -81,6 +82,41 @@ func TestACallerHoldingStaticPointersIsReached(t *testing.T) {
 		"gather:64:0", "gather:4096:0", "allreduce:10", "destroy")
 	checkBinding(t, j, runs, "init", "gather", "group", "gather", "gather", "gather", "gather", "gather", "gather",
 		"allreduce", "destroy")
+}
+
+// A group opened before the hook, on a thread that later gathers inside it, is invisible to
+// the wrappers' depth: the probe (a self send and receive) finds it, the gather goes to NCCL
+// as asked, and the ranks agree at that group's end; meanwhile the main thread is untouched.
+func TestAGroupOpenedBeforeTheHookKeepsTheAgreementOutOfIt(t *testing.T) {
+	f := fixtures(t)
+	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib)
+	runs := j.run2(t, "bg:groupstart", "init", "bg:gather:16:0", "bg:groupend", "bg:gather:100:0", "gather:64:0", "destroy")
+	log := j.ncclLog(t)
+	for _, r := range runs {
+		requireSteps(t, r, "groupstart", "init", "gather", "groupend", "gather", "gather", "destroy")
+		pid := r.pid(t)
+		require.Regexp(t, `communicator 0x[0-9a-f]+: its first gather came inside a NCCL group opened before this library `+
+			`hooked NCCL \(the wrappers did not see it start\) and takes NCCL's path; the ranks agree the one-shot path when `+
+			`that group ends`, r.stderr)
+		require.Equal(t, intercepted{Launches: 2, LaunchBytes: 164, Forwarded: 1, ForwardedBytes: 16, Gathers: 2, Bytes: 164},
+			readIntercepted(t, r.stats), "rank %d", r.rank)
+		counts, agreements := forwardedGathers(log, pid)
+		require.Equal(t, []int{16}, counts)
+		require.Equal(t, 2, agreements, "after the group")
+		// The probe's group inside the one opened before the hook (it ran at that group's end),
+		// then the probe's group alone, before the agreement.
+		var depths []int
+		for _, l := range log {
+			if l.num("pid") == pid && l.str("fn") == "ncclSend" {
+				depths = append(depths, int(l["args"].(map[string]any)["depth"].(float64)))
+				require.Equal(t, 8, int(l["args"].(map[string]any)["count"].(float64)))
+			}
+		}
+		require.Equal(t, []int{2, 1}, depths)
+		s := readInterceptorStats(t, r.stats)
+		require.Equal(t, 0, s.Calls["ncclGroupStart"], "opened before the hook")
+		require.Equal(t, 1, s.Calls["ncclGroupEnd"], "its end reached the wrapper")
+	}
 }
 
 // An entry the decoder refuses: nothing is patched, one line names the function and why, and
