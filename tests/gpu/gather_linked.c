@@ -6,9 +6,9 @@
  *
  * Every entry of `nccl` is a function of this file that calls NCCL's function by its name, so
  * each call goes through this program's own relocation slot for that name, as PyTorch's calls
- * do: the slot the library rebinds to its own ncclAllGather when NCCL loads it
- * (NCCL_NET_PLUGIN), or the name its ncclAllGather preempts (LD_PRELOAD). A pointer to NCCL's
- * function taken once would go around both. */
+ * do: it leads to NCCL's function, whose entry the library hooks when NCCL loads it
+ * (NCCL_NET_PLUGIN), or to the library's own ncclAllGather, which preempts the name
+ * (LD_PRELOAD). */
 #define _GNU_SOURCE /* dladdr */
 #include <nccl.h>
 #include <dlfcn.h>
@@ -25,8 +25,8 @@ _Static_assert((int)ncclSuccess == (int)NCCL_SUCCESS && (int)ncclInProgress == (
 static ncclComm_t real(nccl_comm_t comm) { return (ncclComm_t)(void*)comm; }
 
 /* The object that the address of ncclAllGather, read through this program's slot now, lies in:
- * NCCL's library, or the one that rebound or preempted the name. Not inlined, so that each
- * call reads the slot afresh. */
+ * NCCL's library, or the one that preempted the name. Not inlined, so that each call reads
+ * the slot afresh. */
 __attribute__((noinline)) static void print_slot(const char* when) {
   Dl_info info;
   const char* where = dladdr((void*)ncclAllGather, &info) && info.dli_fname ? info.dli_fname : "(unknown)";

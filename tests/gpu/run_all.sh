@@ -13,10 +13,10 @@
 # tests/gpu/README.md says what each step checks.
 #
 # ROCE_GATHER_GPU_STEPS: the steps to run, by name or group (default: check):
-#   check     = env kernels p2p gather graphs capi jax abort topology recreate
+#   check     = env kernels p2p gather graphs capi jax pynccl abort topology recreate
 #   timing    = env latency plot calibrate
 #   sweep     = env sweep
-#   intercept = env gather graphs capi jax abort latency plot
+#   intercept = env gather graphs capi jax pynccl abort latency plot
 # Steps gather, graphs, capi, jax, abort and latency run the intercepted gather beside NCCL's
 # own transport; ROCE_GATHER_GPU_ROUTE=collnet runs their CollNet-route configs instead.
 # ROCE_GATHER_GPU_ONE_DEVICE=0: both ranks of every pair on GPU 0, under CUDA MPS (started
@@ -45,10 +45,10 @@ mkdir -p "$WORK/logs" "$WORK/steps" "$WORK/raw"
 WANT=""
 for w in ${ROCE_GATHER_GPU_STEPS:-check}; do
 	case $w in
-	check) WANT="$WANT env kernels p2p gather graphs capi jax abort topology recreate" ;;
+	check) WANT="$WANT env kernels p2p gather graphs capi jax pynccl abort topology recreate" ;;
 	timing) WANT="$WANT env latency plot calibrate" ;;
 	sweep) WANT="$WANT env sweep" ;;
-	intercept) WANT="$WANT env gather graphs capi jax abort latency plot" ;;
+	intercept) WANT="$WANT env gather graphs capi jax pynccl abort latency plot" ;;
 	*) WANT="$WANT $w" ;;
 	esac
 done
@@ -109,6 +109,7 @@ step gather 200
 step graphs 120
 step capi 260
 step jax 240 # two pairs: NCCL_NET_PLUGIN alone, LD_PRELOAD alone
+step pynccl 150 # three pairs: NCCL socket, the environment python -m roce_gather env prints, LD_PRELOAD alone
 step abort 200
 step latency 250 # fits its rounds into what it has left
 step plot 30
