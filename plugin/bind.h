@@ -1,12 +1,15 @@
 /* The interceptor's binding: which NCCL it forwards to, and how callers' calls reach its
- * wrappers (plugin/intercept.c). Pure C, callable from any thread at any time. */
+ * wrappers (plugin/intercept.c): the entry hook on that NCCL's own functions (plugin/hook.c).
+ * Pure C, callable from any thread at any time. */
 #ifndef RG_BIND_H
 #define RG_BIND_H
 
 #include "../include/nccl/api.h"
 
-/* NCCL's own functions, each resolved from the NCCL object's own handle by its strong
- * pncclX name; NULL where that NCCL lacks it. */
+/* NCCL's functions as the wrappers and the engine call them. The wrapped ones come first,
+ * in enum rg_wrapped's order: NCCL's original code (the trampoline where the entry is
+ * hooked, else NCCL's own definition, pncclX or ncclX); the others are NCCL's own pncclX.
+ * NULL where that NCCL has no such function. */
 typedef struct rg_nccl_api {
   ncclAllGather_fn AllGather;
   ncclCommInitRank_fn CommInitRank;
@@ -17,33 +20,37 @@ typedef struct rg_nccl_api {
   ncclCommDestroy_fn CommDestroy;
   ncclCommAbort_fn CommAbort;
   ncclCommGetAsyncError_fn CommGetAsyncError;
+  ncclGroupStart_fn GroupStart;
+  ncclGroupEnd_fn GroupEnd;
+  ncclAllReduce_fn AllReduce;
   ncclCommCount_fn CommCount;
   ncclCommUserRank_fn CommUserRank;
   ncclCommCuDevice_fn CommCuDevice;
-  ncclGroupStart_fn GroupStart;
-  ncclGroupEnd_fn GroupEnd;
   ncclGetVersion_fn GetVersion;
   ncclGetErrorString_fn GetErrorString;
+  ncclSend_fn Send;
+  ncclRecv_fn Recv;
   const char* path; /* the NCCL object, as the loader names it */
   int version;      /* its pncclGetVersion, 0 where it has none */
+  int hooked;       /* its entries jump to the wrappers */
 } rg_nccl_api;
 
-/* The NCCL this library forwards to, found once and then fixed for the process; NULL
- * while no loaded object defines pncclAllGather. After the first success it is one
- * atomic load. Finding it also takes the way in (below) when no NCCL init did. */
+/* The NCCL this library forwards to, found (and hooked) once and then fixed for the
+ * process; NULL while no loaded object defines pncclAllGather. After the first success it
+ * is one atomic load. */
 const rg_nccl_api* rg_nccl(void);
 
 /* Every NCCL init entry (net, collNet, tuner) calls this with its return address: the NCCL
- * that called is the one preferred, and every loaded object is scanned again. logger,
- * when not NULL, is installed first so that the binding's lines go through NCCL's log. */
+ * that called is the one preferred, and the loaded objects are looked at again for callers
+ * that are not reached. logger, when not NULL, is installed first so that the binding's
+ * lines go through NCCL's log. */
 void rg_bind_from_nccl(const void* caller, ncclDebugLogger_t logger);
 
 /* How the calls reach the wrappers: "pending" (nothing tried yet), "no_nccl" (no loaded
- * object defines pncclAllGather), "preempting" (the process's global scope resolves
- * ncclAllGather to this library: LD_PRELOAD), "rebound" (relocation slots of at least one
- * object's ncclAllGather were rebound), "none" (NCCL is there but no loaded object calls
- * ncclAllGather through a relocation that reaches it), "unsupported" (relocation
- * rebinding is x86-64 only). A static string. */
+ * object defines pncclAllGather), "hooked" (the NCCL's entries jump to the wrappers: every
+ * caller of it reaches them), "preempting" (not hooked, but LD_PRELOAD puts the library's
+ * functions first: callers through relocations reach them), "refused" (not hooked, and
+ * nothing else takes the calls). A static string. */
 const char* rg_bind_way_in(void);
 
 #endif

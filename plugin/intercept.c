@@ -1,8 +1,9 @@
-/* The interceptor's wrappers: this library's own ncclAllGather and the calls it must see
- * (communicator creation, split, finalize, destroy, abort, ncclCommGetAsyncError, groups).
- * Each counts the call, lets the one-shot engine look (oneshot_hooks.h) and otherwise
- * forwards to NCCL's pncclX with its arguments and result unchanged. Pure C; the
- * ncclAllGather path takes no lock and allocates nothing once NCCL is found. */
+/* The interceptor's wrappers: this library's own ncclAllGather and ncclAllReduce and the
+ * calls the engine must see (communicator creation, split, finalize, destroy, abort,
+ * ncclCommGetAsyncError, groups). Each counts the call, lets the one-shot engine look
+ * (oneshot_hooks.h) and otherwise forwards to NCCL's original code (bind.h) with its
+ * arguments and result unchanged. Pure C; the ncclAllGather path takes no lock and
+ * allocates nothing once NCCL is found. */
 #define _GNU_SOURCE
 #include "intercept.h"
 #include <stdatomic.h>
@@ -16,9 +17,9 @@
 const char* const rg_wrapped_names[RG_WRAP_N] = {
     "ncclAllGather",   "ncclCommInitRank",  "ncclCommInitRankConfig", "ncclCommInitAll",
     "ncclCommSplit",   "ncclCommFinalize",  "ncclCommDestroy",        "ncclCommAbort",
-    "ncclCommGetAsyncError", "ncclGroupStart", "ncclGroupEnd",
+    "ncclCommGetAsyncError", "ncclGroupStart", "ncclGroupEnd", "ncclAllReduce",
 };
-_Static_assert(RG_STAT_CALL_GROUP_END - RG_STAT_CALL_ALLGATHER + 1 == RG_WRAP_N, "one counter a wrapper");
+_Static_assert(RG_STAT_CALL_ALL_REDUCE - RG_STAT_CALL_ALLGATHER + 1 == RG_WRAP_N, "one counter a wrapper");
 
 /* The calling thread's group depth (NCCL keeps its own the same way, per thread). The
  * library's TLS is static already (Go's runtime uses initial-exec): no __tls_get_addr. */
@@ -36,7 +37,7 @@ static ncclResult_t unavailable(enum rg_wrapped w, const rg_nccl_api* api) {
       RG_WARN("%s: no NCCL in this process (no loaded object defines pncclAllGather); returning ncclInvalidUsage",
               rg_wrapped_names[w]);
     else
-      RG_WARN("%s: the NCCL in use (%s) has no p%s to forward it to; returning ncclInvalidUsage",
+      RG_WARN("%s: the NCCL in use (%s) has no %s to forward it to; returning ncclInvalidUsage",
               rg_wrapped_names[w], api->path, rg_wrapped_names[w]);
   }
   return ncclInvalidUsage;
@@ -65,6 +66,15 @@ static ncclResult_t wrap_AllGather(const void* sendbuff, void* recvbuff, size_t 
   ncclResult_t result;
   if (rg_oneshot_allgather(sendbuff, recvbuff, sendcount, datatype, comm, stream, &result)) return result;
   return api->AllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream);
+}
+
+/* Counted and forwarded: the all-reduce engine comes later. */
+static ncclResult_t wrap_AllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
+                                   ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  counted(RG_WRAP_AllReduce);
+  const rg_nccl_api* api = rg_nccl();
+  if (api == NULL || api->AllReduce == NULL) return unavailable(RG_WRAP_AllReduce, api);
+  return api->AllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream);
 }
 
 static ncclResult_t wrap_CommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
@@ -159,8 +169,10 @@ static ncclResult_t wrap_GroupEnd(void) {
   const rg_nccl_api* api = rg_nccl();
   if (api == NULL || api->GroupEnd == NULL) return unavailable(RG_WRAP_GroupEnd, api);
   ncclResult_t r = api->GroupEnd();
-  /* NCCL leaves a group at any depth above 0, whatever the group's result. */
-  if (group_depth > 0 && --group_depth == 0) rg_oneshot_group_ended(r == ncclSuccess);
+  /* NCCL leaves a group at any depth above 0, whatever the group's result. An end at depth 0
+   * closes a group opened before the hook went in (or none: NCCL then refuses it). */
+  if (group_depth > 0) group_depth--;
+  if (group_depth == 0) rg_oneshot_group_ended(r == ncclSuccess);
   return r;
 }
 
@@ -178,12 +190,13 @@ EXPORT(CommAbort);
 EXPORT(CommGetAsyncError);
 EXPORT(GroupStart);
 EXPORT(GroupEnd);
+EXPORT(AllReduce);
 
 void* rg_wrapper(enum rg_wrapped w) {
   static void* const wrappers[RG_WRAP_N] = {
       (void*)wrap_AllGather, (void*)wrap_CommInitRank, (void*)wrap_CommInitRankConfig, (void*)wrap_CommInitAll,
       (void*)wrap_CommSplit, (void*)wrap_CommFinalize, (void*)wrap_CommDestroy,         (void*)wrap_CommAbort,
-      (void*)wrap_CommGetAsyncError, (void*)wrap_GroupStart, (void*)wrap_GroupEnd,
+      (void*)wrap_CommGetAsyncError, (void*)wrap_GroupStart, (void*)wrap_GroupEnd, (void*)wrap_AllReduce,
   };
   return (unsigned)w < RG_WRAP_N ? wrappers[w] : NULL;
 }

@@ -17,6 +17,7 @@
 #include "bind.h"
 #include "intercept.h"
 #include "oneshot_hooks.h"
+#include "probe.h"
 
 /* One communicator the interceptor has seen. */
 typedef struct rg_icomm {
@@ -28,7 +29,8 @@ typedef struct rg_icomm {
   uint64_t floor, cap;
   int failed_result;
   _Atomic uint64_t group; /* the group (group_ids) whose end agrees it; 0: none */
-  atomic_int said_deferred, said_error, said_crowded;
+  atomic_int said_deferred, said_error, said_crowded, said_unseen, said_probe;
+  rg_probe_kept* probes; /* group probes NCCL deferred: freed after NCCL destroyed it */
   pthread_mutex_t mu; /* agreement and close */
 } rg_icomm;
 
@@ -137,13 +139,18 @@ static _Atomic uint64_t group_ids;
 static __thread uint64_t group_id __attribute__((tls_model("initial-exec")));
 static __thread int group_marked __attribute__((tls_model("initial-exec")));
 
-static void settle_at_group_end(rg_icomm* c) {
+static void settle_at_group_end(rg_icomm* c, int unseen) {
   if (group_marked == 0) group_id = atomic_fetch_add(&group_ids, 1) + 1;
   if (atomic_load(&c->group) == group_id) return;
   atomic_store(&c->group, group_id);
   group_marked++;
-  say_once(&c->said_deferred, c->comm, "its first gather came inside ncclGroupStart/End and takes NCCL's path; "
-           "the ranks agree the one-shot path when the group ends");
+  if (unseen)
+    say_once(&c->said_unseen, c->comm, "its first gather came inside a NCCL group opened before this library hooked "
+             "NCCL (the wrappers did not see it start) and takes NCCL's path; the ranks agree the one-shot path when "
+             "that group ends");
+  else
+    say_once(&c->said_deferred, c->comm, "its first gather came inside ncclGroupStart/End and takes NCCL's path; "
+             "the ranks agree the one-shot path when the group ends");
 }
 
 /* Settles a pending communicator where this call may: outside any group and any capture,
@@ -173,9 +180,23 @@ static int settle(rg_icomm* c, cudaStream_t stream, int group_ended) {
     goto out;
   }
   if (!group_ended && rg_intercept_group_depth() > 0) {
-    settle_at_group_end(c);
+    settle_at_group_end(c, 0);
     goto out;
   }
+  /* A group opened before the entry hook went in is not in the depth: ask NCCL, with a probe
+   * that cannot pair with the peer, before an exchange could queue inside it. */
+  char why[200] = "";
+  int probe = rg_group_probe(rg_nccl(), c->comm, c->rank, c->device, cu == NULL, &c->probes, why, sizeof(why));
+  if (probe == RG_PROBE_IN_GROUP) {
+    settle_at_group_end(c, 1);
+    goto out;
+  }
+  if (probe == RG_PROBE_SKIPPED && !atomic_exchange(&c->said_probe, 1))
+    RG_INFO(NCCL_INIT | NCCL_COLL, "communicator %p: this NCCL has no ncclSend/ncclRecv (before 2.7), so the agreement "
+            "cannot check for a NCCL group opened before this library hooked NCCL", (void*)c->comm);
+  if (probe == RG_PROBE_FAILED && !atomic_exchange(&c->said_probe, 1))
+    RG_WARN("communicator %p: the check for a NCCL group opened before this library hooked NCCL failed (%s); the "
+            "ranks agree without it", (void*)c->comm, why);
   rg_oneshot_agreed a;
   memset(&a, 0, sizeof(a));
   rgGoOneShotAgree(c->comm, c->rank, c->device, cu == NULL, &a);
@@ -297,6 +318,7 @@ void rg_oneshot_comm_gone(ncclComm_t comm) {
   if (gone == NULL) return;
   pthread_mutex_lock(&gone->mu);
   if (gone->engine != NULL) rgGoOneShotClose(gone->engine, 1); /* destroyed without finalize or abort first */
+  rg_probe_release(gone->probes); /* NCCL has let go of them with the communicator */
   pthread_mutex_unlock(&gone->mu);
   pthread_mutex_destroy(&gone->mu);
   free(gone);

@@ -9,7 +9,9 @@ int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncc
 void rg_oneshot_comm_created(ncclComm_t comm, int blocking, const char* how);
 /* Before NCCL's finalize, destroy or abort of comm; abort is 1 for ncclCommAbort (stop waits at once). */
 void rg_oneshot_comm_closing(ncclComm_t comm, int abort);
-/* After NCCL's ncclGroupEnd of this thread's outermost group returned; ok: it succeeded. */
+/* After NCCL's ncclGroupEnd returned leaving this thread's wrappers at depth 0: the end of
+ * the outermost group they saw, or of a group opened before the entry hook went in (or of
+ * none: NCCL refused it); ok: it succeeded. */
 void rg_oneshot_group_ended(int ok);
 /* After NCCL's destroy or abort of comm returned. */
 void rg_oneshot_comm_gone(ncclComm_t comm);

@@ -52,7 +52,8 @@ type Stats struct {
 	// Interceptor is how calls reach the library's own NCCL functions (docs/interceptor.md)
 	// and how many calls reached each of them.
 	Interceptor struct {
-		// WayIn: how the calls reach the library (plugin/bind.h, rg_bind_way_in).
+		// WayIn: "pending", "no_nccl", "hooked", "preempting" (LD_PRELOAD) or "refused"
+		// (plugin/bind.h).
 		WayIn              string `json:"way_in"`
 		AllGather          uint64 `json:"ncclAllGather"`
 		CommInitRank       uint64 `json:"ncclCommInitRank"`
@@ -65,6 +66,7 @@ type Stats struct {
 		CommGetAsyncError  uint64 `json:"ncclCommGetAsyncError"`
 		GroupStart         uint64 `json:"ncclGroupStart"`
 		GroupEnd           uint64 `json:"ncclGroupEnd"`
+		AllReduce          uint64 `json:"ncclAllReduce"`
 	} `json:"interceptor"`
 }
 
@@ -183,6 +185,7 @@ var counterSlots = []struct {
 	{"interceptor", "ncclCommGetAsyncError", C.RG_STAT_CALL_COMM_GET_ASYNC_ERROR, func(s *Stats) *uint64 { return &s.Interceptor.CommGetAsyncError }},
 	{"interceptor", "ncclGroupStart", C.RG_STAT_CALL_GROUP_START, func(s *Stats) *uint64 { return &s.Interceptor.GroupStart }},
 	{"interceptor", "ncclGroupEnd", C.RG_STAT_CALL_GROUP_END, func(s *Stats) *uint64 { return &s.Interceptor.GroupEnd }},
+	{"interceptor", "ncclAllReduce", C.RG_STAT_CALL_ALL_REDUCE, func(s *Stats) *uint64 { return &s.Interceptor.AllReduce }},
 }
 
 // statsSections are the document's sections in order, each with the values the Go side

@@ -27,13 +27,9 @@ type bindEvent struct {
 	Object    string   `json:"object"`
 	At        string   `json:"at"`
 	Functions []string `json:"functions"`
+	Function  string   `json:"function"`
+	Bytes     string   `json:"bytes"`
 	Why       string   `json:"why"`
-	Answered  bool     `json:"answered"`
-	Slots     []struct {
-		Function string `json:"function"`
-		Why      string `json:"why"`
-		Target   string `json:"target"`
-	} `json:"slots"`
 }
 
 // bindProcess is what one process's lines say.
@@ -42,10 +38,9 @@ type bindProcess struct {
 	way       string
 	nccl      *bindEvent
 	noNCCL    bool
-	bound     []bindEvent
-	left      []bindEvent
-	lookedUp  []bindEvent
-	unreached string
+	hooked    *bindEvent
+	refused   *bindEvent
+	unreached []bindEvent
 }
 
 // readBindReport groups the report's lines by process, in the order processes first wrote.
@@ -65,22 +60,20 @@ func readBindReport(r io.Reader) ([]*bindProcess, error) {
 			byPID[e.PID] = p
 			procs = append(procs, p)
 		}
+		ev := e
 		switch e.Event {
 		case "nccl":
-			ev := e
 			p.nccl = &ev
 		case "no_nccl":
 			p.noNCCL = true
 		case "way":
 			p.way = e.Way
-		case "bound":
-			p.bound = append(p.bound, e)
-		case "left":
-			p.left = append(p.left, e)
+		case "hooked":
+			p.hooked = &ev
+		case "refused":
+			p.refused = &ev
 		case "unreached":
-			p.unreached = e.Why
-		case "looked_up":
-			p.lookedUp = append(p.lookedUp, e)
+			p.unreached = append(p.unreached, ev)
 		}
 	}
 	return procs, sc.Err()
@@ -88,13 +81,11 @@ func readBindReport(r io.Reader) ([]*bindProcess, error) {
 
 // wayMeaning says what each way in means for the process's gathers.
 var wayMeaning = map[string]string{
-	"preempting":  "the global scope resolves ncclAllGather to the library (LD_PRELOAD): every caller linked with NCCL reaches it",
-	"rebound":     "relocation slots of the callers below were rebound to the library",
-	"looked_up":   "a caller that looks NCCL's functions up with dlsym (XLA) got the library's ncclAllGather",
-	"none":        "NCCL is loaded but no caller's ncclAllGather reaches the library: its gathers take NCCL's path",
-	"no_nccl":     "no loaded object defines pncclAllGather: nothing to forward to",
-	"unsupported": "relocation rebinding is x86-64 only: use LD_PRELOAD",
-	"pending":     "the library never looked for NCCL (no NCCL init reached it, no wrapper was called)",
+	"hooked":     "NCCL's entries jump to the library: every caller of that NCCL reaches it, however it got the address",
+	"preempting": "NCCL is not hooked; LD_PRELOAD brings the callers that link NCCL (relocations) to the library, and no other caller",
+	"refused":    "NCCL is not hooked, and nothing else brings calls to the library: every call goes to NCCL unchanged",
+	"no_nccl":    "no loaded object defines pncclAllGather: nothing to forward to",
+	"pending":    "the library never looked for NCCL (no NCCL init reached it, no wrapper was called)",
 }
 
 func printBindProcess(w io.Writer, p *bindProcess) {
@@ -102,38 +93,26 @@ func printBindProcess(w io.Writer, p *bindProcess) {
 	if p.nccl != nil {
 		fmt.Fprintf(w, "  NCCL: %s (version %d), %s\n", p.nccl.Path, p.nccl.Version, p.nccl.FoundBy)
 		if len(p.nccl.Missing) > 0 {
-			fmt.Fprintf(w, "  NCCL lacks: %s (their wrappers return ncclInvalidUsage; their callers are not rebound)\n", strings.Join(p.nccl.Missing, ", "))
+			fmt.Fprintf(w, "  NCCL lacks: %s (their wrappers return ncclInvalidUsage)\n", strings.Join(p.nccl.Missing, ", "))
 		}
 	} else if p.noNCCL {
 		fmt.Fprintf(w, "  NCCL: not found (no loaded object defines pncclAllGather)\n")
 	}
-	for _, b := range p.bound {
-		fmt.Fprintf(w, "  bound at %s: %s: %s\n", b.At, b.Object, strings.Join(b.Functions, ", "))
+	if p.hooked != nil {
+		fmt.Fprintf(w, "  hooked at %s: %s\n", p.hooked.At, strings.Join(p.hooked.Functions, ", "))
 	}
-	for _, l := range p.left {
-		if len(l.Slots) == 0 {
-			fmt.Fprintf(w, "  left alone: %s: %s\n", l.Object, l.Why)
-			continue
+	if e := p.refused; e != nil {
+		what := e.Function
+		if e.Bytes != "" {
+			what += " (first bytes " + e.Bytes + ")"
 		}
-		var why []string
-		for _, s := range l.Slots {
-			t := s.Function + " " + s.Why
-			if s.Target != "" {
-				t += " (" + s.Target + ")"
-			}
-			why = append(why, t)
+		if what != "" {
+			what += ": "
 		}
-		fmt.Fprintf(w, "  left alone: %s: %s\n", l.Object, strings.Join(why, "; "))
+		fmt.Fprintf(w, "  refused at %s, nothing patched: %s%s\n", e.At, what, e.Why)
 	}
-	for _, l := range p.lookedUp {
-		if l.Answered {
-			fmt.Fprintf(w, "  looked up with dlsym: %s: got the library's %s\n", l.Object, strings.Join(l.Functions, ", "))
-		} else {
-			fmt.Fprintf(w, "  looked up with dlsym: %s: left with NCCL's ncclAllGather (it took ncclGroupStart before the library was loaded, or not yet; LD_PRELOAD reaches it)\n", l.Object)
-		}
-	}
-	if p.unreached != "" {
-		fmt.Fprintf(w, "  not reached through a relocation: %s\n", p.unreached)
+	for _, u := range p.unreached {
+		fmt.Fprintf(w, "  not reached: %s: %s\n", u.Object, u.Why)
 	}
 }
 
@@ -153,8 +132,9 @@ const interceptUsage = `usage: plugincheck intercept [--] COMMAND [ARG...]
 
 Runs COMMAND with ROCE_GATHER_BIND_REPORT set to a temporary file (nothing else in its
 environment changes), then prints for each process that loaded libroce_gather.so how its
-calls reach the library's ncclAllGather: the way in, the NCCL found, the objects bound and
-the callers not reached. Exits with COMMAND's status.
+calls reach the library's ncclAllGather: the way in, the NCCL found, the functions whose
+entries were hooked (or the one refused, and why) and the objects whose calls are not
+reached. Exits with COMMAND's status.
 `
 
 func cmdIntercept(args []string) int {

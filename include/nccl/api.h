@@ -56,6 +56,12 @@ typedef ncclResult_t (*ncclCommUserRank_fn)(const ncclComm_t comm, int* rank);
 typedef ncclResult_t (*ncclCommCuDevice_fn)(const ncclComm_t comm, int* device);
 typedef ncclResult_t (*ncclGroupStart_fn)(void);
 typedef ncclResult_t (*ncclGroupEnd_fn)(void);
+typedef ncclResult_t (*ncclAllReduce_fn)(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
+                                         ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
+typedef ncclResult_t (*ncclSend_fn)(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer,
+                                    ncclComm_t comm, cudaStream_t stream);
+typedef ncclResult_t (*ncclRecv_fn)(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
+                                    cudaStream_t stream);
 typedef ncclResult_t (*ncclGetVersion_fn)(int* version);
 typedef const char* (*ncclGetErrorString_fn)(ncclResult_t result);
 

@@ -184,16 +184,16 @@ def default_window(fabric, path=None):
 
 
 def way_in_check(stats, expected):
-    """The interceptor's way in from the stats ("rebound": NCCL_NET_PLUGIN, "preempting":
-    LD_PRELOAD) against expected. A stats file without the "interceptor" section says
-    nothing: reported as unknown, never a failure. Returns (failures, note)."""
+    """The interceptor's way in from the stats ("hooked": NCCL's entries jump to the library,
+    by NCCL_NET_PLUGIN or LD_PRELOAD) against expected. A stats file without the "interceptor"
+    section says nothing: reported as unknown, never a failure. Returns (failures, note)."""
     sec = (stats or {}).get("interceptor")
     got = sec.get("way_in") if isinstance(sec, dict) else None
     if got is None:
         return [], "way in: unknown (the stats have no interceptor.way_in)"
     if expected and got != expected:
-        means = {"preempting": "LD_PRELOAD alone", "rebound": "NCCL_NET_PLUGIN alone",
-                 "looked_up": "a caller that looks NCCL's functions up with dlsym"}
+        means = {"hooked": "NCCL's entries hooked: every caller reaches the library",
+                 "preempting": "LD_PRELOAD without the hook: only callers that link NCCL"}
         return [f"interceptor.way_in={got!r}, expected {expected!r} ({means.get(expected, expected)})"], f"way in: {got}"
     return [], f"way in: {got}"
 

@@ -38,9 +38,13 @@ PEER_GRACE_S = 15
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # The library as a user loads it (DESIGN.md, "One intercepted gather, end to end"): named in
 # NCCL_NET_PLUGIN and nothing else of its own. NCCL loads it at the first communicator's init,
-# it rebinds the callers' ncclAllGather slots to itself, offers NCCL no network device (NCCL
-# carries its own traffic), and two-rank gathers within the agreed window run outside NCCL.
+# it hooks NCCL's own entries (every caller then reaches its wrappers), offers NCCL no network
+# device (NCCL carries its own traffic), and two-rank gathers within the agreed window run
+# outside NCCL.
 INTERCEPT = {"NCCL_NET_PLUGIN": LIB}
+# What `python -m roce_gather env` prints for the library, the README's setup for a serving
+# engine (test_logic.py holds it to the package's own answer).
+INTERCEPT_ENV = {"NCCL_NET_PLUGIN": LIB, "NCCL_NET_PLUGIN_REF_COUNT": "1"}
 # The fabric whose default window the intercept configs get: the testbed has no RDMA port, so
 # ROCE_GATHER_FABRIC=auto takes tcp there.
 INTERCEPT_FABRIC = "tcp"
@@ -53,6 +57,7 @@ CONFIGS = {
     # ncclAllGather preempts NCCL's), and the proxy never napping (its nap must not show in
     # graph replays).
     "intercept": dict(INTERCEPT),
+    "intercept-env": dict(INTERCEPT_ENV),
     "intercept-preload": {"LD_PRELOAD": LIB},
     "intercept-nonap": dict(INTERCEPT, ROCE_GATHER_PROXY_IDLE_MS="0"),
     # Step calibrate: the window opened over every size it measures.
@@ -74,9 +79,9 @@ def uses_plugin(config):
 
 
 def way_in(config):
-    """How the library's ncclAllGather is reached: "preempting" (LD_PRELOAD) or "rebound"
-    (NCCL_NET_PLUGIN: the callers' relocation slots rebound at NCCL's load of it)."""
-    return "preempting" if LIB in CONFIGS[config].get("LD_PRELOAD", "").split(":") else "rebound"
+    """How the library's wrappers are reached: "hooked" (NCCL's entries rewritten, at NCCL's
+    load of the library with NCCL_NET_PLUGIN, and with LD_PRELOAD too)."""
+    return "hooked"
 
 
 def intercept_window(config):

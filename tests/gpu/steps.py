@@ -43,6 +43,7 @@ PLAN = [
     ("graphs", 90, ("check",)),
     ("capi", 120, ("check",)),
     ("jax", 200, ("check",)),  # two pairs: NCCL_NET_PLUGIN alone, LD_PRELOAD alone
+    ("pynccl", 150, ("check",)),  # three pairs: NCCL socket, what python -m roce_gather env prints, LD_PRELOAD alone
     ("abort", 200, ("check",)),
     ("recreate", 150, ("check",)),
     ("latency", 250, ("check", "timing")),
@@ -454,7 +455,7 @@ def relocations(path, symbol):
 
 # Lines of the library's that say why a JAX run's gathers took NCCL's path.
 # An agreement that failed is no reason: it makes every gather fail.
-JAX_WHY_RX = (r"interceptor: .* looked up ncclAllGather with dlsym but took ncclGroupStart|"
+JAX_WHY_RX = (r"interceptor: not hooking .* none is patched|interceptor: .*; its callers are not reached|"
               r"communicator \S+ (is non-blocking|has \d+ ranks)|inside a CUDA graph capture cannot agree|"
               r"one-shot gather off for communicator|none agrees the one-shot path there")
 
@@ -469,16 +470,16 @@ def step_jax(s):
     # NCCL's path with the line that says why. One seed: the cases are for values and the path.
     paths = {}
     for c in ("intercept", "intercept-preload"):
-        # The binding report: every lookup of a wrapped name the dlsym hook saw, and what it did.
+        # The binding report: which NCCL, what the hook did, what is not reached.
         report = os.path.join(s.work, "raw", f"jax.{c}.bind.%p.jsonl")
         rec = s.pair(f"jax.{c}", c, "jax_cases.py", "gather", 120, {"seeds": 1},
                      dict(extra, ROCE_GATHER_BIND_REPORT=report), check_stats=False)
         if rec is None:
             continue
         jax_report(s, rec)
-        lookups = jax_lookups(glob.glob(report.replace("%p", "*")))
-        s.d["md"].append(f"What the dlsym hook did in {rec['run']} (ROCE_GATHER_BIND_REPORT, in order, a process "
-                         "a block):\n\n```\n" + ("\n".join(lookups) or "no lookup of a wrapped name") + "\n```")
+        lines = bind_lines(glob.glob(report.replace("%p", "*")))
+        s.d["md"].append(f"What the binding did in {rec['run']} (ROCE_GATHER_BIND_REPORT, in order, a process "
+                         "a block):\n\n```\n" + ("\n".join(lines) or "nothing reported") + "\n```")
         took, F = jax_took_the_path(rec, c)
         why, _ = evidence(rec["logs"], JAX_WHY_RX, 4)
         if took:
@@ -505,8 +506,9 @@ def jax_report(s, rec):
         s.d["headline"] = (f"{res['cases']} cases (rank 0), jax {res['numbers'].get('jax', '?')}" if res else "no result")
 
 
-def jax_lookups(paths):
-    """The report's lookup and looked_up lines, one text line each, by process."""
+def bind_lines(paths):
+    """The binding report's lines (plugin/bind.c), one text line each, by process: the NCCL,
+    the functions hooked or the one refused and why, the objects not reached."""
     out = []
     for p in sorted(paths):
         try:
@@ -516,11 +518,17 @@ def jax_lookups(paths):
             out.append(f"{os.path.basename(p)}: unreadable: {e}")
             continue
         for e in events:
-            if e.get("event") == "lookup":
-                out.append(f"{e.get('pid')}: {os.path.basename(e.get('object', ''))} {e.get('function')}: {e.get('outcome')}")
-            elif e.get("event") == "looked_up":
-                out.append(f"{e.get('pid')}: {os.path.basename(e.get('object', ''))} ncclAllGather "
-                           f"{'answered' if e.get('answered') else 'left to NCCL'}; answered: {', '.join(e.get('functions', []))}")
+            pid, ev = e.get("pid"), e.get("event")
+            if ev == "nccl":
+                out.append(f"{pid}: NCCL {e.get('path')} ({e.get('version')}), {e.get('found_by')}")
+            elif ev == "hooked":
+                out.append(f"{pid}: hooked at {e.get('at')}: {len(e.get('functions', []))} functions")
+            elif ev == "refused":
+                out.append(f"{pid}: refused at {e.get('at')}: {e.get('function')} ({e.get('bytes')}): {e.get('why')}")
+            elif ev == "unreached":
+                out.append(f"{pid}: not reached: {e.get('object')}: {e.get('why')}")
+            elif ev == "way":
+                out.append(f"{pid}: way in {e.get('way')}")
     return out
 
 
@@ -533,7 +541,7 @@ def jax_took_the_path(rec, config):
         if not res or not res.get("ledger"):
             F.append(f"rank {r}: no ledger")
             continue
-        f, _ = common.intercept_check(rec["stats"][r], res["ledger"], launch.intercept_window(config), "looked_up")
+        f, _ = common.intercept_check(rec["stats"][r], res["ledger"], launch.intercept_window(config), launch.way_in(config))
         F += [f"rank {r}: {x}" for x in f]
     return not F, F
 
@@ -552,6 +560,47 @@ def jax_path(rec):
                 else "none reached the interceptor")
         parts.append(f"rank {r}: {what}, way in {b['way_in']}")
     return "; ".join(parts)
+
+
+# ---- pynccl: a serving engine's own binding -------------------------------------------------
+
+PYNCCL_CONFIGS = ("intercept-env", "intercept-preload")
+
+
+def step_pynccl(s):
+    """A ctypes binding in pynccl's pattern (SGLang's and vLLM's): every function taken before the
+    first communicator; plain, grouped and graph-captured gathers, byte for byte against NCCL
+    socket, and every in-window gather intercepted on both ranks: once with the environment
+    `python -m roce_gather env` prints (NCCL_NET_PLUGIN), once with LD_PRELOAD alone."""
+    cap = window_cap()
+    sizes = [b for b in (16, 100, 1024, 4096, 65536, 262144) if cap is None or b <= cap] + ([cap + 16] if cap else [])
+    params = {"sizes": sizes, "replays": 8}
+    ref = s.pair("pynccl.nccl-socket", "nccl-socket", "pynccl_cases.py", "gather", 90, params)
+    ref_ok = ref and all(x and x.get("completed") for x in ref["results"])
+    recs, good = [ref], []
+    for c in PYNCCL_CONFIGS:
+        report = os.path.join(s.work, "raw", f"pynccl.{c}.bind.%p.jsonl")
+        rec = s.pair(f"pynccl.{c}", c, "pynccl_cases.py", "gather", 90, params, {"ROCE_GATHER_BIND_REPORT": report})
+        recs.append(rec)
+        if rec is None:
+            continue
+        lines = bind_lines(glob.glob(report.replace("%p", "*")))
+        s.d["md"].append(f"What the binding did in {rec['run']} (ROCE_GATHER_BIND_REPORT):\n\n```\n"
+                         + ("\n".join(lines) or "nothing reported") + "\n```")
+        if ref_ok and all(x and x.get("completed") for x in rec["results"]):
+            F, n = common.compare_digests("nccl-socket", [x["digests"] for x in ref["results"]],
+                                          c, [x["digests"] for x in rec["results"]])
+            for f in F:
+                s.fail(f)
+            s.note(f"pynccl.{c}: {rec['results'][0]['cases']} cases a rank; {n} outputs identical to nccl-socket's")
+            if not F and not rec["failures"]:
+                good.append(c)
+        elif not ref_ok:
+            s.fail(f"pynccl.{c}: no nccl-socket reference to compare with")
+    runs_table(s, recs)
+    s.d["numbers"]["sizes"] = sizes
+    s.d["headline"] = (f"plain, grouped and graph-captured gathers of {len(sizes)} sizes; byte-exact with "
+                       f"nccl-socket's, every in-window gather intercepted: {', '.join(good) if good else 'none'}")
 
 
 # ---- latency: the intercepted gather against NCCL socket -----------------------------------------

@@ -213,7 +213,7 @@ def recreate_rec(firsts=("ok", "ok"), seconds=("ok", "ok"), stats=None, failures
         results.append({"failures": list(values), "numbers": n})
     if stats is None:
         e = common.intercept_expectation(common.merged(*ledgers.values())["calls"], (0, 262144), True)
-        stats = istats(e["launches"], e["gathers"], e["launch_bytes"], e["bytes"], forwarded=2, way_in="rebound")
+        stats = istats(e["launches"], e["gathers"], e["launch_bytes"], e["bytes"], forwarded=2, way_in="hooked")
     return {"timed_out": timed_out, "limit": 60, "failures": list(failures), "results": results, "stats": [stats, stats],
             "ledgers": ledgers}
 
@@ -232,36 +232,36 @@ class RecreatePlanTest(unittest.TestCase):
 
     def test_observed(self):
         o = plans.recreate_observed
-        self.assertEqual(o(recreate_rec(), self.W, "rebound"),
+        self.assertEqual(o(recreate_rec(), self.W, "hooked"),
                          ("ok", "both process groups byte-exact, every in-window gather intercepted"))
         self.assertEqual(o(recreate_rec(stats=None), None, None)[0], "ok")  # NCCL's transport: no stats to read
-        st, text = o(recreate_rec(seconds=("ok", "error")), self.W, "rebound")
+        st, text = o(recreate_rec(seconds=("ok", "error")), self.W, "hooked")
         self.assertEqual(st, "second failed")
         self.assertIn("ncclCommInitRankConfig", text)
-        self.assertEqual(o(recreate_rec(firsts=("error", "ok")), self.W, "rebound")[0], "error")
-        self.assertEqual(o(recreate_rec(values=["recreate/second/32B: 1 of 64 bytes differ"]), self.W, "rebound"),
+        self.assertEqual(o(recreate_rec(firsts=("error", "ok")), self.W, "hooked")[0], "error")
+        self.assertEqual(o(recreate_rec(values=["recreate/second/32B: 1 of 64 bytes differ"]), self.W, "hooked"),
                          ("error", "wrong values: recreate/second/32B: 1 of 64 bytes differ"))
-        self.assertEqual(o(recreate_rec(timed_out=True), self.W, "rebound"), ("error", "still running after 60s: killed"))
+        self.assertEqual(o(recreate_rec(timed_out=True), self.W, "hooked"), ("error", "still running after 60s: killed"))
         self.assertEqual(o(recreate_rec(failures=["r rank 0: NCCL 2.28.9 ran, not 2.30.7 from LD_PRELOAD=/x"]), self.W,
-                           "rebound")[0], "error")
+                           "hooked")[0], "error")
         rec = recreate_rec()
         rec["results"][1] = None
-        self.assertEqual(o(rec, self.W, "rebound"), ("error", "a rank wrote no result"))
+        self.assertEqual(o(rec, self.W, "hooked"), ("error", "a rank wrote no result"))
 
     def test_path_names_the_group_that_took_it(self):
         L = recreate_rec()["ledgers"]
         one = {k: common.intercept_expectation(L[k]["calls"], self.W, True) for k in L}
         first = istats(one["first"]["launches"], one["first"]["gathers"], one["first"]["launch_bytes"],
-                       one["first"]["bytes"], forwarded=5, way_in="rebound")
-        st, text = plans.recreate_observed(recreate_rec(stats=first), self.W, "rebound")
+                       one["first"]["bytes"], forwarded=5, way_in="hooked")
+        st, text = plans.recreate_observed(recreate_rec(stats=first), self.W, "hooked")
         self.assertEqual((st, text), ("off the path", "rank 0: only the first process group's gathers took the path "
                                                       "(the second's went to NCCL)"))
         second = istats(one["second"]["launches"], one["second"]["gathers"], one["second"]["launch_bytes"],
-                        one["second"]["bytes"], forwarded=1, way_in="rebound")
+                        one["second"]["bytes"], forwarded=1, way_in="hooked")
         self.assertIn("only the second process group's gathers took the path; the first's are not in the stats",
-                      plans.recreate_observed(recreate_rec(stats=second), self.W, "rebound")[1])
-        none = istats(0, 0, 0, 0, forwarded=8, way_in="rebound")
-        st, text = plans.recreate_observed(recreate_rec(stats=none), self.W, "rebound")
+                      plans.recreate_observed(recreate_rec(stats=second), self.W, "hooked")[1])
+        none = istats(0, 0, 0, 0, forwarded=8, way_in="hooked")
+        st, text = plans.recreate_observed(recreate_rec(stats=none), self.W, "hooked")
         self.assertEqual(st, "off the path")
         self.assertIn("intercepted.launches=0 gathers=0; expected launches=6 gathers=6", text)
 
@@ -323,10 +323,17 @@ class InterceptConfigTest(unittest.TestCase):
                                                   "nccl-socket"])
         self.assertEqual(launch.CONFIGS["intercept"], {"NCCL_NET_PLUGIN": lib})  # NCCL_NET_PLUGIN alone
         self.assertEqual(launch.CONFIGS["intercept-preload"], {"LD_PRELOAD": lib})
+        # What `python -m roce_gather env` prints for this library: the package's own answer.
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
+        try:
+            import roce_gather
+            self.assertEqual(launch.CONFIGS["intercept-env"], roce_gather._job_env({}, lib, {}))
+        finally:
+            sys.path.pop(0)
         self.assertEqual(launch.CONFIGS["intercept-nonap"], {"NCCL_NET_PLUGIN": lib, "ROCE_GATHER_PROXY_IDLE_MS": "0"})
-        for c in ("intercept", "intercept-preload", "intercept-nonap", "intercept-wide"):
+        for c in ("intercept", "intercept-env", "intercept-preload", "intercept-nonap", "intercept-wide"):
             self.assertTrue(launch.uses_plugin(c), c)
-        self.assertEqual((launch.way_in("intercept"), launch.way_in("intercept-preload")), ("rebound", "preempting"))
+        self.assertEqual((launch.way_in("intercept"), launch.way_in("intercept-preload")), ("hooked", "hooked"))
         self.assertFalse(launch.uses_plugin("nccl-socket"))
         self.assertIsNone(launch.intercept_window("nccl-socket"))
         for c in launch.CONFIGS:  # never multicast, and never a variable the library no longer reads
@@ -465,8 +472,8 @@ class InterceptLedgerTest(unittest.TestCase):
         e = common.intercept_expectation(c, self.W, True)
         self.assertEqual((e["launches"], e["gathers"], e["first_in"]), (2, 2, 0))
         self.assertEqual(e["forwarded_min"], 2)  # the first call and the one above the window
-        F, _ = common.intercept_check(istats(2, 2, 16 + 4096, 16 + 4096, forwarded=2, way_in="looked_up"), L.n, self.W,
-                                      "looked_up")
+        F, _ = common.intercept_check(istats(2, 2, 16 + 4096, 16 + 4096, forwarded=2, way_in="hooked"), L.n, self.W,
+                                      "hooked")
         self.assertEqual(F, [])
         F, _ = common.intercept_check(istats(3, 3, 32 + 4096, 32 + 4096, forwarded=1), L.n, self.W)
         self.assertTrue(any("launches=3" in f for f in F), F)
@@ -494,12 +501,12 @@ class InterceptLedgerTest(unittest.TestCase):
         L = self.ledger()
         launches, gathers = 1 + 3 + 1 + 4, 1 + 3 + 1 + 64
         lb, b = 16 + 4096 * 8, 16 + 4096 * 68
-        F, info = common.intercept_check(istats(launches, gathers, lb, b, forwarded=5, way_in="rebound"), L, self.W,
-                                         "rebound")
+        F, info = common.intercept_check(istats(launches, gathers, lb, b, forwarded=5, way_in="hooked"), L, self.W,
+                                         "hooked")
         self.assertEqual(F, [])
         self.assertEqual(info["list_form"], "one AllGather per call")
         self.assertEqual(info["forwarded_extra"], 2)
-        self.assertIn("way in: rebound", info["notes"])
+        self.assertIn("way in: hooked", info["notes"])
         # The list form as a group of other ops: no ncclAllGather for it at all.
         F, info = common.intercept_check(istats(launches - 1, gathers - 1, lb - 4096, b - 4096, forwarded=2), L, self.W)
         self.assertEqual(F, [])
@@ -527,8 +534,9 @@ class InterceptLedgerTest(unittest.TestCase):
         self.assertEqual(F, ["intercepted.errors=2"])
         F, _ = common.intercept_check(istats(**dict(ok, forwarded=2)), L, self.W)
         self.assertIn("intercepted.forwarded=2, but 3 calls were outside the window", F[0])
-        F, _ = common.intercept_check(istats(**ok, way_in="preempting"), L, self.W, "rebound")
-        self.assertEqual(F, ["interceptor.way_in='preempting', expected 'rebound' (NCCL_NET_PLUGIN alone)"])
+        F, _ = common.intercept_check(istats(**ok, way_in="preempting"), L, self.W, "hooked")
+        self.assertEqual(F, ["interceptor.way_in='preempting', expected 'hooked' (NCCL's entries hooked: every caller "
+                             "reaches the library)"])
         F, _ = common.intercept_check(istats(**dict(ok, gathers=68)), L, self.W)  # one replay's gather lost
         self.assertEqual(len(F), 1)
         self.assertIn("gathers=68", F[0])
@@ -544,16 +552,17 @@ class InterceptLedgerTest(unittest.TestCase):
         self.assertEqual(common.way_in_check({}, "preempting"), ([], "way in: unknown (the stats have no interceptor.way_in)"))
         self.assertEqual(common.way_in_check({"interceptor": {"way_in": "preempting"}}, "preempting"),
                          ([], "way in: preempting"))
-        F, note = common.way_in_check({"interceptor": {"way_in": "rebound"}}, "preempting")
-        self.assertEqual(F, ["interceptor.way_in='rebound', expected 'preempting' (LD_PRELOAD alone)"])
+        F, note = common.way_in_check({"interceptor": {"way_in": "hooked"}}, "preempting")
+        self.assertEqual(F, ["interceptor.way_in='hooked', expected 'preempting' (LD_PRELOAD without the hook: only "
+                             "callers that link NCCL)"])
 
     def test_judge_by_config(self):
         L = calls_of((16, 5, 5, False, "default"))
-        good = istats(5, 5, 80, 80, way_in="preempting")
+        good = istats(5, 5, 80, 80, way_in="hooked")
         self.assertEqual(launch.judge_stats("intercept-preload", good, L)[0], [])
         self.assertEqual(len(launch.judge_stats("intercept", good, L)[0]), 1)  # way in: rebound expected
         big = calls_of((16, 1, 1, False, "default"), (8 << 20, 2, 2, False, "default"))
-        F, _ = launch.judge_stats("intercept-wide", istats(1, 1, 16, 16, forwarded=2, way_in="rebound"), big)
+        F, _ = launch.judge_stats("intercept-wide", istats(1, 1, 16, 16, forwarded=2, way_in="hooked"), big)
         self.assertEqual(F, [], "8 MiB is above intercept-wide's cap too")
 
     def test_cli(self):
@@ -719,7 +728,7 @@ __attribute__((destructor)) static void write_stats(void) {
   if (f == NULL) return;
   fprintf(f, "{\"intercepted\": {\"launches\": %llu, \"launch_bytes\": %llu, \"forwarded\": %llu, "
              "\"forwarded_bytes\": %llu, \"gathers\": %llu, \"bytes\": %llu, \"errors\": 0}, "
-             "\"interceptor\": {\"way_in\": \"preempting\"}}\n",
+             "\"interceptor\": {\"way_in\": \"hooked\"}}\n",
           launches, launch_bytes, forwarded, forwarded_bytes, launches, launch_bytes);
   fclose(f);
 }
@@ -818,7 +827,7 @@ class CProgramTest(unittest.TestCase):
         # Every case within the window: all 174 but the 12 of 512 KiB and 512 KiB + 16 where the cap is lower.
         within = 174 - (12 if cap < 524288 else 0)
         self.assertEqual(rec["stats"][0]["intercepted"]["launches"], within)
-        self.assertIn("capi.t rank 0: way in: preempting", rec["notes"])
+        self.assertIn("capi.t rank 0: way in: hooked", rec["notes"])
         # A library that hands every call to NCCL fails the check: the ledger asked for them within the window.
         rec = self.pair(0)
         self.assertTrue(any(f"stats: intercepted.launches=0 gathers=0; expected launches={within} gathers={within}" in f
@@ -1288,8 +1297,8 @@ class StepsTest(unittest.TestCase):
             res = {"completed": True, "failures": [], "n_failures": 0, "cases": 3, "numbers": {"jax": "0.7"},
                    "ledger": json.loads(json.dumps(L.n))}
             rec = record(run, config, {}, work, results=[res, dict(res)], sizes=[16])
-            st = istats(2, 2, 32, 32, forwarded=1, way_in="looked_up") if taken[config] else \
-                istats(0, 0, forwarded=3, way_in="none")
+            st = istats(2, 2, 32, 32, forwarded=1, way_in="hooked") if taken[config] else \
+                istats(0, 0, forwarded=3, way_in="refused")
             rec["stats"] = [st, st]
             with open(rec["logs"][1], "a") as f:
                 f.write(why.get(config, "") + "\n")
@@ -1298,8 +1307,8 @@ class StepsTest(unittest.TestCase):
 
     def test_jax_intercept_takes_the_path_or_says_why(self):
         seen = []
-        refused = ("NCCL INFO NET/roce_gather : interceptor: /x/xla_cuda_plugin.so looked up ncclAllGather with dlsym "
-                   "but took ncclGroupStart and ncclGroupEnd before this library was loaded")
+        refused = ("NCCL INFO NET/roce_gather : interceptor: not hooking /x/libnccl.so.2's entries, none is patched: "
+                   "ncclAllGather (first bytes cc 90 90 90 90): at +0: an opcode the decoder does not take (bytes cc)")
         d = self.run_step("jax", self.jax_fake(seen, {"intercept": False, "intercept-preload": True},
                                                {"intercept": refused}))
         self.assertEqual(seen, [{"config": c, "params": {"seeds": 1}, "check_stats": False}
@@ -1307,19 +1316,54 @@ class StepsTest(unittest.TestCase):
         self.assertEqual(d["status"], "pass", d["failures"])
         self.assertEqual(d["numbers"]["path"]["intercept-preload"], "intercepted on both ranks")
         self.assertTrue(d["numbers"]["path"]["intercept"].startswith("NCCL's path: ") and
-                        "took ncclGroupStart" in d["numbers"]["path"]["intercept"], d["numbers"]["path"])
-        # Not taken, and nothing says why (the scan's line at every NCCL init in an XLA process,
-        # and a failed agreement, are no reasons): a failure.
-        unreached = ("NCCL INFO NET/roce_gather : interceptor: no loaded object calls ncclAllGather through a "
-                     "relocation that reaches /x/libnccl.so.2\nNCCL WARN NET/roce_gather : communicator 0x1: the "
+                        "none is patched" in d["numbers"]["path"]["intercept"], d["numbers"]["path"])
+        # Not taken, and nothing says why (the hooked line, and a failed agreement, are no
+        # reasons): a failure.
+        unreached = ("NCCL INFO NET/roce_gather : interceptor: hooked the entries of /x/libnccl.so.2's ncclAllGather"
+                     "\nNCCL WARN NET/roce_gather : communicator 0x1: the "
                      "one-shot agreement failed, so every ncclAllGather on it returns error 5")
         d = self.run_step("jax", self.jax_fake([], {"intercept": False, "intercept-preload": False},
                                                {"intercept": refused, "intercept-preload": unreached}))
         self.assertEqual(d["status"], "fail")
         self.assertEqual(len(d["failures"]), 1, d["failures"])
         self.assertIn("jax.intercept-preload: the gathers did not take the intercepted path (rank 0: "
-                      "interceptor.way_in='none', expected 'looked_up'", d["failures"][0])
+                      "interceptor.way_in='refused', expected 'hooked'", d["failures"][0])
         self.assertIn("rank 1: intercepted.launches=0 gathers=0; expected launches=2 gathers=2", d["failures"][0])
+
+    def test_pynccl_step(self):
+        calls = []
+
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((run, config, worker, params, extra_env))
+            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 42, "numbers": {},
+                   "digests": {"pynccl/plain/16B": "aa", "pynccl/graph/replay0/16B": "bb"},
+                   "ledger": ledger_for([16], 524288)}
+            if config == "intercept-preload":
+                res["digests"] = dict(res["digests"], **{"pynccl/graph/replay0/16B": "cc"})
+            if extra_env:
+                report = extra_env["ROCE_GATHER_BIND_REPORT"].replace("%p", "7")
+                with open(report, "w") as f:
+                    f.write('{"pid":7,"event":"nccl","path":"/t/libnccl.so.2","version":22809,"found_by":"the NCCL that '
+                            'loaded this library","missing":[]}\n{"pid":7,"event":"hooked","at":"NCCL init",'
+                            '"functions":["ncclAllGather","ncclGroupEnd"]}\n{"pid":7,"event":"way","way":"hooked"}\n')
+            return record(run, config, {}, work, results=[res, json.loads(json.dumps(res))], sizes=[16])
+        with mock.patch.object(steps, "window_cap", return_value=262144):
+            d = self.run_step("pynccl", fake)
+        self.assertEqual([(r, c, w) for r, c, w, _, _ in calls],
+                         [("pynccl.nccl-socket", "nccl-socket", "pynccl_cases.py"),
+                          ("pynccl.intercept-env", "intercept-env", "pynccl_cases.py"),
+                          ("pynccl.intercept-preload", "intercept-preload", "pynccl_cases.py")])
+        self.assertEqual(calls[0][3], {"sizes": [16, 100, 1024, 4096, 65536, 262144, 262160], "replays": 8})
+        self.assertIsNone(calls[0][4])
+        self.assertTrue(calls[1][4]["ROCE_GATHER_BIND_REPORT"].endswith("raw/pynccl.intercept-env.bind.%p.jsonl"))
+        # The preload run's replay differs from nccl-socket's: a failure naming it; the env run passes.
+        self.assertEqual(d["status"], "fail")
+        self.assertEqual(d["failures"], [f"rank {r} pynccl/graph/replay0/16B: output of intercept-preload differs from "
+                                         "nccl-socket" for r in (0, 1)])
+        self.assertIn("every in-window gather intercepted: intercept-env", d["headline"])
+        self.assertTrue(any("7: hooked at NCCL init: 2 functions" in m for m in d["md"]), d["md"])
+        d = self.run_step("pynccl", fake, {"ROCE_GATHER_GPU_ROUTE": "collnet"})
+        self.assertEqual(d["status"], "skip")
 
     def abort_fake(self, calls, launches=5):
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
@@ -1330,7 +1374,7 @@ class StepsTest(unittest.TestCase):
             rec = record(run, config, {}, work, results=[res, dict(res, numbers={})], sizes=[16])
             rec["exit_times"] = [102.0, 100.0]
             if launch.uses_plugin(config):
-                rec["stats"] = [istats(launches, launches, way_in="rebound"), None]
+                rec["stats"] = [istats(launches, launches, way_in="hooked"), None]
             return rec
         return fake
 
@@ -1411,7 +1455,7 @@ class StepsTest(unittest.TestCase):
             L = rec["results"][0]["numbers"]["ledgers"]
             e = common.intercept_expectation(L["first"]["calls"], launch.intercept_window("intercept"), True)
             rec["stats"] = [istats(e["launches"], e["gathers"], e["launch_bytes"], e["bytes"], forwarded=5,
-                                   way_in="rebound")] * 2
+                                   way_in="hooked")] * 2
 
         def second_fails(rec):
             for res in rec["results"]:
@@ -1429,7 +1473,7 @@ class StepsTest(unittest.TestCase):
 
     def test_recreate_failures(self):
         def off(rec):
-            rec["stats"] = [istats(0, 0, 0, 0, forwarded=8, way_in="rebound")] * 2
+            rec["stats"] = [istats(0, 0, 0, 0, forwarded=8, way_in="hooked")] * 2
 
         def wrong(rec):
             rec["results"][1]["failures"] = ["recreate/first/16B: 1 of 32 bytes differ"]
@@ -1553,6 +1597,17 @@ def fake_torch():
 
         def tolist(self):
             return list(self.key[1])
+
+        def copy_(self, other):
+            self.key = other.key
+            return self
+
+        def to(self, device):
+            return self
+
+        def fill_(self, value):
+            self.key = ("fill", value)
+            return self
 
     torch = types.ModuleType("torch")
     torch.FakeTensor = T
@@ -1717,6 +1772,105 @@ class MatrixGroupsTest(unittest.TestCase):
         self.assertEqual(calls["16"]["first"], 3)
 
 
+# ---- pynccl_cases.py: the binding and what its cases ask for ------------------------------
+
+# A NCCL with the binding's thirteen functions (and nothing it would call), each recording its
+# name when called.
+STANDIN_BINDING_NCCL = r"""
+#include <stdio.h>
+#define F(name) int name(void) { FILE* f = fopen(getenv_path(), "a"); if (f) { fputs(#name "\n", f); fclose(f); } return 0; }
+#include <stdlib.h>
+static const char* getenv_path(void) { const char* p = getenv("CALLS"); return p ? p : "/dev/null"; }
+F(ncclGetErrorString) F(ncclGetVersion) F(ncclGetUniqueId) F(ncclCommInitRank) F(ncclAllReduce) F(ncclAllGather)
+F(ncclReduceScatter) F(ncclSend) F(ncclRecv) F(ncclBroadcast) F(ncclCommDestroy) F(ncclGroupStart) F(ncclGroupEnd)
+"""
+
+
+def import_pynccl_cases(mods):
+    """pynccl_cases imported against the stand-in torch (fake_torch)."""
+    with mock.patch.dict(sys.modules, mods):
+        sys.modules.pop("pynccl_cases", None)
+        import pynccl_cases
+        sys.modules.pop("pynccl_cases", None)
+    return pynccl_cases
+
+
+class PyncclCasesTest(unittest.TestCase):
+    """The step's worker without a GPU: its binding takes every function of its table, in
+    order, from the library when it is made, and calls none; its cases issue plain, grouped and
+    captured gathers, and its ledger says exactly that."""
+
+    def test_table_is_pynccls_and_taken_up_front(self):
+        pc = import_pynccl_cases(fake_torch()[0])
+        self.assertEqual([f[0] for f in pc.FUNCTIONS],
+                         ["ncclGetErrorString", "ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRank", "ncclAllReduce",
+                          "ncclAllGather", "ncclReduceScatter", "ncclSend", "ncclRecv", "ncclBroadcast",
+                          "ncclCommDestroy", "ncclGroupStart", "ncclGroupEnd"])
+        if not shutil.which("gcc"):
+            self.skipTest("needs gcc")
+        with tempfile.TemporaryDirectory() as d:
+            src, so, calls = os.path.join(d, "n.c"), os.path.join(d, "libnccl.so.2"), os.path.join(d, "calls")
+            with open(src, "w") as f:
+                f.write(STANDIN_BINDING_NCCL)
+            subprocess.run(["gcc", "-shared", "-fPIC", "-Wall", "-o", so, src], check=True)
+            with mock.patch.dict(os.environ, {"CALLS": calls}):
+                b = pc.Binding(so)
+                self.assertEqual(list(b.f), [f[0] for f in pc.FUNCTIONS])
+                self.assertFalse(os.path.exists(calls), "making the binding calls nothing")
+                b.f["ncclGroupStart"]()
+            self.assertEqual(read(calls), "ncclGroupStart\n")
+
+    def test_cases_and_their_ledger(self):
+        mods, _ = fake_torch()
+        torch = mods["torch"]
+        T = torch.FakeTensor
+        issued, captured = [], []
+        state = {"capturing": False, "group": 0}
+
+        class Graph:
+            def replay(self):
+                for call in captured:
+                    issued.append(("replay",) + call)
+
+        @contextlib.contextmanager
+        def graph(g, capture_error_mode=None):
+            state["capturing"] = True
+            yield
+            state["capturing"] = False
+        torch.cuda.CUDAGraph, torch.cuda.graph = Graph, graph
+        torch.full = lambda *a, **k: T(("full",))
+        torch.zeros = lambda n, **k: T(("zeros", None, n))  # a captured input: its size is what the case needs
+        torch.cuda.current_stream = lambda: mock.Mock(cuda_stream=0x57)
+        pc = import_pynccl_cases(mods)
+
+        def gather(self, out, inp, stream=None):
+            call = (inp.key[2], state["group"])
+            if state["capturing"]:
+                captured.append(call)
+            else:
+                issued.append(("eager",) + call)
+        nccl = mock.Mock()
+        nccl.f = {"ncclGroupStart": lambda: state.__setitem__("group", state["group"] + 1) or 0,
+                  "ncclGroupEnd": lambda: state.__setitem__("group", state["group"] - 1) or 0}
+        nccl.check = lambda what, r: None
+        args = mock.Mock(rank=1, local=0)
+        res = mock.Mock()
+        res.d = {"cases": 0}
+        with mock.patch.dict(sys.modules, mods), mock.patch.object(pc.Cases, "gather", gather), \
+                mock.patch.object(pc.Cases, "verify", lambda self, name, out, shards: None), \
+                mock.patch.object(pc, "gen", lambda tag, r, n: T(("gen", r, n, tag))):
+            cases = pc.Cases(args, res, nccl, "comm")
+            cases.ledger = common.Ledger()
+            cases.run([16, 4096], 3)
+        self.assertEqual(issued[:4], [("eager", 16, 0), ("eager", 4096, 0), ("eager", 16, 1), ("eager", 4096, 1)])
+        self.assertEqual(captured, [(16, 0), (4096, 0)])
+        self.assertEqual(issued[4:], [("replay", 16, 0), ("replay", 4096, 0)] * 3)
+        c = cases.ledger.n["calls"]
+        self.assertEqual(c["16"], dict(first=1, eager=2, captured=1, list=0, replays=3, pre=0, replays_pre=0))  # eager: the first too
+        self.assertEqual(c["4096"], dict(first=0, eager=2, captured=1, list=0, replays=3, pre=0, replays_pre=0))
+        self.assertEqual(cases.ledger.n["agreements"], 1)
+
+
 @unittest.skipUnless(subprocess.run(["/usr/bin/python3", "-c", "import matplotlib"], capture_output=True).returncode == 0
                      if os.path.exists("/usr/bin/python3") else False, "needs a python3 with matplotlib")
 class PlotTest(unittest.TestCase):
@@ -1783,10 +1937,10 @@ class RunAllTest(unittest.TestCase):
             self.assertNotEqual(p.returncode, 0)  # every step skipped: the budget of 10 s is below 15
             env.pop("ROCE_GATHER_GPU_STEPS")  # the default group
             p = run()
-            self.assertIn("steps: env gather graphs capi jax abort recreate latency plot \n", p.stdout)
+            self.assertIn("steps: env gather graphs capi jax pynccl abort recreate latency plot \n", p.stdout)
             s = json.loads(read(os.path.join(out, "summary.json")))
             # Run in the plan's order: latency, which fits its rounds into what is left, last but plot.
-            self.assertEqual(list(s["steps"]), ["env", "gather", "graphs", "capi", "jax", "abort", "recreate", "latency",
+            self.assertEqual(list(s["steps"]), ["env", "gather", "graphs", "capi", "jax", "pynccl", "abort", "recreate", "latency",
                                                 "plot"])
             # A name that is neither a step nor a group: nothing runs, and the run says why.
             os.remove(os.path.join(out, "summary.json"))

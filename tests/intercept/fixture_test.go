@@ -1,8 +1,10 @@
 // Package intercept tests the interceptor of libroce_gather.so: its own ncclAllGather and
-// communicator calls, how callers' calls reach them (relocation rebinding at NCCL's load,
-// objects opened later, LD_PRELOAD) and that they reach NCCL unchanged. NCCL is a stand-in
-// (cmd/plugincheck/standin/nccl.c); the callers are testdata/caller.c built as programs and
-// libraries. Every program runs as a child process: no Go process loads the library.
+// communicator calls, how callers' calls reach them (the entry hook on NCCL's own functions,
+// by NCCL_NET_PLUGIN and by LD_PRELOAD, for callers that link NCCL, look it up with dlsym
+// early or late, hold its addresses in their data, or bind it with ctypes) and that they
+// reach NCCL unchanged. NCCL is a stand-in (cmd/plugincheck/standin/nccl.c); the callers are
+// testdata/caller.c built as programs and libraries, and testdata/pynccl_caller.py. Every
+// program runs as a child process: no Go process loads the library.
 package intercept
 
 import (
@@ -21,38 +23,46 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// fixture is everything the tests build once: three stand-in NCCLs, the callers, and the
+// fixture is everything the tests build once: the stand-in NCCLs, the callers, and the
 // interceptor in plain C with a recorder in place of the one-shot engine.
 type fixture struct {
-	lib, plugincheck string // build/libroce_gather.so, build/plugincheck
-	ncclA            string // libnccl.so.2, FAKE_NAME A
-	ncclB            string // libnccl-copy.so.2: a second copy, FAKE_NAME B
-	ncclD            string // libnccl.so.2 without pncclCommSplit, FAKE_NAME D
-	caller           string // linked with -lnccl (A), lazy binding
-	callerNow        string // the same with -z now -z relro
-	callerNoNCCL     string // links no NCCL: runs NCCL steps through libraries it loads
-	dlsymCaller      string // takes NCCL's functions with dlsym
-	lookingCaller    string // caller.c taking each function from NCCL's handle at its first call, as XLA does
-	libDir           string // the caller libraries, for loading by bare name
-	libCaller        string // libcaller.so, linked with A
-	libCallerNow     string // libcaller_now.so, -z now -z relro
-	libCallerB       string // libcaller_b.so, linked with the second copy B
-	libCtor          string // libctor.so: its constructor opens CTOR_DLOPEN through the executable's dlopen
-	recorder         string // libintercept_recorder.so: the interceptor in C, hooks recorded
-	noRebind         string // the same built as for a machine without relocation rebinding
+	lib, plugincheck string      // build/libroce_gather.so, build/plugincheck
+	ncclA            string      // libnccl.so.2, FAKE_NAME A
+	ncclB            string      // libnccl-copy.so.2: a second copy, FAKE_NAME B
+	ncclD            string      // libnccl.so.2 without pncclCommSplit (ncclCommSplit alone), FAKE_NAME D
+	ncclE            string      // libnccl.so.2 without ncclCommSplit under either name, FAKE_NAME E
+	ncclR            string      // libnccl.so.2 whose ncclCommGetAsyncError entry the hook refuses, FAKE_NAME R
+	ncclO            string      // libnccl.so.2 with entries at odd addresses (x86-64), FAKE_NAME O
+	ncclFlags        []builtWith // A built with other compilers' flags
+	caller           string      // linked with -lnccl (A), lazy binding
+	callerNoNCCL     string      // links no NCCL: runs NCCL steps through libraries it loads
+	lookingCaller    string      // takes each function from CALLER_NCCL's handle at its first call, as XLA does
+	upfrontCaller    string      // takes every function from CALLER_NCCL's handle before its first step, in pynccl's order
+	staticCaller     string      // calls through pointers in its data the loader set from A's addresses
+	pynccl           string      // testdata/pynccl_caller.py: a ctypes binding in pynccl's pattern
+	libDir           string      // the caller libraries, for loading by bare name
+	libCaller        string      // libcaller.so, linked with A
+	libCallerB       string      // libcaller_b.so, linked with the second copy B
+	recorder         string      // libintercept_recorder.so: the interceptor in C, hooks recorded
+}
+
+// builtWith is a stand-in NCCL built with some compiler flags, so that the hook meets their prologues.
+type builtWith struct {
+	flags []string
+	path  string
 }
 
 var (
-	fixOnce sync.Once
-	fix     fixture
-	fixErr  error
-	fixDir  string
+	fixOnce  sync.Once
+	fix      fixture
+	fixErr   error
+	cleanups []string // folders the package's tests made, removed when they end
 )
 
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if fixDir != "" {
-		os.RemoveAll(fixDir)
+	for _, d := range cleanups {
+		os.RemoveAll(d)
 	}
 	os.Exit(code)
 }
@@ -88,61 +98,64 @@ func build() (fixture, error) {
 	if err != nil {
 		return f, err
 	}
-	fixDir = dir
+	cleanups = append(cleanups, dir)
 	// The loader and /proc name objects by resolved paths.
 	if dir, err = filepath.EvalSymlinks(dir); err != nil {
 		return f, err
 	}
 	td := func(p string) string { return filepath.Join(repo("tests/intercept/testdata"), p) }
-	standin := repo("cmd/plugincheck/standin/nccl.c")
-	a, b, d := filepath.Join(dir, "nccl-a"), filepath.Join(dir, "nccl-b"), filepath.Join(dir, "nccl-d")
-	f.ncclA, f.ncclB, f.ncclD = filepath.Join(a, "libnccl.so.2"), filepath.Join(b, "libnccl-copy.so.2"), filepath.Join(d, "libnccl.so.2")
+	nccl := func(name string) string { return filepath.Join(dir, "nccl-"+strings.ToLower(name), "libnccl.so.2") }
+	f.ncclA, f.ncclD, f.ncclE, f.ncclR, f.ncclO = nccl("A"), nccl("D"), nccl("E"), nccl("R"), nccl("O")
+	b := filepath.Join(dir, "nccl-b")
+	f.ncclB = filepath.Join(b, "libnccl-copy.so.2")
 	f.libDir = filepath.Join(dir, "libs")
-	f.caller, f.callerNow = filepath.Join(dir, "caller"), filepath.Join(dir, "caller_now")
-	f.callerNoNCCL, f.dlsymCaller = filepath.Join(dir, "caller_nonccl"), filepath.Join(dir, "dlsym_caller")
-	f.lookingCaller = filepath.Join(dir, "looking_caller")
-	f.libCaller, f.libCallerNow = filepath.Join(f.libDir, "libcaller.so"), filepath.Join(f.libDir, "libcaller_now.so")
-	f.libCallerB = filepath.Join(f.libDir, "libcaller_b.so")
+	f.caller, f.callerNoNCCL = filepath.Join(dir, "caller"), filepath.Join(dir, "caller_nonccl")
+	f.lookingCaller, f.upfrontCaller = filepath.Join(dir, "looking_caller"), filepath.Join(dir, "upfront_caller")
+	f.staticCaller = filepath.Join(dir, "static_caller")
+	f.pynccl = td("pynccl_caller.py")
+	f.libCaller, f.libCallerB = filepath.Join(f.libDir, "libcaller.so"), filepath.Join(f.libDir, "libcaller_b.so")
 	f.recorder = filepath.Join(dir, "libintercept_recorder.so")
-	f.noRebind = filepath.Join(dir, "libintercept_norebind.so")
-	f.libCtor = filepath.Join(f.libDir, "libctor.so")
+	a := filepath.Dir(f.ncclA)
 	// RUNPATH (not RPATH), so that LD_LIBRARY_PATH can swap in another NCCL.
-	withA := []string{"-L" + a, "-l:libnccl.so.2", "-Wl,--enable-new-dtags,-rpath," + a, "-ldl"}
-	exported := "-Wl,--export-dynamic-symbol=caller_dlopen"
-	now := []string{"-Wl,-z,now,-z,relro"}
+	withA := []string{"-L" + a, "-l:libnccl.so.2", "-Wl,--enable-new-dtags,-rpath," + a, "-ldl", "-lpthread"}
 	lib := []string{"-shared", "-fPIC", "-DCALLER_LIBRARY"}
-	steps := []struct {
-		out  string
-		args []string
-	}{
-		{f.ncclA, []string{"-shared", "-fPIC", `-DFAKE_NAME="A"`, "-Wl,-soname,libnccl.so.2", standin, "-ldl", "-lpthread"}},
-		{f.ncclB, []string{"-shared", "-fPIC", `-DFAKE_NAME="B"`, "-Wl,-soname,libnccl-copy.so.2", standin, "-ldl", "-lpthread"}},
-		{f.ncclD, []string{"-shared", "-fPIC", `-DFAKE_NAME="D"`, "-DFAKE_DROP_pncclCommSplit", "-Wl,-soname,libnccl.so.2", standin, "-ldl", "-lpthread"}},
-		{f.caller, append([]string{td("caller.c"), exported}, withA...)},
-		{f.callerNow, append(append([]string{td("caller.c")}, withA...), now...)},
-		{f.callerNoNCCL, []string{"-DCALLER_NO_NCCL", td("caller.c"), "-ldl"}},
-		{f.dlsymCaller, []string{td("dlsym_caller.c"), "-ldl"}},
+	fake := func(out, name string, more ...string) step {
+		return step{out, append(append([]string{"-shared", "-fPIC", `-DFAKE_NAME="` + name + `"`, "-Wl,-soname," + filepath.Base(out)},
+			more...), repo("cmd/plugincheck/standin/nccl.c"), "-ldl", "-lpthread")}
+	}
+	ncclSteps := []step{
+		fake(f.ncclA, "A"), fake(f.ncclB, "B"), fake(f.ncclD, "D", "-DFAKE_DROP_pncclCommSplit"),
+		fake(f.ncclE, "E", "-DFAKE_DROP_ncclCommSplit"), fake(f.ncclR, "R", "-DFAKE_REFUSED_ENTRY"),
+		fake(f.ncclO, "O", "-DFAKE_ODD_ENTRIES"),
+	}
+	for i, flags := range [][]string{{"-O0"}, {"-O2"}, {"-O2", "-fcf-protection=full"}, {"-O2", "-fno-omit-frame-pointer"}} {
+		v := builtWith{flags: flags, path: filepath.Join(dir, fmt.Sprintf("nccl-flags%d", i), "libnccl.so.2")}
+		f.ncclFlags = append(f.ncclFlags, v)
+		ncclSteps = append(ncclSteps, fake(v.path, strings.Join(flags, " "), flags...))
+	}
+	interceptor := []string{repo("plugin/bind.c"), repo("plugin/objects.c"), repo("plugin/hook.c"),
+		repo("plugin/relocate_x86.c"), repo("plugin/relocate_a64.c"), repo("plugin/intercept.c"),
+		repo("internal/nlog/nlog.c"), repo("roce/gather/stats.c")}
+	callerSteps := []step{
+		{f.caller, append([]string{td("caller.c")}, withA...)},
+		{f.callerNoNCCL, []string{"-DCALLER_NO_NCCL", td("caller.c"), "-ldl", "-lpthread"}},
 		{f.lookingCaller, []string{"-DCALLER_LOOKS_UP", td("caller.c"), "-ldl", "-lpthread"}},
+		{f.upfrontCaller, []string{"-DCALLER_UPFRONT", td("caller.c"), "-ldl", "-lpthread"}},
+		{f.staticCaller, append([]string{"-DCALLER_STATIC", td("caller.c")}, withA...)},
 		{f.libCaller, append(append(lib, td("caller.c")), withA...)},
-		{f.libCallerNow, append(append(append(lib, td("caller.c")), withA...), now...)},
-		{f.libCallerB, append(lib, td("caller.c"), "-L"+b, "-l:libnccl-copy.so.2", "-Wl,--enable-new-dtags,-rpath,"+b, "-ldl")},
-		{f.libCtor, append(append(lib, td("caller.c"), td("ctor_lib.c")), withA...)},
-		{f.noRebind, []string{"-shared", "-fPIC", "-DRG_GOT_NO_REBIND", "-Wl,--version-script=" + repo("build/exports.map"),
-			repo("plugin/bind.c"), repo("plugin/got.c"), repo("plugin/intercept.c"), repo("internal/nlog/nlog.c"),
-			repo("roce/gather/stats.c"), td("hooks_recorder.c"), "-ldl", "-lpthread"}},
-		{f.recorder, []string{"-shared", "-fPIC", "-Wl,--version-script=" + repo("build/exports.map"),
-			repo("plugin/bind.c"), repo("plugin/got.c"), repo("plugin/intercept.c"), repo("internal/nlog/nlog.c"),
-			repo("roce/gather/stats.c"), td("hooks_recorder.c"), "-ldl", "-lpthread"}},
+		{f.libCallerB, append(lib, td("caller.c"), "-L"+b, "-l:libnccl-copy.so.2", "-Wl,--enable-new-dtags,-rpath,"+b, "-ldl", "-lpthread")},
+		{f.recorder, append(append([]string{"-shared", "-fPIC", "-Wl,--version-script=" + repo("build/exports.map")},
+			interceptor...), td("hooks_recorder.c"), "-ldl", "-lpthread")},
 	}
 	// The NCCLs first: the callers link with them.
-	for _, phase := range [][]int{{0, 1, 2}, {3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13}} {
+	for _, phase := range [][]step{ncclSteps, callerSteps} {
 		errs := make(chan error, len(phase))
 		var wg sync.WaitGroup
-		for _, i := range phase {
+		for _, st := range phase {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				errs <- gcc(steps[i].out, steps[i].args...)
+				errs <- gcc(st.out, st.args...)
 			}()
 		}
 		wg.Wait()
@@ -154,6 +167,12 @@ func build() (fixture, error) {
 		}
 	}
 	return f, nil
+}
+
+// step is one gcc run of the fixture.
+type step struct {
+	out  string
+	args []string
 }
 
 func fixtures(t *testing.T) fixture {
@@ -246,6 +265,7 @@ type job struct {
 	dir     string // per test: id files, logs, stats
 	env     []string
 	program string
+	lead    []string                // program arguments before RANK IDFILE (a script)
 	args    func(rank int) []string // program arguments after RANK IDFILE (default: the steps)
 	rankEnv func(rank int) []string // more environment for one rank
 }
@@ -265,9 +285,9 @@ func (j *job) bindReport(t *testing.T) []line {
 // start runs the program as rank r with the steps; wait collects it.
 func (j *job) start(t *testing.T, ctx context.Context, rank int, steps []string) (*exec.Cmd, *strings.Builder, *strings.Builder, string) {
 	t.Helper()
-	args := append([]string{fmt.Sprint(rank), filepath.Join(j.dir, "id")}, steps...)
+	args := append(append(append([]string{}, j.lead...), fmt.Sprint(rank), filepath.Join(j.dir, "id")), steps...)
 	if j.args != nil {
-		args = append([]string{fmt.Sprint(rank), filepath.Join(j.dir, "id")}, j.args(rank)...)
+		args = append(append(append([]string{}, j.lead...), fmt.Sprint(rank), filepath.Join(j.dir, "id")), j.args(rank)...)
 	}
 	stats := filepath.Join(j.dir, fmt.Sprintf("stats.%d", rank))
 	cmd := exec.CommandContext(ctx, j.program, args...)
@@ -349,7 +369,8 @@ func readInterceptorStats(t *testing.T, path string) interceptorStats {
 
 // wrapped is every function the library defines, as the stats and the report name them.
 var wrapped = []string{"ncclAllGather", "ncclCommInitRank", "ncclCommInitRankConfig", "ncclCommInitAll", "ncclCommSplit",
-	"ncclCommFinalize", "ncclCommDestroy", "ncclCommAbort", "ncclCommGetAsyncError", "ncclGroupStart", "ncclGroupEnd"}
+	"ncclCommFinalize", "ncclCommDestroy", "ncclCommAbort", "ncclCommGetAsyncError", "ncclGroupStart", "ncclGroupEnd",
+	"ncclAllReduce"}
 
 // calls builds the expected counts: every wrapper 0 but those given.
 func calls(kv ...any) map[string]int {
@@ -374,15 +395,31 @@ func eventsOf(report []line, pid int, event string) []line {
 	return out
 }
 
-// boundObjects maps each object a process bound to its functions (all its bound lines).
-func boundObjects(report []line, pid int) map[string][]string {
-	out := map[string][]string{}
-	for _, l := range eventsOf(report, pid, "bound") {
-		for _, f := range l["functions"].([]any) {
-			out[l.str("object")] = append(out[l.str("object")], f.(string))
-		}
+// hookedAt is the functions a process's hooked line names, and where it was hooked; nil when none.
+func hookedAt(report []line, pid int) ([]string, string) {
+	h := eventsOf(report, pid, "hooked")
+	if len(h) == 0 {
+		return nil, ""
 	}
-	return out
+	var fns []string
+	for _, f := range h[0]["functions"].([]any) {
+		fns = append(fns, f.(string))
+	}
+	return fns, h[0].str("at")
+}
+
+// requireHooked checks that a process hooked every wrapped function of its NCCL, once, at at.
+func requireHooked(t *testing.T, report []line, pid int, at string, nccl string) {
+	t.Helper()
+	found := eventsOf(report, pid, "nccl")
+	require.Len(t, found, 1, "one NCCL a process")
+	require.Equal(t, nccl, found[0].str("path"))
+	require.Len(t, eventsOf(report, pid, "hooked"), 1)
+	fns, where := hookedAt(report, pid)
+	require.Equal(t, wrapped, fns)
+	require.Equal(t, at, where)
+	require.Empty(t, eventsOf(report, pid, "refused"))
+	require.Equal(t, "hooked", wayOf(report, pid))
 }
 
 // wayOf is the process's last way line.

@@ -28,7 +28,7 @@ func plugincheckIntercept(t *testing.T, env []string, script string) (string, st
 }
 
 // plugincheck intercept runs a two-rank job as it is, and says for each process how its
-// calls reach the library: the way in, the NCCL, the objects bound, what was left alone.
+// calls reach the library: the way in, the NCCL, the functions hooked, what is not reached.
 func TestPlugincheckInterceptSaysHowEachProcessIsBound(t *testing.T) {
 	f := fixtures(t)
 	dir := t.TempDir()
@@ -42,11 +42,27 @@ func TestPlugincheckInterceptSaysHowEachProcessIsBound(t *testing.T) {
 	require.Equal(t, 0, code, "%s\n%s", out, stderr)
 	require.Contains(t, out, "mark=kept report=set\n", "the command's environment is the caller's, plus the report")
 	require.Contains(t, out, "\nplugincheck intercept: sh exited with status 0\n")
-	procs := regexp.MustCompile(`(?m)^process \d+: way in rebound: relocation slots of the callers below were rebound to the library$`).FindAllString(out, -1)
+	procs := regexp.MustCompile(`(?m)^process \d+: way in hooked: NCCL's entries jump to the library: every caller of that NCCL reaches it, however it got the address$`).FindAllString(out, -1)
 	require.Len(t, procs, 2, out)
 	require.Equal(t, 2, strings.Count(out, "\n  NCCL: "+f.ncclA+" (version 22809), the NCCL that loaded this library\n"), out)
-	require.Equal(t, 2, strings.Count(out, "\n  bound at NCCL init: "+f.libCaller+": "+strings.Join(wrapped, ", ")+", dlsym\n"), out)
-	require.Equal(t, 2, strings.Count(out, "\n  left alone: "+f.libCallerB+": ncclAllGather goes to another NCCL ("+f.ncclB+");"), out)
+	require.Equal(t, 2, strings.Count(out, "\n  hooked at NCCL init: "+strings.Join(wrapped, ", ")+"\n"), out)
+	require.Equal(t, 2, strings.Count(out, "\n  not reached: "+f.ncclB+": another NCCL (it defines pncclAllGather), not the one this library hooks\n"), out)
+}
+
+// A refused hook is shown with the function, its first bytes and why.
+func TestPlugincheckInterceptShowsARefusedHook(t *testing.T) {
+	f := fixtures(t)
+	dir := t.TempDir()
+	env := append(baseEnv(), "NCCL_NET_PLUGIN="+f.lib, "LD_LIBRARY_PATH="+filepath.Dir(f.ncclR))
+	id := filepath.Join(dir, "id")
+	script := fmt.Sprintf(`%s 0 %s init gather:16:0 destroy & %s 1 %s init gather:16:0 destroy; s=$?; wait $! || exit 9; exit $s`,
+		f.caller, id, f.caller, id)
+	out, stderr, code := plugincheckIntercept(t, env, script)
+	require.Equal(t, 0, code, "%s\n%s", out, stderr)
+	require.Equal(t, 2, strings.Count(out, "way in refused: NCCL is not hooked, and nothing else brings calls to the library: "+
+		"every call goes to NCCL unchanged\n"), out)
+	require.Regexp(t, `\n  refused at NCCL init, nothing patched: ncclCommGetAsyncError \(first bytes [0-9a-f ]+\): `+
+		`the instruction at \+2 refers to \+4, inside the displaced bytes\n`, out)
 }
 
 // The command's exit status is plugincheck's, and a command that never reached NCCL is said.

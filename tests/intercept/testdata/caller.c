@@ -6,24 +6,33 @@
  * do. Built with -DCALLER_NO_NCCL the executable does not link NCCL at all and runs NCCL
  * steps only through a library it loads ("load:PATH", then "via:lib"). Built with
  * -DCALLER_LOOKS_UP it finds NCCL as XLA does: it opens CALLER_NCCL (a path) and takes each
- * function from that handle with dlsym at the function's first call.
+ * function from that handle with dlsym at the function's first call. Built with
+ * -DCALLER_UPFRONT it takes every function from that handle before its first step, in the
+ * order of the serving engines' ctypes bindings (pynccl: ncclGetErrorString, ncclGetVersion,
+ * ncclGetUniqueId, ncclCommInitRank, ncclAllReduce, ncclAllGather, ncclReduceScatter, ncclSend,
+ * ncclRecv, ncclBroadcast, ncclCommDestroy, ncclGroupStart, ncclGroupEnd, then the rest).
+ * Built with -DCALLER_STATIC it calls through function pointers in its own data, set by the
+ * loader from NCCL's addresses when it starts (static initialisers).
  *
  * Usage: caller RANK IDFILE STEP...   (IDFILE: where rank 0 leaves each unique id)
  * Steps: init, initcfg:BLOCKING, init1, initcfg1:BLOCKING, initall, gather:COUNT:TYPE[:inplace],
+ * (a gather inside an open groupstart is checked, and its line printed, at the groupend that
+ * closes the group: NCCL runs it then),
  * prevgather:COUNT:TYPE and prevdestroy (on the communicator made before the current one),
  * group:COUNT:TYPE, groupstart, groupend, split:COLOR:KEY, asyncerr, allreduce:COUNT, finalize,
  * destroy, abort, abortafter:MS, destroyafter:MS and join (another thread aborts or destroys while the
- * next steps run), sleepms:MS, die (SIGKILL), stop (SIGSTOP), got (this object's ncclAllGather slot and its page), load:PATH, via:libN,
+ * next steps run), sleepms:MS, die (SIGKILL), stop (SIGSTOP), entry (the first bytes of the NCCL's own
+ * pncclAllGather, CALLER_NCCL, and its file's mappings), load:PATH, via:libN,
  * via:lib, via:main, snap:LABEL (a copy of the ROCE_GATHER_STATS file as it is now), next:NAME
- * (the object where dlsym(RTLD_NEXT, NAME) from this object finds NAME: the next one after it). */
+ * (the object where dlsym(RTLD_NEXT, NAME) from this object finds NAME: the next one after it),
+ * bg:STEP (STEP on a second thread that lives as long as the program; the main thread waits
+ * for it, and group depths are per thread as NCCL's are). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
-#include <elf.h>
 #include <pthread.h>
 #include <signal.h>
 #include <time.h>
 #include <errno.h>
-#include <link.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -60,8 +69,9 @@ ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
 ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
                            ncclComm_t comm, cudaStream_t stream);
 
-#ifdef CALLER_LOOKS_UP
-/* Each function from NCCL's handle at its first call, as XLA's trampolines take them. */
+#if defined(CALLER_LOOKS_UP) || defined(CALLER_UPFRONT)
+/* Each function from NCCL's handle at its first call, as XLA's trampolines take them
+ * (CALLER_UPFRONT takes them all before the first step: resolve_upfront). */
 static void* looked_up(void** cache, const char* name) {
   static void* nccl;
   if (*cache != NULL) return *cache;
@@ -81,6 +91,30 @@ LOOKUP(ncclGetUniqueId) LOOKUP(ncclCommInitRank) LOOKUP(ncclCommInitRankConfig) 
 LOOKUP(ncclCommSplit) LOOKUP(ncclCommFinalize) LOOKUP(ncclCommDestroy) LOOKUP(ncclCommAbort)
 LOOKUP(ncclCommGetAsyncError) LOOKUP(ncclCommCount) LOOKUP(ncclCommUserRank) LOOKUP(ncclGroupStart)
 LOOKUP(ncclGroupEnd) LOOKUP(ncclAllGather) LOOKUP(ncclAllReduce)
+#ifdef CALLER_UPFRONT
+static void* looked_up_ncclGetErrorString;
+static void* looked_up_ncclGetVersion;
+static void* looked_up_ncclReduceScatter;
+static void* looked_up_ncclSend;
+static void* looked_up_ncclRecv;
+static void* looked_up_ncclBroadcast;
+/* pynccl's order, then what the steps use besides. */
+static void resolve_upfront(void) {
+  void** const order[] = {&looked_up_ncclGetErrorString, &looked_up_ncclGetVersion, &looked_up_ncclGetUniqueId,
+                          &looked_up_ncclCommInitRank, &looked_up_ncclAllReduce, &looked_up_ncclAllGather,
+                          &looked_up_ncclReduceScatter, &looked_up_ncclSend, &looked_up_ncclRecv,
+                          &looked_up_ncclBroadcast, &looked_up_ncclCommDestroy, &looked_up_ncclGroupStart,
+                          &looked_up_ncclGroupEnd, &looked_up_ncclCommInitRankConfig, &looked_up_ncclCommInitAll,
+                          &looked_up_ncclCommSplit, &looked_up_ncclCommFinalize, &looked_up_ncclCommAbort,
+                          &looked_up_ncclCommGetAsyncError, &looked_up_ncclCommCount, &looked_up_ncclCommUserRank};
+  static const char* const names[] = {"ncclGetErrorString", "ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRank",
+                                      "ncclAllReduce", "ncclAllGather", "ncclReduceScatter", "ncclSend", "ncclRecv",
+                                      "ncclBroadcast", "ncclCommDestroy", "ncclGroupStart", "ncclGroupEnd",
+                                      "ncclCommInitRankConfig", "ncclCommInitAll", "ncclCommSplit", "ncclCommFinalize",
+                                      "ncclCommAbort", "ncclCommGetAsyncError", "ncclCommCount", "ncclCommUserRank"};
+  for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) looked_up(order[i], names[i]);
+}
+#endif
 #define ncclGetUniqueId(...) LOOKED_UP(ncclGetUniqueId)(__VA_ARGS__)
 #define ncclCommInitRank(...) LOOKED_UP(ncclCommInitRank)(__VA_ARGS__)
 #define ncclCommInitRankConfig(...) LOOKED_UP(ncclCommInitRankConfig)(__VA_ARGS__)
@@ -96,6 +130,32 @@ LOOKUP(ncclGroupEnd) LOOKUP(ncclAllGather) LOOKUP(ncclAllReduce)
 #define ncclGroupEnd(...) LOOKED_UP(ncclGroupEnd)(__VA_ARGS__)
 #define ncclAllGather(...) LOOKED_UP(ncclAllGather)(__VA_ARGS__)
 #define ncclAllReduce(...) LOOKED_UP(ncclAllReduce)(__VA_ARGS__)
+#endif
+
+#ifdef CALLER_STATIC
+/* Pointers in this program's data, set from NCCL's addresses by the loader at start (data
+ * relocations); volatile, so that every call reads them. */
+#define STATIC_POINTER(f) static __typeof__(&f) volatile static_##f = f;
+STATIC_POINTER(ncclGetUniqueId) STATIC_POINTER(ncclCommInitRank) STATIC_POINTER(ncclCommInitRankConfig)
+STATIC_POINTER(ncclCommInitAll) STATIC_POINTER(ncclCommSplit) STATIC_POINTER(ncclCommFinalize)
+STATIC_POINTER(ncclCommDestroy) STATIC_POINTER(ncclCommAbort) STATIC_POINTER(ncclCommGetAsyncError)
+STATIC_POINTER(ncclCommCount) STATIC_POINTER(ncclCommUserRank) STATIC_POINTER(ncclGroupStart)
+STATIC_POINTER(ncclGroupEnd) STATIC_POINTER(ncclAllGather) STATIC_POINTER(ncclAllReduce)
+#define ncclGetUniqueId(...) static_ncclGetUniqueId(__VA_ARGS__)
+#define ncclCommInitRank(...) static_ncclCommInitRank(__VA_ARGS__)
+#define ncclCommInitRankConfig(...) static_ncclCommInitRankConfig(__VA_ARGS__)
+#define ncclCommInitAll(...) static_ncclCommInitAll(__VA_ARGS__)
+#define ncclCommSplit(...) static_ncclCommSplit(__VA_ARGS__)
+#define ncclCommFinalize(...) static_ncclCommFinalize(__VA_ARGS__)
+#define ncclCommDestroy(...) static_ncclCommDestroy(__VA_ARGS__)
+#define ncclCommAbort(...) static_ncclCommAbort(__VA_ARGS__)
+#define ncclCommGetAsyncError(...) static_ncclCommGetAsyncError(__VA_ARGS__)
+#define ncclCommCount(...) static_ncclCommCount(__VA_ARGS__)
+#define ncclCommUserRank(...) static_ncclCommUserRank(__VA_ARGS__)
+#define ncclGroupStart(...) static_ncclGroupStart(__VA_ARGS__)
+#define ncclGroupEnd(...) static_ncclGroupEnd(__VA_ARGS__)
+#define ncclAllGather(...) static_ncclAllGather(__VA_ARGS__)
+#define ncclAllReduce(...) static_ncclAllReduce(__VA_ARGS__)
 #endif
 
 /* A stream value NCCL must receive as it was passed (the stand-in ignores it). */
@@ -156,36 +216,69 @@ static size_t type_size(ncclDataType_t t) {
 /* The byte rank r holds at i. */
 static unsigned char pattern(int r, size_t i) { return (unsigned char)(i * 7 + (size_t)r * 101 + (i >> 8)); }
 
-/* One gather of count elements of type t (in place: the send buffer is this rank's row). */
-static void gather(caller_state* s, const char* step, ncclComm_t comm, size_t count, ncclDataType_t t, int in_place,
-                   int grouped) {
-  size_t bytes = count * type_size(t);
-  int nranks = 2, rank = 0;
-  if (ncclCommCount(comm, &nranks) != ncclSuccess || ncclCommUserRank(comm, &rank) != ncclSuccess) nranks = 0;
-  unsigned char* recv = malloc((size_t)nranks * bytes + 1);
-  unsigned char* send = in_place ? recv + (size_t)rank * bytes : malloc(bytes + 1);
-  memset(recv, 0xee, (size_t)nranks * bytes + 1);
-  for (size_t i = 0; i < bytes; i++) send[i] = pattern(rank, i);
-  ncclResult_t gs = ncclSuccess, ge = ncclSuccess;
-  const double t0 = now_ms();
-  if (grouped) gs = ncclGroupStart();
-  ncclResult_t r = ncclAllGather(send, recv, count, t, comm, STREAM);
-  if (grouped) ge = ncclGroupEnd();
-  const double took = now_ms() - t0;
+/* A gather issued and not yet checked: inside a group, NCCL runs it at the group's end. */
+typedef struct issued {
+  const char* step;
+  ncclComm_t comm;
+  size_t count, bytes;
+  ncclDataType_t t;
+  int in_place, nranks, rank;
+  unsigned char *send, *recv;
+  ncclResult_t r, gs, ge;
+  double t0;
+} issued;
+
+/* This thread's group depth as the program counts it (starts that succeeded, less ends), and
+ * the gathers waiting for its groups to end. */
+static __thread int depth;
+static __thread issued waiting[64];
+static __thread int nwaiting;
+
+static void check(caller_state* s, issued* g) {
+  const size_t bytes = g->bytes;
+  const int nranks = g->nranks;
   size_t bad = nranks == 0; /* a communicator NCCL did not know */
-  for (int row = 0; row < nranks && r == ncclSuccess; row++)
-    for (size_t i = 0; i < bytes; i++) bad += recv[(size_t)row * bytes + i] != pattern(row, i);
+  for (int row = 0; row < nranks && g->r == ncclSuccess; row++)
+    for (size_t i = 0; i < bytes; i++) bad += g->recv[(size_t)row * bytes + i] != pattern(row, i);
   /* A failed gather writes no row: every byte still holds the poison where the data differs from it. */
   int unwritten = 1;
   for (int row = 0; row < nranks; row++)
     for (size_t i = 0; i < bytes; i++)
-      if (pattern(row, i) != 0xee && recv[(size_t)row * bytes + i] != 0xee) unwritten = 0;
-  out(s, step, r,
+      if (pattern(row, i) != 0xee && g->recv[(size_t)row * bytes + i] != 0xee) unwritten = 0;
+  out(s, g->step, g->r,
       "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"sendcount\":%zu,\"datatype\":%d,\"comm\":\"%p\",\"stream\":\"%p\","
       "\"wrong_bytes\":%zu,\"group_start\":%d,\"group_end\":%d,\"rows_unwritten\":%d,\"ms\":%.1f",
-      (void*)send, (void*)recv, count, (int)t, (void*)comm, (void*)STREAM, bad, gs, ge, unwritten, took);
-  if (!in_place) free(send);
-  free(recv);
+      (void*)g->send, (void*)g->recv, g->count, (int)g->t, (void*)g->comm, (void*)STREAM, bad, g->gs, g->ge, unwritten,
+      now_ms() - g->t0);
+  if (!g->in_place) free(g->send);
+  free(g->recv);
+}
+
+/* One gather of count elements of type t (in place: the send buffer is this rank's row). */
+static void gather(caller_state* s, const char* step, ncclComm_t comm, size_t count, ncclDataType_t t, int in_place,
+                   int grouped) {
+  issued g = {.step = step, .comm = comm, .count = count, .bytes = count * type_size(t), .t = t, .in_place = in_place,
+              .nranks = 2};
+  if (ncclCommCount(comm, &g.nranks) != ncclSuccess || ncclCommUserRank(comm, &g.rank) != ncclSuccess) g.nranks = 0;
+  g.recv = malloc((size_t)g.nranks * g.bytes + 1);
+  g.send = in_place ? g.recv + (size_t)g.rank * g.bytes : malloc(g.bytes + 1);
+  memset(g.recv, 0xee, (size_t)g.nranks * g.bytes + 1);
+  for (size_t i = 0; i < g.bytes; i++) g.send[i] = pattern(g.rank, i);
+  g.t0 = now_ms();
+  if (grouped && (g.gs = ncclGroupStart()) == ncclSuccess) depth++;
+  g.r = ncclAllGather(g.send, g.recv, count, t, comm, STREAM);
+  if (grouped) {
+    g.ge = ncclGroupEnd();
+    if (depth > 0) depth--;
+  }
+  if (depth > 0 && nwaiting < 64) waiting[nwaiting++] = g;
+  else check(s, &g);
+}
+
+/* The end of this thread's outermost group: NCCL has run its gathers. */
+static void group_closed(caller_state* s) {
+  for (int i = 0; i < nwaiting; i++) check(s, &waiting[i]);
+  nwaiting = 0;
 }
 
 /* abortafter:MS, destroyafter:MS: another thread aborts or destroys the communicator while
@@ -266,11 +359,15 @@ static int nccl_step(caller_state* s, const char* step) {
     return 1;
   }
   if (strcmp(step, "groupstart") == 0) {
-    out(s, step, ncclGroupStart(), "%s", "");
+    ncclResult_t r = ncclGroupStart();
+    if (r == ncclSuccess) depth++;
+    out(s, step, r, "%s", "");
     return 1;
   }
   if (strcmp(step, "groupend") == 0) {
-    out(s, step, ncclGroupEnd(), "%s", "");
+    ncclResult_t r = ncclGroupEnd();
+    if (depth > 0 && --depth == 0) group_closed(s);
+    out(s, step, r, "%s", "");
     return 1;
   }
   if (sscanf(step, "split:%d:%d", &a, &b) == 2) {
@@ -348,92 +445,46 @@ static int nccl_step(caller_state* s, const char* step) {
   return 0;
 }
 
-/* ---- where this object's call to ncclAllGather goes, and its page's protection */
+/* ---- NCCL's ncclAllGather entry and the protection of NCCL's pages */
 
-typedef struct slot_query {
-  uintptr_t self_base;
-  uintptr_t slot;
-} slot_query;
-
-static int find_slot(struct dl_phdr_info* info, size_t size, void* arg) {
-  (void)size;
-  slot_query* q = arg;
-  if (info->dlpi_addr != q->self_base) return 0;
-  const ElfW(Dyn)* dyn = NULL;
-  for (int i = 0; i < info->dlpi_phnum; i++)
-    if (info->dlpi_phdr[i].p_type == PT_DYNAMIC) dyn = (const ElfW(Dyn)*)(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
-  const ElfW(Sym)* sym = NULL;
-  const char* str = NULL;
-  const ElfW(Rela)* rel[2] = {NULL, NULL};
-  size_t relsz[2] = {0, 0};
-  for (; dyn && dyn->d_tag != DT_NULL; dyn++) {
-    uintptr_t p = dyn->d_un.d_ptr;
-    if (p < info->dlpi_addr) p += info->dlpi_addr;
-    if (dyn->d_tag == DT_SYMTAB) sym = (const ElfW(Sym)*)p;
-    if (dyn->d_tag == DT_STRTAB) str = (const char*)p;
-    if (dyn->d_tag == DT_JMPREL) rel[0] = (const ElfW(Rela)*)p;
-    if (dyn->d_tag == DT_PLTRELSZ) relsz[0] = dyn->d_un.d_val;
-    if (dyn->d_tag == DT_RELA) rel[1] = (const ElfW(Rela)*)p;
-    if (dyn->d_tag == DT_RELASZ) relsz[1] = dyn->d_un.d_val;
-  }
-  for (int k = 0; k < 2 && sym && str; k++)
-    for (size_t i = 0; rel[k] && i < relsz[k] / sizeof(ElfW(Rela)); i++)
-      if (ELF64_R_SYM(rel[k][i].r_info) != 0 && strcmp(str + sym[ELF64_R_SYM(rel[k][i].r_info)].st_name, "ncclAllGather") == 0)
-        q->slot = info->dlpi_addr + rel[k][i].r_offset;
-  return 1;
-}
-
-/* The protection of the mapping that holds addr, from /proc/self/maps; every mapping of the
- * object's file is listed too, so that a test sees that none of them changed. */
-static void protections(uintptr_t addr, const char* file, char* prot, char* all, size_t allsize) {
+/* Every mapping of file, from /proc/self/maps ("lo-hi perms,..."), anonymous ones excluded. */
+static void mappings(const char* file, char* all, size_t allsize) {
   FILE* f = fopen("/proc/self/maps", "r");
   char line[4096];
   size_t n = 0;
-  strcpy(prot, "?");
   all[0] = '\0';
   while (f && fgets(line, sizeof(line), f)) {
     unsigned long lo, hi;
     char p[8], path[4096] = "";
     if (sscanf(line, "%lx-%lx %7s %*s %*s %*s %4095s", &lo, &hi, p, path) < 3) continue;
-    if (addr >= lo && addr < hi) strcpy(prot, p);
     if (strcmp(path, file) == 0 && n + 64 < allsize)
       n += (size_t)snprintf(all + n, allsize - n, "%s%lx-%lx %s", n ? "," : "", lo, hi, p);
   }
   if (f) fclose(f);
 }
 
-static int got_step(caller_state* s, const char* step) {
-  if (strcmp(step, "got") != 0) return 0;
-  Dl_info self;
-  struct link_map* lm = NULL;
-  dladdr1((void*)got_step, &self, (void**)&lm, RTLD_DL_LINKMAP);
-  slot_query q = {lm->l_addr, 0};
-  dl_iterate_phdr(find_slot, &q);
-  char prot[8], all[2048], file[4096];
-  ssize_t len = readlink("/proc/self/exe", file, sizeof(file) - 1);
-  file[len > 0 ? len : 0] = '\0';
-  char real[4096];
-  const char* mine = lm->l_name[0] ? (realpath(lm->l_name, real) ? real : lm->l_name) : file;
-  protections(q.slot, mine, prot, all, sizeof(all));
-  uintptr_t value = q.slot ? *(uintptr_t*)q.slot : 0;
-  Dl_info to;
-  const char* target = value && dladdr((void*)value, &to) && to.dli_fname ? to.dli_fname : "";
-  out(s, step, 0, "\"slot\":\"%p\",\"target\":\"%s\",\"page\":\"%s\",\"mappings\":\"%s\"", (void*)q.slot, target, prot,
-      all);
+/* entry: the first 16 bytes of the NCCL's own pncclAllGather (CALLER_NCCL), and every mapping of
+ * its file. */
+static int entry_step(caller_state* s, const char* step) {
+  if (strcmp(step, "entry") != 0) return 0;
+  void* h = dlopen(getenv("CALLER_NCCL"), RTLD_NOLOAD | RTLD_LAZY);
+  const unsigned char* f = h ? dlsym(h, "pncclAllGather") : NULL;
+  char bytes[64] = "", all[4096] = "", real[4096] = "";
+  Dl_info info;
+  if (f != NULL && dladdr(f, &info) != 0 && realpath(info.dli_fname, real) != NULL) mappings(real, all, sizeof(all));
+  for (int i = 0; f != NULL && i < 16; i++) snprintf(bytes + 2 * i, sizeof(bytes) - 2 * (size_t)i, "%02x", f[i]);
+  out(s, step, f ? 0 : 1, "\"bytes\":\"%s\",\"file\":\"%s\",\"mappings\":\"%s\"", bytes, real, all);
+  if (h) dlclose(h);
   return 1;
 }
 #endif /* !CALLER_NO_NCCL */
 
 #ifdef CALLER_LIBRARY
 /* The executable runs NCCL steps through here after "via:lib". */
-int caller_step(caller_state* s, const char* step) { return nccl_step(s, step) || got_step(s, step); }
+int caller_step(caller_state* s, const char* step) { return nccl_step(s, step) || entry_step(s, step); }
 #else
 
 typedef int (*step_fn)(caller_state*, const char*);
-
-/* Exported (-Wl,--export-dynamic-symbol): a library's constructor opens through here, that
- * is through this executable's own dlopen slot. */
-__attribute__((visibility("default"))) void* caller_dlopen(const char* path) { return dlopen(path, RTLD_NOW | RTLD_LOCAL); }
 
 /* Copies the ROCE_GATHER_STATS file as it is now to that path + "." + label. */
 static void snapshot_stats(const char* label) {
@@ -448,14 +499,66 @@ static void snapshot_stats(const char* label) {
   if (dst) fclose(dst);
 }
 
+static step_fn libs[8];
+static int nlibs, via = -1; /* the library NCCL steps go through; -1: this executable */
+
+static int run_step(caller_state* s, const char* step) {
+  if (via >= 0) return libs[via](s, step);
+#ifndef CALLER_NO_NCCL
+  return nccl_step(s, step) || entry_step(s, step);
+#else
+  return 0;
+#endif
+}
+
+/* bg:STEP: one more thread, alive from its first step on, runs the step while main waits. */
+static struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  pthread_t thread;
+  int started, busy, known;
+  caller_state* s;
+  const char* step;
+} bg = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static void* bg_main(void* arg) {
+  (void)arg;
+  pthread_mutex_lock(&bg.mu);
+  for (;;) {
+    while (!bg.busy) pthread_cond_wait(&bg.cv, &bg.mu);
+    pthread_mutex_unlock(&bg.mu);
+    int known = run_step(bg.s, bg.step);
+    pthread_mutex_lock(&bg.mu);
+    bg.known = known;
+    bg.busy = 0;
+    pthread_cond_broadcast(&bg.cv);
+  }
+  return NULL;
+}
+
+static int run_on_bg(caller_state* s, const char* step) {
+  pthread_mutex_lock(&bg.mu);
+  if (!bg.started) {
+    bg.started = 1;
+    pthread_create(&bg.thread, NULL, bg_main, NULL);
+  }
+  bg.s = s, bg.step = step, bg.busy = 1;
+  pthread_cond_broadcast(&bg.cv);
+  while (bg.busy) pthread_cond_wait(&bg.cv, &bg.mu);
+  int known = bg.known;
+  pthread_mutex_unlock(&bg.mu);
+  return known;
+}
+
 int main(int argc, char** argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: %s RANK IDFILE STEP...\n", argv[0]);
     return 2;
   }
   caller_state s = {.rank = atoi(argv[1]), .idfile = argv[2]};
-  step_fn libs[8] = {NULL};
-  int nlibs = 0, via = -1; /* the library NCCL steps go through; -1: this executable */
+#ifdef CALLER_UPFRONT
+  resolve_upfront();
+#endif
   for (int i = 3; i < argc; i++) {
     const char* step = argv[i];
     /* load:PATH opens a caller library; via:libN runs the NCCL steps after it through the
@@ -482,11 +585,7 @@ int main(int argc, char** argv) {
       snapshot_stats(step + 5);
       continue;
     }
-    int known = 0;
-    if (via >= 0) known = libs[via](&s, step);
-#ifndef CALLER_NO_NCCL
-    else known = nccl_step(&s, step) || got_step(&s, step);
-#endif
+    int known = strncmp(step, "bg:", 3) == 0 ? run_on_bg(&s, step + 3) : run_step(&s, step);
     if (!known) {
       fprintf(stderr, "caller: unknown step %s\n", step);
       return 2;

@@ -1,6 +1,7 @@
 /* The one-shot hooks (plugin/oneshot_hooks.h) as the interceptor's tests record them, in
- * place of the engine: the tests build plugin/bind.c, got.c and intercept.c with this file
- * into a library of plain C and see exactly what the wrappers ask of the engine.
+ * place of the engine: the tests build plugin/bind.c, objects.c, hook.c, relocate_*.c and
+ * intercept.c with this file into a library of plain C and see exactly what the wrappers ask
+ * of the engine.
  *
  * Each hook call is appended to HOOKS_LOG as one JSON line. rg_oneshot_allgather takes
  * the gathers of HOOKS_TAKE_COUNT elements (they return HOOKS_TAKE_RESULT and never reach
