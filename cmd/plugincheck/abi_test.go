@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"sort"
 	"strconv"
 	"strings"
 	"testing"
@@ -57,8 +58,22 @@ var tables = map[string]int{ // entries after the name, per table
 }
 
 // interceptorNames are the functions the interceptor defines (plugin/intercept.c).
-var interceptorNames = []string{"ncclAllGather", "ncclCommInitRank", "ncclCommInitRankConfig", "ncclCommInitAll", "ncclCommSplit",
-	"ncclCommFinalize", "ncclCommDestroy", "ncclCommAbort", "ncclCommGetAsyncError", "ncclGroupStart", "ncclGroupEnd"}
+var interceptorNames = []string{"ncclAllGather", "ncclAllReduce", "ncclCommInitRank", "ncclCommInitRankConfig", "ncclCommInitAll",
+	"ncclCommSplit", "ncclCommFinalize", "ncclCommDestroy", "ncclCommAbort", "ncclCommGetAsyncError", "ncclGroupStart", "ncclGroupEnd"}
+
+// The names the abi check holds the library to are the ones build/exports.map exports.
+func TestInterceptorNamesAreTheExportedOnes(t *testing.T) {
+	raw, err := os.ReadFile("../../build/exports.map")
+	require.NoError(t, err)
+	var exported []string
+	for _, m := range regexp.MustCompile(`(?m)^\s+(nccl[A-Za-z]+);`).FindAllStringSubmatch(string(raw), -1) {
+		exported = append(exported, m[1])
+	}
+	want := append([]string(nil), interceptorNames...)
+	sort.Strings(want)
+	sort.Strings(exported)
+	require.Equal(t, want, exported)
+}
 
 func TestABIEveryNetTableOfEveryVersionIsCompleteAndOffersNoDevice(t *testing.T) {
 	r, code, _ := runABI(t, nil)
@@ -215,6 +230,26 @@ func TestBadEnvironmentValuesAreRefusedWithAWarning(t *testing.T) {
 			require.Equal(t, strconv.Itoa(len(bad))+" WARN line(s) logged during the check", c.Detail)
 		} else {
 			require.True(t, c.OK, "%s %s: the defaults keep everything else working", c.Table, c.Check)
+		}
+	}
+}
+
+// NCCL_NET=roce_gather asks NCCL for a network this library does not offer: NCCL will find no
+// device and fail, and the library says so once, by name, with what to do; so is each retired
+// variable of the CollNet route, which changes nothing.
+func TestNCCLNetNamingThisLibraryAndRetiredVariablesAreSaidAtInit(t *testing.T) {
+	r, code, stderr := runABI(t, []string{"NCCL_NET=roce_gather", "ROCE_GATHER_NET=1", "ROCE_GATHER_MODE=eager"})
+	require.Equal(t, 1, code, "WARN lines make the check fail")
+	require.Equal(t, 1, strings.Count(stderr, "NCCL WARN NET/roce_gather : NCCL_NET=roce_gather asks NCCL for this library's network, "+
+		"but it offers NCCL no network device, so NCCL finds none and fails; unset NCCL_NET, or name NCCL's own (IB or Socket)"), stderr)
+	require.Equal(t, 1, strings.Count(stderr, `NCCL WARN NET/roce_gather : ROCE_GATHER_NET="1" is retired: it offered NCCL this library's `+
+		`fabric as its network, for the CollNet route, which this library no longer has; it changes nothing.`), stderr)
+	require.Equal(t, 1, strings.Count(stderr, `NCCL WARN NET/roce_gather : ROCE_GATHER_MODE="eager" is retired: `), stderr)
+	for _, c := range r.Checks {
+		if c.Check == "warnings" {
+			require.Equal(t, "3 WARN line(s) logged during the check", c.Detail)
+		} else if c.Check == "devices" {
+			require.True(t, c.OK, "%s: still no device offered", c.Table)
 		}
 	}
 }

@@ -87,10 +87,9 @@ static void check_devices(const char* table, ncclResult_t (*devices)(int*)) {
   } while (0)
 
 /* The functions the interceptor defines (plugin/intercept.c), NCCL's API names. */
-static const char* interceptor_names[] = {"ncclAllGather",   "ncclCommInitRank",      "ncclCommInitRankConfig",
-                                          "ncclCommInitAll", "ncclCommSplit",         "ncclCommFinalize",
-                                          "ncclCommDestroy", "ncclCommAbort",         "ncclCommGetAsyncError",
-                                          "ncclGroupStart",  "ncclGroupEnd"};
+static const char* interceptor_names[] = {"ncclAllGather",   "ncclAllReduce",  "ncclCommInitRank", "ncclCommInitRankConfig",
+                                          "ncclCommInitAll", "ncclCommSplit",  "ncclCommFinalize", "ncclCommDestroy",
+                                          "ncclCommAbort",   "ncclCommGetAsyncError", "ncclGroupStart", "ncclGroupEnd"};
 
 /* Each name must resolve in the library itself, not in an object it depends on. */
 static void check_interceptor(const plugin* p, const char* path) {

@@ -40,6 +40,9 @@ static void not_for_calling(void) {
 #ifndef DROP_ncclAllGather
 WRAPPER(ncclAllGather);
 #endif
+#ifndef DROP_ncclAllReduce
+WRAPPER(ncclAllReduce);
+#endif
 #ifndef DROP_ncclCommInitRank
 WRAPPER(ncclCommInitRank);
 #endif
