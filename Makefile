@@ -5,7 +5,7 @@ BUILD := build
 DRIVER_CFLAGS := -O2 -g -std=gnu11 -Wall -Wextra -Werror -Iinclude
 LIB := $(BUILD)/libroce_gather.so
 
-.PHONY: all check test test-all test-load test-rxe vet fmt lint clean kernels kernels-oneshot install wheel need-build need-wheel need-test need-rxe
+.PHONY: all check test test-all test-asan test-load test-rxe vet fmt lint clean kernels kernels-oneshot install wheel need-build need-wheel need-test need-rxe
 all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl
 
 GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/roce_gather.ptx go.mod go.sum build/exports.map
@@ -109,9 +109,25 @@ test: all lint wheel | need-test
 	python3 python/test_roce_gather.py
 	python3 tests/gpu/test_logic.py
 
-# Every test, the README's second command: make test, then the soft-RoCE guest.
+# Every test, the README's second command: make test, the engine under AddressSanitizer, then
+# the soft-RoCE guest.
 test-all: test
+	$(MAKE) test-asan
 	$(MAKE) test-rxe
+
+# The one-shot engine's host tests under AddressSanitizer (gcc's libasan, which gcc brings):
+# its Go tests in one process, built with -asan, and the interceptor's two-process tests of
+# the engine on a build of the library with -asan, its runtime preloaded into every process
+# of a job. A use after free, at close or anywhere, fails them.
+ASAN_LIB := $(BUILD)/asan/libroce_gather.so
+ONESHOT_INTERCEPT_TESTS := ^(TestInterceptedGather|TestOneRankDisabled|TestPairsClosing|TestPeer|TestSilentPeer|TestAbortInFlight|TestDestroyInFlight|TestRanksWhose)
+test-asan: all | need-test
+	$(GO) build -asan -buildmode=c-shared -trimpath \
+		-ldflags "-extldflags=-Wl,--version-script=$(CURDIR)/build/exports.map" -o $(ASAN_LIB) .
+	rm -f $(BUILD)/asan/libroce_gather.h
+	$(GO) test -asan -count=1 -run '^(TestInterceptedGather|TestForeignConnections)' ./roce/gather/
+	RG_TEST_ONESHOT_LIB=$(CURDIR)/$(ASAN_LIB) RG_TEST_PRELOAD=$$($(CC) -print-file-name=libasan.so) \
+		$(GO) test -count=1 -run '$(ONESHOT_INTERCEPT_TESTS)' ./tests/intercept/
 
 # make test beside one busy loop a core (LOAD_LOOPS), LOAD_RUNS times in a row, as on a CI
 # machine other jobs share; the loops stop however it ends (tests/under-load.sh).
@@ -130,6 +146,6 @@ test-rxe: all | need-rxe
 	tests/rxe/run.sh
 
 clean:
-	rm -rf $(BUILD)/lib* $(BUILD)/plugincheck* $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl \
+	rm -rf $(BUILD)/lib* $(BUILD)/asan $(BUILD)/plugincheck* $(BUILD)/kernel-check $(BUILD)/abort-nccl $(BUILD)/gather-nccl \
 		$(BUILD)/rxe.test $(BUILD)/verbs.test $(BUILD)/gather.test $(BUILD)/roce_gather-*.whl
 
