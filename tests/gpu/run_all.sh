@@ -16,7 +16,7 @@
 #   check     = env kernels p2p gather graphs capi jax abort topology recreate
 #   timing    = env latency plot calibrate
 #   sweep     = env sweep
-#   intercept = env gather graphs capi jax abort latency plot
+#   intercept = env gather graphs capi jax abort integrity latency plot
 # Steps gather, graphs, capi, jax, abort and latency run the intercepted gather beside NCCL's
 # own transport; ROCE_GATHER_GPU_ROUTE=collnet runs their CollNet-route configs instead.
 # ROCE_GATHER_GPU_ONE_DEVICE=0: both ranks of every pair on GPU 0, under CUDA MPS (started
@@ -48,7 +48,7 @@ for w in ${ROCE_GATHER_GPU_STEPS:-check}; do
 	check) WANT="$WANT env kernels p2p gather graphs capi jax abort topology recreate" ;;
 	timing) WANT="$WANT env latency plot calibrate" ;;
 	sweep) WANT="$WANT env sweep" ;;
-	intercept) WANT="$WANT env gather graphs capi jax abort latency plot" ;;
+	intercept) WANT="$WANT env gather graphs capi jax abort integrity latency plot" ;;
 	*) WANT="$WANT $w" ;;
 	esac
 done
@@ -110,6 +110,7 @@ step graphs 120
 step capi 260
 step jax 240 # two pairs: NCCL_NET_PLUGIN alone, LD_PRELOAD alone
 step abort 200
+step integrity 120
 step latency 250 # fits its rounds into what it has left
 step plot 30
 step calibrate 150
