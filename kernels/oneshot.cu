@@ -27,6 +27,9 @@ __device__ static inline rg_u64 rg_load_relaxed(const volatile rg_u64* p) {
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ static inline void rg_store_relaxed(volatile rg_u64* p, rg_u64 v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ static inline void rg_store_release(volatile rg_u64* p, rg_u64 v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -133,6 +136,7 @@ __device__ static inline __attribute__((always_inline)) void rg_block_copy(unsig
 #define RG_OS_LOAD_ACQUIRE(p) rg_load_acquire(p)
 #define RG_OS_LOAD_RELAXED(p) rg_load_relaxed(p)
 #define RG_OS_STORE_RELEASE(p, v) rg_store_release((p), (v))
+#define RG_OS_STORE_RELAXED(p, v) rg_store_relaxed((p), (v))
 #define RG_OS_NOW() rg_globaltimer()
 #define RG_OS_RELAX() ((void)0)
 #define RG_OS_ARRIVE(p) rg_atomic_add((p), 1)

@@ -12,6 +12,7 @@
  *   RG_OS_LOAD_ACQUIRE(p)         a load of a 64-bit word others write, ordered before later loads
  *   RG_OS_LOAD_RELAXED(p)         a load of a 64-bit word others write, no ordering (nothing is read through it)
  *   RG_OS_STORE_RELEASE(p, v)     a store ordered after every earlier write of the block
+ *   RG_OS_STORE_RELAXED(p, v)     a store of a 64-bit word others read, no ordering (it publishes nothing)
  *   RG_OS_NOW()                   nanoseconds of a clock that only goes forward
  *   RG_OS_RELAX()                 between two polls of a wait
  *   RG_OS_ARRIVE(p)               atomic add of 1 to a 32-bit counter in rg_os_dev, returning the old value
@@ -158,7 +159,7 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
       RG_OS_FENCE_GPU(); /* the previous launch's sequence, written before it let go of the gate */
       const rg_u64 seq = *(volatile rg_u64*)&a->dev->seq + 1;
       seq_shared = seq;
-      a->ctrl->running.word = seq;
+      RG_OS_STORE_RELAXED(&a->ctrl->running.word, seq);
       if (*(volatile rg_u64*)&a->dev->failure.status != RG_OS_OK)
         verdict = RG_OS_ABORTED; /* an earlier call failed: no later one runs */
       else if (RG_OS_LOAD_RELAXED(&a->dev->gate) & RG_OS_GATE_POISON)

@@ -86,7 +86,8 @@ static void stop(rg_os_engine* e) {
 }
 
 static void warn_failed(rg_os_engine* e, uint64_t seq) {
-  if (atomic_exchange(&e->warned, 1)) return;
+  /* The text is whole once the code shows: another thread may still be writing it. */
+  if (atomic_load_explicit(&e->kept->code, memory_order_acquire) == 0 || atomic_exchange(&e->warned, 1)) return;
   RG_WARN("one-shot gather of communicator 0x%llx with rank %d (%s) failed at sequence %llu: %s",
           (unsigned long long)e->comm_id, 1 - e->rank, e->peer, (unsigned long long)seq, e->kept->why);
 }

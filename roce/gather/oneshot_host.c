@@ -16,6 +16,7 @@ static inline rg_u64 host_load_relaxed(const volatile rg_u64* p) {
   return __atomic_load_n((const rg_u64*)p, __ATOMIC_RELAXED);
 }
 static inline void host_store_release(volatile rg_u64* p, rg_u64 v) { __atomic_store_n((rg_u64*)p, v, __ATOMIC_RELEASE); }
+static inline void host_store_relaxed(volatile rg_u64* p, rg_u64 v) { __atomic_store_n((rg_u64*)p, v, __ATOMIC_RELAXED); }
 static inline rg_u32 host_arrive(rg_u32* p) { return __atomic_fetch_add(p, 1, __ATOMIC_ACQ_REL); }
 static inline void host_keep_first(rg_u32* p, rg_u32 v) {
   rg_u32 zero = 0;
@@ -37,6 +38,7 @@ static inline void host_copy(unsigned char* dst, const unsigned char* src, rg_u6
 #define RG_OS_LOAD_ACQUIRE(p) host_load_acquire(p)
 #define RG_OS_LOAD_RELAXED(p) host_load_relaxed(p)
 #define RG_OS_STORE_RELEASE(p, v) host_store_release((p), (v))
+#define RG_OS_STORE_RELAXED(p, v) host_store_relaxed((p), (v))
 #define RG_OS_NOW() rg_now_ns()
 /* A GPU's spin costs the host no core; the stand-in's must not starve the proxy of one. */
 #define RG_OS_RELAX() sched_yield()
@@ -81,7 +83,7 @@ static void* hstream_main(void* arg) {
     s->running = 0;
     if (c->ticket > e->hdone) e->hdone = c->ticket;
     c->status = status;
-    c->done = 1;
+    atomic_store_explicit(&c->done, 1, memory_order_release); /* the last touch of c: its caller may free it */
     pthread_cond_broadcast(&e->hcv);
   }
   pthread_mutex_unlock(&e->hmu);
@@ -116,7 +118,7 @@ int rg_os_hstream_queue(rg_os_engine* e, rg_os_hcall* c, CUstream stream, int or
     return -1;
   }
   c->next = NULL;
-  c->done = 0;
+  atomic_store_explicit(&c->done, 0, memory_order_relaxed);
   c->ticket = c->after = 0;
   if (ordered) { /* as a cuStreamWaitEvent on the last ordered call's event, when it went to another stream */
     c->ticket = ++e->htickets;
