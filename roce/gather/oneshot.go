@@ -274,7 +274,7 @@ func (e *Engine) submitOnHost(send []byte, stream hostStream, ordered bool, call
 	if C.rg_os_host_submit_on(e.side.c, h.c, h.send, h.recv, C.uint64_t(len(send)), C.uintptr_t(stream), o,
 		C.uint64_t(call)) != 0 {
 		h.free()
-		return nil, errors.New("the stand-in took no call: not a stand-in engine, closing, or too many streams")
+		return nil, errors.New("the stand-in took no call: not a stand-in engine, its streams stopped, or too many streams")
 	}
 	return h, nil
 }

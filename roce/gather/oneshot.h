@@ -187,7 +187,7 @@ int rg_os_host_run(rg_os_engine* e, const void* send, void* recv, uint64_t bytes
 /* The stand-in's call c queued on stream without waiting for it, for tests. ordered 0 makes
  * it a graph's replay as far as ordering goes: it waits for no other stream, and call (if
  * nonzero) is the number it announces, the captured call's. 0, or -1 (not the stand-in, or
- * closed). */
+ * its streams stopped). */
 int rg_os_host_submit(rg_os_engine* e, rg_os_hcall* c, const void* send, void* recv, uint64_t bytes, CUstream stream,
                       int ordered, uint64_t call);
 /* Waits for a submitted call; returns its status. */
