@@ -22,6 +22,14 @@ __device__ static inline rg_u64 rg_load_acquire(const volatile rg_u64* p) {
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ static inline rg_u64 rg_load_relaxed(const volatile rg_u64* p) {
+  rg_u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ static inline void rg_store_relaxed(volatile rg_u64* p, rg_u64 v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ static inline void rg_store_release(volatile rg_u64* p, rg_u64 v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -34,6 +42,17 @@ __device__ static inline rg_u32 rg_atomic_add(rg_u32* p, rg_u32 v) {
   rg_u32 old;
   asm volatile("atom.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
+}
+__device__ static inline rg_u64 rg_atomic_cas64(rg_u64* p, rg_u64 expect, rg_u64 v) {
+  rg_u64 old;
+  asm volatile("atom.global.cas.b64 %0, [%1], %2, %3;" : "=l"(old) : "l"(p), "l"(expect), "l"(v) : "memory");
+  return old;
+}
+// The launch's grid number, unique among the context's launches (graph replays included).
+__device__ static inline rg_u64 rg_launch_id(void) {
+  rg_u64 id;
+  asm volatile("mov.u64 %0, %%gridid;" : "=l"(id));
+  return (id + 1) & RG_OS_GATE_OWNER;
 }
 __device__ static inline void rg_atomic_keep_first(rg_u32* p, rg_u32 v) {
   rg_u32 old;
@@ -115,11 +134,15 @@ __device__ static inline __attribute__((always_inline)) void rg_block_copy(unsig
 #define RG_OS_FENCE_SYS() __nvvm_membar_sys()
 #define RG_OS_FENCE_GPU() __nvvm_membar_gl()
 #define RG_OS_LOAD_ACQUIRE(p) rg_load_acquire(p)
+#define RG_OS_LOAD_RELAXED(p) rg_load_relaxed(p)
 #define RG_OS_STORE_RELEASE(p, v) rg_store_release((p), (v))
+#define RG_OS_STORE_RELAXED(p, v) rg_store_relaxed((p), (v))
 #define RG_OS_NOW() rg_globaltimer()
 #define RG_OS_RELAX() ((void)0)
 #define RG_OS_ARRIVE(p) rg_atomic_add((p), 1)
 #define RG_OS_FAIL(p, v) rg_atomic_keep_first((p), (v))
+#define RG_OS_CAS64(p, expect, v) rg_atomic_cas64((p), (expect), (v))
+#define RG_OS_LAUNCH_ID(a) rg_launch_id()
 #define rg_os_copy_out(dst, src, n) rg_block_copy((dst), (src), (n), 0)
 #define rg_os_copy_in(dst, src, n) rg_block_copy((dst), (src), (n), 1)
 #define rg_os_copy_dev(dst, src, n) rg_block_copy((dst), (src), (n), 1)

@@ -1,5 +1,5 @@
-/* One block's part of the intercepted one-shot gather (oneshot.h has the layout). The
- * kernel (oneshot.cu) runs it in every block at once; the host stand-in
+/* One block's part of the intercepted one-shot call (oneshot.h has the layout). The kernel
+ * (oneshot.cu) runs it in every block at once; the host stand-in
  * (roce/gather/oneshot_host.c) runs the blocks one after another on one thread, which the
  * protocol allows: block b waits only for the peer's chunks that the peer's block b
  * staged before it waited. The includer defines:
@@ -10,11 +10,15 @@
  *   RG_OS_FENCE_SYS()             orders this thread's writes before later ones, for the host and NIC too
  *   RG_OS_FENCE_GPU()             the same for the other blocks of this launch only
  *   RG_OS_LOAD_ACQUIRE(p)         a load of a 64-bit word others write, ordered before later loads
+ *   RG_OS_LOAD_RELAXED(p)         a load of a 64-bit word others write, no ordering (nothing is read through it)
  *   RG_OS_STORE_RELEASE(p, v)     a store ordered after every earlier write of the block
+ *   RG_OS_STORE_RELAXED(p, v)     a store of a 64-bit word others read, no ordering (it publishes nothing)
  *   RG_OS_NOW()                   nanoseconds of a clock that only goes forward
  *   RG_OS_RELAX()                 between two polls of a wait
  *   RG_OS_ARRIVE(p)               atomic add of 1 to a 32-bit counter in rg_os_dev, returning the old value
  *   RG_OS_FAIL(p, v)              atomic "keep the first nonzero" of a 32-bit word in rg_os_dev
+ *   RG_OS_CAS64(p, old, new)      atomic compare-and-swap of a 64-bit word in rg_os_dev, returning the value it found
+ *   RG_OS_LAUNCH_ID(a)            this launch's id: nonzero, below 2^63, shared by its blocks, unique among launches
  *   rg_os_copy_out(dst, src, n)   the block copies n bytes to the host (staging)
  *   rg_os_copy_in(dst, src, n)    the block copies n bytes the peer wrote into host memory (volatile loads)
  *   rg_os_copy_dev(dst, src, n)   the block copies n bytes within device memory */
@@ -23,54 +27,183 @@
 
 #include "oneshot.h"
 
-/* Waits until every lane's flag reaches level; returns RG_OS_OK, or why it stopped. The
- * abort word and the clock are read one poll in 16: each read of host memory is a round
- * trip over PCIe, and the flags are what the wait is for. */
-RG_OS_FN static rg_u32 rg_os_wait(const rg_os_args* a, rg_u64 level, rg_u64 deadline) {
+/* This launch's announcement of call seq. */
+RG_OS_FN static void rg_os_my_call(const rg_os_args* a, rg_u64 seq, rg_os_announce* out) {
+  out->seq = seq;
+  out->bytes = a->bytes;
+  out->chunk = a->chunk;
+  out->nchunks = a->nchunks;
+  out->coll = a->coll;
+  out->call = a->call;
+}
+
+RG_OS_FN static void rg_os_load_announce(const volatile rg_os_announce* src, rg_os_announce* out) {
+  out->seq = src->seq;
+  out->bytes = src->bytes;
+  out->chunk = src->chunk;
+  out->nchunks = src->nchunks;
+  out->coll = src->coll;
+  out->call = src->call;
+}
+
+RG_OS_FN static void rg_os_store_announce(volatile rg_os_announce* dst, const rg_os_announce* v) {
+  dst->seq = v->seq;
+  dst->bytes = v->bytes;
+  dst->chunk = v->chunk;
+  dst->nchunks = v->nchunks;
+  dst->coll = v->coll;
+  dst->call = v->call;
+}
+
+/* Whether the peer's announcement of parity, which its lane 0 flag has just shown to be
+ * whole, names this call; if not, it is kept for the report. */
+RG_OS_FN static int rg_os_peer_agrees(const rg_os_args* a, rg_u64 seq, rg_u32 parity) {
+  rg_os_announce mine, peer;
+  rg_os_my_call(a, seq, &mine);
+  rg_os_load_announce(&a->ctrl->announce[parity].a, &peer);
+  if (rg_os_same_call(&mine, &peer)) return 1;
+  rg_os_store_announce(&a->dev->peer_seen, &peer);
+  return 0;
+}
+
+/* Waits until every lane's flag of parity shows chunks [0, n) of call seq; returns RG_OS_OK,
+ * or why it stopped. The peer's announcement is checked at the first sight of lane 0's flag
+ * at seq (*checked then holds), and a flag of a later sequence is never taken for this one.
+ * The abort word, the gate, the peer's closing word and the clock are read one poll in 16:
+ * each read of host memory is a round trip over PCIe, and the flags are what the wait is for. */
+RG_OS_FN static rg_u32 rg_os_wait(const rg_os_args* a, rg_u64 seq, rg_u32 parity, rg_u64 n, rg_u64 deadline, int* checked) {
   for (rg_u32 polls = 0;; polls++) {
     rg_u32 seen = 0;
-    for (rg_u32 l = 0; l < a->lanes; l++) seen += RG_OS_LOAD_ACQUIRE(&a->ctrl->flag[l].word) >= level;
+    for (rg_u32 l = 0; l < a->lanes; l++) {
+      const rg_u64 level = RG_OS_LOAD_ACQUIRE(&a->ctrl->flag[parity][l].word);
+      const rg_u64 s = rg_os_level_seq(level);
+      if (s > seq) { /* the peer is two calls ahead: its sequence is not this rank's */
+        rg_os_announce peer;
+        rg_os_load_announce(&a->ctrl->announce[parity].a, &peer);
+        peer.seq = s;
+        rg_os_store_announce(&a->dev->peer_seen, &peer);
+        return RG_OS_MISMATCH;
+      }
+      if (s != seq) continue;
+      if (l == 0 && !*checked) {
+        if (!rg_os_peer_agrees(a, seq, parity)) return RG_OS_MISMATCH;
+        *checked = 1;
+      }
+      seen += rg_os_level_chunks(level) >= n;
+    }
     if (seen == a->lanes) return RG_OS_OK; /* the peer's data is whole: an abort now changes nothing */
     if ((polls & 15) == 15) {
-      if (a->ctrl->abort.word != 0) return RG_OS_ABORTED;
+      if (RG_OS_LOAD_RELAXED(&a->ctrl->abort.word) != 0) return RG_OS_ABORTED;
+      if (RG_OS_LOAD_RELAXED(&a->dev->gate) & RG_OS_GATE_POISON) return RG_OS_OVERLAP;
+      const rg_u64 closed = RG_OS_LOAD_RELAXED(&a->ctrl->closed.word);
+      if (closed != 0 && (closed >> RG_OS_CLOSED_SHIFT) < seq) return RG_OS_PEER_CLOSED;
       if (RG_OS_NOW() > deadline) return RG_OS_TIMED_OUT;
     }
     RG_OS_RELAX();
   }
 }
 
-RG_OS_FN static void rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nblocks) {
+/* Takes the engine for launch me, or finds it held by another launch: then this launch
+ * fails, and the poison bit it sets fails the other one and every launch after. */
+RG_OS_FN static int rg_os_claim(const rg_os_args* a, rg_u64 me) {
+  rg_u64 g = 0;
+  for (;;) {
+    const rg_u64 owner = g & RG_OS_GATE_OWNER;
+    if (owner == me) return 1; /* another block of this launch took it */
+    if (owner != 0 && (g & RG_OS_GATE_POISON)) return 0;
+    const rg_u64 found = RG_OS_CAS64(&a->dev->gate, g, owner == 0 ? g | me : g | RG_OS_GATE_POISON);
+    if (found == g) return owner == 0;
+    g = found;
+  }
+}
+
+RG_OS_FN static void rg_os_release(const rg_os_args* a, rg_u64 me) {
+  rg_u64 g = me;
+  for (;;) {
+    const rg_u64 found = RG_OS_CAS64(&a->dev->gate, g, g & RG_OS_GATE_POISON);
+    if (found == g) return;
+    g = found;
+  }
+}
+
+RG_OS_FN static void rg_os_store_failure(volatile rg_os_failure* dst, const rg_os_failure* v) {
+  rg_os_store_announce(&dst->mine, &v->mine);
+  rg_os_store_announce(&dst->peer, &v->peer);
+  dst->status = v->status;
+}
+
+RG_OS_FN static void rg_os_load_failure(const volatile rg_os_failure* src, rg_os_failure* out) {
+  rg_os_load_announce(&src->mine, &out->mine);
+  rg_os_load_announce(&src->peer, &out->peer);
+  out->status = src->status;
+}
+
+/* Runs block `block` of nblocks; returns the call's status in the block that finished it,
+ * this block's own otherwise. */
+RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nblocks) {
   RG_OS_SHARED rg_u32 verdict;
+  RG_OS_SHARED rg_u32 owned;
   RG_OS_SHARED rg_u32 last;
+  RG_OS_SHARED rg_u64 seq_shared;
   RG_OS_SHARED rg_u64 arrived_at;
-  const rg_u64 seq = *(volatile rg_u64*)&a->dev->seq + 1; /* the previous gather's kernel ended before this one began */
+  const rg_u64 me = RG_OS_LAUNCH_ID(a);
+  rg_u64 aborted = 0;
+  if (RG_OS_LEADER) {
+    /* Read first, used before the first doorbell: the read overlaps the claim and the staging. */
+    aborted = RG_OS_LOAD_RELAXED(&a->ctrl->abort.word);
+    owned = (rg_u32)rg_os_claim(a, me);
+    verdict = RG_OS_OK;
+    if (!owned) {
+      RG_OS_STORE_RELEASE(&a->ctrl->overlap.word, 1); /* the proxy fails the engine on both ranks */
+    } else {
+      RG_OS_FENCE_GPU(); /* the previous launch's sequence, written before it let go of the gate */
+      const rg_u64 seq = *(volatile rg_u64*)&a->dev->seq + 1;
+      seq_shared = seq;
+      RG_OS_STORE_RELAXED(&a->ctrl->running.word, seq);
+      if (*(volatile rg_u64*)&a->dev->failure.status != RG_OS_OK)
+        verdict = RG_OS_ABORTED; /* an earlier call failed: no later one runs */
+      else if (RG_OS_LOAD_RELAXED(&a->dev->gate) & RG_OS_GATE_POISON)
+        verdict = RG_OS_OVERLAP;
+      if (block == 0) a->dev->t_start = RG_OS_NOW();
+    }
+  }
+  RG_OS_SYNC();
+  if (!owned) return RG_OS_OVERLAP; /* nothing of the engine is this launch's to touch */
+  const rg_u64 seq = seq_shared;
   const rg_u32 parity = (rg_u32)(seq & 1);
   unsigned char* send_slot = a->send_slots + parity * a->slot_bytes;
   const unsigned char* recv_slot = a->recv_slots + parity * a->slot_bytes;
-  if (RG_OS_LEADER && block == 0) a->dev->t_start = RG_OS_NOW();
+  rg_u32 failed = verdict;
 
-  /* Stage each of this block's chunks and ring its doorbell. */
-  for (rg_u32 c = block; c < a->nchunks; c += nblocks) {
+  /* Stage each of this block's chunks and ring its doorbell; chunk 0's carries the announcement. */
+  for (rg_u32 c = block; c < a->nchunks && failed == RG_OS_OK; c += nblocks) {
     rg_u64 off = c * a->chunk, n = a->bytes - off < a->chunk ? a->bytes - off : a->chunk;
     rg_os_copy_out(send_slot + off, a->send + off, n);
     RG_OS_SYNC();
     if (RG_OS_LEADER) {
-      RG_OS_FENCE_SYS();
-      if (c == 0) {
-        a->ctrl->report[parity].bytes = a->bytes;
-        a->ctrl->report[parity].chunk = a->chunk;
+      if (aborted != 0) {
+        verdict = RG_OS_ABORTED; /* a closing engine's queued calls ship nothing */
+      } else {
+        RG_OS_FENCE_SYS();
+        if (c == 0) {
+          rg_os_announce mine;
+          rg_os_my_call(a, seq, &mine);
+          rg_os_store_announce(&a->ctrl->mine[parity].a, &mine);
+        }
+        RG_OS_STORE_RELEASE(&a->ctrl->ready[parity][c], seq);
+        if (c == 0) a->dev->t_staged = RG_OS_NOW();
       }
-      RG_OS_STORE_RELEASE(&a->ctrl->ready[parity][c], seq);
-      if (c == 0) a->dev->t_staged = RG_OS_NOW();
     }
+    RG_OS_SYNC();
+    failed = verdict;
   }
 
   /* Wait for the peer's chunks; with several, each goes to scratch as it arrives, so that
    * no row is written before all of them are here. */
-  rg_u32 failed = RG_OS_OK;
   const rg_u64 deadline = RG_OS_NOW() + a->timeout_ns;
+  int checked = 0;
   for (rg_u32 c = block; c < a->nchunks && failed == RG_OS_OK; c += nblocks) {
-    if (RG_OS_LEADER) verdict = rg_os_wait(a, rg_os_level(seq, c + 1), deadline);
+    if (RG_OS_LEADER) verdict = rg_os_wait(a, seq, parity, c + 1, deadline, &checked);
     RG_OS_SYNC();
     failed = verdict;
     if (failed == RG_OS_OK && a->nchunks > 1) {
@@ -87,13 +220,13 @@ RG_OS_FN static void rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbloc
       last = 1;
     } else {
       if (failed != RG_OS_OK) RG_OS_FAIL(&a->dev->failed, failed);
-      RG_OS_FENCE_GPU(); /* this block's scratch before its arrival */
+      RG_OS_FENCE_GPU(); /* this block's scratch and peer_seen before its arrival */
       last = RG_OS_ARRIVE(&a->dev->arrived) == nblocks - 1;
       if (last) RG_OS_FENCE_GPU();
     }
   }
   RG_OS_SYNC();
-  if (!last) return;
+  if (!last) return failed;
   const rg_u32 status = nblocks == 1 ? failed : *(volatile rg_u32*)&a->dev->failed;
   if (status == RG_OS_OK) {
     const rg_u32 peer = 1 - a->rank;
@@ -108,10 +241,21 @@ RG_OS_FN static void rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbloc
   RG_OS_SYNC();
   if (RG_OS_LEADER) {
     rg_os_report* r = &a->ctrl->report[parity];
+    rg_os_failure first;
+    rg_os_load_failure(&a->dev->failure, &first);
     if (status == RG_OS_OK) {
       a->dev->total_gathers += 1;
       a->dev->total_bytes += a->bytes;
+    } else if (first.status == RG_OS_OK) { /* this engine's first failed call: every report from now on names it */
+      first.status = status;
+      rg_os_my_call(a, seq, &first.mine);
+      if (status == RG_OS_MISMATCH)
+        rg_os_load_announce(&a->dev->peer_seen, &first.peer);
+      else
+        first.peer.seq = first.peer.bytes = first.peer.chunk = first.peer.nchunks = first.peer.coll = first.peer.call = 0;
+      rg_os_store_failure(&a->dev->failure, &first);
     }
+    rg_os_store_failure(&r->failure, &first);
     r->total_gathers = a->dev->total_gathers;
     r->total_bytes = a->dev->total_bytes;
     r->status = status;
@@ -123,7 +267,10 @@ RG_OS_FN static void rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbloc
     a->dev->arrived = 0;
     RG_OS_STORE_RELEASE(&r->seq, seq);
     *(volatile rg_u64*)&a->dev->seq = seq;
+    RG_OS_FENCE_GPU(); /* the sequence before the gate lets the next launch in */
+    rg_os_release(a, me);
   }
+  return status;
 }
 
 #endif

@@ -26,6 +26,7 @@ typedef struct rg_icomm {
   int blocking; /* 1, 0, or -1 when its creation went past the interceptor */
   atomic_int state;
   rg_os_engine* engine;
+  rg_os_kept kept; /* the engine's error, here so that it outlives the engine (zeroed: healthy) */
   uint64_t floor, cap;
   int failed_result;
   _Atomic uint64_t group; /* the group (group_ids) whose end agrees it; 0: none */
@@ -199,7 +200,7 @@ static int settle(rg_icomm* c, cudaStream_t stream, int group_ended) {
             "ranks agree without it", (void*)c->comm, why);
   rg_oneshot_agreed a;
   memset(&a, 0, sizeof(a));
-  rgGoOneShotAgree(c->comm, c->rank, c->device, cu == NULL, &a);
+  rgGoOneShotAgree(c->comm, c->rank, c->device, cu == NULL, &c->kept, &a);
   c->engine = a.engine;
   c->floor = a.floor;
   c->cap = a.cap;
@@ -225,7 +226,7 @@ int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncc
     int err = rg_os_check_launch(e);
     if (err != 0) {
       if (!atomic_exchange(&c->said_error, 1))
-        RG_WARN("ncclAllGather on communicator %p returns error %d: its one-shot path failed: %s", (void*)comm, err, e->why);
+        RG_WARN("ncclAllGather on communicator %p returns error %d: its one-shot path failed: %s", (void*)comm, err, c->kept.why);
       *result = (ncclResult_t)err;
       return 1;
     }
@@ -293,8 +294,9 @@ void rg_oneshot_comm_closing(ncclComm_t comm, int abort) {
   if (atomic_load(&c->state) == RG_IC_PENDING) atomic_store(&c->state, RG_IC_OFF);
   if (atomic_load(&c->state) == RG_IC_ON && c->engine != NULL) {
     rgGoOneShotClose(c->engine, abort);
-    /* What the engine said stays the communicator's answer until NCCL forgets it. */
-    c->failed_result = atomic_load(&c->engine->error);
+    /* What the engine said stays the communicator's answer until NCCL forgets it: the kept
+     * error is the communicator's, never the freed engine's. */
+    c->failed_result = rg_os_kept_error(&c->kept, NULL, 0);
     c->engine = NULL;
     atomic_store(&c->state, c->failed_result != 0 ? RG_IC_FAILED : RG_IC_OFF);
   }
@@ -329,8 +331,9 @@ ncclResult_t rg_oneshot_async_error(ncclComm_t comm, ncclResult_t nccl_result) {
   rg_icomm* c = find(comm);
   if (c == NULL) return nccl_result;
   int st = atomic_load(&c->state);
-  if (st == RG_IC_ON && c->engine != NULL) {
-    int err = atomic_load(&c->engine->error);
+  if (st == RG_IC_ON) {
+    /* The communicator's kept error, not the engine's: another thread may be closing it. */
+    int err = rg_os_kept_error(&c->kept, NULL, 0);
     if (err != 0) return (ncclResult_t)err;
   } else if (st == RG_IC_FAILED) {
     return (ncclResult_t)c->failed_result;

@@ -69,7 +69,7 @@ func readConfirmation(b []byte) (bool, string) {
 }
 
 //export rgGoOneShotAgree
-func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, out *C.rg_oneshot_agreed) {
+func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, kept unsafe.Pointer, out *C.rg_oneshot_agreed) {
 	cfg := state.config()
 	commID := uint64(uintptr(comm))
 	timeoutNs := uint64(cfg.Timeout.Nanoseconds())
@@ -94,7 +94,7 @@ func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, out *C.r
 				prop = gather.OffProposal(gather.ReasonFabricDefault)
 				prop.Fabric = gather.FabricCode(tr.Kind())
 			} else if st, prop, err = gather.PrepareOneShot(tr, gather.OneShotConfig{MinBytes: floor, MaxBytes: capBytes,
-				MinChunk: cfg.ChunkFor(tr.Kind()), CommID: commID}); err != nil {
+				MinChunk: cfg.ChunkFor(tr.Kind()), CommID: commID, Kept: kept}); err != nil {
 				nlog.Warnf("communicator 0x%x: this rank cannot offer the one-shot path: %v", commID, err)
 			}
 		}

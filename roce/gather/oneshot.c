@@ -1,5 +1,11 @@
 /* The intercepted one-shot gather's hot path: the launch, and the proxy that plays the host
- * side of the NIC (oneshot.h). No call into Go, no allocation on either. */
+ * side of the NIC (oneshot.h). No call into Go, no allocation on either.
+ *
+ * Memory order (docs/roce-gather.md, "What orders each hand-off"): every word that hands
+ * something over between the kernel, this file's threads, the fabric and the stand-in is
+ * stored with release after what it publishes, and loaded with acquire before what it
+ * guards is read. Words that publish nothing (the abort word, the closing word's check,
+ * stop_posting) are relaxed. */
 #define _GNU_SOURCE
 #include "oneshot.h"
 #include <errno.h>
@@ -15,40 +21,90 @@
 #include "../../kernels/oneshot_load.h"
 #include "stats.h"
 
-#define RESULT_REMOTE_ERROR 6 /* ncclRemoteError */
-#define RESULT_SYSTEM_ERROR 2 /* ncclSystemError */
+#define RESULT_SYSTEM_ERROR 2  /* ncclSystemError */
+#define RESULT_INVALID_USAGE 5 /* ncclInvalidUsage */
+#define RESULT_REMOTE_ERROR 6  /* ncclRemoteError */
 
 /* Signaled writes a lane may have outstanding, and how often one is signaled. */
 #define MAX_OUTSTANDING 32
 #define SIGNAL_EVERY 16
-/* While a gather is in flight the proxy asks each lane whether the peer lives this often. */
+/* While a call is in flight the proxy asks each lane whether the peer lives this often. */
 #define CHECK_NS 1000000ull
 /* Idle this long, the proxy naps between sweeps (ROCE_GATHER_PROXY_IDLE_MS sets it). */
 #define DEFAULT_IDLE_NS 100000000ull
 #define NAP_NS 50000
 #define YIELD_EVERY 64
+/* The closing word's write: an even id, which no call's last write has. */
+#define CLOSED_WR_ID (UINT64_MAX - 1)
+/* How long removing an engine waits for its closing word to leave. */
+#define CLOSED_WAIT_NS 500000000ull
+/* CUDA's CU_STREAM_PER_THREAD: one handle that names the calling thread's own stream. */
+#define PER_THREAD_STREAM ((CUstream)(uintptr_t)0x2)
+
+static const char* const overlap_why =
+    "two launches of this communicator's one-shot calls ran on the device at once (a CUDA graph replayed on "
+    "another stream than the communicator's other calls, or calls from several threads without an order between "
+    "them): the calls of one communicator must be ordered; this call and every later one fail";
 
 static rg_u32 threads_for(rg_u64 chunk) { return chunk <= 4096 ? 128 : 512; }
 
-static void warn_failed(rg_os_engine* e, uint64_t seq) {
-  if (atomic_exchange(&e->warned, 1)) return;
-  RG_WARN("one-shot gather of communicator 0x%llx with rank %d (%s) failed at sequence %llu: %s",
-          (unsigned long long)e->comm_id, 1 - e->rank, e->peer, (unsigned long long)seq, e->why);
+static uint64_t load_acquire(const volatile uint64_t* p) { return __atomic_load_n((const uint64_t*)p, __ATOMIC_ACQUIRE); }
+static uint64_t load_relaxed(const volatile uint64_t* p) { return __atomic_load_n((const uint64_t*)p, __ATOMIC_RELAXED); }
+
+static void read_announce(const volatile rg_os_announce* src, rg_os_announce* out) {
+  out->seq = src->seq;
+  out->bytes = src->bytes;
+  out->chunk = src->chunk;
+  out->nchunks = src->nchunks;
+  out->coll = src->coll;
+  out->call = src->call;
 }
 
-/* Raises the engine's error, naming gather seq in the WARN (the first error wins). */
+static void read_failure(const volatile rg_os_failure* src, rg_os_failure* out) {
+  out->status = src->status;
+  read_announce(&src->mine, &out->mine);
+  read_announce(&src->peer, &out->peer);
+}
+
+/* ---- The kept error ---- */
+
+static int kept_code(const rg_os_engine* e) { return atomic_load_explicit(&e->kept->code, memory_order_acquire); }
+
+int rg_os_kept_error(const rg_os_kept* k, char* why, int whylen) {
+  const int code = atomic_load_explicit(&k->code, memory_order_acquire);
+  if (code != 0 && why != NULL) snprintf(why, (size_t)whylen, "%s", k->why);
+  return code;
+}
+
+int rg_os_error(rg_os_engine* e, char* why, int whylen) { return rg_os_kept_error(e->kept, why, whylen); }
+
+/* Every kernel waiting now, and every one launched later, ends without writing a row; the
+ * proxy posts no more of this rank's data. */
+static void stop(rg_os_engine* e) {
+  atomic_store(&e->stop_posting, 1);
+  __atomic_store_n(&((rg_os_ctrl*)e->region)->abort.word, 1, __ATOMIC_RELEASE);
+}
+
+static void warn_failed(rg_os_engine* e, uint64_t seq) {
+  /* The text is whole once the code shows: another thread may still be writing it. */
+  if (atomic_load_explicit(&e->kept->code, memory_order_acquire) == 0 || atomic_exchange(&e->warned, 1)) return;
+  RG_WARN("one-shot gather of communicator 0x%llx with rank %d (%s) failed at sequence %llu: %s",
+          (unsigned long long)e->comm_id, 1 - e->rank, e->peer, (unsigned long long)seq, e->kept->why);
+}
+
+/* Raises the engine's error, naming call seq in the WARN (the first error wins). */
 static void vfail(rg_os_engine* e, uint64_t seq, int nccl_result, int quiet, const char* fmt, va_list ap) {
   int none = 0;
-  if (!atomic_compare_exchange_strong(&e->error, &none, nccl_result)) return;
-  vsnprintf(e->why, sizeof(e->why), fmt, ap);
-  /* Every kernel waiting now, and every one launched later, ends without writing a row. */
-  __atomic_store_n(&((rg_os_ctrl*)e->region)->abort.word, 1, __ATOMIC_RELEASE);
+  if (!atomic_compare_exchange_strong(&e->kept->claimed, &none, 1)) return;
+  vsnprintf(e->kept->why, sizeof(e->kept->why), fmt, ap);
+  atomic_store_explicit(&e->kept->code, nccl_result, memory_order_release); /* why is whole before the error shows */
+  stop(e);
   rg_stats_add(RG_STAT_OS_ERRORS, 1);
   if (!quiet) warn_failed(e, seq);
 }
 
 void rg_os_fail(rg_os_engine* e, int nccl_result, int quiet, const char* fmt, ...) {
-  /* The oldest gather not complete here: its peer's data is missing, or its own writes are. */
+  /* The oldest call not complete here: its peer's data is missing, or its own writes are. */
   const uint64_t sent = atomic_load(&e->sent_seq), done = e->done_seq;
   va_list ap;
   va_start(ap, fmt);
@@ -56,7 +112,7 @@ void rg_os_fail(rg_os_engine* e, int nccl_result, int quiet, const char* fmt, ..
   va_end(ap);
 }
 
-/* rg_os_fail for a known gather, seq (the thread that ran it may be ahead of the proxy). */
+/* rg_os_fail for a known call, seq (the thread that ran it may be ahead of the proxy). */
 static void fail_at(rg_os_engine* e, uint64_t seq, int nccl_result, const char* fmt, ...) __attribute__((format(printf, 4, 5)));
 static void fail_at(rg_os_engine* e, uint64_t seq, int nccl_result, const char* fmt, ...) {
   va_list ap;
@@ -65,25 +121,37 @@ static void fail_at(rg_os_engine* e, uint64_t seq, int nccl_result, const char* 
   va_end(ap);
 }
 
-/* The link ended while no gather was in flight: kernels launched from now on end at once,
- * and the next gather turns it into the engine's error. */
+/* The link ended, or the peer stopped, while no call was in flight: kernels launched from
+ * now on end at once, and the next call turns why into the engine's error. */
 static void end_quietly(rg_os_engine* e, const char* why) {
   if (atomic_load(&e->ended)) return;
   snprintf(e->ended_why, sizeof(e->ended_why), "%s", why);
-  __atomic_store_n(&((rg_os_ctrl*)e->region)->abort.word, 1, __ATOMIC_RELEASE);
-  atomic_store(&e->ended, 1);
+  stop(e);
+  atomic_store_explicit(&e->ended, 1, memory_order_release); /* ended_why is whole first */
 }
 
 int rg_os_check_launch(rg_os_engine* e) {
-  int err = atomic_load_explicit(&e->error, memory_order_relaxed);
-  if (err == 0 && atomic_load_explicit(&e->ended, memory_order_relaxed)) {
-    rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "the link to the peer ended before this gather: %s", e->ended_why);
-    err = atomic_load(&e->error);
+  int err = kept_code(e);
+  if (err == 0 && atomic_load_explicit(&e->ended, memory_order_acquire)) {
+    rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "%s", e->ended_why);
+    err = kept_code(e);
   }
   return err;
 }
 
 /* ---- Set-up ---- */
+
+void rg_os_engine_init(rg_os_engine* e, rg_os_kept* kept) {
+  e->kept = kept != NULL ? kept : &e->own_kept;
+  pthread_mutex_init(&e->launch_mu, NULL);
+  pthread_mutex_init(&e->hmu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&e->hcv, &ca);
+  pthread_condattr_destroy(&ca);
+  e->hlast = -1;
+}
 
 int rg_os_engine_setup(rg_os_engine* e, int standin, char* err, int errlen) {
   rg_os_args* b = &e->base;
@@ -91,7 +159,6 @@ int rg_os_engine_setup(rg_os_engine* e, int standin, char* err, int errlen) {
   b->lanes = (rg_u32)e->link->nlanes;
   b->slot_bytes = e->slot_bytes;
   b->timeout_ns = e->timeout_ns;
-  pthread_mutex_init(&e->launch_mu, NULL);
   e->standin = standin;
   if (standin) {
     e->host_dev = calloc(1, sizeof(rg_os_dev));
@@ -146,7 +213,10 @@ int rg_os_engine_setup(rg_os_engine* e, int standin, char* err, int errlen) {
   return 0;
 }
 
+int rg_os_keeps_memory(const rg_os_engine* e) { return e->captured_any; }
+
 void rg_os_engine_teardown(rg_os_engine* e) {
+  if (e->standin) rg_os_hstream_stop(e);
   free(e->host_dev);
   free(e->host_scratch);
   e->host_dev = e->host_scratch = NULL;
@@ -167,56 +237,103 @@ void rg_os_engine_teardown(rg_os_engine* e) {
 
 /* ---- The launch ---- */
 
-int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, CUstream stream) {
+/* The arguments of one call of bytes a rank. */
+static rg_os_args call_args(const rg_os_engine* e, const void* send, void* recv, uint64_t bytes, rg_u32* blocks) {
   rg_os_args a = e->base;
   a.send = send;
   a.recv = recv;
   a.bytes = bytes;
   a.chunk = rg_os_chunk_bytes(bytes, e->min_chunk);
   a.nchunks = rg_os_nchunks(bytes, a.chunk);
-  rg_u32 blocks = a.nchunks < RG_OS_MAX_BLOCKS ? a.nchunks : RG_OS_MAX_BLOCKS;
+  a.coll = rg_os_coll(RG_OS_ALLGATHER, 0, 0);
+  *blocks = a.nchunks < RG_OS_MAX_BLOCKS ? a.nchunks : RG_OS_MAX_BLOCKS;
+  return a;
+}
+
+/* Whether stream, from this thread, is the stream of the last call issued outside a capture. */
+static int same_stream(const rg_os_engine* e, CUstream stream) {
+  return stream == e->last_stream && (stream != PER_THREAD_STREAM || pthread_equal(e->last_thread, pthread_self()));
+}
+
+static void wait_hcall(rg_os_hcall* c) {
+  while (!atomic_load_explicit(&c->done, memory_order_acquire)) {
+    struct timespec ts = {0, 20000};
+    nanosleep(&ts, NULL);
+  }
+}
+
+/* A stand-in call that failed: it returns once the engine's error says why (the proxy
+ * raises it, after this rank's announcement has left), as a kernel's caller would find it. */
+static void await_error(rg_os_engine* e) {
+  const uint64_t deadline = rg_now_ns() + e->timeout_ns;
+  while (kept_code(e) == 0 && !atomic_load(&e->closing) && rg_now_ns() < deadline) {
+    if (atomic_load_explicit(&e->ended, memory_order_acquire)) {
+      rg_os_check_launch(e);
+      break;
+    }
+    struct timespec ts = {0, 20000};
+    nanosleep(&ts, NULL);
+  }
+}
+
+/* One call through the stand-in on stream, waited for; its status into *status. */
+static int run_standin(rg_os_engine* e, const rg_os_args* a, rg_u32 blocks, CUstream stream, int* status) {
+  atomic_fetch_add(&e->standin_running, 1);
+  rg_os_hcall c;
+  memset(&c, 0, sizeof(c));
+  c.a = *a;
+  c.blocks = blocks;
+  c.a.launch_id = atomic_fetch_add(&e->launch_ids, 1) + 1;
+  pthread_mutex_lock(&e->launch_mu);
+  c.a.call = ++e->calls;
+  pthread_mutex_unlock(&e->launch_mu);
+  *status = RG_OS_ABORTED; /* where the stand-in's streams are already stopped */
+  /* Closing or not, the body runs, as a kernel launched now would: a closing engine's calls
+   * must ship nothing by the body's own checks. */
+  if (rg_os_hstream_queue(e, &c, stream, 1) == 0) {
+    wait_hcall(&c);
+    *status = c.status;
+    if (c.status != RG_OS_OK) await_error(e);
+  }
+  atomic_fetch_sub(&e->standin_running, 1); /* the last touch of e: close may free it now */
+  return CUDA_SUCCESS;
+}
+
+int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, CUstream stream) {
+  rg_u32 blocks;
+  rg_os_args a = call_args(e, send, recv, bytes, &blocks);
   rg_stats_add(RG_STAT_OS_LAUNCHES, 1);
   if (e->standin) {
-    rg_os_check_launch(e);
-    atomic_fetch_add(&e->standin_running, 1);
-    if (!atomic_load(&e->closing)) {
-      rg_os_host_gather(&a, blocks);
-      /* The stand-in ran on this thread: its failure is known now, not when the proxy reads it. */
-      const rg_os_dev* d = (const rg_os_dev*)e->host_dev;
-      const rg_os_report* r = &((const rg_os_ctrl*)e->region)->report[d->seq & 1];
-      if (r->status == RG_OS_TIMED_OUT)
-        fail_at(e, d->seq, RESULT_REMOTE_ERROR, "the peer's data did not arrive within %llu ms",
-                (unsigned long long)(e->timeout_ns / 1000000));
-      else if (r->status != RG_OS_OK)
-        rg_os_check_launch(e); /* stopped by a link that ended meanwhile: that is this gather's error */
-    }
-    atomic_fetch_sub(&e->standin_running, 1);
-    return CUDA_SUCCESS;
+    int status;
+    return run_standin(e, &a, blocks, stream, &status);
   }
   const rg_cuda_api* cu = rg_cuda();
   CUcontext cur = NULL;
   cu->cuCtxGetCurrent(&cur);
   int pushed = cur != e->ctx && cu->cuCtxPushCurrent(e->ctx) == CUDA_SUCCESS;
   pthread_mutex_lock(&e->launch_mu);
-  CUresult r = CUDA_SUCCESS;
-  if (e->launched_any && stream != e->last_stream) {
-    /* A gather on another stream waits for the previous one: both use one sequence. Inside a
-     * capture the graph orders them (docs/roce-gather.md says so). */
-    int capturing = 0;
-    if (cu->cuStreamIsCapturing(stream, &capturing) == CUDA_SUCCESS && capturing == CU_STREAM_CAPTURE_STATUS_NONE &&
-        cu->cuStreamIsCapturing(e->last_stream, &capturing) == CUDA_SUCCESS &&
-        capturing == CU_STREAM_CAPTURE_STATUS_NONE) {
-      r = cu->cuEventRecord(e->order, e->last_stream);
-      if (r == CUDA_SUCCESS) r = cu->cuStreamWaitEvent(stream, e->order, 0);
+  int capturing = 0;
+  CUresult r = cu->cuStreamIsCapturing(stream, &capturing);
+  if (r == CUDA_SUCCESS) {
+    a.call = ++e->calls;
+    /* Outside a capture every call waits for the last one, wherever it went, and records the
+     * event the next one (and close) waits for: one chain. A captured call cannot wait on an
+     * event from outside its graph; its replays are ordered by the stream they run on, and
+     * the device's gate fails one that overlaps another call. */
+    const int ordered = capturing == CU_STREAM_CAPTURE_STATUS_NONE;
+    if (ordered && e->ordered_any && !same_stream(e, stream)) r = cu->cuStreamWaitEvent(stream, e->order, 0);
+    if (r == CUDA_SUCCESS) {
+      void* params[] = {&a};
+      r = cu->cuLaunchKernel(e->fn, blocks, 1, 1, threads_for(a.chunk), 1, 1, 0, stream, params, NULL);
     }
-  }
-  if (r == CUDA_SUCCESS) {
-    void* params[] = {&a};
-    r = cu->cuLaunchKernel(e->fn, blocks, 1, 1, threads_for(a.chunk), 1, 1, 0, stream, params, NULL);
-  }
-  if (r == CUDA_SUCCESS) {
-    e->last_stream = stream;
-    e->launched_any = 1;
+    if (r == CUDA_SUCCESS && ordered) r = cu->cuEventRecord(e->order, stream);
+    if (r == CUDA_SUCCESS && ordered) {
+      e->last_stream = stream;
+      e->last_thread = pthread_self();
+      e->ordered_any = 1;
+    } else if (r == CUDA_SUCCESS) {
+      e->captured_any = 1;
+    }
   }
   pthread_mutex_unlock(&e->launch_mu);
   if (pushed) cu->cuCtxPopCurrent(&cur);
@@ -225,16 +342,34 @@ int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, 
 
 int rg_os_host_run(rg_os_engine* e, const void* send, void* recv, uint64_t bytes) {
   if (!e->standin) return -1;
-  rg_os_launch(e, send, recv, bytes, NULL);
-  const rg_os_dev* d = (const rg_os_dev*)e->host_dev;
-  const rg_os_report* r = &((const rg_os_ctrl*)e->region)->report[d->seq & 1];
-  return (int)r->status;
+  rg_u32 blocks;
+  rg_os_args a = call_args(e, send, recv, bytes, &blocks);
+  int status;
+  run_standin(e, &a, blocks, NULL, &status);
+  return status;
 }
 
-int rg_os_error(rg_os_engine* e, char* why, int whylen) {
-  int err = atomic_load(&e->error);
-  if (err != 0) snprintf(why, whylen, "%s", e->why);
-  return err;
+uint64_t rg_os_take_call(rg_os_engine* e) {
+  pthread_mutex_lock(&e->launch_mu);
+  const uint64_t call = ++e->calls;
+  pthread_mutex_unlock(&e->launch_mu);
+  return call;
+}
+
+int rg_os_host_submit(rg_os_engine* e, rg_os_hcall* c, const void* send, void* recv, uint64_t bytes, CUstream stream,
+                      int ordered, uint64_t call) {
+  if (!e->standin) return -1;
+  memset(c, 0, sizeof(*c));
+  c->a = call_args(e, send, recv, bytes, &c->blocks);
+  c->a.launch_id = atomic_fetch_add(&e->launch_ids, 1) + 1;
+  c->a.call = call != 0 ? call : rg_os_take_call(e);
+  return rg_os_hstream_queue(e, c, stream, ordered);
+}
+
+int rg_os_host_wait(rg_os_engine* e, rg_os_hcall* c) {
+  (void)e; /* the engine may be closed by now: only the call is read */
+  wait_hcall(c);
+  return c->status;
 }
 
 /* ---- The proxy ---- */
@@ -247,14 +382,17 @@ static struct {
   uint64_t idle_ns;
 } proxy = {.mu = PTHREAD_MUTEX_INITIALIZER, .idle_ns = DEFAULT_IDLE_NS};
 
-static uint64_t load_acquire(const volatile uint64_t* p) { return __atomic_load_n((const uint64_t*)p, __ATOMIC_ACQUIRE); }
-
 static void stamp(rg_os_engine* e, int which) {
   if (e->tr != NULL && e->tr->index == e->tr_index && e->tr->t[which] == 0) e->tr->t[which] = rg_now_ns();
 }
 
-/* Posts one chunk on every lane: its stripe, then the flag that announces it. Returns
- * RG_OK, RG_ERR_FULL (try again later) or an error. */
+static uint64_t peer_flag_at(uint64_t parity, int lane) {
+  return offsetof(rg_os_ctrl, flag) + (parity * RG_OS_MAX_LANES + (uint64_t)lane) * sizeof(rg_os_line);
+}
+
+/* Posts one chunk on every lane: on lane 0 before chunk 0 the call's announcement, then
+ * the lane's stripe, then the flag that publishes both. Returns RG_OK, RG_ERR_FULL (try
+ * again later) or an error. */
 static int post_chunk(rg_os_engine* e, uint32_t parity, uint32_t c) {
   rg_link* link = e->link;
   const uint64_t chunk_off = (uint64_t)c * e->post_chunk_bytes;
@@ -269,9 +407,18 @@ static int post_chunk(rg_os_engine* e, uint32_t parity, uint32_t c) {
     const uint64_t slot = (uint64_t)parity * e->slot_bytes + chunk_off + off;
     uint64_t level = rg_os_level(e->post_seq, c + 1);
     int signal = last_chunk || ++e->unsignaled[l] >= SIGNAL_EVERY;
-    rg_wr w[2];
+    rg_wr w[3];
     int k = 0;
     memset(w, 0, sizeof(w));
+    if (c == 0 && l == 0) {
+      w[k].op = RG_OP_WRITE;
+      w[k].local = &e->post_ann;
+      w[k].len = sizeof(e->post_ann);
+      w[k].remote = e->peer_region + offsetof(rg_os_ctrl, announce) + (uint64_t)parity * sizeof(rg_os_announce_line);
+      w[k].rkey = e->peer_rkey[lane->peer_hca];
+      w[k].flags = RG_WR_INLINE;
+      k++;
+    }
     if (len > 0) {
       w[k].op = RG_OP_WRITE;
       w[k].local = e->region + e->send_off + slot;
@@ -284,10 +431,10 @@ static int post_chunk(rg_os_engine* e, uint32_t parity, uint32_t c) {
     w[k].op = RG_OP_WRITE;
     w[k].local = &level;
     w[k].len = sizeof(level);
-    w[k].remote = e->peer_region + offsetof(rg_os_ctrl, flag) + (uint64_t)l * sizeof(rg_os_line);
+    w[k].remote = e->peer_region + peer_flag_at(parity, l);
     w[k].rkey = e->peer_rkey[lane->peer_hca];
     w[k].flags = RG_WR_INLINE | (signal ? RG_WR_SIGNALED : 0);
-    w[k].wr_id = e->post_seq << 1 | (uint64_t)last_chunk; /* a gather's last write says it left whole */
+    w[k].wr_id = e->post_seq << 1 | (uint64_t)last_chunk; /* a call's last write says it left whole */
     k++;
     int r = rg_post(lane, w, k);
     if (r != RG_OK) return r; /* a lane that took part of a chunk never refuses the rest: each lane is checked above */
@@ -313,6 +460,7 @@ static void count_totals(rg_os_engine* e, const rg_os_report* r) {
 }
 
 static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r, uint64_t now) {
+  (void)now;
   const uint64_t t0 = r->t_start, t2 = r->t_end;
   if (t2 >= t0) rg_stats_os_latency(t2 - t0);
   if (e->tr != NULL && e->tr->index == e->tr_index && e->tr_seq == seq) {
@@ -324,8 +472,9 @@ static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r, uint64
   }
 }
 
-/* Begins the timeline record of gather seq, where the timeline samples it. */
+/* Begins the timeline record of call seq, where the timeline samples it. */
 static void trace_begin(rg_os_engine* e, uint64_t seq, uint64_t bytes, uint64_t now) {
+  (void)now;
   rg_trace* t = e->trace;
   e->tr = NULL;
   if (t == NULL || seq % t->every != 0) return;
@@ -343,7 +492,17 @@ static void trace_begin(rg_os_engine* e, uint64_t seq, uint64_t bytes, uint64_t 
 
 enum { STEP_IN_FLIGHT = 1, STEP_PROGRESS = 2 };
 
-/* Whether a gather this rank started still lacks some of the peer's data: the oldest one
+/* Whether every lane's flag shows chunks [0, nchunks) of call seq. */
+static int peer_data_whole(const rg_os_engine* e, uint64_t seq, uint32_t nchunks) {
+  const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
+  for (int l = 0; l < e->link->nlanes; l++) {
+    const uint64_t level = load_acquire(&ctrl->flag[seq & 1][l].word);
+    if (rg_os_level_seq(level) != seq || rg_os_level_chunks(level) < nchunks) return 0;
+  }
+  return 1;
+}
+
+/* Whether a call this rank started still lacks some of the peer's data: the oldest one
  * not reported, if its doorbell was seen, until every lane's flag shows its last chunk. */
 static int waits_for_peer(const rg_os_engine* e) {
   const uint64_t seq = e->done_seq + 1;
@@ -354,28 +513,103 @@ static int waits_for_peer(const rg_os_engine* e) {
     nchunks = e->posted_nchunks;
   else
     return 0;
-  const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
-  const uint64_t want = rg_os_level(seq, nchunks);
-  for (int l = 0; l < e->link->nlanes; l++)
-    if (__atomic_load_n((const uint64_t*)&ctrl->flag[l].word, __ATOMIC_ACQUIRE) < want) return 1;
-  return 0;
+  return !peer_data_whole(e, seq, nchunks);
 }
 
-/* Whether writes this rank posted for a gather have not all completed: the peer may lack
+/* Whether writes this rank posted for a call have not all completed: the peer may lack
  * this rank's data (a write it refused fails the lane with that write still open). */
 static int owes_peer(const rg_os_engine* e) {
   return e->post_nchunks != 0 || atomic_load(&e->sent_seq) + 1 < e->post_seq;
 }
 
-/* Whether the link's end, just seen, waits for the next gather: no gather waits for the peer
+/* Whether the link's end, just seen, waits for the next call: no call waits for the peer
  * and every write of this rank has completed (the peer may simply have destroyed its
- * communicator after its last gather). Asked when the end is seen, after the poll that found
+ * communicator after its last call). Asked when the end is seen, after the poll that found
  * it has placed the peer's frames that came before it. With writes open it is an error now. */
 static int ends_quietly(const rg_os_engine* e) {
   return atomic_load(&e->closing) || (!waits_for_peer(e) && !owes_peer(e));
 }
 
-/* Reads the kernels' reports, in order: each finished gather is counted once. */
+/* What the peer's closing word says: "rank 1 (10.0.0.2:4242) aborted its communicator
+ * (ncclCommAbort) after sequence 6". */
+static void peer_closed_why(const rg_os_engine* e, uint64_t word, char* out, size_t n) {
+  const unsigned long long after = (unsigned long long)(word >> RG_OS_CLOSED_SHIFT);
+  switch ((int)(word & 0xff)) {
+  case RG_OS_CLOSED_ABORT:
+    snprintf(out, n, "rank %d (%s) aborted its communicator (ncclCommAbort) after sequence %llu", 1 - e->rank, e->peer, after);
+    break;
+  case RG_OS_CLOSED_DESTROY:
+    snprintf(out, n, "rank %d (%s) closed its communicator (ncclCommDestroy or ncclCommFinalize) after sequence %llu",
+             1 - e->rank, e->peer, after);
+    break;
+  default:
+    snprintf(out, n, "the one-shot path of rank %d (%s) failed after sequence %llu (its own WARN says why)", 1 - e->rank,
+             e->peer, after);
+  }
+}
+
+static uint64_t peer_closed_word(const rg_os_engine* e) {
+  return e->peer_closed != 0 ? e->peer_closed : load_acquire(&((const rg_os_ctrl*)e->region)->closed.word);
+}
+
+/* One call's announcement in words: "sequence 7, call 7: an all-gather of 4096 bytes a rank
+ * in 1 chunk of 4096 bytes". */
+static void describe(const rg_os_announce* a, char* out, size_t n) {
+  char what[96];
+  if ((a->coll & 0xff) == RG_OS_ALLGATHER)
+    snprintf(what, sizeof(what), "an all-gather");
+  else
+    snprintf(what, sizeof(what), "collective %llu (op %llu, datatype %llu)", (unsigned long long)(a->coll & 0xff),
+             (unsigned long long)(a->coll >> 8 & 0xff), (unsigned long long)(a->coll >> 16 & 0xff));
+  snprintf(out, n, "sequence %llu, call %llu: %s of %llu bytes a rank in %llu chunk%s of %llu bytes",
+           (unsigned long long)a->seq, (unsigned long long)a->call, what, (unsigned long long)a->bytes,
+           (unsigned long long)a->nchunks, a->nchunks == 1 ? "" : "s", (unsigned long long)a->chunk);
+}
+
+/* Turns the engine's first failed call, as a report names it, into the engine's error. */
+static void raise_failure(rg_os_engine* e, const rg_os_failure* f) {
+  const uint64_t seq = f->mine.seq;
+  switch ((int)f->status) {
+  case RG_OS_TIMED_OUT:
+    fail_at(e, seq, RESULT_REMOTE_ERROR, "the peer's data did not arrive within %llu ms",
+            (unsigned long long)(e->timeout_ns / 1000000));
+    break;
+  case RG_OS_MISMATCH: {
+    char mine[200], peer[200];
+    describe(&f->mine, mine, sizeof(mine));
+    describe(&f->peer, peer, sizeof(peer));
+    if (e->rank == 0)
+      fail_at(e, seq, RESULT_INVALID_USAGE, "the ranks' calls differ: rank 0 (this rank) has %s; rank 1 announced %s; "
+              "no row is written", mine, peer);
+    else
+      fail_at(e, seq, RESULT_INVALID_USAGE, "the ranks' calls differ: rank 0 announced %s; rank 1 (this rank) has %s; "
+              "no row is written", peer, mine);
+    break;
+  }
+  case RG_OS_PEER_CLOSED: {
+    char why[256];
+    peer_closed_why(e, peer_closed_word(e), why, sizeof(why));
+    fail_at(e, seq, RESULT_REMOTE_ERROR, "the peer stopped: %s", why);
+    break;
+  }
+  case RG_OS_OVERLAP:
+    fail_at(e, seq, RESULT_INVALID_USAGE, "%s", overlap_why);
+    break;
+  default:
+    if (atomic_load_explicit(&e->ended, memory_order_acquire) && kept_code(e) == 0) {
+      /* A call (a graph replay, which no launch saw) ran after the link ended. */
+      rg_os_fail(e, RESULT_REMOTE_ERROR, atomic_load(&e->closing), "%s", e->ended_why);
+    } else {
+      /* Stopped by the host: an error already raised, or the communicator's abort or destroy. */
+      rg_os_fail(e, RESULT_SYSTEM_ERROR, 1, "the gather was stopped (status %llu)", (unsigned long long)f->status);
+      if (!atomic_load(&e->closing)) warn_failed(e, seq);
+    }
+  }
+}
+
+/* Reads the kernels' reports, in order: each finished call is counted once, and the first
+ * failure any report names becomes the engine's error. A report overwritten two calls later
+ * is skipped only after the newer one is read: it repeats the first failure. */
 static void reports(rg_os_engine* e, uint64_t now, int* progress) {
   rg_os_ctrl* ctrl = (rg_os_ctrl*)e->region;
   for (;;) {
@@ -383,54 +617,136 @@ static void reports(rg_os_engine* e, uint64_t now, int* progress) {
     rg_os_report* r = &ctrl->report[seq & 1];
     const uint64_t got = load_acquire(&r->seq);
     if (got < seq) break;
-    if (got > seq) {
-      /* Kernels ran past reports nobody read (the proxy napped, or they aborted): the
-       * report's totals still count them; their times are lost. */
-      e->done_seq = got - 1;
-      continue;
-    }
+    rg_os_failure f;
+    read_failure(&r->failure, &f);
+    /* A mismatch waits until this rank's announcement of that call has left, so that the peer
+     * finds the mismatch too: the kernel rang every doorbell before it waited. */
+    if (f.status == RG_OS_MISMATCH && kept_code(e) == 0 && e->post_seq <= f.mine.seq && !atomic_load(&e->stop_posting) &&
+        load_acquire(&ctrl->ready[f.mine.seq & 1][0]) == f.mine.seq)
+      break;
     count_totals(e, r);
-    if (r->status == RG_OS_OK) {
-      account(e, seq, r, now);
-    } else if (r->status == RG_OS_TIMED_OUT) {
-      fail_at(e, seq, RESULT_REMOTE_ERROR, "the peer's data did not arrive within %llu ms",
-              (unsigned long long)(e->timeout_ns / 1000000));
-    } else if (atomic_load(&e->ended) && !atomic_load(&e->error)) {
-      /* A gather (a graph replay, which no launch saw) ran after the link ended. */
-      rg_os_fail(e, RESULT_REMOTE_ERROR, atomic_load(&e->closing), "the link to the peer ended before this gather: %s",
-                 e->ended_why);
-    } else {
-      /* Stopped by the host: an error already raised, or the communicator's abort or destroy. */
-      rg_os_fail(e, RESULT_SYSTEM_ERROR, 1, "the gather was stopped (status %llu)", (unsigned long long)r->status);
-      if (!atomic_load(&e->closing)) warn_failed(e, seq);
-    }
-    e->done_seq = seq;
+    if (got == seq && r->status == RG_OS_OK) account(e, seq, r, now);
+    if (f.status != RG_OS_OK) raise_failure(e, &f);
+    e->done_seq = got;
     *progress = STEP_PROGRESS;
   }
 }
 
-/* One sweep over an engine: whether a gather is in flight, and whether the sweep moved it. */
+/* Tells the peer this rank stops: its closing word, after everything posted so far on each
+ * lane, names the last call whose data went whole; the peer's calls after it fail. With
+ * wait, it returns once the writes left, or after CLOSED_WAIT_NS. */
+static void say_closed(rg_os_engine* e, int reason, int wait) {
+  rg_link* link = e->link;
+  if (!e->said_closed) {
+    e->said_closed = 1;
+    uint64_t word = (e->post_seq - 1) << RG_OS_CLOSED_SHIFT | (uint64_t)reason;
+    for (int l = 0; l < link->nlanes; l++) {
+      rg_wr w;
+      memset(&w, 0, sizeof(w));
+      w.op = RG_OP_WRITE;
+      w.local = &word;
+      w.len = sizeof(word);
+      w.remote = e->peer_region + offsetof(rg_os_ctrl, closed);
+      w.rkey = e->peer_rkey[link->lane[l].peer_hca];
+      w.flags = RG_WR_INLINE | RG_WR_SIGNALED;
+      w.wr_id = CLOSED_WR_ID;
+      if (rg_post(&link->lane[l], &w, 1) == RG_OK) {
+        e->closed_unsent++;
+        e->outstanding[l]++;
+      }
+    }
+  }
+  const uint64_t deadline = rg_now_ns() + CLOSED_WAIT_NS;
+  while (wait && e->closed_unsent > 0 && rg_now_ns() < deadline) {
+    int alive = 0;
+    for (int l = 0; l < link->nlanes; l++) {
+      rg_cqe cqe[16];
+      int n = rg_poll_send(&link->lane[l], cqe, 16);
+      if (n < 0) continue;
+      alive = 1;
+      for (int i = 0; i < n; i++)
+        if (cqe[i].wr_id == CLOSED_WR_ID) e->closed_unsent--;
+    }
+    if (!alive) break;
+    sched_yield();
+  }
+}
+
+/* The peer's closing word: calls up to the sequence it names complete (their data is here,
+ * or on its way on every lane); a kernel of a later one fails on it. Once no call up to it is
+ * still in flight, the next call fails at once. */
+static void peer_closing(rg_os_engine* e) {
+  const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
+  if (e->peer_closed == 0) e->peer_closed = load_acquire(&ctrl->closed.word);
+  if (e->peer_closed == 0 || kept_code(e) != 0 || atomic_load(&e->ended)) return;
+  const uint64_t after = e->peer_closed >> RG_OS_CLOSED_SHIFT;
+  if (e->done_seq >= after && e->done_seq + 1 == e->post_seq && e->post_nchunks == 0) {
+    char why[256], ended[RG_OS_WHY_BYTES];
+    peer_closed_why(e, e->peer_closed, why, sizeof(why));
+    snprintf(ended, sizeof(ended), "the peer stopped: %s", why);
+    end_quietly(e, ended);
+  }
+}
+
+/* The cause a failed lane gives: the peer's closing word where it sent one. */
+static void link_end_why(const rg_os_engine* e, rg_lane* lane, const char* what, char* why, size_t n) {
+  const uint64_t word = peer_closed_word(e);
+  char closed[256];
+  if (word != 0) {
+    peer_closed_why(e, word, closed, sizeof(closed));
+    snprintf(why, n, "the peer stopped: %s", closed);
+  } else {
+    snprintf(why, n, "%s: %s", what, rg_why(lane));
+  }
+}
+
+/* The link ended: quietly where nothing waits for it (the next call fails), else an error
+ * now. A peer that said it stopped before it went is taken at its word: this rank's calls up
+ * to the sequence it names complete on the data that came before the word, later ones fail
+ * on the word, and the next call fails once those are done (peer_closing). */
+static void link_ended(rg_os_engine* e, rg_lane* lane) {
+  if (peer_closed_word(e) != 0) {
+    atomic_store(&e->stop_posting, 1);
+    peer_closing(e);
+    return;
+  }
+  char why[RG_OS_WHY_BYTES - 64], ended[RG_OS_WHY_BYTES];
+  link_end_why(e, lane, "the link failed", why, sizeof(why));
+  if (!ends_quietly(e)) {
+    rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "%s", why);
+  } else {
+    snprintf(ended, sizeof(ended), "the link to the peer ended before this gather: %s", why);
+    end_quietly(e, ended);
+  }
+}
+
+/* One sweep over an engine: whether a call is in flight, and whether the sweep moved it. */
 static int step(rg_os_engine* e, uint64_t now) {
   int progress = 0;
   rg_os_ctrl* ctrl = (rg_os_ctrl*)e->region;
   rg_link* link = e->link;
-  int failed = atomic_load_explicit(&e->error, memory_order_relaxed) != 0 || atomic_load(&e->ended);
+  int failed = kept_code(e) != 0 || atomic_load(&e->ended);
 
-  /* Post every chunk whose doorbell rang, in order: the doorbell is a level per chunk. */
-  while (!failed) {
+  /* Post every chunk whose doorbell rang, in order: the doorbell is a level per chunk. Not
+   * once the abort word is up: a closing rank ships nothing more. */
+  while (!failed && !atomic_load_explicit(&e->stop_posting, memory_order_relaxed)) {
     const uint32_t parity = (uint32_t)(e->post_seq & 1);
     if (e->post_nchunks == 0) {
       if (load_acquire(&ctrl->ready[parity][0]) != e->post_seq) break;
-      e->post_bytes = ctrl->report[parity].bytes;
-      e->post_chunk_bytes = ctrl->report[parity].chunk;
-      if (e->post_bytes == 0 || e->post_chunk_bytes == 0 || e->post_bytes > e->slot_bytes ||
-          rg_os_nchunks(e->post_bytes, e->post_chunk_bytes) > RG_OS_MAX_CHUNKS) {
-        rg_os_fail(e, RESULT_SYSTEM_ERROR, 0, "the kernel reported a gather of %llu bytes in chunks of %llu, outside slots of %llu bytes",
-                   (unsigned long long)e->post_bytes, (unsigned long long)e->post_chunk_bytes,
+      rg_os_announce m;
+      read_announce(&ctrl->mine[parity].a, &m); /* written before that doorbell */
+      if (m.seq != e->post_seq || m.bytes == 0 || m.chunk == 0 || m.bytes > e->slot_bytes || m.nchunks == 0 ||
+          m.nchunks > RG_OS_MAX_CHUNKS || m.nchunks != rg_os_nchunks(m.bytes, m.chunk)) {
+        rg_os_fail(e, RESULT_SYSTEM_ERROR, 0, "the kernel announced sequence %llu (expected %llu) of %llu bytes in %llu "
+                   "chunks of %llu, outside slots of %llu bytes", (unsigned long long)m.seq, (unsigned long long)e->post_seq,
+                   (unsigned long long)m.bytes, (unsigned long long)m.nchunks, (unsigned long long)m.chunk,
                    (unsigned long long)e->slot_bytes);
         break;
       }
-      e->post_nchunks = rg_os_nchunks(e->post_bytes, e->post_chunk_bytes);
+      e->post_ann = m;
+      e->post_bytes = m.bytes;
+      e->post_chunk_bytes = m.chunk;
+      e->post_nchunks = (uint32_t)m.nchunks;
       e->post_chunk = 0;
       trace_begin(e, e->post_seq, e->post_bytes, now);
     } else if (load_acquire(&ctrl->ready[parity][e->post_chunk]) != e->post_seq) {
@@ -440,7 +756,10 @@ static int step(rg_os_engine* e, uint64_t now) {
     if (r == RG_ERR_FULL) break;
     progress = STEP_PROGRESS;
     if (r != RG_OK) {
-      rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "posting chunk %u to the peer failed: %s", e->post_chunk, rg_why(&link->lane[0]));
+      char what[64], why[RG_OS_WHY_BYTES - 64];
+      snprintf(what, sizeof(what), "posting chunk %u to the peer failed", e->post_chunk);
+      link_end_why(e, &link->lane[0], what, why, sizeof(why));
+      rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "%s", why);
       break;
     }
     if (++e->post_chunk == e->post_nchunks) {
@@ -452,28 +771,33 @@ static int step(rg_os_engine* e, uint64_t now) {
     }
   }
 
-  /* The reports first: a gather that ended is not in flight when the link's end is seen. */
+  /* The reports first: a call that ended is not in flight when the link's end is seen. */
   reports(e, now, &progress);
+  if (load_acquire(&ctrl->overlap.word) != 0 && kept_code(e) == 0)
+    fail_at(e, e->done_seq + 1, RESULT_INVALID_USAGE, "%s", overlap_why);
+  peer_closing(e);
+  failed = kept_code(e) != 0 || atomic_load(&e->ended);
+  /* A failed rank tells its peer, whose later calls then fail at once instead of at their
+   * deadline (a closing one says so when the proxy lets it go). */
+  if (kept_code(e) != 0 && !atomic_load(&e->ended) && !atomic_load(&e->closing)) say_closed(e, RG_OS_CLOSED_FAILED, 0);
 
-  char why[RG_OS_WHY_BYTES];
+  char why[RG_OS_WHY_BYTES - 64];
   /* Retire signaled writes and move the lanes (tcp reads and places the peer's frames here). */
   for (int l = 0; l < link->nlanes; l++) {
     rg_cqe cqe[16];
     int n = rg_poll_send(&link->lane[l], cqe, 16);
     if (n < 0) {
-      snprintf(why, sizeof(why), "the link failed: %s", rg_why(&link->lane[l]));
-      if (failed) {
-      } else if (ends_quietly(e)) {
-        end_quietly(e, why);
-      } else {
-        rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "%s", why);
-      }
+      if (!failed) link_ended(e, &link->lane[l]);
       failed = 1;
       continue;
     }
     if (n > 0) progress = STEP_PROGRESS;
     for (int i = 0; i < n; i++) {
       if (e->outstanding[l] > 0) e->outstanding[l]--;
+      if (cqe[i].wr_id == CLOSED_WR_ID) {
+        if (e->closed_unsent > 0) e->closed_unsent--;
+        continue;
+      }
       if ((cqe[i].wr_id & 1) && cqe[i].status == 0 && (cqe[i].wr_id >> 1) > e->lane_sent[l]) {
         e->lane_sent[l] = cqe[i].wr_id >> 1;
         uint64_t all = e->lane_sent[0];
@@ -481,36 +805,32 @@ static int step(rg_os_engine* e, uint64_t now) {
         atomic_store(&e->sent_seq, all);
       }
       if (cqe[i].status != 0 && !failed) {
-        rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "a write of sequence %llu failed: %s", (unsigned long long)(cqe[i].wr_id >> 1),
-                   rg_why(&link->lane[l]));
+        char what[64];
+        snprintf(what, sizeof(what), "a write of sequence %llu failed", (unsigned long long)(cqe[i].wr_id >> 1));
+        link_end_why(e, &link->lane[l], what, why, sizeof(why));
+        rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "%s", why);
         failed = 1;
       }
     }
     rg_cqe rc[4];
     if (rg_poll_recv(&link->lane[l], rc, 4) < 0 && !failed) {
-      snprintf(why, sizeof(why), "the link failed: %s", rg_why(&link->lane[l]));
-      if (ends_quietly(e))
-        end_quietly(e, why);
-      else
-        rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "%s", why);
+      link_ended(e, &link->lane[l]);
       failed = 1;
     }
   }
 
-  /* When the sampled gather's last chunk from the peer is in place, as its flags show. */
-  if (e->tr != NULL && e->tr->index == e->tr_index && e->tr->t[RG_T_OS_PEER] == 0) {
-    const uint64_t want = rg_os_level(e->tr_seq, e->tr_nchunks);
-    int all = 1;
-    for (int l = 0; l < link->nlanes; l++) all &= load_acquire(&ctrl->flag[l].word) >= want;
-    if (all) e->tr->t[RG_T_OS_PEER] = rg_now_ns();
-  }
+  /* When the sampled call's last chunk from the peer is in place, as its flags show. */
+  if (e->tr != NULL && e->tr->index == e->tr_index && e->tr->t[RG_T_OS_PEER] == 0 &&
+      peer_data_whole(e, e->tr_seq, e->tr_nchunks))
+    e->tr->t[RG_T_OS_PEER] = rg_now_ns();
 
   const int in_flight = e->post_nchunks != 0 || e->done_seq + 1 < e->post_seq;
   if (in_flight && !failed && now - e->last_check_ns > CHECK_NS) {
     e->last_check_ns = now;
     for (int l = 0; l < link->nlanes; l++)
       if (rg_check(&link->lane[l], now) != RG_OK) {
-        rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "the link failed: %s", rg_why(&link->lane[l]));
+        link_end_why(e, &link->lane[l], "the link failed", why, sizeof(why));
+        rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "%s", why);
         break;
       }
   }
@@ -520,6 +840,8 @@ static int step(rg_os_engine* e, uint64_t now) {
 static inline void relax(void) {
 #if defined(__x86_64__)
   __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ volatile("yield");
 #endif
 }
 
@@ -544,7 +866,7 @@ static void* proxy_main(void* arg) {
     for (rg_os_engine* e = proxy.engines; e != NULL; e = e->next) busy |= step(e, now);
     pthread_mutex_unlock(&proxy.mu);
     /* Every so many sweeps that moved nothing, another thread of this core may run: on a
-     * host with few cores it may be the one the gather waits for. */
+     * host with few cores it may be the one the call waits for. */
     if (busy & STEP_PROGRESS) {
       idle_sweeps = 0;
     } else if (++idle_sweeps % YIELD_EVERY == 0) {
@@ -599,9 +921,10 @@ void rg_os_proxy_remove(rg_os_engine* e) {
       *p = e->next;
       break;
     }
-  /* The gathers that ended since the last sweep are counted before the engine goes. */
+  /* The calls that ended since the last sweep are counted before the engine goes. */
   int progress = 0;
   reports(e, rg_now_ns(), &progress);
+  if (!atomic_load(&e->ended)) say_closed(e, atomic_load(&e->close_reason), 1);
   int join = proxy.running && proxy.engines == NULL;
   if (join) proxy.stop = 1;
   pthread_mutex_unlock(&proxy.mu);
@@ -613,74 +936,83 @@ void rg_os_proxy_remove(rg_os_engine* e) {
   }
 }
 
-/* After the kernels ended: waits until the proxy has sent every gather they rang, so that
- * the peer's last gathers get this rank's data before the link closes (a kernel ends once
- * the peer's data is here, which can be before its own has left). */
-static int flush(rg_os_engine* e, uint64_t deadline) {
+/* ---- Close ---- */
+
+/* The newest call whose first doorbell rang. */
+static uint64_t last_rung(const rg_os_engine* e) {
   const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
-  const uint64_t r0 = __atomic_load_n((const uint64_t*)&ctrl->report[0].seq, __ATOMIC_ACQUIRE);
-  const uint64_t r1 = __atomic_load_n((const uint64_t*)&ctrl->report[1].seq, __ATOMIC_ACQUIRE);
-  const uint64_t last = r0 > r1 ? r0 : r1;
+  const uint64_t r0 = load_acquire(&ctrl->ready[0][0]), r1 = load_acquire(&ctrl->ready[1][0]);
+  return r0 > r1 ? r0 : r1;
+}
+
+/* After the kernels ended by themselves: waits until the proxy has sent every call they
+ * rang, so that the peer's last calls get this rank's data before the link closes (a kernel
+ * ends once the peer's data is here, which can be before its own has left). */
+static int flush(rg_os_engine* e, uint64_t deadline) {
+  const uint64_t last = last_rung(e);
   while (atomic_load(&e->sent_seq) < last) {
-    if (atomic_load(&e->error) != 0 || atomic_load(&e->ended) || rg_now_ns() > deadline) return -1;
+    if (kept_code(e) != 0 || atomic_load(&e->ended) || rg_now_ns() > deadline) return -1;
     struct timespec ts = {0, 20000};
     nanosleep(&ts, NULL);
   }
   return 0;
 }
 
-int rg_os_quiesce(rg_os_engine* e, int abort, uint64_t timeout_ns) {
-  atomic_store(&e->closing, 1);
-  rg_os_ctrl* ctrl = (rg_os_ctrl*)e->region;
-  if (abort) __atomic_store_n(&ctrl->abort.word, 1, __ATOMIC_RELEASE);
-  uint64_t deadline = rg_now_ns() + timeout_ns;
+/* Whether every call launched so far has ended: the chain of calls issued outside a capture
+ * (its last event, or the stand-in's streams), and whatever launch holds the engine now,
+ * which covers a graph's replay the library never saw. *broken: CUDA could not say. */
+static int all_ended(rg_os_engine* e, int* broken) {
+  const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
   if (e->standin) {
-    /* The stand-in's gathers run on their callers' threads: wait for them to return. */
-    int stopped = abort;
-    while (atomic_load(&e->standin_running) > 0) {
-      if (rg_now_ns() > deadline) {
-        if (stopped) return -1;
-        __atomic_store_n(&ctrl->abort.word, 1, __ATOMIC_RELEASE);
-        stopped = 1;
-        deadline = rg_now_ns() + timeout_ns; /* as long again, now that every wait ends */
-      }
-      struct timespec ts = {0, 100000};
-      nanosleep(&ts, NULL);
+    if (atomic_load(&e->standin_running) > 0 || rg_os_hstream_drain(e, 0) != 0) return 0;
+  } else if (e->ordered_any) {
+    const rg_cuda_api* cu = rg_cuda();
+    CUresult r = cu->cuEventQuery(e->order);
+    if (r == CUDA_ERROR_NOT_READY) return 0;
+    if (r != CUDA_SUCCESS) {
+      *broken = 1;
+      return 1;
     }
-    if (!abort) flush(e, deadline);
-    return 0;
   }
-  if (!e->launched_any) return 0;
+  const uint64_t running = load_relaxed(&ctrl->running.word);
+  const uint64_t r0 = load_acquire(&ctrl->report[0].seq), r1 = load_acquire(&ctrl->report[1].seq);
+  return running <= (r0 > r1 ? r0 : r1);
+}
+
+int rg_os_quiesce(rg_os_engine* e, int abort, uint64_t timeout_ns) {
+  atomic_store(&e->close_reason, abort ? RG_OS_CLOSED_ABORT : RG_OS_CLOSED_DESTROY);
+  atomic_store(&e->closing, 1);
+  if (abort) stop(e);
+  if (e->region == NULL) return 0;
   const rg_cuda_api* cu = rg_cuda();
   CUcontext cur = NULL;
-  cu->cuCtxGetCurrent(&cur);
-  int pushed = cur != e->ctx && cu->cuCtxPushCurrent(e->ctx) == CUDA_SUCCESS;
-  int ok = -1;
-  pthread_mutex_lock(&e->launch_mu);
-  CUresult r = cu->cuEventRecord(e->order, e->last_stream);
-  pthread_mutex_unlock(&e->launch_mu);
-  if (r == CUDA_SUCCESS) {
-    int stopped = abort;
-    for (;;) {
-      r = cu->cuEventQuery(e->order);
-      if (r != CUDA_ERROR_NOT_READY) {
-        ok = r == CUDA_SUCCESS ? 0 : -1;
-        break;
-      }
-      if (rg_now_ns() > deadline) {
-        if (stopped) break;
-        /* The gathers did not end by themselves: stop their waits and give them as long again. */
-        __atomic_store_n(&ctrl->abort.word, 1, __ATOMIC_RELEASE);
-        stopped = 1;
-        deadline = rg_now_ns() + timeout_ns;
-      }
-      struct timespec ts = {0, 100000};
-      nanosleep(&ts, NULL);
+  int pushed = 0;
+  if (!e->standin && e->ctx != NULL && cu != NULL) {
+    cu->cuCtxGetCurrent(&cur);
+    pushed = cur != e->ctx && cu->cuCtxPushCurrent(e->ctx) == CUDA_SUCCESS;
+  }
+  uint64_t deadline = rg_now_ns() + timeout_ns;
+  int stopped = abort, broken = 0, ok = 0;
+  for (;;) {
+    if (all_ended(e, &broken)) {
+      ok = !broken;
+      break;
     }
+    if (rg_now_ns() > deadline) {
+      if (stopped) break;
+      /* The calls did not end by themselves: stop their waits and give them as long again. */
+      stop(e);
+      stopped = 1;
+      deadline = rg_now_ns() + timeout_ns;
+    }
+    struct timespec ts = {0, 100000};
+    nanosleep(&ts, NULL);
   }
   if (pushed) cu->cuCtxPopCurrent(&cur);
-  if (ok == 0 && !abort) flush(e, deadline);
-  return ok;
+  if (!ok) return -1;
+  if (!stopped) flush(e, deadline);
+  stop(e); /* a graph's replay after close ends at once, with no row */
+  return 0;
 }
 
 int rg_os_probe(rg_os_engine* e, uint64_t value, uint64_t expect, uint64_t timeout_ns, char* err, int errlen) {

@@ -14,17 +14,26 @@ package gather
 static void rg_os_set_peer(rg_os_engine* e, const char* peer) {
   strncpy(e->peer, peer, sizeof(e->peer) - 1);
 }
+
+// A stream handle is a number here: CUDA's special handles (0x2, per thread) are no pointers.
+static int rg_os_host_submit_on(rg_os_engine* e, rg_os_hcall* c, const void* send, void* recv, uint64_t bytes,
+                                uintptr_t stream, int ordered, uint64_t call) {
+  return rg_os_host_submit(e, c, send, recv, bytes, (CUstream)stream, ordered, call);
+}
 */
 import "C"
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
+	"github.com/roce-gather/roce_gather/internal/nlog"
 	_ "github.com/roce-gather/roce_gather/kernels" // the kernel oneshot.c loads
 	"github.com/roce-gather/roce_gather/roce"
 	"github.com/roce-gather/roce_gather/roce/fabric"
@@ -38,6 +47,9 @@ type OneShotConfig struct {
 	MinChunk uint64
 	// CommID names the communicator in log lines and the timeline.
 	CommID uint64
+	// Kept is where the engine keeps its error (a C rg_os_kept that outlives the engine:
+	// the interceptor's communicator holds it); nil keeps it in the engine.
+	Kept unsafe.Pointer
 }
 
 // ctrlBytes is the region's control part, whole pages so that the slots start on one.
@@ -110,10 +122,11 @@ func (s *Starter) Close() {
 
 // Engine is a live intercepted gather of one communicator.
 type Engine struct {
-	t    *roce.Transport
-	side *osSide
-	link *fabric.Link
-	once sync.Once
+	t      *roce.Transport
+	side   *osSide
+	link   *fabric.Link
+	once   sync.Once
+	closed atomic.Bool // Close began: the C engine may be gone
 }
 
 // C is the rg_os_engine the hot path uses.
@@ -131,7 +144,7 @@ func (e *Engine) Pinned() bool { return e.side.pinned != 0 }
 // Connect makes the link the outcome asks for and checks it live in both directions.
 // On success the engine is ready for SetUp; on failure everything is released.
 func (s *Starter) Connect(out OneShotOutcome, rank int) (*Engine, error) {
-	side, err := newOSSide(s.t, out, rank, s.cfg.CommID)
+	side, err := newOSSide(s.t, out, rank, s.cfg)
 	s.mu.Lock()
 	s.side, s.sideErr = side, err
 	close(s.agreed)
@@ -205,22 +218,85 @@ func (e *Engine) GatherOnHost(send, recv []byte) error {
 	if len(send) == 0 || len(recv) != 2*len(send) {
 		return fmt.Errorf("a gather of %d bytes a rank needs %d bytes of rows, got %d", len(send), 2*len(send), len(recv))
 	}
-	switch st := C.rg_os_host_run(e.side.c, unsafe.Pointer(&send[0]), unsafe.Pointer(&recv[0]), C.uint64_t(len(send))); st {
-	case C.RG_OS_OK:
-		return nil
-	case C.RG_OS_TIMED_OUT:
-		return fmt.Errorf("timed out waiting for the peer's data")
-	case C.RG_OS_ABORTED:
-		if err := e.Err(); err != nil {
-			return fmt.Errorf("aborted: %w", err)
-		}
-		return errors.New("aborted")
-	case -1:
+	st := C.rg_os_host_run(e.side.c, unsafe.Pointer(&send[0]), unsafe.Pointer(&recv[0]), C.uint64_t(len(send)))
+	if st == -1 {
 		return errors.New("this engine runs the GPU kernel, not the host stand-in")
-	default:
-		return fmt.Errorf("unknown status %d", st)
 	}
+	return e.statusErr(int(st))
 }
+
+// statusErr is the error of a stand-in call that ended with status st (enum rg_os_status).
+func (e *Engine) statusErr(st int) error {
+	what := map[int]string{C.RG_OS_TIMED_OUT: "timed out waiting for the peer's data", C.RG_OS_ABORTED: "aborted",
+		C.RG_OS_MISMATCH: "the peer's call differs", C.RG_OS_PEER_CLOSED: "the peer stopped",
+		C.RG_OS_OVERLAP: "another call ran at the same time"}[st]
+	switch {
+	case st == C.RG_OS_OK:
+		return nil
+	case what == "":
+		return fmt.Errorf("unknown status %d", st)
+	case st == C.RG_OS_TIMED_OUT || e.closed.Load():
+		return errors.New(what)
+	}
+	if err := e.Err(); err != nil {
+		return fmt.Errorf("%s: %w", what, err)
+	}
+	return errors.New(what)
+}
+
+// hostCall is a stand-in call queued on a stream, in C memory: the stand-in's thread runs it
+// after submit has returned.
+type hostCall struct {
+	e     *Engine
+	c     *C.rg_os_hcall
+	send  unsafe.Pointer
+	recv  unsafe.Pointer
+	bytes int
+}
+
+// hostStream names a stand-in stream as a CUstream handle does; perThreadStream is CUDA's
+// CU_STREAM_PER_THREAD, a stream of each calling thread.
+type hostStream uintptr
+
+const perThreadStream hostStream = 2
+
+// submitOnHost queues one gather of len(send) bytes a rank on stream without waiting for
+// it, as a kernel launch does (tests). Unless ordered, it waits for no call on another
+// stream and announces call (nonzero: the captured call's number), as a graph's replay.
+func (e *Engine) submitOnHost(send []byte, stream hostStream, ordered bool, call uint64) (*hostCall, error) {
+	h := &hostCall{e: e, bytes: len(send)}
+	h.c = (*C.rg_os_hcall)(C.calloc(1, C.sizeof_rg_os_hcall))
+	h.send = C.CBytes(send)
+	h.recv = C.CBytes(bytes.Repeat([]byte{0xee}, 2*len(send))) // what a failed call leaves
+	o := C.int(0)
+	if ordered {
+		o = 1
+	}
+	if C.rg_os_host_submit_on(e.side.c, h.c, h.send, h.recv, C.uint64_t(len(send)), C.uintptr_t(stream), o,
+		C.uint64_t(call)) != 0 {
+		h.free()
+		return nil, errors.New("the stand-in took no call: not a stand-in engine, its streams stopped, or too many streams")
+	}
+	return h, nil
+}
+
+// wait returns the rows' buffer once the call ended (0xee where nothing was written) and
+// the call's error. After the engine's Close it says only the call's own status.
+func (h *hostCall) wait() ([]byte, error) {
+	st := int(C.rg_os_host_wait(h.e.side.c, h.c))
+	rows := C.GoBytes(h.recv, C.int(2*h.bytes))
+	h.free()
+	return rows, h.e.statusErr(st)
+}
+
+func (h *hostCall) free() {
+	C.free(unsafe.Pointer(h.c))
+	C.free(h.send)
+	C.free(h.recv)
+}
+
+// takeCall is the next call number, as a capture takes one (tests stand in for a graph).
+func (e *Engine) takeCall() uint64 { return uint64(C.rg_os_take_call(e.side.c)) }
 
 // Err is the engine's error, nil while it is healthy.
 func (e *Engine) Err() error {
@@ -237,6 +313,7 @@ func (e *Engine) Err() error {
 func (e *Engine) Close(abort bool) error {
 	var err error
 	e.once.Do(func() {
+		e.closed.Store(true)
 		c := e.side.c
 		ab := C.int(0)
 		if abort {
@@ -250,6 +327,13 @@ func (e *Engine) Close(abort bool) error {
 		if !quiet {
 			err = errors.Join(err, fmt.Errorf("the gathers launched on this communicator did not end within %v; "+
 				"their %d bytes of memory stay allocated", e.t.Timeout(), e.side.bytes))
+			e.side.leak()
+			return
+		}
+		if C.rg_os_keeps_memory(c) != 0 {
+			// A replay after close finds the abort word up and ends at once; freed memory would fault its context.
+			nlog.Infof(nlog.Init|nlog.Coll, "communicator 0x%x: the one-shot engine's %d bytes of memory stay allocated: "+
+				"CUDA graphs captured its calls and may replay them", uint64(c.comm_id), e.side.bytes)
 			e.side.leak()
 			return
 		}
@@ -277,7 +361,7 @@ type osRegion struct {
 	keys                              [fabric.MaxLanes]uint32
 }
 
-func newOSSide(t *roce.Transport, out OneShotOutcome, rank int, commID uint64) (*osSide, error) {
+func newOSSide(t *roce.Transport, out OneShotOutcome, rank int, cfg OneShotConfig) (*osSide, error) {
 	slot := SlotBytesFor(out.Cap)
 	n := ctrlBytes + 4*slot
 	s := &osSide{t: t, bytes: n}
@@ -297,11 +381,12 @@ func newOSSide(t *roce.Transport, out OneShotOutcome, rank int, commID uint64) (
 		C.rg_pinned_free(s.region, C.size_t(n), s.pinned)
 		return nil, errors.New("out of memory for an engine")
 	}
+	C.rg_os_engine_init(c, (*C.rg_os_kept)(cfg.Kept))
 	c.rank = C.int(rank)
 	c.floor, c.cap = C.uint64_t(out.Floor), C.uint64_t(out.Cap)
 	c.min_chunk = C.uint64_t(out.MinChunk)
 	c.timeout_ns = C.uint64_t(t.Timeout().Nanoseconds())
-	c.comm_id = C.uint64_t(commID)
+	c.comm_id = C.uint64_t(cfg.CommID)
 	c.region = (*C.uchar)(s.region)
 	c.region_bytes = C.uint64_t(n)
 	c.region_mr = (*C.rg_mr)(mr.C())

@@ -1,20 +1,30 @@
-/* The host stand-in of the intercepted gather's kernel: the same protocol body as the GPU
+/* The host stand-in of the intercepted call's kernel: the same protocol body as the GPU
  * (kernels/oneshot_body.h), with host memory and one thread that runs the blocks one after
- * another. It serves processes without a CUDA driver, which are tests: the real proxy and
- * fabric run against it exactly as they do against the kernel. */
+ * another; and the stand-in's streams, each a thread that runs the calls queued on it in
+ * order, as a CUDA stream runs kernels. It serves processes without a CUDA driver, which are
+ * tests: the real proxy and fabric run against it exactly as they do against the kernel. */
 #include <sched.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <time.h>
 #include "oneshot.h"
 
 static inline rg_u64 host_load_acquire(const volatile rg_u64* p) {
   return __atomic_load_n((const rg_u64*)p, __ATOMIC_ACQUIRE);
 }
+static inline rg_u64 host_load_relaxed(const volatile rg_u64* p) {
+  return __atomic_load_n((const rg_u64*)p, __ATOMIC_RELAXED);
+}
 static inline void host_store_release(volatile rg_u64* p, rg_u64 v) { __atomic_store_n((rg_u64*)p, v, __ATOMIC_RELEASE); }
+static inline void host_store_relaxed(volatile rg_u64* p, rg_u64 v) { __atomic_store_n((rg_u64*)p, v, __ATOMIC_RELAXED); }
 static inline rg_u32 host_arrive(rg_u32* p) { return __atomic_fetch_add(p, 1, __ATOMIC_ACQ_REL); }
 static inline void host_keep_first(rg_u32* p, rg_u32 v) {
   rg_u32 zero = 0;
   __atomic_compare_exchange_n(p, &zero, v, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+static inline rg_u64 host_cas64(rg_u64* p, rg_u64 expect, rg_u64 v) {
+  __atomic_compare_exchange_n(p, &expect, v, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  return expect; /* the value found: expect itself where the swap happened */
 }
 /* The peer's bytes are in place once the flag's acquire load saw them; a plain copy reads them. */
 static inline void host_copy(unsigned char* dst, const unsigned char* src, rg_u64 n) { memmove(dst, src, n); }
@@ -26,18 +36,136 @@ static inline void host_copy(unsigned char* dst, const unsigned char* src, rg_u6
 #define RG_OS_FENCE_SYS() atomic_thread_fence(memory_order_seq_cst)
 #define RG_OS_FENCE_GPU() atomic_thread_fence(memory_order_seq_cst)
 #define RG_OS_LOAD_ACQUIRE(p) host_load_acquire(p)
+#define RG_OS_LOAD_RELAXED(p) host_load_relaxed(p)
 #define RG_OS_STORE_RELEASE(p, v) host_store_release((p), (v))
+#define RG_OS_STORE_RELAXED(p, v) host_store_relaxed((p), (v))
 #define RG_OS_NOW() rg_now_ns()
 /* A GPU's spin costs the host no core; the stand-in's must not starve the proxy of one. */
 #define RG_OS_RELAX() sched_yield()
 #define RG_OS_ARRIVE(p) host_arrive(p)
 #define RG_OS_FAIL(p, v) host_keep_first((p), (v))
+#define RG_OS_CAS64(p, expect, v) host_cas64((p), (expect), (v))
+#define RG_OS_LAUNCH_ID(a) ((a)->launch_id)
 #define rg_os_copy_out(dst, src, n) host_copy((dst), (src), (n))
 #define rg_os_copy_in(dst, src, n) host_copy((dst), (src), (n))
 #define rg_os_copy_dev(dst, src, n) host_copy((dst), (src), (n))
 
 #include "../../kernels/oneshot_body.h"
 
-void rg_os_host_gather(const rg_os_args* a, rg_u32 nblocks) {
-  for (rg_u32 b = 0; b < nblocks; b++) rg_os_block(a, b, nblocks);
+int rg_os_host_gather(const rg_os_args* a, rg_u32 nblocks) {
+  int status = RG_OS_OK;
+  for (rg_u32 b = 0; b < nblocks; b++) status = (int)rg_os_block(a, b, nblocks); /* the last block run finishes it */
+  return status;
+}
+
+/* ---- The stand-in's streams ---- */
+
+/* CUDA's CU_STREAM_PER_THREAD: one handle that names the calling thread's own stream. */
+#define PER_THREAD_STREAM ((CUstream)(uintptr_t)0x2)
+
+static void* hstream_main(void* arg) {
+  rg_os_hstream* s = arg;
+  rg_os_engine* e = s->e;
+  pthread_mutex_lock(&e->hmu);
+  for (;;) {
+    rg_os_hcall* c = s->head;
+    if (c == NULL && e->hstop) break;
+    if (c == NULL || c->after > e->hdone) { /* the ordered call it follows, on another stream, has not ended */
+      pthread_cond_wait(&e->hcv, &e->hmu);
+      continue;
+    }
+    s->running = 1;
+    pthread_mutex_unlock(&e->hmu);
+    const int status = rg_os_host_gather(&c->a, c->blocks);
+    pthread_mutex_lock(&e->hmu);
+    s->head = c->next;
+    if (s->head == NULL) s->tail = NULL;
+    s->running = 0;
+    if (c->ticket > e->hdone) e->hdone = c->ticket;
+    c->status = status;
+    atomic_store_explicit(&c->done, 1, memory_order_release); /* the last touch of c: its caller may free it */
+    pthread_cond_broadcast(&e->hcv);
+  }
+  pthread_mutex_unlock(&e->hmu);
+  return NULL;
+}
+
+int rg_os_hstream_queue(rg_os_engine* e, rg_os_hcall* c, CUstream stream, int ordered) {
+  pthread_mutex_lock(&e->hmu);
+  int found = -1, free_slot = -1;
+  for (int i = 0; i < RG_OS_HSTREAMS && found < 0; i++) {
+    rg_os_hstream* s = &e->hstreams[i];
+    if (!s->used) {
+      if (free_slot < 0) free_slot = i;
+    } else if (s->handle == stream && (stream != PER_THREAD_STREAM || pthread_equal(s->thread, pthread_self()))) {
+      found = i;
+    }
+  }
+  if (found < 0 && free_slot >= 0 && !e->hstop) {
+    rg_os_hstream* s = &e->hstreams[free_slot];
+    s->e = e;
+    s->handle = stream;
+    s->thread = pthread_self();
+    s->head = s->tail = NULL;
+    s->running = 0;
+    if (pthread_create(&s->worker, NULL, hstream_main, s) == 0) {
+      s->used = 1;
+      found = free_slot;
+    }
+  }
+  if (found < 0 || e->hstop) {
+    pthread_mutex_unlock(&e->hmu);
+    return -1;
+  }
+  c->next = NULL;
+  atomic_store_explicit(&c->done, 0, memory_order_relaxed);
+  c->ticket = c->after = 0;
+  if (ordered) { /* as a cuStreamWaitEvent on the last ordered call's event, when it went to another stream */
+    c->ticket = ++e->htickets;
+    if (e->hlast >= 0 && e->hlast != found) c->after = c->ticket - 1;
+    e->hlast = found;
+  }
+  rg_os_hstream* s = &e->hstreams[found];
+  if (s->tail != NULL)
+    s->tail->next = c;
+  else
+    s->head = c;
+  s->tail = c;
+  pthread_cond_broadcast(&e->hcv);
+  pthread_mutex_unlock(&e->hmu);
+  return 0;
+}
+
+int rg_os_hstream_drain(rg_os_engine* e, uint64_t deadline_ns) {
+  pthread_mutex_lock(&e->hmu);
+  for (;;) {
+    int busy = 0;
+    for (int i = 0; i < RG_OS_HSTREAMS; i++) busy |= e->hstreams[i].used && (e->hstreams[i].head != NULL || e->hstreams[i].running);
+    if (!busy) break;
+    const uint64_t now = rg_now_ns();
+    if (now > deadline_ns) {
+      pthread_mutex_unlock(&e->hmu);
+      return -1;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t until = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec + 10000000ull; /* a look every 10 ms at most */
+    ts.tv_sec = (time_t)(until / 1000000000ull);
+    ts.tv_nsec = (long)(until % 1000000000ull);
+    pthread_cond_timedwait(&e->hcv, &e->hmu, &ts);
+  }
+  pthread_mutex_unlock(&e->hmu);
+  return 0;
+}
+
+void rg_os_hstream_stop(rg_os_engine* e) {
+  pthread_mutex_lock(&e->hmu);
+  e->hstop = 1;
+  pthread_cond_broadcast(&e->hcv);
+  pthread_mutex_unlock(&e->hmu);
+  for (int i = 0; i < RG_OS_HSTREAMS; i++)
+    if (e->hstreams[i].used) {
+      pthread_join(e->hstreams[i].worker, NULL);
+      e->hstreams[i].used = 0;
+    }
 }

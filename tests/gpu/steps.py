@@ -24,6 +24,7 @@ import time
 
 import calibrate
 import common
+import integrity
 import launch
 import measure
 import mps
@@ -45,6 +46,7 @@ PLAN = [
     ("jax", 200, ("check",)),  # two pairs: NCCL_NET_PLUGIN alone, LD_PRELOAD alone
     ("pynccl", 150, ("check",)),  # three pairs: NCCL socket, what python -m roce_gather env prints, LD_PRELOAD alone
     ("abort", 200, ("check",)),
+    ("integrity", 120, ("check",)),  # one pair: mismatched calls, aborts with calls queued, overlapping launches
     ("recreate", 150, ("check",)),
     ("latency", 250, ("check", "timing")),
     ("plot", 30, ("check", "timing")),
@@ -394,6 +396,50 @@ def step_abort(s):
     runs_table(s, recs)
     s.d["headline"] = ("abort returned/rank 0 exited, s after the peer's death: " + ", ".join(head)
                        + f" (limit {ABORT_LIMIT_S})") if head else "no abort measured"
+
+
+# ---- integrity: never success with bytes that are not the call's ---------------------------
+
+def step_integrity(s):
+    """integrity.py's cases in one pair (integrity_cases.py): every row of every call exact or
+    untouched, never foreign; each case's failures on the ranks it names, with their WARNs."""
+    rec = s.pair("integrity", integrity.CONFIG, "integrity_cases.py", "integrity", 90, {"cases": integrity.ORDER},
+                 integrity.ENV, judge=False, check_stats=False)
+    if rec is None:
+        return
+    for f in rec["failures"]:  # exit statuses, the workers' own checks, a pair past its limit
+        s.fail(f)
+    logs = []
+    for p in rec["logs"]:
+        try:
+            with open(p, errors="replace") as f:
+                logs.append(integrity.case_logs(f.read()))
+        except OSError:
+            logs.append({})
+    results = [((res or {}).get("numbers") or {}).get("cases") or {} for res in rec["results"]]
+    rows, passed = [], 0
+    for case in integrity.ORDER:
+        F = integrity.verdict(case, [results[0].get(case), results[1].get(case)], [logs[0].get(case), logs[1].get(case)])
+        for f in F:
+            s.fail(f)
+        passed += not F
+        outcome = ["; ".join(f"call {c['tag']} {integrity.call_state(c)}" for c in (results[r].get(case) or {}).get("calls", []))
+                   or "-" for r in (0, 1)]
+        probes = ["raised" if (results[r].get(case) or {}).get("probe_error") else "-" for r in (0, 1)]
+        rows.append([case, integrity.CASES[case]["kind"], outcome[0], outcome[1], probes[0], probes[1],
+                     "pass" if not F else "FAIL"])
+    s.d["numbers"]["cases"] = {c: [results[r].get(c) for r in (0, 1)] for c in integrity.ORDER}
+    s.d["md"].append(f"Integrity cases (config {integrity.CONFIG}, integrity.py): what each call's rows held on each rank "
+                     "(exact, untouched, or foreign: bytes not the call's), and whether the next gather on the "
+                     "communicator raised\n\n"
+                     + md_table(["case", "kind", "rank 0", "rank 1", "rank 0 next gather", "rank 1 next gather", "verdict"],
+                                rows))
+    lines, n = evidence(rec["logs"], PLUGIN_WARN_RX, 24)
+    s.d["md"].append(f"The library's WARN lines ({n} in both ranks' logs, the first 24):\n\n```\n" + "\n".join(lines) + "\n```")
+    foreign = sum(integrity.call_state(c) == "foreign" for case in integrity.ORDER for r in (0, 1)
+                  for c in (results[r].get(case) or {}).get("calls", []))
+    s.d["headline"] = (f"{passed}/{len(integrity.ORDER)} cases as required; calls whose rows held bytes not theirs: "
+                       f"{foreign}")
 
 
 # ---- capi: NCCL's C API, no framework ------------------------------------------------------------

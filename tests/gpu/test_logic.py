@@ -27,6 +27,7 @@ sys.path.insert(0, HERE)
 
 import calibrate  # noqa: E402
 import common  # noqa: E402
+import integrity  # noqa: E402
 import launch  # noqa: E402
 import measure  # noqa: E402
 import mps  # noqa: E402
@@ -1937,10 +1938,11 @@ class RunAllTest(unittest.TestCase):
             self.assertNotEqual(p.returncode, 0)  # every step skipped: the budget of 10 s is below 15
             env.pop("ROCE_GATHER_GPU_STEPS")  # the default group
             p = run()
-            self.assertIn("steps: env gather graphs capi jax pynccl abort recreate latency plot \n", p.stdout)
+            self.assertIn("steps: env gather graphs capi jax pynccl abort integrity recreate latency plot \n", p.stdout)
             s = json.loads(read(os.path.join(out, "summary.json")))
             # Run in the plan's order: latency, which fits its rounds into what is left, last but plot.
-            self.assertEqual(list(s["steps"]), ["env", "gather", "graphs", "capi", "jax", "pynccl", "abort", "recreate", "latency",
+            self.assertEqual(list(s["steps"]), ["env", "gather", "graphs", "capi", "jax", "pynccl", "abort", "integrity", "recreate",
+                                                "latency",
                                                 "plot"])
             # A name that is neither a step nor a group: nothing runs, and the run says why.
             os.remove(os.path.join(out, "summary.json"))
@@ -1952,6 +1954,174 @@ class RunAllTest(unittest.TestCase):
         finally:
             shutil.rmtree(out)
             shutil.rmtree(tmp)
+
+
+# ---- integrity ------------------------------------------------------------------------------
+
+def icall(tag, n, states=("exact", "exact")):
+    """A worker's record of one call whose rows are as states say (foreign: another call's)."""
+    rows = []
+    for r, st in enumerate(states):
+        b = {"exact": integrity.tag_bytes(r, tag, n), "untouched": bytes([integrity.POISON]) * n,
+             "foreign": integrity.tag_bytes(r, tag + 1, n)}[st]
+        rows.append(integrity.classify(b, r, tag, n))
+    return {"tag": tag, "bytes": n, "rows": rows}
+
+
+def iwarn(peer, cause):
+    return (f"vm:1:2 [roce_gather] NCCL WARN NET/roce_gather : one-shot gather of communicator 0x55d1 with rank {peer} "
+            f"(127.0.0.1:4242) failed at sequence 2: {cause}\n")
+
+
+def imismatch(rank, b0, c0, b1, c1, calls=(2, 2)):
+    def ann(n, c, call):
+        return f"sequence 2, call {call}: an all-gather of {n} bytes a rank in {c} chunk{'s' if c > 1 else ''} of 262144 bytes"
+    this = ["announced", "announced"]
+    this[rank] = "(this rank) has"
+    return iwarn(1 - rank, f"the ranks' calls differ: rank 0 {this[0]} {ann(b0, c0, calls[0])}; rank 1 {this[1]} "
+                           f"{ann(b1, c1, calls[1])}; no row is written")
+
+
+def integrity_good():
+    """Both ranks' records and each case's part of their logs, as the library must leave them."""
+    res, logs = [{}, {}], [{}, {}]
+    probe = "DistBackendError: NCCL error: invalid usage"
+    for case, spec in integrity.CASES.items():
+        n = spec["bytes"][0]
+        logs[0][case] = logs[1][case] = ""
+        if spec["kind"] == "differ":
+            for r in (0, 1):
+                res[r][case] = {"calls": [icall(2, spec["bytes"][r], ("untouched", "untouched"))], "probe_error": probe}
+                logs[r][case] += imismatch(r, spec["bytes"][0], spec["chunks"][0], spec["bytes"][1], spec["chunks"][1])
+        elif spec["kind"] == "reorder":
+            for r in (0, 1):
+                res[r][case] = {"calls": [icall(2, n, ("untouched",) * 2), icall(3, n, ("untouched",) * 2)], "probe_error": probe}
+                logs[r][case] += imismatch(r, n, 1, n, 1, calls=(3, 4))
+        elif spec["kind"] == "overlap":
+            res[0][case] = {"calls": [icall(2, n, ("untouched",) * 2), icall(3, n, ("untouched",) * 2)], "probe_error": probe}
+            res[1][case] = {"calls": [icall(2, n), icall(3, n, ("untouched",) * 2)], "probe_error": probe}
+            logs[0][case] += iwarn(1, "two launches of this communicator's one-shot calls ran on the device at once (a CUDA graph ...")
+            logs[1][case] += iwarn(0, "the peer stopped: the one-shot path of rank 0 (127.0.0.1:4242) failed after sequence 2 (its own "
+                                "WARN says why)")
+        else:
+            q = spec["queued"]
+            res[0][case] = {"calls": [icall(2 + i, n, ("untouched",) * 2) for i in range(q)], "probe_error": None}
+            res[1][case] = {"calls": [icall(2, n)] + [icall(3 + i, n, ("untouched",) * 2) for i in range(q - 1)],
+                            "probe_error": probe}
+            logs[1][case] += iwarn(0, "the peer stopped: rank 0 (127.0.0.1:4242) aborted its communicator (ncclCommAbort) after "
+                                "sequence 2")
+    return res, logs
+
+
+class IntegrityTest(unittest.TestCase):
+    def test_classify(self):
+        self.assertEqual(integrity.classify(integrity.tag_bytes(1, 7, 100), 1, 7, 100), {"state": "exact"})
+        self.assertEqual(integrity.classify(b"\xee" * 100, 1, 7, 100), {"state": "untouched"})
+        # Another call's unit, a partial last unit, the other rank's shard: each named.
+        self.assertEqual(integrity.classify(integrity.tag_bytes(1, 8, 100), 1, 7, 100),
+                         {"state": "foreign", "unit": 0, "found": "rank 1's unit 0 of call 8", "want": "rank 1's unit 0 of call 7"})
+        b = bytearray(integrity.tag_bytes(0, 7, 100))
+        b[99] ^= 1
+        st = integrity.classify(bytes(b), 0, 7, 100)
+        self.assertEqual((st["state"], st["unit"]), ("foreign", 6))
+        st = integrity.classify(integrity.tag_bytes(0, 7, 64), 1, 7, 64)
+        self.assertEqual(st["found"], "rank 0's unit 0 of call 7")
+        half = integrity.tag_bytes(0, 7, 32) + b"\xee" * 32  # one row written, the other not
+        self.assertEqual(integrity.call_state({"rows": [integrity.classify(half[:32], 0, 7, 32),
+                                                        integrity.classify(half[32:], 1, 7, 32)]}), "foreign")
+
+    def test_every_case_passes_as_the_library_must_leave_it(self):
+        res, logs = integrity_good()
+        for case in integrity.ORDER:
+            self.assertEqual(integrity.verdict(case, [res[0][case], res[1][case]], [logs[0][case], logs[1][case]]), [], case)
+        # The overlap's peer may fail on the mismatch of the replay's call number instead.
+        logs[1]["overlap"] = logs[1]["overlap"].replace("the peer stopped: the one-shot path of rank 0 (127.0.0.1:4242) failed after sequence 2 "
+                                  "(its own WARN says why)", "the ranks' calls differ: rank 0 announced sequence 2, call 3: an "
+                                  "all-gather of 4096 bytes a rank in 1 chunk of 262144 bytes; rank 1 (this rank) has sequence 2, "
+                                  "call 4: x")
+        self.assertEqual(integrity.verdict("overlap", [res[0]["overlap"], res[1]["overlap"]],
+                                           [logs[0]["overlap"], logs[1]["overlap"]]), [])
+
+    def test_foreign_bytes_fail_whatever_the_case(self):
+        res, logs = integrity_good()
+        res[1]["abort"]["calls"][2] = icall(4, 4096, ("exact", "foreign"))
+        F = integrity.verdict("abort", [res[0]["abort"], res[1]["abort"]], [logs[0]["abort"], logs[1]["abort"]])
+        self.assertEqual(F, ["abort: rank 1, call 4: a row holds bytes that are not the call's (unit 0 is rank 1's unit 0 of "
+                             "call 5, not rank 1's unit 0 of call 4): exact, foreign"])
+
+    def test_success_where_the_case_must_fail(self):
+        res, logs = integrity_good()
+        res[0]["differ-size"]["calls"][0] = icall(2, 4096)
+        res[1]["differ-size"]["probe_error"] = None
+        F = integrity.verdict("differ-size", [res[0]["differ-size"], res[1]["differ-size"]],
+                              [logs[0]["differ-size"], logs[1]["differ-size"]])
+        self.assertEqual(F, ["differ-size: rank 0, call 2: exact, expected untouched (the ranks' sizes differ)",
+                             "differ-size: rank 1's next gather on the communicator returned, though the case failed it"])
+        res, logs = integrity_good()
+        res[1]["abort"]["calls"][1] = icall(3, 4096)  # rank 1's second gather succeeded after rank 0 aborted
+        F = integrity.verdict("abort", [res[0]["abort"], res[1]["abort"]], [logs[0]["abort"], logs[1]["abort"]])
+        self.assertEqual(F, ["abort: rank 1, call 3: exact, expected untouched (rank 0 aborted before it)"])
+
+    def test_warns_are_required(self):
+        res, logs = integrity_good()
+        F = integrity.verdict("differ-chunks", [res[0]["differ-chunks"], res[1]["differ-chunks"]], ["", logs[1]["differ-chunks"]])
+        self.assertEqual(len(F), 1)
+        self.assertIn("differ-chunks: rank 0's log has no WARN naming both ranks' calls", F[0])
+        # The WARN of another case's sizes is not this case's.
+        F = integrity.verdict("differ-size", [res[0]["differ-size"], res[1]["differ-size"]],
+                              [imismatch(0, 4096, 1, 4096, 1), logs[1]["differ-size"]])
+        self.assertEqual(len(F), 1, F)
+        F = integrity.verdict("reorder", [res[0]["reorder"], res[1]["reorder"]],
+                              [imismatch(0, 4096, 1, 4096, 1, calls=(3, 3)), logs[1]["reorder"]])
+        self.assertEqual(F, ["reorder: rank 0's WARN names call 3 on both ranks, which are not the same call"])
+        F = integrity.verdict("abort", [res[0]["abort"], res[1]["abort"]], [logs[0]["abort"], ""])
+        self.assertIn("abort: rank 1's log has no WARN naming rank 0's abort", F[0])
+
+    def test_case_logs(self):
+        text = "start\nrank 1: case differ-size\nA\nrank 1: case overlap\nB\nC\n"
+        self.assertEqual(integrity.case_logs(text), {"differ-size": "\nA\n", "overlap": "\nB\nC\n"})
+
+    def test_step(self):
+        res, logs = integrity_good()
+        work = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, work)
+        os.makedirs(os.path.join(work, "logs"))
+        os.makedirs(os.path.join(work, "steps"))
+        calls = []
+
+        def fake(work_, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((run, config, worker, params, extra_env, kw))
+            paths = []
+            for r in (0, 1):
+                p = os.path.join(work, "logs", f"{run}.rank{r}.log")
+                with open(p, "w") as f:  # the worker's marks, and each case's WARNs after its own
+                    f.write("".join(f"rank {r}: case {c}\n{logs[r][c]}" for c in integrity.ORDER))
+                paths.append(p)
+            results = [{"completed": True, "failures": [], "n_failures": 0, "cases": 6, "numbers": {"cases": res[r]},
+                        "ledger": None} for r in (0, 1)]
+            return {"run": run, "config": config, "seconds": 20.0, "rcs": [0, 0], "limit": 90, "exit_times": [0, 0],
+                    "timed_out": False, "cut_short": False, "results": results, "stats": [None, None], "logs": paths,
+                    "failures": [], "notes": [], "tails": [], "nccl": ["2.28.9"] * 2, "nccl_lib": None, "mps_restart": None}
+        out = io.StringIO()
+
+        def step():
+            s = steps.Step("integrity", work, time.time() + 600)
+            with mock.patch.object(launch, "run_pair", side_effect=fake), contextlib.redirect_stdout(out):
+                steps.step_integrity(s)
+            return s.finish()
+        d = step()
+        self.assertEqual(d["status"], "pass", d["failures"])
+        self.assertEqual(d["headline"], "6/6 cases as required; calls whose rows held bytes not theirs: 0")
+        run, config, worker, params, env, kw = calls[0]
+        self.assertEqual((run, config, worker, params["cases"]), ("integrity", "intercept-wide", "integrity_cases.py",
+                                                                   integrity.ORDER))
+        self.assertEqual(env["ROCE_GATHER_TIMEOUT_MS"], "3000")
+        self.assertFalse(kw["check_stats"])
+        self.assertIn("| overlap | overlap | call 2 untouched; call 3 untouched | call 2 exact; call 3 untouched |", d["md"][0])
+        res[0]["reorder"]["calls"][1] = icall(3, 4096, ("foreign", "foreign"))
+        d = step()
+        self.assertEqual(d["status"], "fail")
+        self.assertEqual(d["headline"], "5/6 cases as required; calls whose rows held bytes not theirs: 1")
 
 
 if __name__ == "__main__":

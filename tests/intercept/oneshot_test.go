@@ -60,7 +60,7 @@ func forwardedGathers(log []line, pid int) (counts []int, agreements int) {
 // other goes to NCCL unchanged; the edges of the window on both sides.
 func TestInterceptedGathersTakeThePathExactlyWithinTheWindow(t *testing.T) {
 	f := fixtures(t)
-	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib, "ROCE_GATHER_MIN_BYTES=100", "ROCE_GATHER_MAX_BYTES=64K")
+	j := newJob(t, f.caller, engineEnv(f, "ROCE_GATHER_MIN_BYTES=100", "ROCE_GATHER_MAX_BYTES=64K")...)
 	// gather:COUNT:TYPE with ncclInt8 (0) is COUNT bytes a rank; ncclFloat32 (7) four times that.
 	steps := []string{"init", "gather:99:0", "gather:100:0", "gather:65536:0", "gather:65537:0", "gather:25:7",
 		"gather:16384:7", "gather:16385:7", "gather:5:0:inplace", "gather:4096:0:inplace", "group:1000:0", "destroy"}
@@ -89,7 +89,7 @@ func TestInterceptedGathersTakeThePathExactlyWithinTheWindow(t *testing.T) {
 // The 511/512 KiB rule end to end: the ranks' caps differ, both use the smaller exactly.
 func TestInterceptedGatherCapIsTheSmallerOnBothRanks511And512KiB(t *testing.T) {
 	f := fixtures(t)
-	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib, "ROCE_GATHER_CHUNK_BYTES=64K")
+	j := newJob(t, f.caller, engineEnv(f, "ROCE_GATHER_CHUNK_BYTES=64K")...)
 	j.rankEnv = func(rank int) []string {
 		return []string{fmt.Sprintf("ROCE_GATHER_MAX_BYTES=%d", []int{511 << 10, 512 << 10}[rank])}
 	}
@@ -109,7 +109,7 @@ func TestInterceptedGatherCapIsTheSmallerOnBothRanks511And512KiB(t *testing.T) {
 // ranks give every gather to NCCL, saying why.
 func TestOneRankDisabledKeepsEveryGatherOnNCCLOnBoth(t *testing.T) {
 	f := fixtures(t)
-	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib)
+	j := newJob(t, f.caller, engineEnv(f)...)
 	j.rankEnv = func(rank int) []string { return []string{fmt.Sprintf("ROCE_GATHER_ENABLE=%d", 1-rank)} }
 	runs := j.run2(t, "init", "gather:16:0", "gather:4096:0", "destroy")
 	for _, r := range runs {
@@ -136,7 +136,7 @@ func TestPairsClosingRightAfterTheirLastGatherLoseNothing(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib)
+			j := newJob(t, f.caller, engineEnv(f)...)
 			results[i] = j.run2(t, "init", "gather:10:7", "gather:1000:2", "gather:5000:0", "gather:70000:0", "gather:10:7",
 				"gather:1000:2", "destroy")
 		}()
@@ -172,7 +172,7 @@ func failedGather(t *testing.T, r run, within time.Duration) {
 // once the other has its row: a gather can end on one rank before its own data has left.
 func TestPeerKilledMidGatherFailsTheGatherWithoutARow(t *testing.T) {
 	f := fixtures(t)
-	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib, "NCCL_DEBUG=WARN")
+	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN")...)
 	j.args = func(rank int) []string {
 		if rank == 1 {
 			return []string{"init", "gather:16:0", "allreduce:4", "sleepms:300", "die"}
@@ -192,7 +192,7 @@ func TestPeerKilledMidGatherFailsTheGatherWithoutARow(t *testing.T) {
 // A peer that stays alive but never joins the gather: the wait ends at the deadline.
 func TestPeerThatNeverJoinsTimesOutAtTheDeadline(t *testing.T) {
 	f := fixtures(t)
-	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib, "NCCL_DEBUG=WARN", "ROCE_GATHER_TIMEOUT_MS=800")
+	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN", "ROCE_GATHER_TIMEOUT_MS=800")...)
 	j.args = func(rank int) []string {
 		if rank == 1 {
 			return []string{"init", "gather:16:0", "sleepms:2500", "destroy"}
@@ -212,7 +212,7 @@ func TestPeerThatNeverJoinsTimesOutAtTheDeadline(t *testing.T) {
 // first gather's data has left, as in the killed peer's test.
 func TestSilentPeerFailsTheGatherWithinTheDeadline(t *testing.T) {
 	f := fixtures(t)
-	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib, "NCCL_DEBUG=WARN", "ROCE_GATHER_TIMEOUT_MS=1500")
+	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN", "ROCE_GATHER_TIMEOUT_MS=1500")...)
 	j.args = func(rank int) []string {
 		if rank == 1 {
 			return []string{"init", "gather:16:0", "allreduce:4", "stop"}
@@ -256,7 +256,7 @@ func killStopped(t *testing.T, j *job) {
 // row, and the abort returns promptly.
 func TestAbortInFlightEndsTheWaitingGather(t *testing.T) {
 	f := fixtures(t)
-	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib, "NCCL_DEBUG=WARN")
+	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN")...)
 	j.args = func(rank int) []string {
 		if rank == 1 {
 			return []string{"init", "gather:16:0", "sleepms:5000", "destroy"}
@@ -281,7 +281,7 @@ func TestAbortInFlightEndsTheWaitingGather(t *testing.T) {
 // the gather, then stops it, and returns.
 func TestDestroyInFlightReturnsWithinTwiceTheDeadline(t *testing.T) {
 	f := fixtures(t)
-	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib, "NCCL_DEBUG=WARN", "ROCE_GATHER_TIMEOUT_MS=700")
+	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN", "ROCE_GATHER_TIMEOUT_MS=700")...)
 	j.args = func(rank int) []string {
 		if rank == 1 {
 			return []string{"init", "gather:16:0", "sleepms:6000", "destroy"}
@@ -299,4 +299,83 @@ func TestDestroyInFlightReturnsWithinTwiceTheDeadline(t *testing.T) {
 	// The deadline (0.7 s) for the gather, then as long again once its wait is stopped; well
 	// before the 6 s the peer sleeps.
 	require.Less(t, d[0]["ms"].(float64), 5000.0)
+}
+
+// engineEnv loads the library under test with NCCL_NET_PLUGIN; RG_TEST_ONESHOT_LIB names
+// another build of it (make test-asan's, built with AddressSanitizer, whose runtime
+// RG_TEST_PRELOAD puts first in every process of the job).
+func engineEnv(f fixture, env ...string) []string {
+	lib := f.lib
+	if l := os.Getenv("RG_TEST_ONESHOT_LIB"); l != "" {
+		lib = l
+	}
+	env = append([]string{"NCCL_NET_PLUGIN=" + lib}, env...)
+	if p := os.Getenv("RG_TEST_PRELOAD"); p != "" {
+		env = append(env, "LD_PRELOAD="+p, "ASAN_OPTIONS=detect_leaks=0:abort_on_error=0:exitcode=97")
+	}
+	return env
+}
+
+// Ranks whose gathers of one sequence differ in size fail that gather on both ranks, with
+// one WARN each naming both ranks' calls; no row is written, ncclCommGetAsyncError reports
+// ncclInvalidUsage, the next call returns it, and close reads the kept error safely.
+func TestRanksWhoseGathersDifferFailOnBothWithOneWarnNamingBoth(t *testing.T) {
+	f := fixtures(t)
+	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN")...)
+	j.args = func(rank int) []string {
+		return []string{"init", "gather:1024:0", fmt.Sprintf("gather:%d:0", 4096<<rank), "asyncerr", "gather:16:0", "asyncerr", "destroy"}
+	}
+	runs := j.run2(t)
+	for _, r := range runs {
+		require.Equal(t, 0, r.code, "rank %d:\n%s", r.rank, r.stderr)
+		g := r.steps("gather")
+		require.Len(t, g, 3)
+		require.Equal(t, 0, g[0].num("result"))
+		require.Equal(t, 0, g[0].num("wrong_bytes"))
+		require.Equal(t, 0, g[1].num("result"), "the failure is asynchronous, as a kernel's: %v", g[1])
+		require.Equal(t, 1, g[1].num("rows_unwritten"), "rank %d: a refused gather writes no row: %v", r.rank, g[1])
+		require.Equal(t, 5, g[2].num("result"), "rank %d: the next call returns ncclInvalidUsage", r.rank)
+		for _, a := range r.steps("asyncerr") {
+			require.Equal(t, 5, a.num("reported"))
+		}
+		require.Equal(t, 0, r.steps("destroy")[0].num("result"))
+		this := [2]string{"announced", "announced"}
+		this[r.rank] = `\(this rank\) has`
+		require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather of communicator 0x[0-9a-f]+ with rank `+fmt.Sprint(1-r.rank)+
+			` \(127\.0\.0\.1:\d+\) failed at sequence 2: the ranks' calls differ: rank 0 `+this[0]+` sequence 2, call 2: an all-gather `+
+			`of 4096 bytes a rank in 1 chunk of \d+ bytes; rank 1 `+this[1]+` sequence 2, call 2: an all-gather of 8192 bytes a rank `+
+			`in 1 chunk of \d+ bytes; no row is written\n`, r.stderr)
+		require.Equal(t, 1, strings.Count(r.stderr, "one-shot gather of communicator"), r.stderr)
+		require.Equal(t, 1, readIntercepted(t, r.stats).Errors)
+	}
+}
+
+// ncclCommAbort on one rank while its gather waits for a lagging peer: the gather's data
+// left before the abort, so the peer's matching gather completes on it, whole; the peer's
+// next gather fails at once with one WARN naming the abort, and no row.
+func TestPeerAbortedWhileAGatherWaitedFailsThePeersLaterGatherNamingTheAbort(t *testing.T) {
+	f := fixtures(t)
+	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN")...)
+	j.args = func(rank int) []string {
+		if rank == 0 {
+			return []string{"init", "gather:16:0", "abortafter:300", "gather:4096:0", "join"}
+		}
+		return []string{"init", "gather:16:0", "sleepms:1500", "gather:4096:0", "gather:4096:0", "asyncerr", "destroy"}
+	}
+	runs := j.run2(t)
+	require.Equal(t, 0, runs[0].code, runs[0].stderr)
+	require.Equal(t, 1, runs[0].steps("gather")[1].num("rows_unwritten"))
+	r := runs[1]
+	require.Equal(t, 0, r.code, r.stderr)
+	g := r.steps("gather")
+	require.Len(t, g, 3)
+	require.Equal(t, 0, g[1].num("result"))
+	require.Equal(t, 0, g[1].num("wrong_bytes"), "rank 0's data of sequence 2 left before its abort: %v", g[1])
+	require.Equal(t, 0, g[1].num("rows_unwritten"), "%v", g[1])
+	require.Equal(t, 1, g[2].num("rows_unwritten"), "%v", g[2])
+	require.Less(t, g[2]["ms"].(float64), 5000.0, "it fails at once, not at the 30 s deadline")
+	require.Equal(t, 6, r.steps("asyncerr")[0].num("reported"))
+	require.Regexp(t, `NCCL WARN NET/roce_gather : one-shot gather of communicator 0x[0-9a-f]+ with rank 0 \(127\.0\.0\.1:\d+\) `+
+		`failed at sequence 3: the peer stopped: rank 0 \(127\.0\.0\.1:\d+\) aborted its communicator \(ncclCommAbort\) after sequence 2\n`, r.stderr)
+	require.Equal(t, 1, strings.Count(r.stderr, "one-shot gather of communicator"), r.stderr)
 }
