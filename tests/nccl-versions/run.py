@@ -28,7 +28,7 @@ it must see, and two-rank gathers within its window take the intercepted path.
 Judged per case: the exit status, every byte (CASE lines), and, for the gathers, both ranks'
 ROCE_GATHER_STATS against the gathers each rank made (tests/gpu/common.py's ledger and
 intercept_check): every gather within the window intercepted, none outside it, the way in
-"rebound"; the abort's rank 0 must have gathered on the intercepted path before the death.
+"hooked"; the abort's rank 0 must have gathered on the intercepted path before the death.
 Recorded per release: the net table version NCCL initialised, NCCL's own lines about its
 plugins, the library's WARN lines. Writes OUTDIR/matrix.json and OUTDIR/matrix.md; the logs
 stay under WORK (or --work).
@@ -170,7 +170,7 @@ def path_of(stats, logs, win):
     the launches are exactly those of the first communicator (a re-created one's went to NCCL)."""
     out = {"intercepted": True, "launches": [], "forwarded": [], "failures": [], "first_only": False}
     for r in (0, 1):
-        F, _ = common.intercept_check(stats[r], ledger_of(logs[r]), win, "rebound")
+        F, _ = common.intercept_check(stats[r], ledger_of(logs[r]), win, "hooked")
         b = common.stats_brief(stats[r]) or {}
         out["launches"].append(b.get("launches"))
         out["forwarded"].append(b.get("forwarded"))

@@ -88,7 +88,7 @@ type row struct {
 
 // Each modelled release through every case, the real library loaded by NCCL_NET_PLUGIN alone:
 // the net table's version read from NCCL's line, the library's interceptor bound to the
-// programs' slots (way in "rebound") and handing every gather to NCCL (the stand-in CUDA loads
+// programs' calls (way in "hooked") and handing every gather to NCCL (the stand-in CUDA loads
 // no kernel), which the stats show and the verdict says; byte-exact gathers and p2p; the abort
 // timeline; the re-created communicator made after NCCL's unload forgot the plugin's name
 // (2.27 with NCCL_NET_PLUGIN_REF_COUNT=0, 2.28 without it) on NCCL's internal network, its
@@ -199,7 +199,7 @@ func TestRunPyJudgesThePath(t *testing.T) {
 		"refcount1 does not mend": "fails: recreate: the second communicator's gathers went to NCCL; recreate-refcount1: " +
 			"the second communicator's gathers went to NCCL",
 		"abort off the path": "fails: abort: rank 0's gathers took NCCL's path, so no abort of the intercepted path was tested",
-		"another way in":     "the intercepted path was not taken: rank 0: interceptor.way_in='preempting', expected 'rebound' (NCCL_NET_PLUGIN alone)",
+		"another way in":     "the intercepted path was not taken: rank 0: interceptor.way_in='preempting', expected 'hooked' (NCCL's entries hooked: every caller reaches the library)",
 		"another net":        "unexpected: NCCL initialised net v12; its source asks first for v11",
 	}, got.Verdicts)
 	require.Contains(t, got.MD, "| 2.30.7 | built | v12 | pass (174/174) | yes, both ranks: 162 intercepted, 12 to NCCL (rank 0) | "+

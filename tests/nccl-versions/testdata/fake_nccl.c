@@ -261,9 +261,10 @@ int pncclAllGather(const void* send, void* recv, size_t n, int type, comm_t c, v
 }
 
 /* Point to point: the ops of a group are exchanged at its end, the k-th receive taking
- * the peer's k-th send. */
+ * the peer's k-th send; a group whose ops all name this rank (a self send/receive, as the
+ * library's group probe issues) is copied in place without the peer, as NCCL does. */
 static struct {
-  int depth, nsend, nrecv;
+  int depth, nsend, nrecv, nself;
   const void* sbuf[MAX_OPS];
   size_t sn[MAX_OPS];
   void* rbuf[MAX_OPS];
@@ -274,7 +275,10 @@ static struct {
 static int flush_group(void) {
   comm_t c = grp.comm;
   int rc = ncclSuccess;
-  if (c) {
+  if (c && grp.nself == grp.nsend + grp.nrecv) {
+    for (int k = 0; k < grp.nrecv && k < grp.nsend; k++)
+      memmove(grp.rbuf[k], grp.sbuf[k], grp.sn[k] < grp.rn[k] ? grp.sn[k] : grp.rn[k]);
+  } else if (c) {
     size_t off = 0;
     for (int k = 0; k < grp.nsend; k++) {
       memcpy(c->data + (size_t)c->rank * SLOT + off, grp.sbuf[k], grp.sn[k]);
@@ -292,7 +296,7 @@ static int flush_group(void) {
     }
     if (rc == ncclSuccess) rc = barrier(c);
   }
-  grp.nsend = grp.nrecv = 0;
+  grp.nsend = grp.nrecv = grp.nself = 0;
   grp.comm = NULL;
   return rc;
 }
@@ -309,9 +313,9 @@ int pncclGroupEnd(void) {
 
 int pncclSend(const void* buf, size_t n, int type, int peer, comm_t c, void* stream) {
   (void)type;
-  (void)peer;
   (void)stream;
   if (grp.nsend == MAX_OPS) return ncclInvalidUsage;
+  grp.nself += peer == c->rank;
   grp.comm = c;
   grp.sbuf[grp.nsend] = buf;
   grp.sn[grp.nsend++] = n;
@@ -320,9 +324,9 @@ int pncclSend(const void* buf, size_t n, int type, int peer, comm_t c, void* str
 
 int pncclRecv(void* buf, size_t n, int type, int peer, comm_t c, void* stream) {
   (void)type;
-  (void)peer;
   (void)stream;
   if (grp.nrecv == MAX_OPS) return ncclInvalidUsage;
+  grp.nself += peer == c->rank;
   grp.comm = c;
   grp.rbuf[grp.nrecv] = buf;
   grp.rn[grp.nrecv++] = n;

@@ -21,7 +21,7 @@ def log(v, net, cases, tail=""):
     return run.parse_log(text + f"CASES {len(cases)} FAILED {sum(not ok for *_, ok in cases)}\n" + tail + "FINALIZED\n")
 
 
-def counted(lg, only=None, way_in="rebound"):
+def counted(lg, only=None, way_in="hooked"):
     """The stats of a library whose every in-window gather (of communicator only) took the path."""
     e = common.intercept_expectation(run.ledger_of(lg, only)["calls"], WIN, True)
     return {"intercepted": {"launches": e["launches"], "launch_bytes": e["launch_bytes"], "gathers": e["gathers"],
