@@ -56,11 +56,13 @@ RG_OS_FN static void rg_os_store_announce(volatile rg_os_announce* dst, const rg
 }
 
 /* Whether the peer's announcement of parity, which its lane 0 flag has just shown to be
- * whole, names this call; if not, it is kept for the report. */
+ * whole, names this call; if not, it is kept for the report. Plain loads, not volatile ones:
+ * the acquire load of that flag orders them after it, nothing rewrites the announcement until
+ * this call is done, and the device may issue them at once instead of one round trip over
+ * PCIe after another (the call waits on them). */
 RG_OS_FN static int rg_os_peer_agrees(const rg_os_args* a, rg_u64 seq, rg_u32 parity) {
-  rg_os_announce mine, peer;
+  rg_os_announce mine, peer = a->ctrl->announce[parity].a;
   rg_os_my_call(a, seq, &mine);
-  rg_os_load_announce(&a->ctrl->announce[parity].a, &peer);
   if (rg_os_same_call(&mine, &peer)) return 1;
   rg_os_store_announce(&a->dev->peer_seen, &peer);
   return 0;
