@@ -7,6 +7,7 @@
 #include "_cgo_export.h"
 #include "abi.h"
 #include "bind.h"
+#include "gothread.h"
 
 #define CTX_MAGIC 0x58544347u /* "GCTX" */
 
@@ -17,6 +18,7 @@ typedef struct rg_net_ctx {
 
 static ncclResult_t init(const void* caller, ncclDebugLogger_t log, int abi) {
   rg_bind_from_nccl(caller, log);
+  rg_enter_go();
   rgGoNetInit(abi);
   return ncclSuccess;
 }

@@ -12,6 +12,7 @@
 #include "../internal/cudadrv/cudadrv.h"
 #include "../internal/nlog/nlog.h"
 #include "../roce/gather/oneshot.h"
+#include "gothread.h"
 #include "../roce/gather/stats.h"
 #include "_cgo_export.h"
 #include "bind.h"
@@ -116,7 +117,10 @@ static rg_icomm* insert(ncclComm_t comm, int nranks, int rank, int device, int b
       RG_WARN("more than %d communicators at once: the gathers of the others take NCCL's path", SLOTS);
   }
   pthread_mutex_unlock(&table_mu);
-  if (c != NULL && !atomic_exchange(&seen_any, 1)) rgGoInterceptFirstComm();
+  if (c != NULL && !atomic_exchange(&seen_any, 1)) {
+    rg_enter_go();
+    rgGoInterceptFirstComm();
+  }
   return c;
 }
 
@@ -200,6 +204,7 @@ static int settle(rg_icomm* c, cudaStream_t stream, int group_ended) {
             "ranks agree without it", (void*)c->comm, why);
   rg_oneshot_agreed a;
   memset(&a, 0, sizeof(a));
+  rg_enter_go();
   rgGoOneShotAgree(c->comm, c->rank, c->device, cu == NULL, &c->kept, &a);
   c->engine = a.engine;
   c->floor = a.floor;
@@ -293,6 +298,7 @@ void rg_oneshot_comm_closing(ncclComm_t comm, int abort) {
   /* A communicator being closed never agrees, at a group's end or later. */
   if (atomic_load(&c->state) == RG_IC_PENDING) atomic_store(&c->state, RG_IC_OFF);
   if (atomic_load(&c->state) == RG_IC_ON && c->engine != NULL) {
+    rg_enter_go();
     rgGoOneShotClose(c->engine, abort);
     /* What the engine said stays the communicator's answer until NCCL forgets it: the kept
      * error is the communicator's, never the freed engine's. */
@@ -319,7 +325,10 @@ void rg_oneshot_comm_gone(ncclComm_t comm) {
   pthread_mutex_unlock(&table_mu);
   if (gone == NULL) return;
   pthread_mutex_lock(&gone->mu);
-  if (gone->engine != NULL) rgGoOneShotClose(gone->engine, 1); /* destroyed without finalize or abort first */
+  if (gone->engine != NULL) { /* destroyed without finalize or abort first */
+    rg_enter_go();
+    rgGoOneShotClose(gone->engine, 1);
+  }
   rg_probe_release(gone->probes); /* NCCL has let go of them with the communicator */
   pthread_mutex_unlock(&gone->mu);
   pthread_mutex_destroy(&gone->mu);

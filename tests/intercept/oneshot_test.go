@@ -379,3 +379,26 @@ func TestPeerAbortedWhileAGatherWaitedFailsThePeersLaterGatherNamingTheAbort(t *
 		`failed at sequence 3: the peer stopped: rank 0 \(127\.0\.0\.1:\d+\) aborted its communicator \(ncclCommAbort\) after sequence 2\n`, r.stderr)
 	require.Equal(t, 1, strings.Count(r.stderr, "one-shot gather of communicator"), r.stderr)
 }
+
+// A host thread whose signal stack Go adopted at its first call into the library, then lost
+// (Python's faulthandler restores "none" at interpreter shutdown, and frees its stack), still
+// enters Go safely: a signal reaching Go code there would otherwise abort the process ("non-Go
+// code disabled sigaltstack"). SIGURG, Go's preemption signal, every 20 us while the second
+// communicator agrees (Go code on the caller's thread) and both are destroyed; the storm
+// starts after the stand-in NCCL's own rendezvous, which is not what is tested.
+func TestAThreadThatLostItsSignalStackStillEntersGo(t *testing.T) {
+	f := fixtures(t)
+	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN")...)
+	j.args = func(rank int) []string {
+		return []string{"altstack", "init", "gather:256:0", "init", "dropaltstack", "urgstorm:2000", "gather:256:0",
+			"gather:4096:0", "destroy", "prevdestroy"}
+	}
+	for _, r := range j.run2(t) {
+		require.Equal(t, 0, r.code, "rank %d:\n%s", r.rank, r.stderr)
+		require.NotContains(t, r.stderr, "sigaltstack")
+		for _, g := range r.steps("gather") {
+			require.Equal(t, 0, g.num("result"), "rank %d: %v\n%s", r.rank, g, r.stderr)
+		}
+		require.Len(t, r.steps("destroy"), 2)
+	}
+}

@@ -256,9 +256,23 @@ static ncclResult_t get_unique_id(ncclUniqueId* out) {
   return ncclSuccess;
 }
 
+/* poll of one descriptor for TIMEOUT_MS, the rest of it again after a signal (a Go runtime
+ * in the process sends them). */
+static int poll_one(struct pollfd* p) {
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (int left = TIMEOUT_MS;;) {
+    int r = poll(p, 1, left);
+    if (r >= 0 || errno != EINTR) return r;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    left = TIMEOUT_MS - (int)((t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000);
+    if (left <= 0) return 0;
+  }
+}
+
 static int wait_fd(int fd, short events) {
   struct pollfd p = {fd, events, 0};
-  return poll(&p, 1, TIMEOUT_MS) == 1 ? 0 : -1;
+  return poll_one(&p) == 1 ? 0 : -1;
 }
 
 /* Sends out and receives in, n bytes each way, at the same time (no deadlock on large n). */
@@ -266,7 +280,7 @@ static int exchange(int fd, const void* out, void* in, size_t n) {
   size_t sent = 0, got = 0;
   while (sent < n || got < n) {
     struct pollfd p = {fd, (short)((sent < n ? POLLOUT : 0) | (got < n ? POLLIN : 0)), 0};
-    if (poll(&p, 1, TIMEOUT_MS) != 1) return -1;
+    if (poll_one(&p) != 1) return -1;
     if (sent < n && (p.revents & POLLOUT)) {
       ssize_t k = send(fd, (const char*)out + sent, n - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (k < 0 && errno != EAGAIN && errno != EINTR) return -1;

@@ -26,7 +26,10 @@
  * via:lib, via:main, snap:LABEL (a copy of the ROCE_GATHER_STATS file as it is now), next:NAME
  * (the object where dlsym(RTLD_NEXT, NAME) from this object finds NAME: the next one after it),
  * bg:STEP (STEP on a second thread that lives as long as the program; the main thread waits
- * for it, and group depths are per thread as NCCL's are). */
+ * for it, and group depths are per thread as NCCL's are), altstack (a signal stack of this
+ * thread's own, as Python's faulthandler installs), dropaltstack (that stack taken away and
+ * freed, as faulthandler does at interpreter shutdown), urgstorm:MS (another thread sends this
+ * one SIGURG, Go's preemption signal, every 20 us for MS ms, while the next steps run). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
@@ -304,6 +307,50 @@ static void* later_main(void* arg) {
   return NULL;
 }
 
+/* altstack, dropaltstack, urgstorm:MS. */
+static void* own_stack;
+static pthread_t storm_target;
+static double storm_until;
+
+static void* storm_main(void* arg) {
+  (void)arg;
+  while (now_ms() < storm_until) {
+    pthread_kill(storm_target, SIGURG);
+    struct timespec ts = {0, 20000};
+    nanosleep(&ts, NULL);
+  }
+  return NULL;
+}
+
+static int signal_stack_step(caller_state* s, const char* step) {
+  int a = 0;
+  if (strcmp(step, "altstack") == 0) {
+    const size_t n = 1 << 16;
+    own_stack = malloc(n);
+    stack_t st = {.ss_sp = own_stack, .ss_size = n, .ss_flags = 0};
+    out(s, step, sigaltstack(&st, NULL), "\"bytes\":%zu", n);
+    return 1;
+  }
+  if (strcmp(step, "dropaltstack") == 0) {
+    stack_t off = {.ss_sp = NULL, .ss_size = 0, .ss_flags = SS_DISABLE};
+    int r = sigaltstack(&off, NULL);
+    free(own_stack);
+    own_stack = NULL;
+    out(s, step, r, "\"disabled\":true");
+    return 1;
+  }
+  if (sscanf(step, "urgstorm:%d", &a) == 1) {
+    pthread_t t;
+    storm_target = pthread_self();
+    storm_until = now_ms() + a;
+    pthread_create(&t, NULL, storm_main, NULL);
+    pthread_detach(t);
+    out(s, "urgstorm", 0, "\"ms\":%d", a);
+    return 1;
+  }
+  return 0;
+}
+
 /* Runs one NCCL step; returns 1 if it knew the step. */
 static int nccl_step(caller_state* s, const char* step) {
   size_t count = 0;
@@ -481,7 +528,9 @@ static int entry_step(caller_state* s, const char* step) {
 
 #ifdef CALLER_LIBRARY
 /* The executable runs NCCL steps through here after "via:lib". */
-int caller_step(caller_state* s, const char* step) { return nccl_step(s, step) || entry_step(s, step); }
+int caller_step(caller_state* s, const char* step) {
+  return nccl_step(s, step) || entry_step(s, step) || signal_stack_step(s, step);
+}
 #else
 
 typedef int (*step_fn)(caller_state*, const char*);
@@ -505,7 +554,7 @@ static int nlibs, via = -1; /* the library NCCL steps go through; -1: this execu
 static int run_step(caller_state* s, const char* step) {
   if (via >= 0) return libs[via](s, step);
 #ifndef CALLER_NO_NCCL
-  return nccl_step(s, step) || entry_step(s, step);
+  return nccl_step(s, step) || entry_step(s, step) || signal_stack_step(s, step);
 #else
   return 0;
 #endif
