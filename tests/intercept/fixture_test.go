@@ -19,6 +19,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/roce-gather/roce_gather/internal/testtarget"
 )
 
 // fixture is everything the tests build once: three stand-in NCCLs, the callers, and the
@@ -69,16 +71,17 @@ func gcc(out string, args ...string) error {
 	if err := os.MkdirAll(filepath.Dir(out), 0o755); err != nil {
 		return err
 	}
-	cmd := exec.Command("gcc", append([]string{"-O1", "-g", "-Wall", "-Wextra", "-Werror", "-I" + repo("include"), "-o", out}, args...)...)
+	cmd := testtarget.CCCommand(append([]string{"-O1", "-g", "-Wall", "-Wextra", "-Werror", "-I" + repo("include"), "-o", out}, args...)...)
 	if msg, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("gcc -o %s: %v\n%s", out, err, msg)
+		return fmt.Errorf("%s -o %s: %v\n%s", cmd.Args[0], out, err, msg)
 	}
 	return nil
 }
 
 func build() (fixture, error) {
 	var f fixture
-	f.lib, f.plugincheck = repo("build/libroce_gather.so"), repo("build/plugincheck")
+	built := testtarget.BuildDir(repo(""))
+	f.lib, f.plugincheck = filepath.Join(built, "libroce_gather.so"), filepath.Join(built, "plugincheck")
 	for _, p := range []string{f.lib, f.plugincheck} {
 		if _, err := os.Stat(p); err != nil {
 			return f, fmt.Errorf("%s is missing: build with `make` before `go test` (make test does both)", p)
@@ -251,6 +254,7 @@ type job struct {
 
 func newJob(t *testing.T, program string, env ...string) *job {
 	dir := t.TempDir()
+	env = testtarget.PreloadWithPlugin(env)
 	return &job{dir: dir, program: program, env: append(append(baseEnv(),
 		"FAKE_NCCL_LOG="+filepath.Join(dir, "nccl.jsonl"),
 		"ROCE_GATHER_BIND_REPORT="+filepath.Join(dir, "bind.jsonl")), env...)}
@@ -269,7 +273,7 @@ func (j *job) start(t *testing.T, ctx context.Context, rank int, steps []string)
 		args = append([]string{fmt.Sprint(rank), filepath.Join(j.dir, "id")}, j.args(rank)...)
 	}
 	stats := filepath.Join(j.dir, fmt.Sprintf("stats.%d", rank))
-	cmd := exec.CommandContext(ctx, j.program, args...)
+	cmd := testtarget.CommandContext(ctx, j.program, args...)
 	cmd.Env = append(append([]string{}, j.env...), "ROCE_GATHER_STATS="+stats)
 	if j.rankEnv != nil {
 		cmd.Env = append(cmd.Env, j.rankEnv(rank)...)
