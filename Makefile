@@ -148,15 +148,17 @@ test-all: test
 # binaries (go test -exec tests/arm64/exec); the two-process tests of the intercepted engine
 # (tests/intercept, Go on this machine starting aarch64 C children; internal/testtarget). An
 # aarch64 host runs all of it natively in make test, and this target there without qemu.
+# -trimpath: the test binaries' cgo objects name no folder, so a fresh clone (CI's) finds them
+# in the Go cache that another clone filled.
 ifeq ($(HOST_GOARCH),arm64)
 ARM64_OUT := $(BUILD)
 ARM64_CC := gcc
-ARM64_GOTEST := $(GO) test -count=1
+ARM64_GOTEST := $(GO) test -count=1 -trimpath
 ARM64_CHILD :=
 else
 ARM64_OUT := $(BUILD)/arm64
 ARM64_CC := aarch64-linux-gnu-gcc
-ARM64_GOTEST := GOARCH=arm64 CGO_ENABLED=1 CC=$(ARM64_CC) $(GO) test -count=1 -exec $(CURDIR)/tests/arm64/exec
+ARM64_GOTEST := GOARCH=arm64 CGO_ENABLED=1 CC=$(ARM64_CC) $(GO) test -count=1 -trimpath -exec $(CURDIR)/tests/arm64/exec
 # Started as qemu itself, not through tests/arm64/exec: a shell would be an x86-64 process
 # under the aarch64 LD_PRELOAD of the tests that set one.
 ARM64_CHILD := qemu-aarch64-static -L /usr/aarch64-linux-gnu
@@ -171,8 +173,8 @@ test-arm64: | $(if $(ARM64_CHILD),need-arm64 need-arm64-test)
 	$(MAKE) --no-print-directory GOARCH=arm64 CC=$(ARM64_CC) all wheel check
 	$(ARM64_GOTEST) ./plugin ./roce ./roce/gather ./kernels
 	$(ARM64_GOTEST) ./roce/verbs $(if $(ARM64_CHILD),-skip '^TestLane')
-	$(ARM64_INTERCEPT_ENV) $(GO) test -count=1 ./tests/intercept $(ARM64_INTERCEPT_RUN)
-	RG_TEST_BUILD=$(ARM64_OUT) RG_TEST_GOARCH=arm64 $(GO) test -count=1 ./tests/wheel
+	$(ARM64_INTERCEPT_ENV) $(GO) test -count=1 -trimpath ./tests/intercept $(ARM64_INTERCEPT_RUN)
+	RG_TEST_BUILD=$(ARM64_OUT) RG_TEST_GOARCH=arm64 $(GO) test -count=1 -trimpath ./tests/wheel
 
 # make test beside one busy loop a core (LOAD_LOOPS), LOAD_RUNS times in a row, as on a CI
 # machine other jobs share; the loops stop however it ends (tests/under-load.sh).
