@@ -3,28 +3,53 @@ GO ?= go
 CC ?= gcc
 BUILD := build
 DRIVER_CFLAGS := -O2 -g -std=gnu11 -Wall -Wextra -Werror -Iinclude
-LIB := $(BUILD)/libroce_gather.so
 
-.PHONY: all check test test-all test-asan test-load test-rxe vet fmt lint clean kernels-oneshot install wheel need-build need-wheel need-test need-rxe
-all: $(LIB) $(BUILD)/libnccl-net-roce_gather.so $(BUILD)/plugincheck $(BUILD)/plugincheck-driver $(BUILD)/plugincheck-rank $(BUILD)/abort-nccl $(BUILD)/gather-nccl
+# The machine the binaries are for: this one, or GOARCH=arm64 (CC=aarch64-linux-gnu-gcc, the
+# default for it) cross-built on x86-64, whose binaries go to build/arm64/ beside the native
+# ones and start here under qemu-user (tests/arm64/exec); the wheel lands in build/ either way.
+HOST_GOARCH := $(shell $(GO) env GOHOSTARCH)
+GOARCH ?= $(HOST_GOARCH)
+ifeq ($(GOARCH),$(HOST_GOARCH))
+OUT := $(BUILD)
+TARGET_EXEC :=
+else ifeq ($(GOARCH),arm64)
+OUT := $(BUILD)/arm64
+TARGET_EXEC := $(CURDIR)/tests/arm64/exec
+ifeq ($(origin CC),default)
+CC := aarch64-linux-gnu-gcc
+endif
+# go build turns cgo off when cross-compiling unless told; cgo takes the compiler from CC.
+export CGO_ENABLED := 1
+export CC GOARCH
+else
+$(error GOARCH=$(GOARCH): this Makefile builds for this machine ($(HOST_GOARCH)) or cross-builds GOARCH=arm64)
+endif
+LIB := $(OUT)/libroce_gather.so
+
+.PHONY: all check test test-all test-arm64 test-asan test-load test-rxe vet fmt lint clean kernels-oneshot install wheel need-build need-wheel need-test need-rxe need-arm64 need-arm64-test
+all: $(LIB) $(OUT)/libnccl-net-roce_gather.so $(OUT)/plugincheck $(OUT)/plugincheck-driver $(OUT)/plugincheck-rank $(OUT)/abort-nccl $(OUT)/gather-nccl
 
 GO_SOURCES := $(shell find . -name '*.go' -not -path './build/*') $(shell find . -name '*.[ch]' -not -path './build/*' -not -path './cmd/*') kernels/oneshot.ptx go.mod go.sum build/exports.map
 
 # What each kind of target needs from the system (build/setup.sh installs it): a missing
 # header or tool is named in one line, with the command that installs it, before anything runs.
-need-build need-wheel need-test need-rxe:
+# A cross build for aarch64 needs its compiler and C library as well (the arm64 group).
+need-build: $(if $(TARGET_EXEC),need-arm64)
+need-build need-wheel need-test need-rxe need-arm64 need-arm64-test:
 	@build/setup.sh --check $(@:need-%=%)
 
 $(LIB): $(GO_SOURCES) | need-build
+	@mkdir -p $(@D)
 	$(GO) build -buildmode=c-shared -trimpath \
 		-ldflags "-extldflags=-Wl,--version-script=$(CURDIR)/build/exports.map" -o $@ .
-	rm -f $(BUILD)/libroce_gather.h
+	rm -f $(OUT)/libroce_gather.h
 
 # NCCL_NET_PLUGIN=roce_gather finds the library under this name on the library path.
-$(BUILD)/libnccl-net-roce_gather.so: $(LIB)
+$(OUT)/libnccl-net-roce_gather.so: $(LIB)
 	ln -sf libroce_gather.so $@
 
-$(BUILD)/plugincheck: $(GO_SOURCES) | need-build
+$(OUT)/plugincheck: $(GO_SOURCES) | need-build
+	@mkdir -p $(@D)
 	$(GO) build -trimpath -o $@ ./cmd/plugincheck
 
 # plugincheck's C programs (cmd/plugincheck/driver): the ABI driver, which loads the library
@@ -34,15 +59,17 @@ PC_C := cmd/plugincheck/driver
 PC_H := $(wildcard $(PC_C)/*.h) $(wildcard include/nccl/*.h)
 DRIVER_SRC := $(addprefix $(PC_C)/,driver.c abi.c lifecycle.c util.c)
 RANK_SRC := $(addprefix $(PC_C)/,rank.c bench.c load.c floor_tcp.c floor_verbs.c util.c)
-$(BUILD)/plugincheck-driver: $(DRIVER_SRC) $(PC_H) | need-build
+$(OUT)/plugincheck-driver: $(DRIVER_SRC) $(PC_H) | need-build
+	@mkdir -p $(@D)
 	$(CC) $(DRIVER_CFLAGS) -o $@ $(DRIVER_SRC) -ldl -lpthread
 
 # Its own soname, so that it is never taken for a real libnccl.
-$(BUILD)/libnccl-standin.so: cmd/plugincheck/standin/nccl.c $(wildcard include/nccl/*.h) | need-build
+$(OUT)/libnccl-standin.so: cmd/plugincheck/standin/nccl.c $(wildcard include/nccl/*.h) | need-build
+	@mkdir -p $(@D)
 	$(CC) $(DRIVER_CFLAGS) -shared -fPIC -DFAKE_NAME='"standin"' -Wl,-soname,libnccl-standin.so -o $@ $< -ldl -lpthread
 
-$(BUILD)/plugincheck-rank: $(RANK_SRC) $(PC_H) $(BUILD)/libnccl-standin.so | need-build
-	$(CC) $(DRIVER_CFLAGS) -o $@ $(RANK_SRC) -L$(BUILD) -l:libnccl-standin.so -Wl,--enable-new-dtags,-rpath,'$$ORIGIN' \
+$(OUT)/plugincheck-rank: $(RANK_SRC) $(PC_H) $(OUT)/libnccl-standin.so | need-build
+	$(CC) $(DRIVER_CFLAGS) -o $@ $(RANK_SRC) -L$(OUT) -l:libnccl-standin.so -Wl,--enable-new-dtags,-rpath,'$$ORIGIN' \
 		-ldl -lpthread
 
 # NCCL through its C API for tests/gpu and tests/nccl-versions: gathers with no framework
@@ -50,14 +77,14 @@ $(BUILD)/plugincheck-rank: $(RANK_SRC) $(PC_H) $(BUILD)/libnccl-standin.so | nee
 # program is (each call through the program's own relocation slot, which the library rebinds),
 # against a stand-in libnccl.so.2 that serves the link only (tests/gpu/nccl_stub.c; clean's
 # lib* removes it); at run time the library path gives NCCL's own.
-NCCL_STUB := $(BUILD)/libnccl-stub/libnccl.so
+NCCL_STUB := $(OUT)/libnccl-stub/libnccl.so
 NCCL_MIN := tests/gpu/nccl_min.c internal/cudadrv/cudadrv.c
 NCCL_MIN_H := tests/gpu/nccl_min.h tests/gpu/nccl_api.h include/nccl/api.h include/nccl/common.h \
 	internal/cudadrv/cudadrv.h include/cuda_subset.h
 $(NCCL_STUB): tests/gpu/nccl_stub.c tests/gpu/nccl_api.h include/nccl/api.h include/nccl/common.h | need-build
 	mkdir -p $(@D)
 	$(CC) $(DRIVER_CFLAGS) -shared -fPIC -Wl,-soname,libnccl.so.2 -o $@ $<
-$(BUILD)/abort-nccl $(BUILD)/gather-nccl: $(BUILD)/%-nccl: tests/gpu/%_nccl.c $(NCCL_MIN) $(NCCL_MIN_H) $(NCCL_STUB) | need-build
+$(OUT)/abort-nccl $(OUT)/gather-nccl: $(OUT)/%-nccl: tests/gpu/%_nccl.c $(NCCL_MIN) $(NCCL_MIN_H) $(NCCL_STUB) | need-build
 	$(CC) $(DRIVER_CFLAGS) -o $@ $< $(NCCL_MIN) -L$(dir $(NCCL_STUB)) -lnccl -ldl -lpthread
 
 # Rebuilds the embedded PTX of the intercepted gather's kernel with clang's CUDA mode, which
@@ -83,23 +110,30 @@ kernels-oneshot:
 # bin/, and what only plugincheck runs in libexec/roce_gather/: its driver, its rank program
 # and the stand-in NCCL beside it. plugincheck finds them all from where it is installed.
 PREFIX ?= /usr/local
-PC_LIBEXEC := $(BUILD)/plugincheck-driver $(BUILD)/plugincheck-rank $(BUILD)/libnccl-standin.so
-install: $(LIB) $(BUILD)/plugincheck $(PC_LIBEXEC)
+PC_LIBEXEC := $(OUT)/plugincheck-driver $(OUT)/plugincheck-rank $(OUT)/libnccl-standin.so
+install: $(LIB) $(OUT)/plugincheck $(PC_LIBEXEC)
 	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/libexec/roce_gather
 	install -m 755 $(LIB) $(DESTDIR)$(PREFIX)/lib/libroce_gather.so
 	ln -sf libroce_gather.so $(DESTDIR)$(PREFIX)/lib/libnccl-net-roce_gather.so
-	install -m 755 $(BUILD)/plugincheck $(DESTDIR)$(PREFIX)/bin/plugincheck
+	install -m 755 $(OUT)/plugincheck $(DESTDIR)$(PREFIX)/bin/plugincheck
 	install -m 755 $(PC_LIBEXEC) $(DESTDIR)$(PREFIX)/libexec/roce_gather/
 
-# make wheel: build/roce_gather-VERSION-py3-none-linux_x86_64.whl, the library (both names),
-# plugincheck and what it runs in make install's layout inside the Python package python/roce_gather
-# (build/wheel.py says why that tag). pip install it; python -m roce_gather check checks it.
-wheel: $(LIB) $(BUILD)/plugincheck $(PC_LIBEXEC) | need-wheel
-	python3 build/wheel.py --build $(BUILD) --out $(BUILD)
+# make wheel: build/roce_gather-VERSION-py3-none-linux_x86_64.whl (linux_aarch64 for GOARCH=arm64),
+# the library (both names), plugincheck and what it runs in make install's layout inside the Python
+# package python/roce_gather (build/wheel.py says why that tag, and checks that every binary is
+# for that machine). pip install it; python -m roce_gather check checks it.
+wheel: $(LIB) $(OUT)/plugincheck $(PC_LIBEXEC) | need-wheel
+	python3 build/wheel.py --build $(OUT) --out $(BUILD) --arch $(GOARCH)
 
-# Builds the library and runs plugincheck's main job: the ABI check.
-check: all
-	$(BUILD)/plugincheck abi
+# Builds the library and runs plugincheck's main job: the ABI check. Cross-built, plugincheck
+# and the driver it starts run under qemu-user (the driver through a two-line script, since
+# an emulated program starts every child natively).
+check: all $(if $(TARGET_EXEC),$(OUT)/plugincheck-driver.emulated)
+	$(TARGET_EXEC) $(OUT)/plugincheck abi $(if $(TARGET_EXEC),--driver $(OUT)/plugincheck-driver.emulated)
+
+$(OUT)/plugincheck-driver.emulated: $(OUT)/plugincheck-driver
+	printf '#!/bin/sh\nexec %s %s "$$@"\n' '$(TARGET_EXEC)' '$(CURDIR)/$<' >$@
+	chmod +x $@
 
 vet:
 	$(GO) vet ./...
@@ -121,6 +155,7 @@ test: all lint wheel | need-test
 # the soft-RoCE guest.
 test-all: test
 	$(MAKE) test-asan
+	$(if $(filter arm64,$(HOST_GOARCH)),,$(MAKE) test-arm64)
 	$(MAKE) test-rxe
 
 # The one-shot engine's host tests under AddressSanitizer (gcc's libasan, which gcc brings):
@@ -136,6 +171,37 @@ test-asan: all | need-test
 	$(GO) test -asan -count=1 -run '^(TestInterceptedGather|TestForeignConnections)' ./roce/gather/
 	RG_TEST_ONESHOT_LIB=$(CURDIR)/$(ASAN_LIB) RG_TEST_PRELOAD=$$($(CC) -print-file-name=libasan.so) \
 		$(GO) test -count=1 -run '$(ONESHOT_INTERCEPT_TESTS)' ./tests/intercept/
+
+# make test-arm64: the aarch64 build and the aarch64 host tests, on x86-64 under qemu-user
+# (tests/arm64/README.md says what each costs and why these): the cross build, the aarch64
+# wheel and the ABI check; the Go unit tests of the packages that carry logic, as aarch64 test
+# binaries (go test -exec tests/arm64/exec); the two-process tests of the intercepted engine
+# (tests/intercept, Go on this machine starting aarch64 C children; internal/testtarget). An
+# aarch64 host runs all of it natively in make test, and this target there without qemu.
+# -trimpath: the test binaries' cgo objects name no folder, so a fresh clone (CI's) finds them
+# in the Go cache that another clone filled.
+ifeq ($(HOST_GOARCH),arm64)
+ARM64_OUT := $(BUILD)
+ARM64_CC := gcc
+ARM64_GOTEST := $(GO) test -count=1 -trimpath
+ARM64_CHILD :=
+else
+ARM64_OUT := $(BUILD)/arm64
+ARM64_CC := aarch64-linux-gnu-gcc
+ARM64_GOTEST := GOARCH=arm64 CGO_ENABLED=1 CC=$(ARM64_CC) $(GO) test -count=1 -trimpath -exec $(CURDIR)/tests/arm64/exec
+# Started as qemu itself, not through tests/arm64/exec: a shell would be an x86-64 process
+# under the aarch64 LD_PRELOAD of the tests that set one.
+ARM64_CHILD := qemu-aarch64-static -L /usr/aarch64-linux-gnu
+endif
+ARM64_INTERCEPT_ENV := RG_TEST_CC=$(ARM64_CC) RG_TEST_EXEC="$(ARM64_CHILD)" RG_TEST_BUILD=$(ARM64_OUT) RG_TEST_GOARCH=arm64
+# roce/verbs' lane tests load libibverbs.so.1, which Debian has for aarch64 only in a multiarch
+# install (dpkg --add-architecture), which this target does not make.
+test-arm64: | $(if $(ARM64_CHILD),need-arm64 need-arm64-test)
+	$(MAKE) --no-print-directory GOARCH=arm64 CC=$(ARM64_CC) all wheel check
+	$(ARM64_GOTEST) ./plugin ./roce ./roce/gather ./kernels
+	$(ARM64_GOTEST) ./roce/verbs $(if $(ARM64_CHILD),-skip '^TestLane')
+	$(ARM64_INTERCEPT_ENV) $(GO) test -count=1 -trimpath ./tests/intercept
+	RG_TEST_BUILD=$(ARM64_OUT) RG_TEST_GOARCH=arm64 $(GO) test -count=1 -trimpath ./tests/wheel
 
 # make test beside one busy loop a core (LOAD_LOOPS), LOAD_RUNS times in a row, as on a CI
 # machine other jobs share; the loops stop however it ends (tests/under-load.sh).
@@ -155,5 +221,5 @@ test-rxe: all | need-rxe
 
 clean:
 	rm -rf $(BUILD)/lib* $(BUILD)/asan $(BUILD)/plugincheck* $(BUILD)/abort-nccl $(BUILD)/gather-nccl \
-		$(BUILD)/rxe.test $(BUILD)/verbs.test $(BUILD)/gather.test $(BUILD)/roce_gather-*.whl
+		$(BUILD)/rxe.test $(BUILD)/verbs.test $(BUILD)/gather.test $(BUILD)/roce_gather-*.whl $(BUILD)/arm64
 

@@ -7,7 +7,10 @@
 # usage: build/setup.sh                 install what any make target needs, then say so
 #        build/setup.sh --check GROUP...  only say what GROUP lacks (exit 1 when something does):
 #                                       build (make all), wheel (make wheel), test (make test),
-#                                       rxe (make test-rxe); the Makefile runs this before each
+#                                       rxe (make test-rxe), arm64 (make GOARCH=arm64: the cross
+#                                       build), arm64-test (make test-arm64: qemu-user); the
+#                                       Makefile runs this before each. An aarch64 host builds
+#                                       natively and needs neither arm64 group.
 set -eu
 
 # Each need: its group, the Debian package that provides it, and a probe that succeeds when it
@@ -33,6 +36,12 @@ test iproute2 ip:ip
 test clang-14 cmd:clang-14
 # xz unpacks the soft-RoCE guest's kernel (tests/rxe downloads the rest into its cache).
 rxe xz-utils cmd:xz
+# The aarch64 cross build: the compiler and the aarch64 C library (the verbs headers are the
+# build group's, which the cross compiler finds in /usr/include too).
+arm64 gcc-aarch64-linux-gnu cmd:aarch64-linux-gnu-gcc
+arm64 libc6-dev-arm64-cross file:/usr/aarch64-linux-gnu/include/stdio.h
+# qemu-user starts the aarch64 programs of make test-arm64 (no binfmt_misc is needed).
+arm64-test qemu-user-static cmd:qemu-aarch64-static
 "
 
 has_header() {
@@ -94,7 +103,11 @@ say_missing() {
   fi
 }
 
-ALL_GROUPS="build wheel test rxe"
+# make test-all runs the aarch64 tests under emulation where the host is not aarch64.
+case "$(uname -m)" in
+aarch64 | arm64) ALL_GROUPS="build wheel test rxe" ;;
+*) ALL_GROUPS="build wheel test rxe arm64 arm64-test" ;;
+esac
 
 if [ "${1:-}" = --check ]; then
   shift

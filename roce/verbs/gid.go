@@ -70,10 +70,14 @@ func (g GID) ipv4() bool {
 }
 
 // chooseGID picks the GID a RoCE port routes with. override >= 0 is the user's index
-// (ROCE_GATHER_GID_INDEX), taken as given if it holds an address; otherwise the first
-// IPv4-mapped RoCE v2 GID, else the first RoCE v2 GID of a routable IPv6 address, else
-// the first link-local one (fe80::/10 reaches only the same Ethernet segment; NCCL never
-// picks one). A zero GID is never chosen.
+// (ROCE_GATHER_GID_INDEX), taken as given if it holds an address; otherwise the RoCE v2 GID
+// of lowest index among, in this order: routable IPv4 addresses; link-local IPv4 ones
+// (169.254/16, which NVIDIA's two-Spark playbook has each ConnectX-7 port take by itself);
+// routable IPv6 ones; link-local IPv6 ones (fe80::/10, on every port, reaching only the
+// same Ethernet segment: on a GB10 twin that the playbook leaves unaddressed, the only
+// one). A routable IPv4 address comes before a link-local one so that two hosts whose
+// ports carry both pick the same kind, whichever of them the kernel listed first. A zero
+// GID is never chosen.
 func chooseGID(gids []GID, override int) (GID, error) {
 	if override >= 0 {
 		for _, g := range gids {
@@ -83,7 +87,7 @@ func chooseGID(gids []GID, override int) (GID, error) {
 		}
 		return GID{}, fmt.Errorf("ROCE_GATHER_GID_INDEX=%d names a GID table entry that is empty or absent (entries in use: %s)", override, listGIDs(gids))
 	}
-	var v4, v6, ll *GID // lowest index of each kind, whatever the table's order
+	var v4, v4ll, v6, ll *GID // lowest index of each kind, whatever the table's order
 	lowest := func(best **GID, g *GID) {
 		if *best == nil || g.Index < (*best).Index {
 			*best = g
@@ -93,6 +97,8 @@ func chooseGID(gids []GID, override int) (GID, error) {
 		g := &gids[i]
 		switch {
 		case g.Type != GIDTypeRoCEv2 || g.zero():
+		case g.ipv4() && g.linkLocalIPv4():
+			lowest(&v4ll, g)
 		case g.ipv4():
 			lowest(&v4, g)
 		case g.linkLocal():
@@ -101,7 +107,7 @@ func chooseGID(gids []GID, override int) (GID, error) {
 			lowest(&v6, g)
 		}
 	}
-	for _, g := range []*GID{v4, v6, ll} {
+	for _, g := range []*GID{v4, v4ll, v6, ll} {
 		if g != nil {
 			return *g, nil
 		}
@@ -111,6 +117,9 @@ func chooseGID(gids []GID, override int) (GID, error) {
 
 // linkLocal says whether the GID is an IPv6 link-local address (fe80::/10).
 func (g GID) linkLocal() bool { return g.Raw[0] == 0xfe && g.Raw[1]&0xc0 == 0x80 }
+
+// linkLocalIPv4 says whether an IPv4-mapped GID holds a link-local address (169.254/16).
+func (g GID) linkLocalIPv4() bool { return g.Raw[12] == 169 && g.Raw[13] == 254 }
 
 // chooseIBGID is the GID an InfiniBand port sends in a global header, when it needs one:
 // index 0, which holds the port GUID.

@@ -46,6 +46,53 @@ func TestGIDChoiceWithoutIPv4PrefersARoutableIPv6Address(t *testing.T) {
 	require.Equal(t, "2001:db8::7", g.Addr())
 }
 
+// ipv4GID is the IPv4-mapped GID of a.b.c.d.
+func ipv4GID(a, b, c, d byte) [16]byte {
+	return [16]byte{10: 0xff, 11: 0xff, 12: a, 13: b, 14: c, 15: d}
+}
+
+// The GID table of a GB10's cabled ConnectX-7 port addressed as NVIDIA's two-Spark playbook
+// does it (netplan's link-local: [ipv4] on enp1s0f1np1; its example's addresses): the
+// default fe80:: entries from the MAC, then those of 169.254.35.62. The link-local IPv4
+// address is the one chosen.
+func TestGIDChoiceTakesThePlaybooksLinkLocalIPv4OnAGB10(t *testing.T) {
+	mac := [16]byte{0: 0xfe, 1: 0x80, 8: 0x3e, 9: 0x6d, 10: 0x66, 11: 0xff, 12: 0xfe, 13: 0xcc, 14: 0xb3, 15: 0xb7}
+	g, err := chooseGID([]GID{
+		gid(0, GIDTypeRoCEv1, mac),
+		gid(1, GIDTypeRoCEv2, mac),
+		gid(2, GIDTypeRoCEv1, ipv4GID(169, 254, 35, 62)),
+		gid(3, GIDTypeRoCEv2, ipv4GID(169, 254, 35, 62)),
+	}, -1)
+	require.NoError(t, err)
+	require.Equal(t, "GID 3 (RoCE v2 169.254.35.62)", g.String())
+}
+
+// A port with the playbook's link-local IPv4 address and a static one as well (its manual
+// option, 192.168.100.10/24) routes with the static one, whichever the kernel listed first,
+// so that both hosts use the same subnet; before a routable IPv6 address, IPv4 of either
+// kind.
+func TestGIDChoiceTakesARoutableIPv4BeforeALinkLocalOne(t *testing.T) {
+	table := []GID{
+		gid(1, GIDTypeRoCEv2, linkLocal),
+		gid(3, GIDTypeRoCEv2, ipv4GID(169, 254, 35, 62)),
+		gid(4, GIDTypeRoCEv2, globalV6),
+		gid(5, GIDTypeRoCEv2, ipv4GID(192, 168, 100, 10)),
+	}
+	g, err := chooseGID(table, -1)
+	require.NoError(t, err)
+	require.Equal(t, "GID 5 (RoCE v2 192.168.100.10)", g.String())
+	g, err = chooseGID(table[:3], -1)
+	require.NoError(t, err)
+	require.Equal(t, "GID 3 (RoCE v2 169.254.35.62)", g.String())
+	// 169.254/16 only: 169.255.x.x and 168.254.x.x are routable.
+	g, err = chooseGID([]GID{gid(2, GIDTypeRoCEv2, ipv4GID(169, 254, 0, 1)), gid(6, GIDTypeRoCEv2, ipv4GID(169, 255, 0, 1))}, -1)
+	require.NoError(t, err)
+	require.Equal(t, 6, g.Index)
+	g, err = chooseGID([]GID{gid(2, GIDTypeRoCEv2, ipv4GID(169, 254, 0, 1)), gid(7, GIDTypeRoCEv2, ipv4GID(168, 254, 0, 1))}, -1)
+	require.NoError(t, err)
+	require.Equal(t, 7, g.Index)
+}
+
 func TestGIDChoiceTakesLinkLocalAsTheLastResort(t *testing.T) {
 	g, err := chooseGID([]GID{gid(0, GIDTypeRoCEv1, globalV6), gid(3, GIDTypeRoCEv2, linkLocal)}, -1)
 	require.NoError(t, err)

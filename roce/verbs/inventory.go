@@ -135,8 +135,16 @@ func buildHardware(cfg Config, ports []portInfo, libErr, scanErr error, dmabufVe
 	return h
 }
 
-// gpuPath says how a device of the group would reach GPU memory.
+// gpuPath says how a device of the group would reach GPU memory. An integrated GPU (a
+// GB10's) has no memory of its own: pinned host memory is what it computes in, and the
+// memory its device allocators return is not one a NIC can reach coherently, so GPUDirect
+// RDMA is neither needed nor offered there, whatever the attributes say.
 func (h Hardware) gpuPath(g []chosenPort) string {
+	for _, gpu := range h.GPUs {
+		if gpu.Integrated {
+			return "pinned host memory, the integrated GPU's own (unified memory: no GPUDirect RDMA needed)"
+		}
+	}
 	var ways []string
 	if h.PeerMem != "" {
 		ways = append(ways, "nvidia-peermem")

@@ -91,7 +91,8 @@ func TestInventoryOfAGB10(t *testing.T) {
 	require.True(t, h.Usable)
 	require.Equal(t, []string{"roceP2p1s0f0+rocep1s0f0"}, h.Devices)
 	require.Equal(t, "usable: roceP2p1s0f0+rocep1s0f0 (2 lanes, Ethernet (RoCE): roceP2p1s0f0:1 GID 3 (RoCE v2 10.0.0.2) MTU 4096 + "+
-		"rocep1s0f0:1 GID 3 (RoCE v2 10.0.0.1) MTU 4096); GPU memory: GPUDirect RDMA through dma-buf", h.Verdict)
+		"rocep1s0f0:1 GID 3 (RoCE v2 10.0.0.1) MTU 4096); GPU memory: pinned host memory, the integrated GPU's own "+
+		"(unified memory: no GPUDirect RDMA needed)", h.Verdict)
 	require.Len(t, h.Ports, 3)
 	require.Equal(t, PortReport{
 		Device: "roceP2p1s0f0", Port: 1, State: "ACTIVE", LinkLayer: "Ethernet (RoCE)", ActiveMTU: 4096, SpeedMbps: 200000,
@@ -121,11 +122,15 @@ func TestInventoryOfAGB10(t *testing.T) {
 	require.Len(t, fields["ports"], 3)
 	require.Equal(t, "12.1", fields["gpus"].([]any)[0].(map[string]any)["compute_capability"])
 
-	// Without a dma-buf capable GPU and without nvidia-peermem, GPU memory is staged.
+	// Without a dma-buf capable GPU and without nvidia-peermem, GPU memory is staged; a
+	// discrete GPU with both is reached through both; the integrated one never is.
 	h = buildHardware(noNICConfig, ports, nil, nil, true, "", nil, errors.New("no CUDA driver"))
 	require.True(t, strings.HasSuffix(h.Verdict, "GPU memory: host staging (nvidia-peermem not loaded, no dma-buf path)"), h.Verdict)
-	h = buildHardware(noNICConfig, ports, nil, nil, true, "/sys/module/nvidia_peermem/version", gpus, nil)
+	discrete := []cudadrv.GPU{{Ordinal: 0, Name: "NVIDIA H200", CCMajor: 9, GPUDirectRDMA: true, DmaBuf: true}}
+	h = buildHardware(noNICConfig, ports, nil, nil, true, "/sys/module/nvidia_peermem/version", discrete, nil)
 	require.True(t, strings.HasSuffix(h.Verdict, "GPUDirect RDMA through nvidia-peermem and dma-buf"), h.Verdict)
+	h = buildHardware(noNICConfig, ports, nil, nil, true, "/sys/module/nvidia_peermem/version", gpus, nil)
+	require.True(t, strings.HasSuffix(h.Verdict, "GPU memory: pinned host memory, the integrated GPU's own (unified memory: no GPUDirect RDMA needed)"), h.Verdict)
 
 	// The configuration decides: a named port that is down is not usable.
 	h = buildHardware(Config{HCAs: "rocep1s0f1:1", GIDIndex: -1}, ports, nil, nil, true, "", gpus, nil)

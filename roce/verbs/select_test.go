@@ -2,6 +2,7 @@ package verbs
 
 import (
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -139,4 +140,67 @@ func TestGroupSpeedAndDetail(t *testing.T) {
 	require.Equal(t, 210000, speed)
 	require.Equal(t, "210000 Mbps counting 10000 for unknown codes on rocep1s0f0:1 (speed 0, width 2)", note)
 	require.Equal(t, "Ethernet (RoCE): roceP2p1s0f0:1 GID 3 (RoCE v2 10.0.0.2) MTU 4096 + rocep1s0f0:1 GID 3 (RoCE v2 10.0.0.1) MTU 4096", groupDetail(g))
+}
+
+// gb10 is a GB10's ConnectX-7 as the kernel lists it, one cable in its second cage and
+// addressed as NVIDIA's two-Spark playbook does it: every port appears twice, once for each
+// PCIe x4 half (domain 0000 and domain 0002), all four functions of one adapter (one system
+// image GUID); the f1 twins are ACTIVE, and only enp1s0f1np1 (rocep1s0f1) has the link-local
+// IPv4 address the playbook's netplan gives it: its twin has the fe80:: entries alone.
+func gb10() []portInfo {
+	mac := func(last byte) [16]byte {
+		return [16]byte{0: 0xfe, 1: 0x80, 8: 0x3e, 9: 0x6d, 10: 0x66, 11: 0xff, 12: 0xfe, 15: last}
+	}
+	port := func(dev, pci string, active bool, last byte, gids ...GID) portInfo {
+		p := portInfo{Device: dev, Port: 1, State: portDown, LinkLayer: linkEthernet, ActiveMTU: mtu1024, Speed: 64, Width: 2,
+			NodeGUID: 0x3c6d6603_00cc0000 + uint64(last), SysImageGUID: 0x3c6d6603_00cc0000, PCIPath: pci, DmaBuf: true,
+			GIDs: append([]GID{gid(0, GIDTypeRoCEv1, mac(last)), gid(1, GIDTypeRoCEv2, mac(last))}, gids...)}
+		if active {
+			p.State, p.ActiveMTU = portActive, mtu4096
+		}
+		return p
+	}
+	return []portInfo{
+		port("rocep1s0f0", "/sys/devices/pci0000:00/0000:00:00.0/0000:01:00.0", false, 0xb6),
+		port("rocep1s0f1", "/sys/devices/pci0000:00/0000:00:00.0/0000:01:00.1", true, 0xb7,
+			gid(2, GIDTypeRoCEv1, ipv4GID(169, 254, 35, 62)), gid(3, GIDTypeRoCEv2, ipv4GID(169, 254, 35, 62))),
+		port("roceP2p1s0f0", "/sys/devices/pci0002:00/0002:00:00.0/0002:01:00.0", false, 0xbe),
+		port("roceP2p1s0f1", "/sys/devices/pci0002:00/0002:00:00.0/0002:01:00.1", true, 0xbf),
+	}
+}
+
+// With no ROCE_GATHER_HCAS, a GB10 stripes over both twins of its cabled port: one device of
+// two lanes, the addressed twin routing with its link-local IPv4 GID and the other with its
+// fe80:: one, as the same twin on the peer does.
+func TestDefaultChoiceOnAGB10StripesOverBothTwinsOfTheCabledPort(t *testing.T) {
+	ports, err := selectPorts(gb10(), nil, -1)
+	require.NoError(t, err)
+	groups := groupPorts(ports)
+	require.Len(t, groups, 1)
+	require.Equal(t, "rocep1s0f1+roceP2p1s0f1", groupName(groups[0]))
+	require.Equal(t, "Ethernet (RoCE): rocep1s0f1:1 GID 3 (RoCE v2 169.254.35.62) MTU 4096 + "+
+		"roceP2p1s0f1:1 GID 1 (RoCE v2 fe80::3e6d:66ff:fe00:bf) MTU 4096", groupDetail(groups[0]))
+
+	// plugincheck hw says the same.
+	h := buildHardware(noNICConfig, gb10(), nil, nil, true, "", nil, nil)
+	require.Equal(t, []string{"rocep1s0f1+roceP2p1s0f1"}, h.Devices)
+	require.True(t, strings.HasPrefix(h.Verdict, "usable: rocep1s0f1+roceP2p1s0f1 (2 lanes, "), h.Verdict)
+
+	// ROCE_GATHER_HCAS written as NCCL users write NCCL_IB_HCA for the twins names the same two.
+	sels, err := parseHCAList("rocep1s0f1,roceP2p1s0f1")
+	require.NoError(t, err)
+	named, err := selectPorts(gb10(), sels, -1)
+	require.NoError(t, err)
+	require.Equal(t, ports, named)
+
+	// Both cages cabled: all four functions of the adapter are one device of four lanes.
+	all := gb10()
+	for _, i := range []int{0, 2} {
+		all[i].State, all[i].ActiveMTU = portActive, mtu4096
+	}
+	ports, err = selectPorts(all, nil, -1)
+	require.NoError(t, err)
+	groups = groupPorts(ports)
+	require.Len(t, groups, 1)
+	require.Equal(t, "rocep1s0f0+rocep1s0f1+roceP2p1s0f0+roceP2p1s0f1", groupName(groups[0]))
 }

@@ -235,12 +235,72 @@ def step_env(s):
     if os.path.exists(plugincheck):
         rc, _ = sh([plugincheck, "abi"], timeout=20)
         s.note(f"build/plugincheck abi: exit {rc}")
+    ptxas_check(s)
     g = gpus[0].split(",") if gpus else ["?", "?"]
     nccl_lib = s.d["numbers"].get("nccl_lib", {}).get("torch_reports")
     s.d["headline"] = (f"{len(gpus)}x {g[0].strip()}, driver {g[1].strip() if len(g) > 1 else '?'}, "
                        f"torch {t.get('torch', '?')} (NCCL {t.get('nccl', '?')}"
                        + (f"; runs on NCCL {nccl_lib} by LD_PRELOAD" if nccl_lib else "") + ")"
                        + (f"; both ranks on GPU {one}, MPS {'on' if m['used'] else 'OFF'}" if one is not None else ""))
+
+
+# The GPUs the one-shot kernel is claimed for beyond the testbed's own: Hopper, datacenter and
+# consumer Blackwell, and the GB10's (DGX Spark). The driver JIT-compiles the embedded PTX on
+# each; this machine's ptxas checks, with no such GPU here, that it assembles for every one.
+PTXAS_ARCHES = ("sm_90", "sm_100", "sm_120", "sm_121")
+PTXAS_UNKNOWN_ARCH_RX = re.compile(r"Value '(sm_\d+a?)' is not defined for option 'gpu-name'")
+
+
+def find_ptxas():
+    """ptxas on PATH, else beside nvcc, else CUDA's default place; None where there is none."""
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    nvcc = shutil.which("nvcc")
+    for c in ([os.path.join(os.path.dirname(nvcc), "ptxas")] if nvcc else []) + ["/usr/local/cuda/bin/ptxas"]:
+        if os.path.exists(c):
+            return c
+    return None
+
+
+def ptxas_verdict(arch, rc, out):
+    """"ok", or what went wrong with one ptxas -arch=ARCH run, in a few words."""
+    if rc == 0:
+        return "ok"
+    if PTXAS_UNKNOWN_ARCH_RX.search(out):
+        return f"this ptxas does not know {arch} (a newer CUDA does): not checked"
+    lines = [l.strip() for l in out.splitlines() if l.strip()]
+    return f"refused (exit {rc}): " + " | ".join(lines[-3:])[-300:]
+
+
+def ptxas_check(s, ptx=None, ptxas=None):
+    """Runs ptxas on kernels/oneshot.ptx for each of PTXAS_ARCHES and records each verdict in
+    numbers.ptxas; any but "ok" fails the step."""
+    ptx = ptx or os.path.join(REPO, "kernels", "oneshot.ptx")
+    ptxas = ptxas or find_ptxas()
+    rec = {"ptx": os.path.relpath(ptx, REPO), "ptxas": ptxas, "release": None, "arches": {}}
+    s.d["numbers"]["ptxas"] = rec
+    if ptxas is None:
+        s.fail("no ptxas (on PATH, beside nvcc or in /usr/local/cuda/bin): kernels/oneshot.ptx is not checked for "
+               + ", ".join(PTXAS_ARCHES))
+        return rec
+    if not os.path.exists(ptx):
+        s.fail(f"{rec['ptx']} does not exist")
+        return rec
+    rc, out = sh([ptxas, "--version"])
+    m = re.search(r"release (\d+\.\d+)", out)
+    rec["release"] = m.group(1) if m else None
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in PTXAS_ARCHES:
+            rc, out = sh([ptxas, f"-arch={arch}", "-o", os.path.join(tmp, arch + ".cubin"), ptx], timeout=120)
+            rec["arches"][arch] = ptxas_verdict(arch, rc, out)
+    cuda = f"CUDA {rec['release'] or '?'}"
+    for arch, v in rec["arches"].items():
+        if v != "ok":
+            s.fail(f"ptxas ({cuda}) -arch={arch} {rec['ptx']}: {v}")
+    s.note(f"ptxas ({cuda}) on {rec['ptx']}: " + ", ".join(f"{a} {v if v == 'ok' else 'FAILED'}" for a, v in rec["arches"].items()))
+    return rec
+
 
 
 # ---- gather: the matrix through PyTorch ----------------------------------------------------------

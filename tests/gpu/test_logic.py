@@ -1083,6 +1083,105 @@ def record(run, config, numbers, work, timed_out=False, failures=None, nccl="2.2
             "notes": [], "tails": [], "nccl": [nccl, nccl], "nccl_lib": None, "mps_restart": None}
 
 
+# A stand-in ptxas: it logs its arguments, says its release, knows the arches in KNOWN, fails
+# on BAD as ptxas fails on a PTX error, and writes the output file otherwise.
+FAKE_PTXAS = """#!/bin/sh
+echo "$@" >>"$PTXAS_LOG"
+if [ "$1" = --version ]; then
+  printf 'ptxas: NVIDIA (R) Ptx optimizing assembler\\nCuda compilation tools, release 13.0, V13.0.48\\n'
+  exit 0
+fi
+arch=${1#-arch=}
+case " $KNOWN " in *" $arch "*) ;; *) echo "ptxas fatal   : Value '$arch' is not defined for option 'gpu-name'" >&2; exit 255 ;; esac
+if [ "$arch" = "$BAD" ]; then
+  echo "ptxas $4, line 40; error   : Instruction 'fence.proxy' requires .target sm_90 or higher" >&2
+  echo "ptxas fatal   : Ptx assembly aborted due to errors" >&2
+  exit 255
+fi
+: >"$3"
+"""
+
+
+class PtxasTest(unittest.TestCase):
+    """The env step's ptxas check of the one-shot kernel's PTX for sm_90, sm_100, sm_120 and
+    sm_121, against a stand-in ptxas."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+        self.ptxas = os.path.join(self.dir, "ptxas")
+        with open(self.ptxas, "w") as f:
+            f.write(FAKE_PTXAS)
+        os.chmod(self.ptxas, 0o755)
+        self.log = os.path.join(self.dir, "log")
+
+    def tearDown(self):
+        shutil.rmtree(self.dir)
+
+    def check(self, known="sm_90 sm_100 sm_120 sm_121", bad="", ptxas=None, ptx=None):
+        s = steps.Step("env", self.dir, time.time() + 60)
+        env = {"PTXAS_LOG": self.log, "KNOWN": known, "BAD": bad}
+        with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(io.StringIO()):
+            rec = steps.ptxas_check(s, ptx=ptx, ptxas=self.ptxas if ptxas is None else ptxas)
+        return s.finish(), rec
+
+    def test_every_arch_assembles(self):
+        d, rec = self.check()
+        self.assertEqual(d["failures"], [])
+        self.assertEqual(d["numbers"]["ptxas"], rec)
+        self.assertEqual(rec["release"], "13.0")
+        self.assertEqual(rec["ptx"], "kernels/oneshot.ptx")
+        self.assertEqual(rec["arches"], {"sm_90": "ok", "sm_100": "ok", "sm_120": "ok", "sm_121": "ok"})
+        self.assertIn("ptxas (CUDA 13.0) on kernels/oneshot.ptx: sm_90 ok, sm_100 ok, sm_120 ok, sm_121 ok", d["notes"])
+        calls = read(self.log).splitlines()
+        self.assertEqual(calls[0], "--version")
+        ptx = os.path.join(launch.REPO, "kernels", "oneshot.ptx")
+        self.assertEqual([c.split()[0] for c in calls[1:]], ["-arch=sm_90", "-arch=sm_100", "-arch=sm_120", "-arch=sm_121"])
+        for c, arch in zip(calls[1:], steps.PTXAS_ARCHES):
+            args = c.split()
+            self.assertEqual((args[1], args[3]), ("-o", ptx))
+            self.assertTrue(args[2].endswith("/" + arch + ".cubin"), args[2])
+
+    def test_an_older_ptxas_that_lacks_sm_121_fails_the_step_saying_so(self):
+        d, rec = self.check(known="sm_90 sm_100 sm_120")
+        self.assertEqual(rec["arches"]["sm_120"], "ok")
+        self.assertEqual(rec["arches"]["sm_121"], "this ptxas does not know sm_121 (a newer CUDA does): not checked")
+        self.assertEqual(d["status"], "fail")
+        self.assertEqual(d["failures"], ["ptxas (CUDA 13.0) -arch=sm_121 kernels/oneshot.ptx: "
+                                         "this ptxas does not know sm_121 (a newer CUDA does): not checked"])
+
+    def test_a_refused_ptx_fails_the_step_with_ptxas_words(self):
+        d, rec = self.check(bad="sm_100")
+        self.assertEqual([a for a, v in rec["arches"].items() if v != "ok"], ["sm_100"])
+        self.assertTrue(rec["arches"]["sm_100"].startswith("refused (exit 255): ptxas "), rec["arches"]["sm_100"])
+        self.assertIn("line 40; error   : Instruction 'fence.proxy' requires .target sm_90 or higher | "
+                      "ptxas fatal   : Ptx assembly aborted due to errors", rec["arches"]["sm_100"])
+        self.assertEqual(len(d["failures"]), 1)
+        self.assertIn("sm_90 ok, sm_100 FAILED, sm_120 ok, sm_121 ok", d["notes"][0])
+
+    def test_no_ptxas_or_no_ptx_fails_the_step(self):
+        with mock.patch.object(steps, "find_ptxas", return_value=None):
+            d, rec = self.check(ptxas="")
+        self.assertEqual(d["failures"], ["no ptxas (on PATH, beside nvcc or in /usr/local/cuda/bin): kernels/oneshot.ptx "
+                                         "is not checked for sm_90, sm_100, sm_120, sm_121"])
+        self.assertEqual(rec["arches"], {})
+        d, rec = self.check(ptx=os.path.join(launch.REPO, "kernels", "absent.ptx"))
+        self.assertEqual(d["failures"], ["kernels/absent.ptx does not exist"])
+        self.assertFalse(os.path.exists(self.log), "ptxas was not run")
+
+    def test_find_ptxas_looks_on_path_then_beside_nvcc(self):
+        with mock.patch.dict(os.environ, {"PATH": self.dir}):
+            self.assertEqual(steps.find_ptxas(), self.ptxas)
+        cuda = os.path.join(self.dir, "cuda", "bin")
+        os.makedirs(cuda)
+        for name in ("nvcc", "ptxas"):
+            with open(os.path.join(cuda, name), "w") as f:
+                f.write("#!/bin/sh\n")
+            os.chmod(os.path.join(cuda, name), 0o755)
+        # No ptxas on PATH, nvcc on it: the ptxas beside nvcc.
+        with mock.patch.object(shutil, "which", side_effect=lambda n: os.path.join(cuda, "nvcc") if n == "nvcc" else None):
+            self.assertEqual(steps.find_ptxas(), os.path.join(cuda, "ptxas"))
+
+
 class StepsTest(unittest.TestCase):
     def setUp(self):
         self.work = tempfile.mkdtemp()

@@ -21,6 +21,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/roce-gather/roce_gather/internal/testtarget"
 )
 
 // fixture is everything the tests build once: the stand-in NCCLs, the callers, and the
@@ -79,16 +81,17 @@ func gcc(out string, args ...string) error {
 	if err := os.MkdirAll(filepath.Dir(out), 0o755); err != nil {
 		return err
 	}
-	cmd := exec.Command("gcc", append([]string{"-O1", "-g", "-Wall", "-Wextra", "-Werror", "-I" + repo("include"), "-o", out}, args...)...)
+	cmd := testtarget.CCCommand(append([]string{"-O1", "-g", "-Wall", "-Wextra", "-Werror", "-I" + repo("include"), "-o", out}, args...)...)
 	if msg, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("gcc -o %s: %v\n%s", out, err, msg)
+		return fmt.Errorf("%s -o %s: %v\n%s", cmd.Args[0], out, err, msg)
 	}
 	return nil
 }
 
 func build() (fixture, error) {
 	var f fixture
-	f.lib, f.plugincheck = repo("build/libroce_gather.so"), repo("build/plugincheck")
+	built := testtarget.BuildDir(repo(""))
+	f.lib, f.plugincheck = filepath.Join(built, "libroce_gather.so"), filepath.Join(built, "plugincheck")
 	for _, p := range []string{f.lib, f.plugincheck} {
 		if _, err := os.Stat(p); err != nil {
 			return f, fmt.Errorf("%s is missing: build with `make` before `go test` (make test does both)", p)
@@ -128,7 +131,12 @@ func build() (fixture, error) {
 		fake(f.ncclE, "E", "-DFAKE_DROP_ncclCommSplit"), fake(f.ncclR, "R", "-DFAKE_REFUSED_ENTRY"),
 		fake(f.ncclO, "O", "-DFAKE_ODD_ENTRIES"),
 	}
-	for i, flags := range [][]string{{"-O0"}, {"-O2"}, {"-O2", "-fcf-protection=full"}, {"-O2", "-fno-omit-frame-pointer"}} {
+	// The landing pads of control-flow protection: endbr64 on x86-64, BTI (and PAC) on aarch64.
+	landing := "-fcf-protection=full"
+	if testtarget.GOARCH() == "arm64" {
+		landing = "-mbranch-protection=standard"
+	}
+	for i, flags := range [][]string{{"-O0"}, {"-O2"}, {"-O2", landing}, {"-O2", "-fno-omit-frame-pointer"}} {
 		v := builtWith{flags: flags, path: filepath.Join(dir, fmt.Sprintf("nccl-flags%d", i), "libnccl.so.2")}
 		f.ncclFlags = append(f.ncclFlags, v)
 		ncclSteps = append(ncclSteps, fake(v.path, strings.Join(flags, " "), flags...))
@@ -290,7 +298,7 @@ func (j *job) start(t *testing.T, ctx context.Context, rank int, steps []string)
 		args = append(append(append([]string{}, j.lead...), fmt.Sprint(rank), filepath.Join(j.dir, "id")), j.args(rank)...)
 	}
 	stats := filepath.Join(j.dir, fmt.Sprintf("stats.%d", rank))
-	cmd := exec.CommandContext(ctx, j.program, args...)
+	cmd := testtarget.CommandContext(ctx, j.program, args...)
 	cmd.Env = append(append([]string{}, j.env...), "ROCE_GATHER_STATS="+stats)
 	if j.rankEnv != nil {
 		cmd.Env = append(cmd.Env, j.rankEnv(rank)...)

@@ -12,13 +12,14 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/roce-gather/roce_gather/internal/testtarget"
 )
 
 var (
@@ -48,7 +49,7 @@ func newRelocator(t *testing.T) *relocator {
 			repo("plugin/relocate_x86.c"), repo("plugin/relocate_a64.c"))
 	})
 	require.NoError(t, toolErr)
-	cmd := exec.Command(toolPath)
+	cmd := testtarget.Command(toolPath)
 	in, err := cmd.StdinPipe()
 	require.NoError(t, err)
 	out, err := cmd.StdoutPipe()

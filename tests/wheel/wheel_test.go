@@ -7,6 +7,7 @@ import (
 	"bufio"
 	"bytes"
 	"crypto/sha256"
+	"debug/elf"
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
@@ -16,28 +17,51 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"sort"
 	"strconv"
 	"strings"
 	"testing"
 
+	"github.com/roce-gather/roce_gather/internal/testtarget"
 	"github.com/roce-gather/roce_gather/plugin"
 	"github.com/stretchr/testify/require"
 )
 
-const tag = "py3-none-linux_x86_64"
+// machines are the architectures a wheel is built for, by Go's name: the platform tag and
+// the ELF machine of every binary it holds.
+var machines = map[string]struct {
+	tag     string
+	machine elf.Machine
+}{
+	"amd64": {"py3-none-linux_x86_64", elf.EM_X86_64},
+	"arm64": {"py3-none-linux_aarch64", elf.EM_AARCH64},
+}
 
-func buildDir(t *testing.T) string {
+// target is the machine of the wheel under test (make test-arm64 tests the aarch64 one).
+func target(t *testing.T) (string, elf.Machine) {
 	t.Helper()
-	dir, err := filepath.Abs("../../build")
+	m, ok := machines[testtarget.GOARCH()]
+	require.True(t, ok, "no wheel is built for GOARCH=%s", testtarget.GOARCH())
+	return m.tag, m.machine
+}
+
+func repoRoot(t *testing.T) string {
+	t.Helper()
+	dir, err := filepath.Abs("../..")
 	require.NoError(t, err)
 	return dir
 }
 
-// wheelPath is the wheel of this release, which make wheel builds.
+// buildDir is where make put the binaries the wheel packs (build/arm64 for a cross build).
+func buildDir(t *testing.T) string { return testtarget.BuildDir(repoRoot(t)) }
+
+// wheelPath is the wheel of this release, which make wheel builds into build/ for every
+// machine.
 func wheelPath(t *testing.T) string {
 	t.Helper()
-	p := filepath.Join(buildDir(t), fmt.Sprintf("roce_gather-%s-%s.whl", plugin.Version, tag))
+	tag, _ := target(t)
+	p := filepath.Join(repoRoot(t), "build", fmt.Sprintf("roce_gather-%s-%s.whl", plugin.Version, tag))
 	_, err := os.Stat(p)
 	require.NoError(t, err, "%s is missing: build it with `make wheel` before `go test` (make test does both)", p)
 	return p
@@ -54,6 +78,7 @@ func readEntry(t *testing.T, f *zip.File) []byte {
 }
 
 func TestWheelHoldsTheBuiltBinariesInMakeInstallsLayout(t *testing.T) {
+	tag, _ := target(t)
 	z, err := zip.OpenReader(wheelPath(t))
 	require.NoError(t, err)
 	defer z.Close()
@@ -128,13 +153,66 @@ func TestWheelHoldsTheBuiltBinariesInMakeInstallsLayout(t *testing.T) {
 	}
 }
 
+// Every binary the wheel holds is for the machine its tag names (the ELF header's machine),
+// and every file it holds but those is Python or text.
+func TestWheelHoldsBinariesOfItsTagsMachineOnly(t *testing.T) {
+	_, want := target(t)
+	z, err := zip.OpenReader(wheelPath(t))
+	require.NoError(t, err)
+	defer z.Close()
+	binaries := 0
+	for _, f := range z.File {
+		data := readEntry(t, f)
+		if !bytes.HasPrefix(data, []byte("\x7fELF")) {
+			require.True(t, strings.HasSuffix(f.Name, ".py") || strings.Contains(f.Name, ".dist-info/"), "%s is neither Python, metadata nor ELF", f.Name)
+			continue
+		}
+		e, err := elf.NewFile(bytes.NewReader(data))
+		require.NoError(t, err, f.Name)
+		require.Equal(t, want, e.Machine, "%s", f.Name)
+		require.Equal(t, elf.ELFCLASS64, e.Class, "%s", f.Name)
+		binaries++
+	}
+	require.Equal(t, 4, binaries, "the library under both names, plugincheck and its driver")
+}
+
+// build/wheel.py refuses to pack a binary of another machine than the one it builds for,
+// naming the file and both machines, and writes no wheel.
+func TestWheelScriptRefusesABinaryOfAnotherMachine(t *testing.T) {
+	arch := testtarget.GOARCH()
+	other := map[string]string{"amd64": "arm64", "arm64": "amd64"}[arch]
+	require.NotEmpty(t, other, arch)
+	src, dir, out := buildDir(t), t.TempDir(), t.TempDir()
+	for _, name := range []string{"libroce_gather.so", "plugincheck", "plugincheck-driver"} {
+		data, err := os.ReadFile(filepath.Join(src, name))
+		require.NoError(t, err)
+		if name == "plugincheck-driver" {
+			// The same file as if built for the other machine: e_machine is bytes 18 and 19.
+			m := uint16(machines[other].machine)
+			data[18], data[19] = byte(m), byte(m>>8)
+		}
+		require.NoError(t, os.WriteFile(filepath.Join(dir, name), data, 0o755))
+	}
+	cmd := exec.Command("python3", "build/wheel.py", "--build", dir, "--out", out, "--arch", arch)
+	cmd.Dir = repoRoot(t)
+	raw, err := cmd.CombinedOutput()
+	require.Error(t, err, "%s", raw)
+	names := map[string]string{"amd64": "x86-64", "arm64": "aarch64"}
+	require.Equal(t, fmt.Sprintf("wheel.py: %s is an ELF file for machine %d (%s), not %s (machine %d); the wheel is tagged %s\n",
+		filepath.Join(dir, "plugincheck-driver"), machines[other].machine, names[other], names[arch], machines[arch].machine,
+		machines[arch].tag), string(raw))
+	left, err := os.ReadDir(out)
+	require.NoError(t, err)
+	require.Empty(t, left, "no wheel, not even a partial one")
+}
+
 // make wheel twice gives the same bytes.
 func TestWheelIsReproducible(t *testing.T) {
 	first, err := os.ReadFile(wheelPath(t))
 	require.NoError(t, err)
 	out := t.TempDir()
-	cmd := exec.Command("python3", "build/wheel.py", "--out", out)
-	cmd.Dir = "../.."
+	cmd := exec.Command("python3", "build/wheel.py", "--build", buildDir(t), "--out", out, "--arch", testtarget.GOARCH())
+	cmd.Dir = repoRoot(t)
 	raw, err := cmd.CombinedOutput()
 	require.NoError(t, err, "%s", raw)
 	second, err := os.ReadFile(strings.TrimSpace(string(raw)))
@@ -199,6 +277,9 @@ func (v venv) files() []string {
 // check passes the library's ABI check with the packaged plugincheck, the package names the
 // installed library, and pip uninstall takes every file back.
 func TestWheelInstallsChecksAndUninstallsInAFreshVirtualEnvironment(t *testing.T) {
+	if testtarget.GOARCH() != runtime.GOARCH {
+		t.Skipf("pip installs a wheel for %s on %s only; this machine is %s", testtarget.GOARCH(), testtarget.GOARCH(), runtime.GOARCH)
+	}
 	whl := wheelPath(t)
 	v := newVenv(t)
 	before := v.files()

@@ -109,12 +109,13 @@ static void first_hca(const char* dev, char* name, size_t n, uint8_t* port) {
   }
 }
 
-/* The GID the plugin would route with: ROCE_GATHER_GID_INDEX, else the first IPv4-mapped
- * RoCE v2 entry, else a routable IPv6 one, else a link-local one (types from sysfs). */
+/* The GID the plugin would route with (roce/verbs/gid.go): ROCE_GATHER_GID_INDEX, else the
+ * first RoCE v2 entry of a routable IPv4 address, else of a link-local IPv4 one (169.254/16),
+ * else of a routable IPv6 one, else of a link-local one (types from sysfs). */
 static int choose_gid(floor_state* s, char* why, size_t n) {
   const char* env = getenv("ROCE_GATHER_GID_INDEX");
   if (env != NULL && *env != '\0') return s->gid_index = atoi(env), 0;
-  int best[3] = {-1, -1, -1};
+  int best[4] = {-1, -1, -1, -1};
   for (int i = 0; i < s->pa.gid_tbl_len; i++) {
     union ibv_gid g;
     if (V.query_gid(s->ctx, s->port, i, &g) != 0) continue;
@@ -130,10 +131,11 @@ static int choose_gid(floor_state* s, char* why, size_t n) {
     if (strncmp(type, "RoCE v2", 7) != 0) continue;
     int v4 = memcmp(g.raw, zero, 10) == 0 && g.raw[10] == 0xff && g.raw[11] == 0xff;
     int ll = g.raw[0] == 0xfe && (g.raw[1] & 0xc0) == 0x80;
-    int kind = v4 ? 0 : ll ? 2 : 1;
+    int v4ll = v4 && g.raw[12] == 169 && g.raw[13] == 254;
+    int kind = v4 ? v4ll : ll ? 3 : 2;
     if (best[kind] < 0) best[kind] = i;
   }
-  for (int k = 0; k < 3; k++)
+  for (int k = 0; k < 4; k++)
     if (best[k] >= 0) return s->gid_index = best[k], 0;
   snprintf(why, n, "%s:%u has no RoCE v2 GID", s->hca, s->port);
   return -1;
