@@ -73,7 +73,7 @@ func Open(cfg Config) (*Transport, error) {
 }
 
 func (t *Transport) openTCP() error {
-	d, err := tcp.Open(tcp.Config{Interface: t.iface.Name, Timeout: t.cfg.Timeout})
+	d, err := tcp.Open(tcp.Config{Interface: t.iface, Timeout: t.cfg.Timeout})
 	if err != nil {
 		return fmt.Errorf("tcp fabric: %w", err)
 	}
