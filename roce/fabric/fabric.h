@@ -26,7 +26,6 @@ typedef struct rg_mr {
   int nhcas;
   uint32_t lkey[RG_MAX_HCAS];
   uint32_t rkey[RG_MAX_HCAS];
-  void* impl;
 } rg_mr;
 
 enum rg_op { RG_OP_WRITE = 1 };

@@ -74,13 +74,12 @@ func (d *Device) Register(addr uintptr, length uint64) (*fabric.MR, error) {
 	}
 	mr := fabric.NewMR(addr, length, 1)
 	var errBuf [256]C.char
-	key := C.rg_tcp_register(d.c, C.uint64_t(addr), C.uint64_t(length), (*C.rg_mr)(mr.C()), &errBuf[0], C.int(len(errBuf)))
+	key := C.rg_tcp_register(d.c, C.uint64_t(addr), C.uint64_t(length), &errBuf[0], C.int(len(errBuf)))
 	if key == 0 {
 		mr.Free()
 		return nil, errors.New(C.GoString(&errBuf[0]))
 	}
 	mr.SetKeys(0, uint32(key), uint32(key))
-	(*C.rg_mr)(mr.C()).impl = C.rg_tcp_region_of(d.c, key)
 	return mr, nil
 }
 
