@@ -36,8 +36,6 @@ long rg_ibv_query_gid_table(struct ibv_context* ctx, struct ibv_gid_entry* entri
 struct ibv_pd* rg_ibv_alloc_pd(struct ibv_context* ctx);
 int rg_ibv_dealloc_pd(struct ibv_pd* pd);
 struct ibv_mr* rg_ibv_reg_mr(struct ibv_pd* pd, uint64_t addr, uint64_t len, int access);
-struct ibv_mr* rg_ibv_reg_dmabuf_mr(struct ibv_pd* pd, uint64_t offset, uint64_t len, uint64_t iova, int fd,
-                                    int access);
 int rg_ibv_dereg_mr(struct ibv_mr* mr);
 /* 1 when the kernel and provider accept dma-buf registrations on pd's device. */
 int rg_ibv_dmabuf_works(struct ibv_pd* pd);

@@ -67,8 +67,8 @@ type hca struct {
 }
 
 // Open returns the first fabric device: the first usable port in device-name order,
-// grouped with the other usable ports of its adapter. Devices lists them all. The error
-// wraps fabric.ErrUnavailable when libibverbs is missing or no port is usable.
+// grouped with the other usable ports of its adapter. The error wraps
+// fabric.ErrUnavailable when libibverbs is missing or no port is usable.
 func Open(cfg Config) (fabric.Device, error) {
 	groups, err := discover(cfg)
 	if err != nil {
@@ -86,27 +86,6 @@ func Open(cfg Config) (fabric.Device, error) {
 		nlog.Infof(nlog.Init|nlog.Net, "verbs: using %s; also usable, through ROCE_GATHER_HCAS: %s", d.info.Name, strings.Join(others, ", "))
 	}
 	return d, nil
-}
-
-// Devices opens every fabric device the configuration selects, for plugincheck. The
-// caller closes them.
-func Devices(cfg Config) ([]fabric.Device, error) {
-	groups, err := discover(cfg)
-	if err != nil {
-		return nil, err
-	}
-	var out []fabric.Device
-	for _, g := range groups {
-		d, err := openGroup(cfg, g)
-		if err != nil {
-			for _, o := range out {
-				o.Close()
-			}
-			return nil, err
-		}
-		out = append(out, d)
-	}
-	return out, nil
 }
 
 // discover selects and groups the ports the configuration asks for.
