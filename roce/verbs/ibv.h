@@ -49,15 +49,15 @@ int rg_ibv_destroy_qp(struct ibv_qp* qp);
 
 /* ------------------------------------------------------------------ lanes */
 
-/* One RC queue pair with its own send and receive completion queues (no receive is posted). */
+/* One RC queue pair with its own completion queue, for sends (no receive is posted). */
 typedef struct rg_vlane rg_vlane;
 
-/* Creates the CQs and the QP (in RESET). Returns NULL with err filled. */
+/* Creates the CQ and the QP (in RESET). Returns NULL with err filled. */
 rg_vlane* rg_vlane_create(struct ibv_context* ctx, struct ibv_pd* pd, int hca, const char* hca_name,
-                          uint32_t sq_depth, uint32_t rq_depth, uint64_t timeout_ns, char* err, int errlen);
+                          uint32_t sq_depth, uint64_t timeout_ns, char* err, int errlen);
 /* Builds a lane around existing verbs objects it does not own (tests use a fake NIC). */
-rg_vlane* rg_vlane_wrap(struct ibv_qp* qp, struct ibv_cq* scq, struct ibv_cq* rcq, int hca, const char* hca_name,
-                        uint32_t sq_depth, uint32_t rq_depth, uint64_t timeout_ns);
+rg_vlane* rg_vlane_wrap(struct ibv_qp* qp, struct ibv_cq* scq, int hca, const char* hca_name, uint32_t sq_depth,
+                        uint64_t timeout_ns);
 /* Destroys what the lane owns and frees it. */
 void rg_vlane_destroy(rg_vlane* l);
 struct ibv_qp* rg_vlane_qp(rg_vlane* l);

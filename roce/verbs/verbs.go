@@ -2,7 +2,7 @@
 //
 // Discovery lists the active ports, picks each one's GID and groups the ports of one
 // adapter into one fabric device, whose links stripe over its HCAs: one RC queue pair,
-// with its own completion queues, per lane. Set-up and registration
+// with its own completion queue, per lane. Set-up and registration
 // are Go; the lane operations are C (lane.c), so posting and polling never enter Go.
 package verbs
 
@@ -34,11 +34,10 @@ type Config struct {
 }
 
 // Queue depths: laneDepth send requests a lane, at least minDepth; no receive is ever
-// posted (the engine's writes consume none), so the receive queue is one entry.
+// posted (the engine's writes consume none).
 const (
 	laneDepth = 512
 	minDepth  = 64
-	recvDepth = 1
 	// scratch is one registered host page per device, where the peers' probes land.
 	scratchSize = 4096
 )
