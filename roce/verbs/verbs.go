@@ -168,8 +168,7 @@ func openGroup(cfg Config, g []chosenPort) (_ *Device, err error) {
 
 // describeDevice says what the device is, for log lines and plugincheck.
 func describeDevice(g []chosenPort) fabric.DeviceInfo {
-	_, speedNote := groupSpeed(g)
-	return fabric.DeviceInfo{Name: groupName(g), Lanes: len(g), Detail: groupDetail(g) + ", " + speedNote + ", slots in host memory"}
+	return fabric.DeviceInfo{Name: groupName(g), Lanes: len(g), Detail: groupDetail(g) + ", " + groupSpeed(g) + ", slots in host memory"}
 }
 
 func (d *Device) Info() fabric.DeviceInfo { return d.info }
