@@ -234,12 +234,6 @@ static int write_site(const rg_obj* o, const site_write* w, const uint8_t* bytes
   return 0;
 }
 
-static void hex(const uint8_t* p, size_t n, char* out, size_t size) {
-  size_t k = 0;
-  out[0] = '\0';
-  for (size_t i = 0; i < n && k + 4 < size; i++) k += (size_t)snprintf(out + k, size - k, "%s%02x", i ? " " : "", p[i]);
-}
-
 int rg_hook_install(const rg_obj* nccl, rg_hook_fn* fns, size_t n, rg_hook_refusal* refused) {
   const size_t pg = (size_t)sysconf(_SC_PAGESIZE);
   page pages[MAX_PAGES];
@@ -255,7 +249,7 @@ int rg_hook_install(const rg_obj* nccl, rg_hook_fn* fns, size_t n, rg_hook_refus
   for (i = 0; i < n && !failed; i++) {
     rg_hook_fn* f = &fns[i];
     f->trampoline = 0;
-    hex((const uint8_t*)f->entry, f->size < 16 ? f->size : 16, refused->bytes, sizeof(refused->bytes));
+    rg_hex((const uint8_t*)f->entry, f->size < 16 ? f->size : 16, refused->bytes, sizeof(refused->bytes));
     for (size_t j = 0; j < i && !failed; j++)
       if (fns[j].entry == f->entry) {
         rg_say(refused->why, sizeof(refused->why), "it shares its address with %s", fns[j].name);
@@ -288,7 +282,7 @@ int rg_hook_install(const rg_obj* nccl, rg_hook_fn* fns, size_t n, rg_hook_refus
   }
   if (!failed) {
     for (i = 0; i < n; i++) {
-      hex((const uint8_t*)fns[i].entry, fns[i].size < 16 ? fns[i].size : 16, refused->bytes, sizeof(refused->bytes));
+      rg_hex((const uint8_t*)fns[i].entry, fns[i].size < 16 ? fns[i].size : 16, refused->bytes, sizeof(refused->bytes));
       int r = write_site(nccl, &writes[i], writes[i].patch, pg, refused->why, sizeof(refused->why));
       writes[i].written = r != -1;
       if (r != 0) {

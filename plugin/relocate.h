@@ -23,6 +23,14 @@ static inline int rg_say(char* why, size_t whylen, const char* fmt, ...) {
   return -1;
 }
 
+/* The n bytes at p in hex, a space between bytes, into out (size bytes; what does not fit is
+ * left out): the first bytes a refusal names. */
+static inline void rg_hex(const uint8_t* p, size_t n, char* out, size_t size) {
+  size_t k = 0;
+  out[0] = '\0';
+  for (size_t i = 0; i < n && k + 4 < size; i++) k += (size_t)snprintf(out + k, size - k, "%s%02x", i ? " " : "", p[i]);
+}
+
 /* ---- x86-64 */
 
 /* The jump the hook writes at a function's entry: jmp rel32. */

@@ -32,15 +32,9 @@ static int64_t read_rel(const uint8_t* p, int size) {
 }
 
 /* The bytes of an instruction for a message: "0f 0b" (up to 8). */
-static void hex(const uint8_t* p, size_t n, char* out, size_t size) {
-  size_t k = 0;
-  out[0] = '\0';
-  for (size_t i = 0; i < n && i < 8 && k + 4 < size; i++) k += (size_t)snprintf(out + k, size - k, "%s%02x", i ? " " : "", p[i]);
-}
-
 static int unknown(const uint8_t* p, size_t n, const char* what, char* why, size_t whylen) {
   char h[40];
-  hex(p, n, h, sizeof(h));
+  rg_hex(p, n < 8 ? n : 8, h, sizeof(h));
   return rg_say(why, whylen, "%s (bytes %s)", what, h);
 }
 
