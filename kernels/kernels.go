@@ -30,9 +30,6 @@ func init() {
 // OneShotArgsBytes is the size of the kernel's single parameter.
 func OneShotArgsBytes() int { return int(C.sizeof_rg_os_args) }
 
-// OneShotPTX returns the embedded PTX of the kernel.
-func OneShotPTX() string { return oneshotPTX }
-
 // Load loads the embedded PTX into the calling thread's current CUDA context and unloads
 // it again, to say whether this host's driver takes it.
 func Load() error {

@@ -39,7 +39,7 @@ func TestOneShotPTXIsBuiltFromItsSources(t *testing.T) {
 		require.NoError(t, err)
 		h.Write(b)
 	}
-	m := regexp.MustCompile(`(?m)^// source-sha256: ([0-9a-f]{64})$`).FindStringSubmatch(OneShotPTX())
+	m := regexp.MustCompile(`(?m)^// source-sha256: ([0-9a-f]{64})$`).FindStringSubmatch(oneshotPTX)
 	require.NotNil(t, m, "kernels/oneshot.ptx has no source-sha256 line")
 	require.Equal(t, hex.EncodeToString(h.Sum(nil)), m[1], "kernels/oneshot.ptx is stale: run make kernels-oneshot")
 }
@@ -57,22 +57,22 @@ func TestOneShotPTXRebuildsToTheEmbeddedBytes(t *testing.T) {
 	require.NoError(t, err, "%s", b)
 	built, err := os.ReadFile(out)
 	require.NoError(t, err)
-	embedded := OneShotPTX()
+	embedded := oneshotPTX
 	require.Equal(t, string(built), embedded[strings.Index(embedded, "\n")+1:])
 }
 
 func TestOneShotPTXLoadsOnCUDA11AndLaterDrivers(t *testing.T) {
-	m := regexp.MustCompile(`(?m)^\.version (\d+)\.(\d+)$`).FindStringSubmatch(OneShotPTX())
+	m := regexp.MustCompile(`(?m)^\.version (\d+)\.(\d+)$`).FindStringSubmatch(oneshotPTX)
 	require.NotNil(t, m, "no .version line")
 	major, _ := strconv.Atoi(m[1])
 	minor, _ := strconv.Atoi(m[2])
 	require.LessOrEqual(t, major*10+minor, 70, "PTX ISA %s.%s needs a newer driver than CUDA 11.0", m[1], m[2])
-	require.Regexp(t, `(?m)^\.target sm_75$`, OneShotPTX())
+	require.Regexp(t, `(?m)^\.target sm_75$`, oneshotPTX)
 }
 
 // The launcher passes one rg_os_args by value; the kernel must take exactly that.
 func TestOneShotKernelTakesTheArgumentsStruct(t *testing.T) {
-	entry := regexp.MustCompile(`(?s)\.visible \.entry roce_gather_oneshot\((.*?)\)`).FindStringSubmatch(OneShotPTX())
+	entry := regexp.MustCompile(`(?s)\.visible \.entry roce_gather_oneshot\((.*?)\)`).FindStringSubmatch(oneshotPTX)
 	require.NotNil(t, entry, "no roce_gather_oneshot entry")
 	params := regexp.MustCompile(`\.param \.align 8 \.b8 roce_gather_oneshot_param_(\d+)\[(\d+)\]`).FindAllStringSubmatch(entry[1], -1)
 	require.Len(t, params, 1)
@@ -83,9 +83,9 @@ func TestOneShotKernelTakesTheArgumentsStruct(t *testing.T) {
 // plain load of one above the barrier once (a block then copied with one thread only), so
 // every shared access must be volatile.
 func TestOneShotSharedWordsAreReadAndWrittenVolatile(t *testing.T) {
-	plain := regexp.MustCompile(`(?m)^\s*(ld|st)\.shared\.`).FindAllString(OneShotPTX(), -1)
+	plain := regexp.MustCompile(`(?m)^\s*(ld|st)\.shared\.`).FindAllString(oneshotPTX, -1)
 	require.Empty(t, plain, "non-volatile shared accesses in kernels/oneshot.ptx")
-	require.Regexp(t, `ld\.volatile\.shared\.u32`, OneShotPTX())
+	require.Regexp(t, `ld\.volatile\.shared\.u32`, oneshotPTX)
 	// And the barriers are the asm ones with a memory clobber, in every block-wide step.
-	require.GreaterOrEqual(t, strings.Count(OneShotPTX(), "bar.sync 0;"), 4)
+	require.GreaterOrEqual(t, strings.Count(oneshotPTX, "bar.sync 0;"), 4)
 }

@@ -120,7 +120,7 @@ static void jend(jline* j) {
 
 /* The fields of rg_nccl_api after the wrapped ones, by NCCL's name for them. */
 static const char* const extra_names[] = {"ncclCommCount", "ncclCommUserRank", "ncclCommCuDevice", "ncclGetVersion",
-                                          "ncclGetErrorString", "ncclSend", "ncclRecv"};
+                                          "ncclSend", "ncclRecv"};
 #define N_API (RG_WRAP_N + sizeof(extra_names) / sizeof(extra_names[0]))
 _Static_assert(N_API * sizeof(void*) == offsetof(rg_nccl_api, path), "one name a field, in field order");
 _Static_assert(offsetof(rg_nccl_api, AllReduce) == RG_WRAP_AllReduce * sizeof(void*), "the wrapped ones first");

@@ -27,7 +27,6 @@ typedef struct rg_nccl_api {
   ncclCommUserRank_fn CommUserRank;
   ncclCommCuDevice_fn CommCuDevice;
   ncclGetVersion_fn GetVersion;
-  ncclGetErrorString_fn GetErrorString;
   ncclSend_fn Send;
   ncclRecv_fn Recv;
   const char* path; /* the NCCL object, as the loader names it */
@@ -40,10 +39,10 @@ typedef struct rg_nccl_api {
  * is one atomic load. */
 const rg_nccl_api* rg_nccl(void);
 
-/* Every NCCL init entry (net, collNet, tuner) calls this with its return address: the NCCL
- * that called is the one preferred, and the loaded objects are looked at again for callers
- * that are not reached. logger, when not NULL, is installed first so that the binding's
- * lines go through NCCL's log. */
+/* Every net init entry calls this with its return address: the NCCL that called is the one
+ * preferred, and the loaded objects are looked at again for callers that are not reached.
+ * logger, when not NULL, is installed first so that the binding's lines go through NCCL's
+ * log. */
 void rg_bind_from_nccl(const void* caller, ncclDebugLogger_t logger);
 
 /* How the calls reach the wrappers: "pending" (nothing tried yet), "no_nccl" (no loaded

@@ -6,7 +6,6 @@
 #define _GNU_SOURCE
 #include "hook.h"
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,15 +47,6 @@ typedef struct site_write {
   uint8_t orig[PATCH_BYTES];
   int written;
 } site_write;
-
-static int say(char* why, size_t whylen, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
-static int say(char* why, size_t whylen, const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(why, whylen, fmt, ap);
-  va_end(ap);
-  return -1;
-}
 
 static uint64_t distance(uint64_t a, uint64_t b) { return a > b ? a - b : b - a; }
 
@@ -109,7 +99,7 @@ static int build(const rg_hook_fn* f, uint8_t* slot, site_write* w, uintptr_t* t
   const uint8_t* code = (const uint8_t*)f->entry;
   const size_t prefix = rg_x86_entry_prefix(code, f->size);
   if (f->size < prefix + PATCH_BYTES)
-    return say(why, whylen, "its symbol is %zu bytes long, fewer than the %zu the jump needs after %zu kept", f->size,
+    return rg_say(why, whylen, "its symbol is %zu bytes long, fewer than the %zu the jump needs after %zu kept", f->size,
                (size_t)PATCH_BYTES, prefix);
   const uintptr_t site = f->entry + prefix;
   uint8_t* tramp = slot + STUB_BYTES;
@@ -122,7 +112,7 @@ static int build(const rg_hook_fn* f, uint8_t* slot, site_write* w, uintptr_t* t
   rg_x86_abs_jmp(site + consumed, tramp + t);
   rg_x86_abs_jmp(f->wrapper, slot);
   if (rg_x86_jmp_rel32(site, (uint64_t)(uintptr_t)slot, w->patch) != 0)
-    return say(why, whylen, "the stub page is out of rel32 reach");
+    return rg_say(why, whylen, "the stub page is out of rel32 reach");
   w->site = site;
   memcpy(w->orig, (const void*)site, PATCH_BYTES);
   *trampoline = (uintptr_t)tramp;
@@ -189,7 +179,7 @@ static int build(const rg_hook_fn* f, uint8_t* slot, site_write* w, uintptr_t* t
   uint32_t auth;
   const int k = rg_a64_entry_prefix(insns, f->size / 4, &auth);
   if (f->size < (size_t)(k + 1) * 4)
-    return say(why, whylen, "its symbol is %zu bytes long, fewer than the %d the jump needs", f->size, (k + 1) * 4);
+    return rg_say(why, whylen, "its symbol is %zu bytes long, fewer than the %d the jump needs", f->size, (k + 1) * 4);
   const uintptr_t site = f->entry + 4 * (uintptr_t)k;
   uint32_t* tramp = (uint32_t*)(slot + STUB_BYTES);
   size_t t = 0;
@@ -200,10 +190,10 @@ static int build(const rg_hook_fn* f, uint8_t* slot, site_write* w, uintptr_t* t
   if (n < 0) return -1;
   t += (size_t)n;
   if (rg_a64_b((uint64_t)(uintptr_t)&tramp[t], site + 4, &tramp[t]) != 0)
-    return say(why, whylen, "the trampoline is out of b's reach of the function");
+    return rg_say(why, whylen, "the trampoline is out of b's reach of the function");
   rg_a64_stub(auth, f->wrapper, (uint32_t*)slot);
   uint32_t b;
-  if (rg_a64_b(site, (uint64_t)(uintptr_t)slot, &b) != 0) return say(why, whylen, "the stub page is out of b's reach");
+  if (rg_a64_b(site, (uint64_t)(uintptr_t)slot, &b) != 0) return rg_say(why, whylen, "the stub page is out of b's reach");
   w->site = site;
   memcpy(w->patch, &b, 4);
   memcpy(w->orig, (const void*)site, 4);
@@ -229,25 +219,19 @@ static int bti_prot(const rg_obj* o) { return (getauxval(AT_HWCAP2) & HWCAP2_BTI
  * are written but the page could not be given its protection back. */
 static int write_site(const rg_obj* o, const site_write* w, const uint8_t* bytes, size_t pg, char* why, size_t whylen) {
   const int prot = rg_obj_protection(o, w->site);
-  if (prot < 0 || !(prot & PROT_EXEC)) return say(why, whylen, "no executable segment of the NCCL holds it");
+  if (prot < 0 || !(prot & PROT_EXEC)) return rg_say(why, whylen, "no executable segment of the NCCL holds it");
   const uintptr_t first = w->site & ~(pg - 1), last = (w->site + PATCH_BYTES - 1) & ~(pg - 1);
   const size_t len = last - first + pg;
   const int keep = prot | bti_prot(o);
   if (mprotect((void*)first, len, keep | PROT_READ | PROT_WRITE | PROT_EXEC) != 0)
-    return say(why, whylen, "mprotect of its page for writing: %s", strerror(errno));
+    return rg_say(why, whylen, "mprotect of its page for writing: %s", strerror(errno));
   store(w->site, bytes);
   flush(w->site, PATCH_BYTES);
   if (mprotect((void*)first, len, keep) != 0) {
-    say(why, whylen, "mprotect giving its page back its protection: %s", strerror(errno));
+    rg_say(why, whylen, "mprotect giving its page back its protection: %s", strerror(errno));
     return -2;
   }
   return 0;
-}
-
-static void hex(const uint8_t* p, size_t n, char* out, size_t size) {
-  size_t k = 0;
-  out[0] = '\0';
-  for (size_t i = 0; i < n && k + 4 < size; i++) k += (size_t)snprintf(out + k, size - k, "%s%02x", i ? " " : "", p[i]);
 }
 
 int rg_hook_install(const rg_obj* nccl, rg_hook_fn* fns, size_t n, rg_hook_refusal* refused) {
@@ -258,23 +242,23 @@ int rg_hook_install(const rg_obj* nccl, rg_hook_fn* fns, size_t n, rg_hook_refus
   memset(refused, 0, sizeof(*refused));
   if (writes == NULL) {
     refused->fn = SIZE_MAX;
-    say(refused->why, sizeof(refused->why), "out of memory");
+    rg_say(refused->why, sizeof(refused->why), "out of memory");
     return -1;
   }
   int failed = 0;
   for (i = 0; i < n && !failed; i++) {
     rg_hook_fn* f = &fns[i];
     f->trampoline = 0;
-    hex((const uint8_t*)f->entry, f->size < 16 ? f->size : 16, refused->bytes, sizeof(refused->bytes));
+    rg_hex((const uint8_t*)f->entry, f->size < 16 ? f->size : 16, refused->bytes, sizeof(refused->bytes));
     for (size_t j = 0; j < i && !failed; j++)
       if (fns[j].entry == f->entry) {
-        say(refused->why, sizeof(refused->why), "it shares its address with %s", fns[j].name);
+        rg_say(refused->why, sizeof(refused->why), "it shares its address with %s", fns[j].name);
         failed = 1;
       }
     if (failed) break;
     uint8_t* slot = slot_for(pages, &npages, nccl, f->entry, pg);
     if (slot == NULL) {
-      say(refused->why, sizeof(refused->why), "no page could be mapped within the jump's reach (±%llu MiB)",
+      rg_say(refused->why, sizeof(refused->why), "no page could be mapped within the jump's reach (±%llu MiB)",
           (unsigned long long)(REACH >> 20));
       failed = 1;
       break;
@@ -289,7 +273,7 @@ int rg_hook_install(const rg_obj* nccl, rg_hook_fn* fns, size_t n, rg_hook_refus
     for (size_t p = 0; p < npages && !failed; p++) {
       flush((uintptr_t)pages[p].base, pg);
       if (mprotect(pages[p].base, pg, PROT_READ | PROT_EXEC) != 0) {
-        say(refused->why, sizeof(refused->why), "mprotect of the stub page: %s", strerror(errno));
+        rg_say(refused->why, sizeof(refused->why), "mprotect of the stub page: %s", strerror(errno));
         refused->bytes[0] = '\0';
         i = SIZE_MAX;
         failed = 1;
@@ -298,7 +282,7 @@ int rg_hook_install(const rg_obj* nccl, rg_hook_fn* fns, size_t n, rg_hook_refus
   }
   if (!failed) {
     for (i = 0; i < n; i++) {
-      hex((const uint8_t*)fns[i].entry, fns[i].size < 16 ? fns[i].size : 16, refused->bytes, sizeof(refused->bytes));
+      rg_hex((const uint8_t*)fns[i].entry, fns[i].size < 16 ? fns[i].size : 16, refused->bytes, sizeof(refused->bytes));
       int r = write_site(nccl, &writes[i], writes[i].patch, pg, refused->why, sizeof(refused->why));
       writes[i].written = r != -1;
       if (r != 0) {

@@ -198,12 +198,6 @@ void rg_objects_free(rg_objects* t) {
   memset(t, 0, sizeof(*t));
 }
 
-const rg_obj* rg_objects_owner(const rg_objects* t, uintptr_t addr) {
-  for (size_t i = 0; i < t->n; i++)
-    if (addr >= t->obj[i].lo && addr < t->obj[i].hi) return &t->obj[i];
-  return NULL;
-}
-
 int rg_obj_protection(const rg_obj* o, uintptr_t addr) {
   const ElfW(Phdr)* ph = o->phdr;
   for (int i = 0; i < o->phnum; i++) {

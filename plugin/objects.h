@@ -32,9 +32,6 @@ typedef struct rg_objects {
 int rg_objects_collect(rg_objects* t, const char* const* names, int nnames);
 void rg_objects_free(rg_objects* t);
 
-/* The object whose segments hold addr, or NULL. */
-const rg_obj* rg_objects_owner(const rg_objects* t, uintptr_t addr);
-
 /* The protection (PROT_*) the loader gave the page of addr: its PT_LOAD's flags; -1 when
  * no segment of o holds it. */
 int rg_obj_protection(const rg_obj* o, uintptr_t addr);

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 #include "../internal/cudadrv/cudadrv.h"
+#include "../roce/fabric/fabric.h"
 
 #define PROBE_BYTES 8
 #define PROBE_TIMEOUT_NS (10ull * 1000 * 1000 * 1000) /* a self send/receive takes microseconds */
@@ -34,12 +35,6 @@ static ncclResult_t probe_calls(const rg_nccl_api* nccl, const void* send, void*
   ncclResult_t v = nccl->Recv(recv, PROBE_BYTES, ncclUint8, rank, comm, stream);
   ncclResult_t e = nccl->GroupEnd();
   return s != ncclSuccess ? s : v != ncclSuccess ? v : e;
-}
-
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 static void keep(rg_probe_kept** kept, rg_probe_kept* k) {
@@ -105,9 +100,9 @@ static int probe_cuda(const rg_nccl_api* nccl, ncclComm_t comm, int rank, int de
     goto done;
   }
   /* Deferred, nothing is on the stream: it is idle at once, and the bytes are not there. */
-  const uint64_t deadline = now_ns() + PROBE_TIMEOUT_NS;
+  const uint64_t deadline = rg_now_ns() + PROBE_TIMEOUT_NS;
   while ((c = cu->cuStreamQuery(k->stream)) == CUDA_ERROR_NOT_READY) {
-    if (now_ns() > deadline) {
+    if (rg_now_ns() > deadline) {
       snprintf(why, whylen, "the self send/receive did not finish within %llu s",
                (unsigned long long)(PROBE_TIMEOUT_NS / 1000000000ull));
       goto done;

@@ -5,8 +5,31 @@
 #ifndef RG_RELOCATE_H
 #define RG_RELOCATE_H
 
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+
+/* Writes a refusal's reason into why (where given) and returns -1: the hook's and the
+ * relocators' one way of saying why not. */
+static inline int rg_say(char* why, size_t whylen, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
+static inline int rg_say(char* why, size_t whylen, const char* fmt, ...) {
+  if (why != NULL && whylen > 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, whylen, fmt, ap);
+    va_end(ap);
+  }
+  return -1;
+}
+
+/* The n bytes at p in hex, a space between bytes, into out (size bytes; what does not fit is
+ * left out): the first bytes a refusal names. */
+static inline void rg_hex(const uint8_t* p, size_t n, char* out, size_t size) {
+  size_t k = 0;
+  out[0] = '\0';
+  for (size_t i = 0; i < n && k + 4 < size; i++) k += (size_t)snprintf(out + k, size - k, "%s%02x", i ? " " : "", p[i]);
+}
 
 /* ---- x86-64 */
 
@@ -56,7 +79,6 @@ enum rg_store_kind rg_x86_store_kind(uint64_t site, size_t n, int have_cx16);
 #define RG_A64_PACIBSP 0xd503237fu
 #define RG_A64_AUTIASP 0xd50323bfu
 #define RG_A64_AUTIBSP 0xd50323ffu
-#define RG_A64_NOP 0xd503201fu
 
 /* The instructions at an entry the hook keeps in place: a landing pad (bti c, bti jc, or
  * bti j) and then a return-address signing (paciasp, pacibsp), either or both. Returns how

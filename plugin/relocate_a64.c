@@ -2,21 +2,9 @@
  * instruction set): the PC-relative instructions are rewritten for the new address, or as a
  * longer form through x16 or x17 where the short one does not reach; the classes that do not
  * depend on the PC are copied; the rest is refused. */
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include "relocate.h"
-
-static int say(char* why, size_t whylen, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
-static int say(char* why, size_t whylen, const char* fmt, ...) {
-  if (why != NULL && whylen > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, whylen, fmt, ap);
-    va_end(ap);
-  }
-  return -1;
-}
 
 /* The signed field of width bits at lsb of insn. */
 static int64_t sfield(uint32_t insn, int lsb, int bits) {
@@ -95,19 +83,19 @@ static int cond_branch(uint32_t insn, uint64_t pc, uint64_t target, int lsb, int
 }
 
 int rg_a64_relocate(uint32_t insn, uint64_t from, uint64_t to, uint32_t* out, size_t cap, char* why, size_t whylen) {
-  if (cap < 6) return say(why, whylen, "no room for the relocated instruction");
+  if (cap < 6) return rg_say(why, whylen, "no room for the relocated instruction");
   const int rd = (int)(insn & 31);
   /* adr, adrp */
   if ((insn & 0x1f000000u) == 0x10000000u) {
-    if (rd == 31) return say(why, whylen, "adr or adrp into xzr 0x%08x", insn);
+    if (rd == 31) return rg_say(why, whylen, "adr or adrp into xzr 0x%08x", insn);
     const int64_t imm = (sfield(insn, 5, 19) << 2) | ((insn >> 29) & 3);
     if (insn & 0x80000000u) { /* adrp */
       const uint64_t page = (from & ~0xfffull) + (uint64_t)(imm << 12);
-      if (adrp(rd, to, page, &out[0]) != 0) return say(why, whylen, "adrp's page %#llx is out of its reach from the trampoline", (unsigned long long)page);
+      if (adrp(rd, to, page, &out[0]) != 0) return rg_say(why, whylen, "adrp's page %#llx is out of its reach from the trampoline", (unsigned long long)page);
       return 1;
     }
     const uint64_t target = from + (uint64_t)imm;
-    if (adrp(rd, to, target, &out[0]) != 0) return say(why, whylen, "adr's target %#llx is out of adrp's reach from the trampoline", (unsigned long long)target);
+    if (adrp(rd, to, target, &out[0]) != 0) return rg_say(why, whylen, "adr's target %#llx is out of adrp's reach from the trampoline", (unsigned long long)target);
     out[1] = add_imm(rd, rd, (uint32_t)(target & 0xfff));
     return 2;
   }
@@ -117,18 +105,18 @@ int rg_a64_relocate(uint32_t insn, uint64_t from, uint64_t to, uint32_t* out, si
     const uint32_t opc = insn >> 30, simd = (insn >> 26) & 1;
     uint32_t load;
     int base;
-    if (!simd && opc == 3) return say(why, whylen, "prfm (literal) 0x%08x", insn);
-    if (!simd && rd == 31) return say(why, whylen, "a literal load into xzr 0x%08x", insn);
+    if (!simd && opc == 3) return rg_say(why, whylen, "prfm (literal) 0x%08x", insn);
+    if (!simd && rd == 31) return rg_say(why, whylen, "a literal load into xzr 0x%08x", insn);
     if (!simd) {
       /* The destination register holds the address first: no other register is touched. */
       base = rd;
       load = opc == 0 ? 0xb9400000u : opc == 1 ? 0xf9400000u : 0xb9800000u; /* ldr w, ldr x, ldrsw */
     } else {
-      if (opc == 3) return say(why, whylen, "an unallocated SIMD literal load 0x%08x", insn);
+      if (opc == 3) return rg_say(why, whylen, "an unallocated SIMD literal load 0x%08x", insn);
       base = 17;
       load = opc == 0 ? 0xbd400000u : opc == 1 ? 0xfd400000u : 0x3dc00000u; /* ldr s, d, q */
     }
-    if (adrp(base, to, target, &out[0]) != 0) return say(why, whylen, "the literal at %#llx is out of adrp's reach from the trampoline", (unsigned long long)target);
+    if (adrp(base, to, target, &out[0]) != 0) return rg_say(why, whylen, "the literal at %#llx is out of adrp's reach from the trampoline", (unsigned long long)target);
     out[1] = add_imm(base, base, (uint32_t)(target & 0xfff));
     out[2] = load | ((uint32_t)base << 5) | (uint32_t)rd;
     return 3;
@@ -137,7 +125,7 @@ int rg_a64_relocate(uint32_t insn, uint64_t from, uint64_t to, uint32_t* out, si
   if ((insn & 0x7c000000u) == 0x14000000u) {
     const uint64_t target = from + (uint64_t)(sfield(insn, 0, 26) << 2);
     const int link = (insn & 0x80000000u) != 0;
-    if (target == from) return say(why, whylen, "a branch to itself");
+    if (target == from) return rg_say(why, whylen, "a branch to itself");
     if (rg_a64_b(to, target, &out[0]) == 0) {
       out[0] |= link ? 0x80000000u : 0;
       return 1;
@@ -154,20 +142,20 @@ int rg_a64_relocate(uint32_t insn, uint64_t from, uint64_t to, uint32_t* out, si
   /* b.cond */
   if ((insn & 0xff000010u) == 0x54000000u) {
     const uint64_t target = from + (uint64_t)(sfield(insn, 5, 19) << 2);
-    if ((insn & 0xf) >= 14) return say(why, whylen, "b.al or b.nv 0x%08x", insn);
-    if (target == from) return say(why, whylen, "a branch to itself");
+    if ((insn & 0xf) >= 14) return rg_say(why, whylen, "b.al or b.nv 0x%08x", insn);
+    if (target == from) return rg_say(why, whylen, "a branch to itself");
     return cond_branch(insn, to, target, 5, 19, 1, out, cap);
   }
   /* cbz, cbnz */
   if ((insn & 0x7e000000u) == 0x34000000u) {
     const uint64_t target = from + (uint64_t)(sfield(insn, 5, 19) << 2);
-    if (target == from) return say(why, whylen, "a branch to itself");
+    if (target == from) return rg_say(why, whylen, "a branch to itself");
     return cond_branch(insn, to, target, 5, 19, 1u << 24, out, cap);
   }
   /* tbz, tbnz */
   if ((insn & 0x7e000000u) == 0x36000000u) {
     const uint64_t target = from + (uint64_t)(sfield(insn, 5, 14) << 2);
-    if (target == from) return say(why, whylen, "a branch to itself");
+    if (target == from) return rg_say(why, whylen, "a branch to itself");
     return cond_branch(insn, to, target, 5, 14, 1u << 24, out, cap);
   }
   const uint32_t op0 = (insn >> 25) & 0xf;
@@ -177,7 +165,7 @@ int rg_a64_relocate(uint32_t insn, uint64_t from, uint64_t to, uint32_t* out, si
   } else if ((op0 & 0x7) == 0x5) {
     /* data processing, register; the pointer-authentication family may sign with the PC */
     copy = (insn & 0xffff0000u) != 0xdac10000u;
-    if (!copy) return say(why, whylen, "a pointer-authentication instruction 0x%08x", insn);
+    if (!copy) return rg_say(why, whylen, "a pointer-authentication instruction 0x%08x", insn);
   } else if ((op0 & 0x7) == 0x7) {
     copy = 1; /* SIMD and floating point */
   } else if ((op0 & 0x5) == 0x4) {
@@ -188,7 +176,7 @@ int rg_a64_relocate(uint32_t insn, uint64_t from, uint64_t to, uint32_t* out, si
            (insn & 0xfff00000u) == 0xd5300000u || (insn & 0xfffffc1fu) == 0xd61f0000u ||
            (insn & 0xfffffc1fu) == 0xd63f0000u || (insn & 0xfffffc1fu) == 0xd65f0000u;
   }
-  if (!copy) return say(why, whylen, "an instruction the relocator does not move 0x%08x", insn);
+  if (!copy) return rg_say(why, whylen, "an instruction the relocator does not move 0x%08x", insn);
   out[0] = insn;
   return 1;
 }

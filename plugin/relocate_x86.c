@@ -1,7 +1,6 @@
 /* The x86-64 relocator of the entry hook (relocate.h): a length decoder for what compilers
  * emit at function entries, and the rewriting of what depends on where it runs. Instruction
  * encodings are Intel's (SDM volume 2); anything the tables below do not know is refused. */
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include "relocate.h"
@@ -25,17 +24,6 @@ typedef struct insn {
   int cc;           /* K_JCC: the condition (low nibble of the opcode) */
 } insn;
 
-static int say(char* why, size_t whylen, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
-static int say(char* why, size_t whylen, const char* fmt, ...) {
-  if (why != NULL && whylen > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, whylen, fmt, ap);
-    va_end(ap);
-  }
-  return -1;
-}
-
 static int64_t read_rel(const uint8_t* p, int size) {
   if (size == 1) return (int8_t)p[0];
   int32_t v;
@@ -44,16 +32,10 @@ static int64_t read_rel(const uint8_t* p, int size) {
 }
 
 /* The bytes of an instruction for a message: "0f 0b" (up to 8). */
-static void hex(const uint8_t* p, size_t n, char* out, size_t size) {
-  size_t k = 0;
-  out[0] = '\0';
-  for (size_t i = 0; i < n && i < 8 && k + 4 < size; i++) k += (size_t)snprintf(out + k, size - k, "%s%02x", i ? " " : "", p[i]);
-}
-
 static int unknown(const uint8_t* p, size_t n, const char* what, char* why, size_t whylen) {
   char h[40];
-  hex(p, n, h, sizeof(h));
-  return say(why, whylen, "%s (bytes %s)", what, h);
+  rg_hex(p, n < 8 ? n : 8, h, sizeof(h));
+  return rg_say(why, whylen, "%s (bytes %s)", what, h);
 }
 
 /* One instruction at p (avail bytes): its length and kind, or -1 with why. */
@@ -62,7 +44,7 @@ static int decode(const uint8_t* p, size_t avail, insn* d, char* why, size_t why
   size_t i = 0;
   int opsize16 = 0, rex = 0;
   for (;; i++) {
-    if (i >= avail || i >= 15) return say(why, whylen, "an instruction runs past the function's end");
+    if (i >= avail || i >= 15) return rg_say(why, whylen, "an instruction runs past the function's end");
     uint8_t b = p[i];
     if (b == 0x66) {
       opsize16 = 1;
@@ -74,7 +56,7 @@ static int decode(const uint8_t* p, size_t avail, insn* d, char* why, size_t why
     }
   }
   if ((p[i] & 0xF0) == 0x40) rex = p[i++];
-  if (i >= avail) return say(why, whylen, "an instruction runs past the function's end");
+  if (i >= avail) return rg_say(why, whylen, "an instruction runs past the function's end");
   const int W = (rex & 8) != 0;
   const int immz = opsize16 && !W ? 2 : 4;
   int modrm = 0, imm = 0, rel = 0, reg_rule = -1; /* reg_rule: the ModRM reg field's allowed set, as a bit mask */
@@ -82,7 +64,7 @@ static int decode(const uint8_t* p, size_t avail, insn* d, char* why, size_t why
   uint8_t op = p[i++];
   d->kind = K_PLAIN;
   if (op == 0x0F) {
-    if (i >= avail) return say(why, whylen, "an instruction runs past the function's end");
+    if (i >= avail) return rg_say(why, whylen, "an instruction runs past the function's end");
     uint8_t op2 = p[i++];
     if (op2 == 0x0D || (op2 >= 0x10 && op2 <= 0x1F) || (op2 >= 0x28 && op2 <= 0x2F) || (op2 >= 0x40 && op2 <= 0x6F) ||
         (op2 >= 0x74 && op2 <= 0x76) || (op2 >= 0x7C && op2 <= 0x7F) || (op2 >= 0x90 && op2 <= 0x9F) || op2 == 0xA3 ||
@@ -98,7 +80,7 @@ static int decode(const uint8_t* p, size_t avail, insn* d, char* why, size_t why
     } else if (op2 >= 0x80 && op2 <= 0x8F) {
       d->kind = K_JCC, d->cc = op2 & 0xF, rel = 4;
     } else if (op2 == 0x38 || op2 == 0x3A) {
-      if (i >= avail) return say(why, whylen, "an instruction runs past the function's end");
+      if (i >= avail) return rg_say(why, whylen, "an instruction runs past the function's end");
       i++; /* the third opcode byte */
       modrm = 1, imm = op2 == 0x3A;
     } else {
@@ -153,7 +135,7 @@ static int decode(const uint8_t* p, size_t avail, insn* d, char* why, size_t why
   }
   if (rel && opsize16) return unknown(p, i, "a branch with an operand-size prefix", why, whylen);
   if (modrm) {
-    if (i >= avail) return say(why, whylen, "an instruction runs past the function's end");
+    if (i >= avail) return rg_say(why, whylen, "an instruction runs past the function's end");
     const uint8_t m = p[i++];
     const int mod = m >> 6, reg = (m >> 3) & 7, rm = m & 7;
     size_t disp = 0;
@@ -169,7 +151,7 @@ static int decode(const uint8_t* p, size_t avail, insn* d, char* why, size_t why
     }
     if (mod != 3) {
       if (rm == 4) {
-        if (i >= avail) return say(why, whylen, "an instruction runs past the function's end");
+        if (i >= avail) return rg_say(why, whylen, "an instruction runs past the function's end");
         if (mod == 0 && (p[i] & 7) == 5) disp = 4;
         i++;
       } else if (mod == 0 && rm == 5) {
@@ -182,7 +164,7 @@ static int decode(const uint8_t* p, size_t avail, insn* d, char* why, size_t why
   }
   if (rel) d->rel_at = i, d->rel_size = rel, i += (size_t)rel;
   i += (size_t)imm;
-  if (i > avail) return say(why, whylen, "an instruction runs past the function's end");
+  if (i > avail) return rg_say(why, whylen, "an instruction runs past the function's end");
   if (i > 15) return unknown(p, i, "an instruction longer than 15 bytes", why, whylen);
   d->len = i;
   return 0;
@@ -230,11 +212,11 @@ int rg_x86_relocate(const uint8_t* code, size_t avail, uint64_t from, size_t nee
   while (off < need) {
     insn d;
     char what[160];
-    if (ended) return say(why, whylen, "the flow ends (ret or jmp) at +%zu, before the jump's %zu bytes are covered", off, need);
+    if (ended) return rg_say(why, whylen, "the flow ends (ret or jmp) at +%zu, before the jump's %zu bytes are covered", off, need);
     if (decode(code + off, avail - off, &d, what, sizeof(what)) != 0) {
       if (avail - off < 15 && strstr(what, "past the function's end") != NULL)
-        return say(why, whylen, "the function is %zu bytes long, and its instructions from +%zu do not fit in them", avail, off);
-      return say(why, whylen, "at +%zu: %s", off, what);
+        return rg_say(why, whylen, "the function is %zu bytes long, and its instructions from +%zu do not fit in them", avail, off);
+      return rg_say(why, whylen, "at +%zu: %s", off, what);
     }
     const uint64_t pc = from + off, next = pc + d.len;
     const uint64_t npc = to + o;
@@ -243,7 +225,7 @@ int rg_x86_relocate(const uint8_t* code, size_t avail, uint64_t from, size_t nee
       const uint64_t target = next + (uint64_t)read_rel(code + off + d.rel_at, d.rel_size);
       if (ntargets < MAX_INSNS) targets[ntargets] = target, target_from[ntargets++] = off;
       if (d.rel_size == 1) len = d.kind == K_JMP ? 5 : 6; /* the rel32 forms, without prefixes */
-      if (o + len > cap) return say(why, whylen, "the relocated instructions do not fit in the trampoline");
+      if (o + len > cap) return rg_say(why, whylen, "the relocated instructions do not fit in the trampoline");
       if (d.rel_size == 1) {
         if (d.kind == K_JMP) {
           out[o] = 0xE9;
@@ -252,17 +234,17 @@ int rg_x86_relocate(const uint8_t* code, size_t avail, uint64_t from, size_t nee
           out[o + 1] = (uint8_t)(0x80 | d.cc);
         }
         int64_t rel = (int64_t)(target - (npc + len));
-        if (!fits32(rel)) return say(why, whylen, "the branch at +%zu targets %#llx, out of rel32 reach from the trampoline", off, (unsigned long long)target);
+        if (!fits32(rel)) return rg_say(why, whylen, "the branch at +%zu targets %#llx, out of rel32 reach from the trampoline", off, (unsigned long long)target);
         put32(out + o + len - 4, rel);
       } else {
         memcpy(out + o, code + off, len);
         int64_t rel = (int64_t)(target - (npc + len));
-        if (!fits32(rel)) return say(why, whylen, "the %s at +%zu targets %#llx, out of rel32 reach from the trampoline",
+        if (!fits32(rel)) return rg_say(why, whylen, "the %s at +%zu targets %#llx, out of rel32 reach from the trampoline",
                                      d.kind == K_CALL ? "call" : "branch", off, (unsigned long long)target);
         put32(out + o + d.rel_at, rel);
       }
     } else {
-      if (o + len > cap) return say(why, whylen, "the relocated instructions do not fit in the trampoline");
+      if (o + len > cap) return rg_say(why, whylen, "the relocated instructions do not fit in the trampoline");
       memcpy(out + o, code + off, len);
     }
     if (d.riprel) {
@@ -271,11 +253,11 @@ int rg_x86_relocate(const uint8_t* code, size_t avail, uint64_t from, size_t nee
       const uint64_t target = next + (uint64_t)(int64_t)disp;
       if (ntargets < MAX_INSNS) targets[ntargets] = target, target_from[ntargets++] = off;
       int64_t nd = (int64_t)(target - (npc + len));
-      if (!fits32(nd)) return say(why, whylen, "the RIP-relative operand at +%zu (%#llx) is out of rel32 reach from the trampoline", off, (unsigned long long)target);
+      if (!fits32(nd)) return rg_say(why, whylen, "the RIP-relative operand at +%zu (%#llx) is out of rel32 reach from the trampoline", off, (unsigned long long)target);
       put32(out + o + d.disp_at, nd);
     }
     if ((d.kind == K_CALL || d.kind == K_CALL_IND) && off + d.len < need)
-      return say(why, whylen, "the call at +%zu returns to +%zu, inside the %zu bytes the jump overwrites", off, off + d.len, need);
+      return rg_say(why, whylen, "the call at +%zu returns to +%zu, inside the %zu bytes the jump overwrites", off, off + d.len, need);
     if (d.kind == K_JMP || d.kind == K_END) ended = 1;
     off += d.len;
     o += len;
@@ -283,7 +265,7 @@ int rg_x86_relocate(const uint8_t* code, size_t avail, uint64_t from, size_t nee
   /* A branch (or a RIP-relative operand) into the displaced bytes would meet the jump. */
   for (size_t t = 0; t < ntargets; t++)
     if (targets[t] >= from && targets[t] < from + off)
-      return say(why, whylen, "the instruction at +%zu refers to +%llu, inside the displaced bytes", target_from[t],
+      return rg_say(why, whylen, "the instruction at +%zu refers to +%llu, inside the displaced bytes", target_from[t],
                  (unsigned long long)(targets[t] - from));
   *consumed = off;
   *outlen = o;

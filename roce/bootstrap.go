@@ -26,9 +26,6 @@ import (
 // sends) and its 24-byte frames.
 const ProtocolVersion = 10
 
-// HandleSize is NCCL's handle size (NCCL_NET_HANDLE_MAXSIZE).
-const HandleSize = 128
-
 // Every handle this library writes starts with its kind's magic (4 bytes), the protocol
 // version (2 bytes) and the purpose of the links it leads to (1 byte).
 const (
@@ -288,8 +285,9 @@ func (h *handshakes) abort() {
 
 var errClosing = errors.New("the transport is closing")
 
-// dialLink connects to a listener, authenticates with its token and returns the link.
-func (t *Transport) dialLink(to Addr, token Token, purpose Purpose, lanes int, s Side) (*fabric.Link, error) {
+// DialLink connects to a listener of purpose, authenticates with its token and returns
+// the link with lanes lanes, s having seen the peer's description.
+func (t *Transport) DialLink(to Addr, token Token, purpose Purpose, lanes int, s Side) (*fabric.Link, error) {
 	if t.ctx.Err() != nil {
 		return nil, errClosing
 	}
@@ -329,35 +327,31 @@ func (t *Transport) dialLink(to Addr, token Token, purpose Purpose, lanes int, s
 	return link, nil
 }
 
-// listener accepts links for one purpose from peers that present its token.
-type listener struct {
+// Listener accepts the links of one purpose from peers that present its token.
+type Listener struct {
 	t       *Transport
 	ln      *net.TCPListener
 	addr    Addr
 	token   Token
 	purpose Purpose
 	// newSide gives the accepting side's protocol state for one incoming link; it must
-	// return once stop closes. When sharedSide is set, the state belongs to someone else
-	// and is never closed here.
-	newSide    func(stop <-chan struct{}) (Side, error)
-	sharedSide bool
+	// return once stop closes. That state belongs to the caller: a link that fails or is
+	// never claimed does not close it.
+	newSide func(stop <-chan struct{}) (Side, error)
 
 	mu        sync.Mutex
-	ready     []accepted // close releases what is left, after every handshake ended
-	deciding  int        // handshakes inside newSide
-	decided   *sync.Cond // on mu, signalled as deciding drops
+	ready     []*fabric.Link // close releases what is left, after every handshake ended
+	deciding  int            // handshakes inside newSide
+	decided   *sync.Cond     // on mu, signalled as deciding drops
 	inflight  handshakes
 	stop      chan struct{} // closed when the listener closes
 	pending   sync.WaitGroup
 	closeOnce sync.Once
 }
 
-type accepted struct {
-	link *fabric.Link
-	side Side
-}
-
-func (t *Transport) listen(purpose Purpose, newSide func(stop <-chan struct{}) (Side, error), sharedSide bool) (*listener, error) {
+// Listen opens a listener for purpose. For every incoming link that authenticates,
+// newSide gives the accepting side's protocol state; it must return once stop closes.
+func (t *Transport) Listen(purpose Purpose, newSide func(stop <-chan struct{}) (Side, error)) (*Listener, error) {
 	token, err := newToken()
 	if err != nil {
 		return nil, err
@@ -366,7 +360,7 @@ func (t *Transport) listen(purpose Purpose, newSide func(stop <-chan struct{}) (
 	if err != nil {
 		return nil, fmt.Errorf("listening on %s: %w", t.localIP(), err)
 	}
-	l := &listener{t: t, ln: ln, token: token, purpose: purpose, newSide: newSide, sharedSide: sharedSide, stop: make(chan struct{}),
+	l := &Listener{t: t, ln: ln, token: token, purpose: purpose, newSide: newSide, stop: make(chan struct{}),
 		addr: Addr{IP: t.localIP(), Port: ln.Addr().(*net.TCPAddr).Port}}
 	if !t.track(l) {
 		ln.Close()
@@ -378,7 +372,13 @@ func (t *Transport) listen(purpose Purpose, newSide func(stop <-chan struct{}) (
 	return l, nil
 }
 
-func (l *listener) serve() {
+// Addr is where the listener accepts.
+func (l *Listener) Addr() Addr { return l.addr }
+
+// Token is what a peer must present.
+func (l *Listener) Token() Token { return l.token }
+
+func (l *Listener) serve() {
 	defer l.pending.Done()
 	for {
 		c, err := l.ln.AcceptTCP()
@@ -398,15 +398,9 @@ func (l *listener) serve() {
 	}
 }
 
-func (l *listener) closeSide(s Side) {
-	if c, ok := s.(interface{ Close() error }); ok && !l.sharedSide {
-		c.Close()
-	}
-}
-
 // decideSide asks newSide for the link's state. close waits for it before cutting
 // connections, so that a refusal (the listener closing, say) still reaches the peer.
-func (l *listener) decideSide(conn *net.TCPConn) (Side, error) {
+func (l *Listener) decideSide(conn *net.TCPConn) (Side, error) {
 	l.mu.Lock()
 	l.deciding++
 	l.mu.Unlock()
@@ -422,7 +416,7 @@ func (l *listener) decideSide(conn *net.TCPConn) (Side, error) {
 }
 
 // handle authenticates one incoming connection and, if it belongs here, makes the link.
-func (l *listener) handle(conn *net.TCPConn) {
+func (l *Listener) handle(conn *net.TCPConn) {
 	from := conn.RemoteAddr().String()
 	deadline := time.Now().Add(l.t.cfg.Timeout)
 	conn.SetDeadline(deadline)
@@ -471,29 +465,28 @@ func (l *listener) handle(conn *net.TCPConn) {
 		nlog.Warnf("accepting a link from %s failed: %v", from, err)
 		ep.Close()
 		conn.Close()
-		l.closeSide(s)
 		return
 	}
 	l.mu.Lock()
-	l.ready = append(l.ready, accepted{link: link, side: s})
+	l.ready = append(l.ready, link)
 	l.mu.Unlock()
 }
 
-// next returns a link that is ready, without waiting.
-func (l *listener) next() (accepted, bool) {
+// Next returns a link that is ready, without waiting.
+func (l *Listener) Next() (*fabric.Link, bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if len(l.ready) == 0 {
-		return accepted{}, false
+		return nil, false
 	}
-	a := l.ready[0]
+	link := l.ready[0]
 	l.ready = l.ready[1:]
-	return a, true
+	return link, true
 }
 
-// close stops accepting, ends the handshakes in flight, waits for their goroutines and
+// Close stops accepting, ends the handshakes in flight, waits for their goroutines and
 // releases links nobody claimed. Once it returns, nothing of the listener runs.
-func (l *listener) close() {
+func (l *Listener) Close() {
 	l.closeOnce.Do(func() {
 		l.ln.Close()
 		close(l.stop)
@@ -508,9 +501,8 @@ func (l *listener) close() {
 		unclaimed := l.ready
 		l.ready = nil
 		l.mu.Unlock()
-		for _, a := range unclaimed {
-			a.link.Close()
-			l.closeSide(a.side)
+		for _, link := range unclaimed {
+			link.Close()
 		}
 		l.t.untrack(l)
 	})

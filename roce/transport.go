@@ -1,6 +1,6 @@
 // Package roce is the transport: it opens a fabric (verbs or tcp) and makes
-// authenticated links on it. The one-shot engine lives in roce/gather and runs on the
-// links this package makes for it (links.go).
+// authenticated links on it (bootstrap.go). The one-shot engine lives in roce/gather: it
+// brings its Side, and runs on the links this package makes for it.
 package roce
 
 import (
@@ -38,7 +38,7 @@ type Transport struct {
 	dials     handshakes
 	mu        sync.Mutex
 	closing   bool
-	listeners map[*listener]struct{}
+	listeners map[*Listener]struct{}
 }
 
 // Open opens the fabric the configuration names. "auto" takes verbs when a usable port
@@ -51,7 +51,7 @@ func Open(cfg Config) (*Transport, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := &Transport{cfg: cfg, iface: iface, listeners: map[*listener]struct{}{}}
+	t := &Transport{cfg: cfg, iface: iface, listeners: map[*Listener]struct{}{}}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
 	switch cfg.Fabric {
 	case "tcp":
@@ -73,7 +73,7 @@ func Open(cfg Config) (*Transport, error) {
 }
 
 func (t *Transport) openTCP() error {
-	d, err := tcp.Open(tcp.Config{Interface: t.iface.Name, Timeout: t.cfg.Timeout})
+	d, err := tcp.Open(tcp.Config{Interface: t.iface, Timeout: t.cfg.Timeout})
 	if err != nil {
 		return fmt.Errorf("tcp fabric: %w", err)
 	}
@@ -87,9 +87,6 @@ func (t *Transport) Kind() string { return t.kind }
 // Device is the fabric device in use.
 func (t *Transport) Device() fabric.Device { return t.dev }
 
-// Interface is where the transport's sockets bind.
-func (t *Transport) Interface() fabric.Interface { return t.iface }
-
 // Timeout is the longest wait for a peer.
 func (t *Transport) Timeout() time.Duration { return t.cfg.Timeout }
 
@@ -98,7 +95,7 @@ func (t *Transport) Timeout() time.Duration { return t.cfg.Timeout }
 func (t *Transport) Close() error {
 	t.mu.Lock()
 	t.closing = true
-	listeners := make([]*listener, 0, len(t.listeners))
+	listeners := make([]*Listener, 0, len(t.listeners))
 	for l := range t.listeners {
 		listeners = append(listeners, l)
 	}
@@ -106,13 +103,13 @@ func (t *Transport) Close() error {
 	t.cancel()
 	t.dials.abort()
 	for _, l := range listeners {
-		l.close()
+		l.Close()
 	}
 	return t.dev.Close()
 }
 
 // track registers a listener for Close; false once the transport is closing.
-func (t *Transport) track(l *listener) bool {
+func (t *Transport) track(l *Listener) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closing {
@@ -122,7 +119,7 @@ func (t *Transport) track(l *listener) bool {
 	return true
 }
 
-func (t *Transport) untrack(l *listener) {
+func (t *Transport) untrack(l *Listener) {
 	t.mu.Lock()
 	delete(t.listeners, l)
 	t.mu.Unlock()

@@ -76,17 +76,3 @@ func firstExisting(flag string, candidates ...string) (string, error) {
 	}
 	return "", fmt.Errorf("none of %s exists (build with make, install with make install, or pass %s)", strings.Join(candidates, ", "), flag)
 }
-
-// driverEnv is the environment of the ABI check's driver: the caller's, less
-// NCCL_NET_PLUGIN. The driver loads the library by path; that variable only tells NCCL
-// where to find it, and the library's notice about NCCL 2.27-2.29 unloading it (a fact
-// about NCCL, given at the net v10/v11 init) would count as a failed check here.
-func driverEnv() []string {
-	var env []string
-	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "NCCL_NET_PLUGIN=") {
-			env = append(env, kv)
-		}
-	}
-	return env
-}

@@ -88,7 +88,6 @@ func cmdABI(args []string) int {
 		dargs = append([]string{"-v"}, dargs...)
 	}
 	cmd := exec.Command(p.driver, dargs...)
-	cmd.Env = driverEnv()
 	cmd.Stderr = os.Stderr
 	raw, runErr := cmd.Output()
 	var checks []abiCheck

@@ -36,11 +36,9 @@ type rankSpec struct {
 type stepLine struct {
 	Step       string  `json:"step"`
 	Result     int     `json:"result"`
-	Rank       int     `json:"rank"`
 	PID        int     `json:"pid"`
 	Arena      string  `json:"arena"`
 	ArenaEnd   string  `json:"arena_end"`
-	N          int     `json:"n"`
 	Count      int     `json:"count"`
 	Type       int     `json:"type"`
 	Bytes      int     `json:"bytes"`
@@ -52,8 +50,6 @@ type stepLine struct {
 	Send       string  `json:"send"`
 	Recv       string  `json:"recv"`
 	Async      int     `json:"async"`
-	Tag        string  `json:"tag"`
-	AfterMS    int     `json:"after_ms"`
 	At         string  `json:"at"`
 	How        string  `json:"how"`
 	// bench
@@ -63,7 +59,6 @@ type stepLine struct {
 	// load
 	Errors  int     `json:"errors"`
 	Seconds float64 `json:"seconds"`
-	Rounds  int     `json:"rounds"`
 	Why     string  `json:"why"`
 }
 

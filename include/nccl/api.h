@@ -63,6 +63,5 @@ typedef ncclResult_t (*ncclSend_fn)(const void* sendbuff, size_t count, ncclData
 typedef ncclResult_t (*ncclRecv_fn)(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                                     cudaStream_t stream);
 typedef ncclResult_t (*ncclGetVersion_fn)(int* version);
-typedef const char* (*ncclGetErrorString_fn)(ncclResult_t result);
 
 #endif

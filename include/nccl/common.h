@@ -29,15 +29,7 @@ typedef enum {
 /* Subsystem flags passed with each log line. */
 #define NCCL_INIT 0x1UL
 #define NCCL_COLL 0x2UL
-#define NCCL_P2P 0x4UL
-#define NCCL_SHM 0x8UL
 #define NCCL_NET 0x10UL
-#define NCCL_GRAPH 0x20UL
-#define NCCL_TUNING 0x40UL
-#define NCCL_ENV 0x80UL
-#define NCCL_ALLOC 0x100UL
-#define NCCL_CALL 0x200UL
-#define NCCL_PROXY 0x400UL
 
 typedef void (*ncclDebugLogger_t)(ncclDebugLogLevel level, unsigned long flags, const char* file, int line,
                                   const char* fmt, ...);
@@ -67,19 +59,10 @@ typedef enum {
   ncclAvg = 4,
 } ncclRedOp_t;
 
-/* Memory kinds a net device can reach (ptrSupport) and regMr's type. */
-#define NCCL_PTR_HOST 0x1
-#define NCCL_PTR_CUDA 0x2
-#define NCCL_PTR_DMABUF 0x4
-
-#define NCCL_NET_HANDLE_MAXSIZE 128
-
 typedef enum {
   NCCL_NET_DEVICE_HOST = 0,
   NCCL_NET_DEVICE_UNPACK = 1,
 } ncclNetDeviceType;
-
-#define NCCL_NET_DEVICE_INVALID_VERSION 0x0
 
 /* Device offload handle; identical layout from v7 to v12. */
 typedef struct {

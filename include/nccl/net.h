@@ -104,7 +104,6 @@ typedef struct {
 
 typedef ncclNetVDeviceProps_v9_t ncclNetVDeviceProps_v10_t;
 typedef ncclNetProperties_v9_t ncclNetProperties_v10_t;
-#define RG_NCCL_TRAFFIC_CLASS_UNDEF -1
 
 typedef struct {
   int trafficClass;
@@ -217,7 +216,6 @@ typedef struct {
 } ncclNetVDeviceProps_v12_t;
 
 typedef ncclNetCommConfig_v10_t ncclNetCommConfig_v12_t;
-typedef ncclNetCommAttr_v11_t ncclNetCommAttr_v12_t;
 typedef ncclNetAttr_v11_t ncclNetAttr_v12_t;
 typedef struct {
   char* name;

@@ -25,7 +25,6 @@ static void load(void) {
     return;
   }
   RESOLVE(cuInit, "cuInit");
-  RESOLVE(cuDriverGetVersion, "cuDriverGetVersion");
   RESOLVE(cuGetErrorString, "cuGetErrorString");
   RESOLVE(cuDeviceGetCount, "cuDeviceGetCount");
   RESOLVE(cuDeviceGet, "cuDeviceGet");
@@ -35,20 +34,14 @@ static void load(void) {
   RESOLVE(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
   RESOLVE(cuCtxGetCurrent, "cuCtxGetCurrent");
   RESOLVE(cuCtxSetCurrent, "cuCtxSetCurrent");
-  RESOLVE(cuCtxGetDevice, "cuCtxGetDevice");
-  RESOLVE(cuPointerGetAttribute, "cuPointerGetAttribute");
   RESOLVE(cuMemAlloc, "cuMemAlloc_v2");
   RESOLVE(cuMemFree, "cuMemFree_v2");
-  RESOLVE(cuMemAllocHost, "cuMemAllocHost_v2");
   RESOLVE(cuMemFreeHost, "cuMemFreeHost");
   RESOLVE(cuMemHostAlloc, "cuMemHostAlloc");
   RESOLVE(cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2");
   RESOLVE(cuMemcpyHtoD, "cuMemcpyHtoD_v2");
   RESOLVE(cuMemcpyDtoH, "cuMemcpyDtoH_v2");
-  RESOLVE(cuMemcpyDtoD, "cuMemcpyDtoD_v2");
   RESOLVE(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
-  RESOLVE(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
-  RESOLVE(cuMemcpyAsync, "cuMemcpyAsync");
   RESOLVE(cuMemsetD8, "cuMemsetD8_v2");
   RESOLVE(cuStreamCreate, "cuStreamCreate");
   RESOLVE(cuStreamDestroy, "cuStreamDestroy_v2");
@@ -64,12 +57,8 @@ static void load(void) {
   RESOLVE(cuLaunchKernel, "cuLaunchKernel");
   RESOLVE(cuStreamWaitEvent, "cuStreamWaitEvent");
   RESOLVE(cuStreamIsCapturing, "cuStreamIsCapturing");
-  RESOLVE(cuEventSynchronize, "cuEventSynchronize");
   RESOLVE(cuCtxPushCurrent, "cuCtxPushCurrent_v2");
   RESOLVE(cuCtxPopCurrent, "cuCtxPopCurrent_v2");
-  RESOLVE(cuMemsetD8Async, "cuMemsetD8Async");
-  /* Present from CUDA 11.7; dma-buf export is skipped where it is missing. */
-  *(void**)&api.cuMemGetHandleForAddressRange = dlsym(lib, "cuMemGetHandleForAddressRange");
   CUresult r = api.cuInit(0);
   if (r != CUDA_SUCCESS) {
     snprintf(load_error, sizeof(load_error), "cuInit failed: %s", rg_cuda_strerror(r));
@@ -94,11 +83,6 @@ const char* rg_cuda_strerror(CUresult r) {
   static __thread char buf[32];
   snprintf(buf, sizeof(buf), "CUDA error %d", r);
   return buf;
-}
-
-CUresult rg_cuda_driver_version(int* version) {
-  if (rg_cuda() == NULL) return -1;
-  return api.cuDriverGetVersion(version);
 }
 
 CUresult rg_cuda_device_count(int* count) {

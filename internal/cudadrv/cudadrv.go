@@ -25,15 +25,6 @@ func Err() error {
 	return errors.New(C.GoString(C.rg_cuda_error()))
 }
 
-// DriverVersion returns the driver's CUDA version as major*1000+minor*10, or 0.
-func DriverVersion() int {
-	var v C.int
-	if C.rg_cuda_driver_version(&v) != 0 {
-		return 0
-	}
-	return int(v)
-}
-
 // GPU describes one CUDA device as plugincheck reports it.
 type GPU struct {
 	Ordinal       int

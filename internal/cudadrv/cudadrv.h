@@ -6,7 +6,6 @@
 
 typedef struct rg_cuda_api {
   CUresult (*cuInit)(unsigned int);
-  CUresult (*cuDriverGetVersion)(int*);
   CUresult (*cuGetErrorString)(CUresult, const char**);
   CUresult (*cuDeviceGetCount)(int*);
   CUresult (*cuDeviceGet)(CUdevice*, int);
@@ -16,22 +15,15 @@ typedef struct rg_cuda_api {
   CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
   CUresult (*cuCtxGetCurrent)(CUcontext*);
   CUresult (*cuCtxSetCurrent)(CUcontext);
-  CUresult (*cuCtxGetDevice)(CUdevice*);
-  CUresult (*cuPointerGetAttribute)(void*, int, CUdeviceptr);
   CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
   CUresult (*cuMemFree)(CUdeviceptr);
-  CUresult (*cuMemAllocHost)(void**, size_t);
   CUresult (*cuMemFreeHost)(void*);
   CUresult (*cuMemHostAlloc)(void**, size_t, unsigned int);
   CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned int);
   CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void*, size_t);
   CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
-  CUresult (*cuMemcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t);
   CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
-  CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
-  CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*cuMemsetD8)(CUdeviceptr, unsigned char, size_t);
-  CUresult (*cuMemGetHandleForAddressRange)(void*, CUdeviceptr, size_t, int, unsigned long long);
   CUresult (*cuStreamCreate)(CUstream*, unsigned int);
   CUresult (*cuStreamDestroy)(CUstream);
   CUresult (*cuStreamSynchronize)(CUstream);
@@ -47,10 +39,8 @@ typedef struct rg_cuda_api {
                              unsigned int, unsigned int, CUstream, void**, void**);
   CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
   CUresult (*cuStreamIsCapturing)(CUstream, int*);
-  CUresult (*cuEventSynchronize)(CUevent);
   CUresult (*cuCtxPushCurrent)(CUcontext);
   CUresult (*cuCtxPopCurrent)(CUcontext*);
-  CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
 } rg_cuda_api;
 
 /* Returns the driver API, or NULL when libcuda cannot be loaded or initialised;
@@ -63,7 +53,6 @@ const char* rg_cuda_strerror(CUresult r);
 
 
 /* Small wrappers for the Go side, which cannot call function pointers. */
-CUresult rg_cuda_driver_version(int* version);
 CUresult rg_cuda_device_count(int* count);
 typedef struct rg_cuda_device_info {
   char name[96];

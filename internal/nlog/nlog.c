@@ -12,7 +12,6 @@
 static _Atomic(ncclDebugLogger_t) nccl_logger;
 
 void rg_log_set_logger(ncclDebugLogger_t logger) { atomic_store(&nccl_logger, logger); }
-ncclDebugLogger_t rg_log_logger(void) { return atomic_load(&nccl_logger); }
 
 /* Without NCCL's logger, INFO lines follow NCCL_DEBUG=INFO like NCCL's own. */
 static int stderr_info_enabled(void) {

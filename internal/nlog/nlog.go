@@ -20,17 +20,13 @@ import (
 
 // Subsystem flags, as NCCL_DEBUG_SUBSYS filters them.
 const (
-	Init   = uint64(C.NCCL_INIT)
-	Net    = uint64(C.NCCL_NET)
-	Tuning = uint64(C.NCCL_TUNING)
-	Coll   = uint64(C.NCCL_COLL)
+	Init = uint64(C.NCCL_INIT)
+	Net  = uint64(C.NCCL_NET)
+	Coll = uint64(C.NCCL_COLL)
 )
 
 // Prefix starts every line, as NCCL's own transports do ("NET/IB : ...").
 const Prefix = "NET/roce_gather : "
-
-// SetLogger installs NCCL's logger (a C function pointer); nil restores stderr.
-func SetLogger(logger unsafe.Pointer) { C.rg_log_set_logger(C.ncclDebugLogger_t(logger)) }
 
 // Warnf logs a line every user sees.
 func Warnf(format string, args ...any) { emit(C.NCCL_LOG_WARN, ^uint64(0), format, args...) }

@@ -6,7 +6,6 @@
 #include "../../include/nccl/common.h"
 
 void rg_log_set_logger(ncclDebugLogger_t logger);
-ncclDebugLogger_t rg_log_logger(void);
 void rg_log(ncclDebugLogLevel level, unsigned long flags, const char* file, int line, const char* fmt, ...)
     __attribute__((format(printf, 5, 6)));
 

@@ -83,11 +83,7 @@ func (m *MR) SetKeys(hca int, lkey, rkey uint32) {
 func (m *MR) Addr() uintptr       { return uintptr(m.c.addr) }
 func (m *MR) Len() uint64         { return uint64(m.c.len) }
 func (m *MR) RKey(hca int) uint32 { return uint32(m.c.rkey[hca]) }
-func (m *MR) LKey(hca int) uint32 { return uint32(m.c.lkey[hca]) }
 func (m *MR) C() unsafe.Pointer   { return unsafe.Pointer(m.c) }
-func (m *MR) Contains(a uintptr, n uint64) bool {
-	return a >= m.Addr() && uint64(a-m.Addr())+n <= m.Len()
-}
 
 // Free releases the C side; backends call it after their own deregistration.
 func (m *MR) Free() {

@@ -26,7 +26,6 @@ typedef struct rg_mr {
   int nhcas;
   uint32_t lkey[RG_MAX_HCAS];
   uint32_t rkey[RG_MAX_HCAS];
-  void* impl;
 } rg_mr;
 
 enum rg_op { RG_OP_WRITE = 1 };
@@ -57,7 +56,6 @@ enum rg_err {
   RG_ERR_DEAD = -1,    /* the lane is gone: peer dead, link cut, or closed */
   RG_ERR_FULL = -2,    /* no room to post now; try again after polling */
   RG_ERR_INVALID = -3, /* the work request is malformed */
-  RG_ERR_ACCESS = -4,  /* the peer refused the write (key or bounds) */
 };
 
 typedef struct rg_lane_ops {

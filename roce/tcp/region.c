@@ -11,7 +11,6 @@ rg_tcp_dev* rg_tcp_dev_new(uint64_t timeout_ns) {
   if (dev == NULL) return NULL;
   pthread_mutex_init(&dev->mu, NULL);
   dev->timeout_ns = timeout_ns;
-  dev->generation = 0;
   return dev;
 }
 
@@ -39,7 +38,7 @@ static int find_free_slot(rg_tcp_dev* dev) {
   return first;
 }
 
-uint32_t rg_tcp_register(rg_tcp_dev* dev, uint64_t addr, uint64_t len, rg_mr* mr, char* err, int errlen) {
+uint32_t rg_tcp_register(rg_tcp_dev* dev, uint64_t addr, uint64_t len, char* err, int errlen) {
   rg_tcp_region* reg = calloc(1, sizeof(*reg));
   if (reg == NULL) {
     snprintf(err, errlen, "out of memory");
@@ -47,7 +46,6 @@ uint32_t rg_tcp_register(rg_tcp_dev* dev, uint64_t addr, uint64_t len, rg_mr* mr
   }
   reg->addr = addr;
   reg->len = len;
-  reg->mr = mr;
   pthread_mutex_lock(&dev->mu);
   int slot = find_free_slot(dev);
   if (slot < 0) {
@@ -111,11 +109,3 @@ rg_tcp_region* rg_tcp_region_acquire(rg_tcp_dev* dev, uint32_t key, uint64_t add
 }
 
 void rg_tcp_region_release(rg_tcp_region* reg) { atomic_fetch_sub(&reg->refs, 1); }
-
-void* rg_tcp_region_of(rg_tcp_dev* dev, uint32_t key) {
-  uint32_t slot = key & RG_TCP_KEY_SLOT_MASK;
-  pthread_mutex_lock(&dev->mu);
-  rg_tcp_region* reg = slot < dev->nslots ? dev->slots[slot] : NULL;
-  pthread_mutex_unlock(&dev->mu);
-  return reg != NULL && reg->key == key ? reg : NULL;
-}

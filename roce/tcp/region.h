@@ -9,7 +9,6 @@ struct rg_tcp_region {
   uint64_t len;
   uint32_t key;
   atomic_int refs; /* writes being placed into it right now */
-  rg_mr* mr;
 };
 
 enum { RG_TCP_BAD_KEY = 1, RG_TCP_OUT_OF_BOUNDS = 2 };

@@ -27,29 +27,25 @@ import (
 	"github.com/roce-gather/roce_gather/roce/fabric"
 )
 
-// Config selects the interface and the liveness timeout.
+// Config names the interface (the one the bootstrap's sockets bind to) and the liveness
+// timeout.
 type Config struct {
-	Interface        string // exact interface name; "" picks one
-	NCCLSocketIfname string // NCCL_SOCKET_IFNAME, used when Interface is ""
-	Timeout          time.Duration
+	Interface fabric.Interface
+	Timeout   time.Duration
 }
 
 // Device is the tcp fabric's single device: one interface of this host.
 type Device struct {
-	iface fabric.Interface
-	info  fabric.DeviceInfo
-	c     *C.rg_tcp_dev
+	info fabric.DeviceInfo
+	c    *C.rg_tcp_dev
 
 	mu    sync.Mutex
 	links map[*fabric.Link]struct{}
 }
 
-// Open picks the interface and returns the device.
+// Open returns the device on the configured interface.
 func Open(cfg Config) (*Device, error) {
-	iface, err := fabric.PickInterface(cfg.Interface, cfg.NCCLSocketIfname)
-	if err != nil {
-		return nil, err
-	}
+	iface := cfg.Interface
 	if cfg.Timeout <= 0 {
 		return nil, fmt.Errorf("tcp fabric: timeout must be positive, got %v", cfg.Timeout)
 	}
@@ -58,7 +54,6 @@ func Open(cfg Config) (*Device, error) {
 		speedNote = fmt.Sprintf("%d Mbps", speed)
 	}
 	d := &Device{
-		iface: iface,
 		c:     C.rg_tcp_dev_new(C.uint64_t(cfg.Timeout.Nanoseconds())),
 		links: map[*fabric.Link]struct{}{},
 	}
@@ -70,8 +65,7 @@ func Open(cfg Config) (*Device, error) {
 	return d, nil
 }
 
-func (d *Device) Info() fabric.DeviceInfo     { return d.info }
-func (d *Device) Interface() fabric.Interface { return d.iface }
+func (d *Device) Info() fabric.DeviceInfo { return d.info }
 
 // Register adds a region peers may write into.
 func (d *Device) Register(addr uintptr, length uint64) (*fabric.MR, error) {
@@ -80,13 +74,12 @@ func (d *Device) Register(addr uintptr, length uint64) (*fabric.MR, error) {
 	}
 	mr := fabric.NewMR(addr, length, 1)
 	var errBuf [256]C.char
-	key := C.rg_tcp_register(d.c, C.uint64_t(addr), C.uint64_t(length), (*C.rg_mr)(mr.C()), &errBuf[0], C.int(len(errBuf)))
+	key := C.rg_tcp_register(d.c, C.uint64_t(addr), C.uint64_t(length), &errBuf[0], C.int(len(errBuf)))
 	if key == 0 {
 		mr.Free()
 		return nil, errors.New(C.GoString(&errBuf[0]))
 	}
 	mr.SetKeys(0, uint32(key), uint32(key))
-	(*C.rg_mr)(mr.C()).impl = C.rg_tcp_region_of(d.c, key)
 	return mr, nil
 }
 

@@ -27,7 +27,7 @@ typedef struct rg_tcp_dev {
 rg_tcp_dev* rg_tcp_dev_new(uint64_t timeout_ns);
 void rg_tcp_dev_free(rg_tcp_dev* dev);
 /* Returns the key, or 0 with err filled. */
-uint32_t rg_tcp_register(rg_tcp_dev* dev, uint64_t addr, uint64_t len, rg_mr* mr, char* err, int errlen);
+uint32_t rg_tcp_register(rg_tcp_dev* dev, uint64_t addr, uint64_t len, char* err, int errlen);
 int rg_tcp_deregister(rg_tcp_dev* dev, uint32_t key, char* err, int errlen);
 
 typedef struct rg_tcp_lane rg_tcp_lane;
@@ -38,8 +38,5 @@ rg_tcp_lane* rg_tcp_lane_start(rg_tcp_dev* dev, int fd, const char* peer, char* 
 /* Says goodbye to the peer, stops the helper and frees the lane; its queued frames are dropped. */
 void rg_tcp_lane_close(rg_tcp_lane* lane);
 extern const rg_lane_ops rg_tcp_lane_ops;
-
-/* The backend state of the region under key, for rg_mr.impl. */
-void* rg_tcp_region_of(rg_tcp_dev* dev, uint32_t key);
 
 #endif

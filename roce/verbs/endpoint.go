@@ -59,8 +59,8 @@ func (d *Device) newLane(hi int, sq uint32) (*C.rg_vlane, error) {
 	name := C.CString(h.label)
 	defer C.free(unsafe.Pointer(name))
 	var errBuf [256]C.char
-	l := C.rg_vlane_create(h.ctx, h.pd, C.int(hi), name, C.uint32_t(sq), C.uint32_t(recvDepth),
-		C.uint64_t(d.cfg.Timeout.Nanoseconds()), &errBuf[0], C.int(len(errBuf)))
+	l := C.rg_vlane_create(h.ctx, h.pd, C.int(hi), name, C.uint32_t(sq), C.uint64_t(d.cfg.Timeout.Nanoseconds()),
+		&errBuf[0], C.int(len(errBuf)))
 	if l == nil {
 		return nil, errors.New(C.GoString(&errBuf[0]))
 	}

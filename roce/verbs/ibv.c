@@ -125,15 +125,6 @@ struct ibv_mr* rg_ibv_reg_mr(struct ibv_pd* pd, uint64_t addr, uint64_t len, int
   return api.reg_mr(pd, (void*)(uintptr_t)addr, (size_t)len, access);
 }
 
-struct ibv_mr* rg_ibv_reg_dmabuf_mr(struct ibv_pd* pd, uint64_t offset, uint64_t len, uint64_t iova, int fd,
-                                    int access) {
-  if (api.reg_dmabuf_mr == NULL) {
-    errno = ENOSYS;
-    return NULL;
-  }
-  return api.reg_dmabuf_mr(pd, offset, (size_t)len, iova, fd, access);
-}
-
 int rg_ibv_dereg_mr(struct ibv_mr* mr) { return api.dereg_mr(mr); }
 
 /* A registration with fd -1 fails with EBADF where the kernel path exists, and with

@@ -36,8 +36,6 @@ long rg_ibv_query_gid_table(struct ibv_context* ctx, struct ibv_gid_entry* entri
 struct ibv_pd* rg_ibv_alloc_pd(struct ibv_context* ctx);
 int rg_ibv_dealloc_pd(struct ibv_pd* pd);
 struct ibv_mr* rg_ibv_reg_mr(struct ibv_pd* pd, uint64_t addr, uint64_t len, int access);
-struct ibv_mr* rg_ibv_reg_dmabuf_mr(struct ibv_pd* pd, uint64_t offset, uint64_t len, uint64_t iova, int fd,
-                                    int access);
 int rg_ibv_dereg_mr(struct ibv_mr* mr);
 /* 1 when the kernel and provider accept dma-buf registrations on pd's device. */
 int rg_ibv_dmabuf_works(struct ibv_pd* pd);
@@ -51,15 +49,15 @@ int rg_ibv_destroy_qp(struct ibv_qp* qp);
 
 /* ------------------------------------------------------------------ lanes */
 
-/* One RC queue pair with its own send and receive completion queues (no receive is posted). */
+/* One RC queue pair with its own completion queue, for sends (no receive is posted). */
 typedef struct rg_vlane rg_vlane;
 
-/* Creates the CQs and the QP (in RESET). Returns NULL with err filled. */
+/* Creates the CQ and the QP (in RESET). Returns NULL with err filled. */
 rg_vlane* rg_vlane_create(struct ibv_context* ctx, struct ibv_pd* pd, int hca, const char* hca_name,
-                          uint32_t sq_depth, uint32_t rq_depth, uint64_t timeout_ns, char* err, int errlen);
+                          uint32_t sq_depth, uint64_t timeout_ns, char* err, int errlen);
 /* Builds a lane around existing verbs objects it does not own (tests use a fake NIC). */
-rg_vlane* rg_vlane_wrap(struct ibv_qp* qp, struct ibv_cq* scq, struct ibv_cq* rcq, int hca, const char* hca_name,
-                        uint32_t sq_depth, uint32_t rq_depth, uint64_t timeout_ns);
+rg_vlane* rg_vlane_wrap(struct ibv_qp* qp, struct ibv_cq* scq, int hca, const char* hca_name, uint32_t sq_depth,
+                        uint64_t timeout_ns);
 /* Destroys what the lane owns and frees it. */
 void rg_vlane_destroy(rg_vlane* l);
 struct ibv_qp* rg_vlane_qp(rg_vlane* l);

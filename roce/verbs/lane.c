@@ -1,4 +1,4 @@
-/* A verbs lane: one RC queue pair with its own completion queues. The engine only writes
+/* A verbs lane: one RC queue pair with its own completion queue. The engine only writes
  * (RDMA writes, never with immediate), so no receive is ever posted or completed.
  *
  * One thread drives a lane at a time (the engine's proxy), so there are no locks.
@@ -13,6 +13,8 @@
 #include "ibv.h"
 
 #define POLL_BATCH 16
+/* The receive queue's entries: the least a queue pair has, as none is ever posted. */
+#define RECV_DEPTH 1
 #define UNSIGNALED_WR_ID UINT64_MAX
 
 enum { SIG_USER = 1, SIG_INTERNAL = 2, SIG_PROBE = 3 };
@@ -28,12 +30,11 @@ typedef struct sig_entry {
 struct rg_vlane {
   struct ibv_qp* qp;
   struct ibv_cq* scq;
-  struct ibv_cq* rcq;
-  int owned; /* destroy qp and CQs with the lane */
+  int owned; /* destroy qp and CQ with the lane */
   int hca;
   char hca_name[64];
   char peer[64];
-  uint32_t sq_depth, rq_depth, sig_every;
+  uint32_t sq_depth, sig_every;
 
   uint32_t sq_used;    /* send slots not yet retired */
   uint32_t unsignaled; /* requests posted since the last signaled one */
@@ -282,8 +283,8 @@ const rg_lane_ops rg_vlane_ops = {
 
 /* ------------------------------------------------------------------ set-up */
 
-rg_vlane* rg_vlane_wrap(struct ibv_qp* qp, struct ibv_cq* scq, struct ibv_cq* rcq, int hca, const char* hca_name,
-                        uint32_t sq_depth, uint32_t rq_depth, uint64_t timeout_ns) {
+rg_vlane* rg_vlane_wrap(struct ibv_qp* qp, struct ibv_cq* scq, int hca, const char* hca_name, uint32_t sq_depth,
+                        uint64_t timeout_ns) {
   rg_vlane* l = calloc(1, sizeof(*l));
   if (l == NULL) return NULL;
   l->sig = calloc(sq_depth, sizeof(*l->sig));
@@ -296,12 +297,10 @@ rg_vlane* rg_vlane_wrap(struct ibv_qp* qp, struct ibv_cq* scq, struct ibv_cq* rc
   }
   l->qp = qp;
   l->scq = scq;
-  l->rcq = rcq;
   l->hca = hca;
   snprintf(l->hca_name, sizeof(l->hca_name), "%s", hca_name);
   snprintf(l->peer, sizeof(l->peer), "(not connected)");
   l->sq_depth = sq_depth;
-  l->rq_depth = rq_depth;
   /* Signaling every quarter queue keeps at least 3/4 of it free once completions are in. */
   l->sig_every = sq_depth / 4 < 64 ? sq_depth / 4 : 64;
   if (l->sig_every == 0) l->sig_every = 1;
@@ -310,34 +309,27 @@ rg_vlane* rg_vlane_wrap(struct ibv_qp* qp, struct ibv_cq* scq, struct ibv_cq* rc
 }
 
 rg_vlane* rg_vlane_create(struct ibv_context* ctx, struct ibv_pd* pd, int hca, const char* hca_name,
-                          uint32_t sq_depth, uint32_t rq_depth, uint64_t timeout_ns, char* err, int errlen) {
+                          uint32_t sq_depth, uint64_t timeout_ns, char* err, int errlen) {
   struct ibv_cq* scq = rg_ibv_create_cq(ctx, (int)sq_depth);
   if (scq == NULL) {
     snprintf(err, (size_t)errlen, "ibv_create_cq(%u entries) on %s failed: %s", sq_depth, hca_name, strerror(errno));
     return NULL;
   }
-  struct ibv_cq* rcq = rg_ibv_create_cq(ctx, (int)rq_depth);
-  if (rcq == NULL) {
-    snprintf(err, (size_t)errlen, "ibv_create_cq(%u entries) on %s failed: %s", rq_depth, hca_name, strerror(errno));
-    rg_ibv_destroy_cq(scq);
-    return NULL;
-  }
   struct ibv_qp_init_attr ia;
   memset(&ia, 0, sizeof(ia));
   ia.send_cq = scq;
-  ia.recv_cq = rcq;
+  ia.recv_cq = scq; /* no receive is ever posted: none ever completes there */
   ia.qp_type = IBV_QPT_RC;
   ia.sq_sig_all = 0;
   ia.cap.max_send_wr = sq_depth;
-  ia.cap.max_recv_wr = rq_depth;
+  ia.cap.max_recv_wr = RECV_DEPTH;
   ia.cap.max_send_sge = 1;
   ia.cap.max_recv_sge = 1;
   ia.cap.max_inline_data = RG_INLINE_MAX;
   struct ibv_qp* qp = rg_ibv_create_qp(pd, &ia);
   if (qp == NULL) {
-    snprintf(err, (size_t)errlen, "ibv_create_qp(RC, %u send, %u receive, %d inline bytes) on %s failed: %s",
-             sq_depth, rq_depth, RG_INLINE_MAX, hca_name, strerror(errno));
-    rg_ibv_destroy_cq(rcq);
+    snprintf(err, (size_t)errlen, "ibv_create_qp(RC, %u send, %d receive, %d inline bytes) on %s failed: %s",
+             sq_depth, RECV_DEPTH, RG_INLINE_MAX, hca_name, strerror(errno));
     rg_ibv_destroy_cq(scq);
     return NULL;
   }
@@ -345,13 +337,12 @@ rg_vlane* rg_vlane_create(struct ibv_context* ctx, struct ibv_pd* pd, int hca, c
   rg_vlane* l = NULL;
   if (ia.cap.max_inline_data < RG_INLINE_MAX) /* create_qp reports what it actually gave */
     why = "too few inline bytes";
-  else if ((l = rg_vlane_wrap(qp, scq, rcq, hca, hca_name, sq_depth, rq_depth, timeout_ns)) == NULL)
+  else if ((l = rg_vlane_wrap(qp, scq, hca, hca_name, sq_depth, timeout_ns)) == NULL)
     why = "out of memory";
   if (why != NULL) {
     snprintf(err, (size_t)errlen, "queue pair on %s: %s (inline %u of %d bytes)", hca_name, why,
              ia.cap.max_inline_data, RG_INLINE_MAX);
     rg_ibv_destroy_qp(qp);
-    rg_ibv_destroy_cq(rcq);
     rg_ibv_destroy_cq(scq);
     return NULL;
   }
@@ -362,9 +353,8 @@ rg_vlane* rg_vlane_create(struct ibv_context* ctx, struct ibv_pd* pd, int hca, c
 void rg_vlane_destroy(rg_vlane* l) {
   if (l == NULL) return;
   if (l->owned) {
-    rg_ibv_destroy_qp(l->qp); /* before its CQs, which it references */
+    rg_ibv_destroy_qp(l->qp); /* before its CQ, which it references */
     rg_ibv_destroy_cq(l->scq);
-    rg_ibv_destroy_cq(l->rcq);
   }
   free(l->sig);
   free(l->done);

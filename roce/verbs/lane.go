@@ -52,12 +52,12 @@ type laneCQE struct {
 // goLane drives a C lane from Go, for tests; the hot path calls rg_vlane_ops from C.
 type goLane struct{ c *C.rg_vlane }
 
-// wrapLane builds a lane around a queue pair and completion queues it does not own.
-func wrapLane(qp, scq, rcq unsafe.Pointer, hca int, sq, rq uint32, timeout time.Duration) goLane {
+// wrapLane builds a lane around a queue pair and completion queue it does not own.
+func wrapLane(qp, scq unsafe.Pointer, hca int, sq uint32, timeout time.Duration) goLane {
 	name := C.CString("fake0:1")
 	defer C.free(unsafe.Pointer(name))
-	return goLane{C.rg_vlane_wrap((*C.struct_ibv_qp)(qp), (*C.struct_ibv_cq)(scq), (*C.struct_ibv_cq)(rcq),
-		C.int(hca), name, C.uint32_t(sq), C.uint32_t(rq), C.uint64_t(timeout.Nanoseconds()))}
+	return goLane{C.rg_vlane_wrap((*C.struct_ibv_qp)(qp), (*C.struct_ibv_cq)(scq), C.int(hca), name, C.uint32_t(sq),
+		C.uint64_t(timeout.Nanoseconds()))}
 }
 
 // linkLane is lane i of a verbs link, for tests that drive a real device.

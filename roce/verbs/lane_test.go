@@ -18,7 +18,7 @@ func newTestLane(t *testing.T, depth uint32) (goLane, *fakenic.NIC, uint64) {
 	t.Helper()
 	require.NoError(t, load(), "libibverbs is installed on the test machine, for ibv_wc_status_str")
 	nic := fakenic.New(0x1234)
-	l := wrapLane(nic.QP(), nic.SendCQ(), nic.RecvCQ(), 1, depth, 1, testTimeout)
+	l := wrapLane(nic.QP(), nic.SendCQ(), 1, depth, testTimeout)
 	now := fabric.NowNanos()
 	l.start("10.0.0.2:5000", 0x1000, 0x77, now)
 	t.Cleanup(func() {
@@ -314,7 +314,7 @@ func TestLaneFullQueueThatNeverCompletesMakesLaneDead(t *testing.T) {
 func TestLaneCheckBeforeStartDoesNothing(t *testing.T) {
 	nic := fakenic.New(1)
 	defer nic.Free()
-	l := wrapLane(nic.QP(), nic.SendCQ(), nic.RecvCQ(), 0, 64, 1, testTimeout)
+	l := wrapLane(nic.QP(), nic.SendCQ(), 0, 64, testTimeout)
 	defer l.destroy()
 	require.Equal(t, rgOK, l.check(fabric.NowNanos()+uint64(time.Hour)))
 	require.Empty(t, nic.Sends())

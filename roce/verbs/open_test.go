@@ -39,10 +39,6 @@ func TestOpenWithoutNICIsUnavailable(t *testing.T) {
 	require.True(t, strings.Contains(msg, "no RDMA devices on this host") ||
 		strings.Contains(msg, "ibv_get_device_list failed") ||
 		strings.Contains(msg, "cannot load libibverbs.so.1"), msg)
-
-	ds, err := Devices(noNICConfig)
-	require.Empty(t, ds)
-	require.ErrorIs(t, err, fabric.ErrUnavailable)
 }
 
 func TestOpenRejectsMalformedHCAList(t *testing.T) {

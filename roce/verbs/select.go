@@ -191,7 +191,7 @@ func groupPorts(ports []chosenPort) [][]chosenPort {
 	return groups
 }
 
-// groupName is the NCCL device name: "mlx5_0", or "mlx5_0+mlx5_1" for a group; a port
+// groupName is the fabric device's name: "mlx5_0", or "mlx5_0+mlx5_1" for a group; a port
 // other than 1 is named too ("mlx4_0:2").
 func groupName(g []chosenPort) string {
 	names := make([]string, len(g))
@@ -222,9 +222,9 @@ func portStateName(s int) string {
 	return fmt.Sprintf("state %d", s)
 }
 
-// groupSpeed is a device's bandwidth: the sum of its ports', as NCCL sums the ports it
+// groupSpeed says a device's bandwidth: the sum of its ports', as NCCL sums the ports it
 // fuses. A port whose speed code is unknown counts as 10000 Mbps, what NCCL assumes.
-func groupSpeed(g []chosenPort) (int, string) {
+func groupSpeed(g []chosenPort) string {
 	total := 0
 	var unknown []string
 	for _, p := range g {
@@ -239,7 +239,7 @@ func groupSpeed(g []chosenPort) (int, string) {
 	if len(unknown) > 0 {
 		note += " counting 10000 for unknown codes on " + strings.Join(unknown, ", ")
 	}
-	return total, note
+	return note
 }
 
 // groupDetail names a device's ports with their routes and MTUs, for one log line.

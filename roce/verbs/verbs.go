@@ -2,7 +2,7 @@
 //
 // Discovery lists the active ports, picks each one's GID and groups the ports of one
 // adapter into one fabric device, whose links stripe over its HCAs: one RC queue pair,
-// with its own completion queues, per lane. Set-up and registration
+// with its own completion queue, per lane. Set-up and registration
 // are Go; the lane operations are C (lane.c), so posting and polling never enter Go.
 package verbs
 
@@ -34,11 +34,10 @@ type Config struct {
 }
 
 // Queue depths: laneDepth send requests a lane, at least minDepth; no receive is ever
-// posted (the engine's writes consume none), so the receive queue is one entry.
+// posted (the engine's writes consume none).
 const (
 	laneDepth = 512
 	minDepth  = 64
-	recvDepth = 1
 	// scratch is one registered host page per device, where the peers' probes land.
 	scratchSize = 4096
 )
@@ -67,8 +66,8 @@ type hca struct {
 }
 
 // Open returns the first fabric device: the first usable port in device-name order,
-// grouped with the other usable ports of its adapter. Devices lists them all. The error
-// wraps fabric.ErrUnavailable when libibverbs is missing or no port is usable.
+// grouped with the other usable ports of its adapter. The error wraps
+// fabric.ErrUnavailable when libibverbs is missing or no port is usable.
 func Open(cfg Config) (fabric.Device, error) {
 	groups, err := discover(cfg)
 	if err != nil {
@@ -86,27 +85,6 @@ func Open(cfg Config) (fabric.Device, error) {
 		nlog.Infof(nlog.Init|nlog.Net, "verbs: using %s; also usable, through ROCE_GATHER_HCAS: %s", d.info.Name, strings.Join(others, ", "))
 	}
 	return d, nil
-}
-
-// Devices opens every fabric device the configuration selects, for plugincheck. The
-// caller closes them.
-func Devices(cfg Config) ([]fabric.Device, error) {
-	groups, err := discover(cfg)
-	if err != nil {
-		return nil, err
-	}
-	var out []fabric.Device
-	for _, g := range groups {
-		d, err := openGroup(cfg, g)
-		if err != nil {
-			for _, o := range out {
-				o.Close()
-			}
-			return nil, err
-		}
-		out = append(out, d)
-	}
-	return out, nil
 }
 
 // discover selects and groups the ports the configuration asks for.
@@ -190,8 +168,7 @@ func openGroup(cfg Config, g []chosenPort) (_ *Device, err error) {
 
 // describeDevice says what the device is, for log lines and plugincheck.
 func describeDevice(g []chosenPort) fabric.DeviceInfo {
-	_, speedNote := groupSpeed(g)
-	return fabric.DeviceInfo{Name: groupName(g), Lanes: len(g), Detail: groupDetail(g) + ", " + speedNote + ", slots in host memory"}
+	return fabric.DeviceInfo{Name: groupName(g), Lanes: len(g), Detail: groupDetail(g) + ", " + groupSpeed(g) + ", slots in host memory"}
 }
 
 func (d *Device) Info() fabric.DeviceInfo { return d.info }

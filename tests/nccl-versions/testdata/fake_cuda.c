@@ -10,7 +10,6 @@ typedef uintptr_t CUdeviceptr;
 #define OK 0
 
 CUresult cuInit(unsigned f) { (void)f; return OK; }
-CUresult cuDriverGetVersion(int* v) { *v = 13000; return OK; }
 CUresult cuGetErrorString(CUresult r, const char** s) { (void)r; *s = "fake CUDA error"; return OK; }
 CUresult cuDeviceGetCount(int* n) { *n = 1; return OK; }
 CUresult cuDeviceGet(int* d, int o) { *d = o; return o == 0 ? OK : 101; }
@@ -21,20 +20,14 @@ CUresult cuDevicePrimaryCtxRetain(void** c, int d) { (void)d; *c = &ctx_token; r
 CUresult cuDevicePrimaryCtxRelease_v2(int d) { (void)d; return OK; }
 CUresult cuCtxGetCurrent(void** c) { *c = &ctx_token; return OK; }
 CUresult cuCtxSetCurrent(void* c) { (void)c; return OK; }
-CUresult cuCtxGetDevice(int* d) { *d = 0; return OK; }
-CUresult cuPointerGetAttribute(void* v, int a, CUdeviceptr p) { (void)v; (void)a; (void)p; return 1; }
 CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) { *p = (CUdeviceptr)malloc(n ? n : 1); return *p ? OK : 2; }
 CUresult cuMemFree_v2(CUdeviceptr p) { free((void*)p); return OK; }
-CUresult cuMemAllocHost_v2(void** p, size_t n) { *p = malloc(n ? n : 1); return *p ? OK : 2; }
 CUresult cuMemFreeHost(void* p) { free(p); return OK; }
-CUresult cuMemHostAlloc(void** p, size_t n, unsigned f) { (void)f; return cuMemAllocHost_v2(p, n); }
+CUresult cuMemHostAlloc(void** p, size_t n, unsigned f) { (void)f; *p = malloc(n ? n : 1); return *p ? OK : 2; }
 CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr* d, void* p, unsigned f) { (void)f; *d = (CUdeviceptr)p; return OK; }
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { memmove((void*)d, s, n); return OK; }
 CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { memmove(d, (void*)s, n); return OK; }
-CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { memmove((void*)d, (void*)s, n); return OK; }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, void* st) { (void)st; return cuMemcpyHtoD_v2(d, s, n); }
-CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, void* st) { (void)st; return cuMemcpyDtoH_v2(d, s, n); }
-CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, void* st) { (void)st; return cuMemcpyDtoD_v2(d, s, n); }
 CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char c, size_t n) { memset((void*)d, c, n); return OK; }
 static int stream_token;
 CUresult cuStreamCreate(void** s, unsigned f) { (void)f; *s = &stream_token; return OK; }
@@ -55,7 +48,5 @@ CUresult cuLaunchKernel(void* f, unsigned a, unsigned b, unsigned c, unsigned d,
 }
 CUresult cuStreamWaitEvent(void* s, void* e, unsigned f) { (void)s; (void)e; (void)f; return OK; }
 CUresult cuStreamIsCapturing(void* s, int* status) { (void)s; *status = 0; return OK; }
-CUresult cuEventSynchronize(void* e) { (void)e; return OK; }
 CUresult cuCtxPushCurrent_v2(void* c) { (void)c; return OK; }
 CUresult cuCtxPopCurrent_v2(void** c) { *c = &ctx_token; return OK; }
-CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char c, size_t n, void* st) { (void)st; return cuMemsetD8_v2(d, c, n); }

@@ -13,10 +13,10 @@ typedef struct ring {
 struct fake_nic {
   struct ibv_context ctx; /* first: a qp's or cq's context pointer leads back here */
   struct ibv_qp qp;
-  struct ibv_cq scq, rcq;
+  struct ibv_cq scq;
   fake_wr* sends;
   int nsends, ncompleted;
-  ring sring, rring;
+  ring sring;
   int recvs;
   int post_err;
 };
@@ -27,7 +27,7 @@ static void push(ring* r, struct ibv_wc wc) {
 
 static int fake_poll_cq(struct ibv_cq* cq, int num, struct ibv_wc* wc) {
   fake_nic* n = (fake_nic*)cq->context;
-  ring* r = cq == &n->scq ? &n->sring : &n->rring;
+  ring* r = &n->sring;
   int k = 0;
   while (k < num && r->head < r->tail) wc[k++] = r->wc[r->head++];
   return k;
@@ -76,27 +76,23 @@ fake_nic* fake_nic_new(uint32_t qpn) {
   fake_nic* n = calloc(1, sizeof(*n));
   n->sends = calloc(MAX_WRS, sizeof(*n->sends));
   n->sring.wc = calloc(MAX_CQES, sizeof(struct ibv_wc));
-  n->rring.wc = calloc(MAX_CQES, sizeof(struct ibv_wc));
   n->ctx.ops.poll_cq = fake_poll_cq;
   n->ctx.ops.post_send = fake_post_send;
   n->ctx.ops.post_recv = fake_post_recv;
   n->qp.context = &n->ctx;
   n->qp.qp_num = qpn;
   n->scq.context = &n->ctx;
-  n->rcq.context = &n->ctx;
   return n;
 }
 
 void fake_nic_free(fake_nic* n) {
   free(n->sends);
   free(n->sring.wc);
-  free(n->rring.wc);
   free(n);
 }
 
 struct ibv_qp* fake_nic_qp(fake_nic* n) { return &n->qp; }
 struct ibv_cq* fake_nic_send_cq(fake_nic* n) { return &n->scq; }
-struct ibv_cq* fake_nic_recv_cq(fake_nic* n) { return &n->rcq; }
 int fake_nic_nsends(fake_nic* n) { return n->nsends; }
 const fake_wr* fake_nic_send(fake_nic* n, int i) { return &n->sends[i]; }
 int fake_nic_recvs_posted(fake_nic* n) { return n->recvs; }

@@ -1,4 +1,4 @@
-// Package fakenic is a fake queue pair and pair of completion queues for the verbs lane
+// Package fakenic is a fake queue pair and completion queue for the verbs lane
 // tests: the ops table of its ibv_context records posts and returns completions the test
 // makes, so the lane's C code runs unchanged without a NIC.
 package fakenic
@@ -22,7 +22,7 @@ const (
 	SendInline   = C.IBV_SEND_INLINE
 )
 
-// NIC is one fake queue pair with its send and receive completion queues.
+// NIC is one fake queue pair with its completion queue.
 type NIC struct{ c *C.fake_nic }
 
 func New(qpn uint32) *NIC { return &NIC{c: C.fake_nic_new(C.uint32_t(qpn))} }
@@ -31,7 +31,6 @@ func (n *NIC) Free() { C.fake_nic_free(n.c) }
 
 func (n *NIC) QP() unsafe.Pointer     { return unsafe.Pointer(C.fake_nic_qp(n.c)) }
 func (n *NIC) SendCQ() unsafe.Pointer { return unsafe.Pointer(C.fake_nic_send_cq(n.c)) }
-func (n *NIC) RecvCQ() unsafe.Pointer { return unsafe.Pointer(C.fake_nic_recv_cq(n.c)) }
 
 // WR is a posted send work request as the NIC received it.
 type WR struct {

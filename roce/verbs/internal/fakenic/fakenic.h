@@ -1,4 +1,4 @@
-/* A fake NIC for the verbs lane tests: a queue pair and two completion queues whose
+/* A fake NIC for the verbs lane tests: a queue pair and a completion queue whose
  * context's ops table records what is posted and returns completions the test makes.
  * Nothing here touches libibverbs or hardware. */
 #ifndef RG_FAKENIC_H
@@ -24,7 +24,6 @@ fake_nic* fake_nic_new(uint32_t qpn);
 void fake_nic_free(fake_nic* n);
 struct ibv_qp* fake_nic_qp(fake_nic* n);
 struct ibv_cq* fake_nic_send_cq(fake_nic* n);
-struct ibv_cq* fake_nic_recv_cq(fake_nic* n);
 int fake_nic_nsends(fake_nic* n);
 const fake_wr* fake_nic_send(fake_nic* n, int i);
 int fake_nic_recvs_posted(fake_nic* n);
