@@ -599,8 +599,19 @@ static void raise_failure(rg_os_engine* e, const rg_os_failure* f) {
     if (atomic_load_explicit(&e->ended, memory_order_acquire) && kept_code(e) == 0) {
       /* A call (a graph replay, which no launch saw) ran after the link ended. */
       rg_os_fail(e, RESULT_REMOTE_ERROR, atomic_load(&e->closing), "%s", e->ended_why);
+    } else if (kept_code(e) == 0 && atomic_load(&e->closing) && atomic_load(&e->close_reason) == RG_OS_CLOSED_DESTROY) {
+      /* Finalize or destroy gave the calls the deadline, then raised the abort word: this call
+       * failed as surely as one whose own deadline fired first (the two race), and says so. */
+      const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
+      if (load_acquire(&ctrl->ready[seq & 1][0]) == seq)
+        fail_at(e, seq, RESULT_REMOTE_ERROR, "the peer's data did not arrive within %llu ms",
+                (unsigned long long)(e->timeout_ns / 1000000));
+      else
+        fail_at(e, seq, RESULT_SYSTEM_ERROR, "ncclCommDestroy or ncclCommFinalize waited %llu ms for the calls in "
+                "flight, then stopped them: this one had not started, and wrote no row",
+                (unsigned long long)(e->timeout_ns / 1000000));
     } else {
-      /* Stopped by the host: an error already raised, or the communicator's abort or destroy. */
+      /* Stopped by the host: an error already raised, or the communicator's abort (no failure: asked for). */
       rg_os_fail(e, RESULT_SYSTEM_ERROR, 1, "the gather was stopped (status %llu)", (unsigned long long)f->status);
       if (!atomic_load(&e->closing)) warn_failed(e, seq);
     }
