@@ -566,11 +566,22 @@ static void describe(const rg_os_announce* a, char* out, size_t n) {
            (unsigned long long)a->nchunks, a->nchunks == 1 ? "" : "s", (unsigned long long)a->chunk);
 }
 
+static void link_end_why(const rg_os_engine* e, rg_lane* lane, const char* what, char* why, size_t n);
+
 /* Turns the engine's first failed call, as a report names it, into the engine's error. */
 static void raise_failure(rg_os_engine* e, const rg_os_failure* f) {
   const uint64_t seq = f->mine.seq;
   switch ((int)f->status) {
   case RG_OS_TIMED_OUT:
+    /* The deadline races the link's own check (tcp: its silence watchdog, verbs: its probe):
+     * where the link is dead by now, its cause is the more specific one, whichever came first. */
+    for (int l = 0; l < e->link->nlanes; l++)
+      if (rg_check(&e->link->lane[l], rg_now_ns()) != RG_OK) {
+        char why[RG_OS_WHY_BYTES - 64];
+        link_end_why(e, &e->link->lane[l], "the link failed", why, sizeof(why));
+        fail_at(e, seq, RESULT_REMOTE_ERROR, "%s", why);
+        return;
+      }
     fail_at(e, seq, RESULT_REMOTE_ERROR, "the peer's data did not arrive within %llu ms",
             (unsigned long long)(e->timeout_ns / 1000000));
     break;
