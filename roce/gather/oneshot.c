@@ -459,11 +459,16 @@ static void count_totals(rg_os_engine* e, const rg_os_report* r) {
   }
 }
 
+static int peer_data_whole(const rg_os_engine* e, uint64_t seq, uint32_t nchunks);
+
 static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r, uint64_t now) {
   (void)now;
   const uint64_t t0 = r->t_start, t2 = r->t_end;
   if (t2 >= t0) rg_stats_os_latency(t2 - t0);
   if (e->tr != NULL && e->tr->index == e->tr_index && e->tr_seq == seq) {
+    /* The peer's flags, which the kernel saw, stay at this call until the peer's call after
+     * the next one: where no sweep saw them before the report, this is the proxy's first sight. */
+    if (e->tr->t[RG_T_OS_PEER] == 0 && peer_data_whole(e, seq, e->tr_nchunks)) e->tr->t[RG_T_OS_PEER] = rg_now_ns();
     e->tr->t[RG_T_OS_ROWS] = rg_now_ns();
     e->tr->k_start = t0;
     e->tr->k_staged = r->t_staged;
@@ -646,6 +651,13 @@ static void reports(rg_os_engine* e, uint64_t now, int* progress) {
     if (f.status == RG_OS_MISMATCH && kept_code(e) == 0 && e->post_seq <= f.mine.seq && !atomic_load(&e->stop_posting) &&
         load_acquire(&ctrl->ready[f.mine.seq & 1][0]) == f.mine.seq)
       break;
+    /* A call that ended well is read once the proxy has posted it (its kernel rang before it
+     * waited, and can end on the peer's data before its own has left): until then its
+     * timeline record is not yet the current one. The report is not overwritten meanwhile:
+     * its next writer, the call after the next, ends only once the peer has the next call's
+     * data, which this proxy posts after this one. */
+    if (got == seq && r->status == RG_OS_OK && e->post_seq <= seq && kept_code(e) == 0 && !atomic_load(&e->stop_posting))
+      break;
     count_totals(e, r);
     if (got == seq && r->status == RG_OS_OK) account(e, seq, r, now);
     if (f.status != RG_OS_OK) raise_failure(e, &f);
@@ -755,6 +767,14 @@ static int step(rg_os_engine* e, uint64_t now) {
     const uint32_t parity = (uint32_t)(e->post_seq & 1);
     if (e->post_nchunks == 0) {
       if (load_acquire(&ctrl->ready[parity][0]) != e->post_seq) break;
+      /* The call before this one ended before this doorbell rang (one launch at a time), and
+       * its report is read now, before this call's first post: the report's other writer,
+       * the call after this one, cannot end before the peer has this call's data, which only
+       * that post sends. So no report is overwritten unread, and the timeline's record of
+       * the call before is still the current one when its report comes. */
+      reports(e, now, &progress);
+      atomic_thread_fence(memory_order_acquire); /* those reads before the post's stores (aarch64: dmb ishld) */
+      if (kept_code(e) != 0) break;
       rg_os_announce m;
       read_announce(&ctrl->mine[parity].a, &m); /* written before that doorbell */
       if (m.seq != e->post_seq || m.bytes == 0 || m.chunk == 0 || m.bytes > e->slot_bytes || m.nchunks == 0 ||
@@ -943,8 +963,10 @@ void rg_os_proxy_remove(rg_os_engine* e) {
       *p = e->next;
       break;
     }
-  /* The calls that ended since the last sweep are counted before the engine goes. */
+  /* The calls that ended since the last sweep are counted before the engine goes, posted or
+   * not: nothing is posted from here on. */
   int progress = 0;
+  atomic_store(&e->stop_posting, 1);
   reports(e, rg_now_ns(), &progress);
   if (!atomic_load(&e->ended)) say_closed(e, atomic_load(&e->close_reason), 1);
   int join = proxy.running && proxy.engines == NULL;
