@@ -797,6 +797,12 @@ static int step(rg_os_engine* e, uint64_t now) {
     int r = post_chunk(e, parity, e->post_chunk);
     if (r == RG_ERR_FULL) break;
     progress = STEP_PROGRESS;
+    if (r == RG_ERR_DEAD && peer_closed_word(e) != 0) {
+      /* The peer said it stopped before its end broke this post (the lane placed its last
+       * frames first): taken at its word, as when a poll finds the end. */
+      link_ended(e, &link->lane[0]);
+      break;
+    }
     if (r != RG_OK) {
       char what[64], why[RG_OS_WHY_BYTES - 64];
       snprintf(what, sizeof(what), "posting chunk %u to the peer failed", e->post_chunk);

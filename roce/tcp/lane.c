@@ -53,6 +53,8 @@ _Static_assert(sizeof(frame) == 24, "frame header is 24 bytes on the wire");
 /* After a read found the socket empty, polls skip it this long: a read that finds nothing
  * costs a system call (about 400 ns), a skipped one a clock read. */
 #define RX_BACKOFF_NS 500u
+/* Reads of what the peer sent before its end, before a lane that cannot send is failed. */
+#define DRAIN_PASSES 4
 /* With no poll for this long, the helper reads and pushes for the pollers. */
 #define IDLE_NS 10000000ull
 /* The shortest silence that kills a lane: a shorter one is as likely a stalled process on a
@@ -133,6 +135,18 @@ static void lane_fail(rg_tcp_lane* l, const char* fmt, ...) {
   wake_helper(l);
 }
 
+static int rx_progress_locked(rg_tcp_lane* l);
+
+/* A peer that closes sends its last frames (the engine's closing word, the goodbye) before its
+ * FIN, but a send of this side can fail on its reset before a poll read them. They are read
+ * and placed before the lane fails, so that what the peer said is found, not a broken pipe.
+ * Called with tx_mu held (no path takes tx_mu under rx_mu). */
+static void drain_received(rg_tcp_lane* l) {
+  pthread_mutex_lock(&l->rx_mu);
+  for (int pass = 0; pass < DRAIN_PASSES && !atomic_load(&l->dead); pass++) rx_progress_locked(l);
+  pthread_mutex_unlock(&l->rx_mu);
+}
+
 /* ------------------------------------------------------------------ sending */
 
 static void fill_frame(frame* f, uint32_t fop, const rg_wr* w) {
@@ -183,7 +197,11 @@ static int64_t send_frames(rg_tcp_lane* l, const frame* hdr, const void* const* 
     return r;
   }
   if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-  if (!atomic_load(&l->stopping)) lane_fail(l, "sending to %s failed: %s", l->peer, strerror(errno));
+  if (!atomic_load(&l->stopping)) {
+    const int err = errno;
+    drain_received(l); /* the peer's end, read here, may name the lane's cause first */
+    lane_fail(l, "sending to %s failed: %s", l->peer, strerror(err));
+  }
   return -1;
 }
 
