@@ -459,11 +459,16 @@ static void count_totals(rg_os_engine* e, const rg_os_report* r) {
   }
 }
 
+static int peer_data_whole(const rg_os_engine* e, uint64_t seq, uint32_t nchunks);
+
 static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r, uint64_t now) {
   (void)now;
   const uint64_t t0 = r->t_start, t2 = r->t_end;
   if (t2 >= t0) rg_stats_os_latency(t2 - t0);
   if (e->tr != NULL && e->tr->index == e->tr_index && e->tr_seq == seq) {
+    /* The peer's flags, which the kernel saw, stay at this call until the peer's call after
+     * the next one: where no sweep saw them before the report, this is the proxy's first sight. */
+    if (e->tr->t[RG_T_OS_PEER] == 0 && peer_data_whole(e, seq, e->tr_nchunks)) e->tr->t[RG_T_OS_PEER] = rg_now_ns();
     e->tr->t[RG_T_OS_ROWS] = rg_now_ns();
     e->tr->k_start = t0;
     e->tr->k_staged = r->t_staged;
@@ -566,11 +571,22 @@ static void describe(const rg_os_announce* a, char* out, size_t n) {
            (unsigned long long)a->nchunks, a->nchunks == 1 ? "" : "s", (unsigned long long)a->chunk);
 }
 
+static void link_end_why(const rg_os_engine* e, rg_lane* lane, const char* what, char* why, size_t n);
+
 /* Turns the engine's first failed call, as a report names it, into the engine's error. */
 static void raise_failure(rg_os_engine* e, const rg_os_failure* f) {
   const uint64_t seq = f->mine.seq;
   switch ((int)f->status) {
   case RG_OS_TIMED_OUT:
+    /* The deadline races the link's own check (tcp: its silence watchdog, verbs: its probe):
+     * where the link is dead by now, its cause is the more specific one, whichever came first. */
+    for (int l = 0; l < e->link->nlanes; l++)
+      if (rg_check(&e->link->lane[l], rg_now_ns()) != RG_OK) {
+        char why[RG_OS_WHY_BYTES - 64];
+        link_end_why(e, &e->link->lane[l], "the link failed", why, sizeof(why));
+        fail_at(e, seq, RESULT_REMOTE_ERROR, "%s", why);
+        return;
+      }
     fail_at(e, seq, RESULT_REMOTE_ERROR, "the peer's data did not arrive within %llu ms",
             (unsigned long long)(e->timeout_ns / 1000000));
     break;
@@ -599,8 +615,19 @@ static void raise_failure(rg_os_engine* e, const rg_os_failure* f) {
     if (atomic_load_explicit(&e->ended, memory_order_acquire) && kept_code(e) == 0) {
       /* A call (a graph replay, which no launch saw) ran after the link ended. */
       rg_os_fail(e, RESULT_REMOTE_ERROR, atomic_load(&e->closing), "%s", e->ended_why);
+    } else if (kept_code(e) == 0 && atomic_load(&e->closing) && atomic_load(&e->close_reason) == RG_OS_CLOSED_DESTROY) {
+      /* Finalize or destroy gave the calls the deadline, then raised the abort word: this call
+       * failed as surely as one whose own deadline fired first (the two race), and says so. */
+      const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
+      if (load_acquire(&ctrl->ready[seq & 1][0]) == seq)
+        fail_at(e, seq, RESULT_REMOTE_ERROR, "the peer's data did not arrive within %llu ms",
+                (unsigned long long)(e->timeout_ns / 1000000));
+      else
+        fail_at(e, seq, RESULT_SYSTEM_ERROR, "ncclCommDestroy or ncclCommFinalize waited %llu ms for the calls in "
+                "flight, then stopped them: this one had not started, and wrote no row",
+                (unsigned long long)(e->timeout_ns / 1000000));
     } else {
-      /* Stopped by the host: an error already raised, or the communicator's abort or destroy. */
+      /* Stopped by the host: an error already raised, or the communicator's abort (no failure: asked for). */
       rg_os_fail(e, RESULT_SYSTEM_ERROR, 1, "the gather was stopped (status %llu)", (unsigned long long)f->status);
       if (!atomic_load(&e->closing)) warn_failed(e, seq);
     }
@@ -623,6 +650,13 @@ static void reports(rg_os_engine* e, uint64_t now, int* progress) {
      * finds the mismatch too: the kernel rang every doorbell before it waited. */
     if (f.status == RG_OS_MISMATCH && kept_code(e) == 0 && e->post_seq <= f.mine.seq && !atomic_load(&e->stop_posting) &&
         load_acquire(&ctrl->ready[f.mine.seq & 1][0]) == f.mine.seq)
+      break;
+    /* A call that ended well is read once the proxy has posted it (its kernel rang before it
+     * waited, and can end on the peer's data before its own has left): until then its
+     * timeline record is not yet the current one. The report is not overwritten meanwhile:
+     * its next writer, the call after the next, ends only once the peer has the next call's
+     * data, which this proxy posts after this one. */
+    if (got == seq && r->status == RG_OS_OK && e->post_seq <= seq && kept_code(e) == 0 && !atomic_load(&e->stop_posting))
       break;
     count_totals(e, r);
     if (got == seq && r->status == RG_OS_OK) account(e, seq, r, now);
@@ -733,6 +767,14 @@ static int step(rg_os_engine* e, uint64_t now) {
     const uint32_t parity = (uint32_t)(e->post_seq & 1);
     if (e->post_nchunks == 0) {
       if (load_acquire(&ctrl->ready[parity][0]) != e->post_seq) break;
+      /* The call before this one ended before this doorbell rang (one launch at a time), and
+       * its report is read now, before this call's first post: the report's other writer,
+       * the call after this one, cannot end before the peer has this call's data, which only
+       * that post sends. So no report is overwritten unread, and the timeline's record of
+       * the call before is still the current one when its report comes. */
+      reports(e, now, &progress);
+      atomic_thread_fence(memory_order_acquire); /* those reads before the post's stores (aarch64: dmb ishld) */
+      if (kept_code(e) != 0) break;
       rg_os_announce m;
       read_announce(&ctrl->mine[parity].a, &m); /* written before that doorbell */
       if (m.seq != e->post_seq || m.bytes == 0 || m.chunk == 0 || m.bytes > e->slot_bytes || m.nchunks == 0 ||
@@ -755,6 +797,12 @@ static int step(rg_os_engine* e, uint64_t now) {
     int r = post_chunk(e, parity, e->post_chunk);
     if (r == RG_ERR_FULL) break;
     progress = STEP_PROGRESS;
+    if (r == RG_ERR_DEAD && peer_closed_word(e) != 0) {
+      /* The peer said it stopped before its end broke this post (the lane placed its last
+       * frames first): taken at its word, as when a poll finds the end. */
+      link_ended(e, &link->lane[0]);
+      break;
+    }
     if (r != RG_OK) {
       char what[64], why[RG_OS_WHY_BYTES - 64];
       snprintf(what, sizeof(what), "posting chunk %u to the peer failed", e->post_chunk);
@@ -921,8 +969,10 @@ void rg_os_proxy_remove(rg_os_engine* e) {
       *p = e->next;
       break;
     }
-  /* The calls that ended since the last sweep are counted before the engine goes. */
+  /* The calls that ended since the last sweep are counted before the engine goes, posted or
+   * not: nothing is posted from here on. */
   int progress = 0;
+  atomic_store(&e->stop_posting, 1);
   reports(e, rg_now_ns(), &progress);
   if (!atomic_load(&e->ended)) say_closed(e, atomic_load(&e->close_reason), 1);
   int join = proxy.running && proxy.engines == NULL;

@@ -181,7 +181,16 @@ func TestInterceptedGatherAbortWithCallsQueuedShipsNothing(t *testing.T) {
 		require.NoError(t, err)
 		calls = append(calls, h)
 	}
-	time.Sleep(200 * time.Millisecond) // call 1 waits for rank 1, its data sent; 2 to 4 are queued
+	// Call 1 waits for rank 1, its data sent (rank 1's flags show it, however slowly a loaded
+	// host ran rank 0's proxy); 2 to 4 are queued behind it.
+	require.Eventually(t, func() bool {
+		for l := 0; l < engines[1].Lanes(); l++ {
+			if atomic.LoadUint64((*uint64)(unsafe.Pointer(&engines[1].side.c.base.ctrl.flag[1][l].word))) != 1<<16|1 {
+				return false
+			}
+		}
+		return true
+	}, timeout/2, time.Millisecond, "rank 0's call 1 reached rank 1")
 	start := time.Now()
 	require.NoError(t, engines[0].Close(true))
 	require.Less(t, time.Since(start), 5*time.Second, "the abort returns promptly")

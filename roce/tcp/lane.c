@@ -53,8 +53,13 @@ _Static_assert(sizeof(frame) == 24, "frame header is 24 bytes on the wire");
 /* After a read found the socket empty, polls skip it this long: a read that finds nothing
  * costs a system call (about 400 ns), a skipped one a clock read. */
 #define RX_BACKOFF_NS 500u
+/* Reads of what the peer sent before its end, before a lane that cannot send is failed. */
+#define DRAIN_PASSES 4
 /* With no poll for this long, the helper reads and pushes for the pollers. */
 #define IDLE_NS 10000000ull
+/* The shortest silence that kills a lane: a shorter one is as likely a stalled process on a
+ * loaded host as a cut link. */
+#define SILENCE_FLOOR_NS 1000000000ull
 #define HELPER_SLICE_MS 10
 
 typedef struct tx_item {
@@ -70,7 +75,7 @@ struct rg_tcp_lane {
   int fd;  /* non-blocking */
   int wfd; /* eventfd that wakes the helper */
   char peer[64];
-  uint64_t timeout_ns;
+  uint64_t silence_ns; /* nothing received for this long: the peer is gone (rg_tcp_lane_start) */
   uint64_t heartbeat_ns;
 
   pthread_t helper;
@@ -130,6 +135,18 @@ static void lane_fail(rg_tcp_lane* l, const char* fmt, ...) {
   wake_helper(l);
 }
 
+static int rx_progress_locked(rg_tcp_lane* l);
+
+/* A peer that closes sends its last frames (the engine's closing word, the goodbye) before its
+ * FIN, but a send of this side can fail on its reset before a poll read them. They are read
+ * and placed before the lane fails, so that what the peer said is found, not a broken pipe.
+ * Called with tx_mu held (no path takes tx_mu under rx_mu). */
+static void drain_received(rg_tcp_lane* l) {
+  pthread_mutex_lock(&l->rx_mu);
+  for (int pass = 0; pass < DRAIN_PASSES && !atomic_load(&l->dead); pass++) rx_progress_locked(l);
+  pthread_mutex_unlock(&l->rx_mu);
+}
+
 /* ------------------------------------------------------------------ sending */
 
 static void fill_frame(frame* f, uint32_t fop, const rg_wr* w) {
@@ -180,7 +197,11 @@ static int64_t send_frames(rg_tcp_lane* l, const frame* hdr, const void* const* 
     return r;
   }
   if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-  if (!atomic_load(&l->stopping)) lane_fail(l, "sending to %s failed: %s", l->peer, strerror(errno));
+  if (!atomic_load(&l->stopping)) {
+    const int err = errno;
+    drain_received(l); /* the peer's end, read here, may name the lane's cause first */
+    lane_fail(l, "sending to %s failed: %s", l->peer, strerror(err));
+  }
   return -1;
 }
 
@@ -506,9 +527,27 @@ static int lane_poll_recv(void* impl, rg_cqe* out, int max) {
   return atomic_load(&l->dead) ? RG_ERR_DEAD : 0;
 }
 
+/* Bytes waiting in the socket mean the peer is talking and this side is not reading. */
+static int readable(rg_tcp_lane* l) {
+  struct pollfd p = {.fd = l->fd, .events = POLLIN};
+  return poll(&p, 1, 0) > 0;
+}
+
+/* Fails the lane when nothing came from the peer for silence_ns: no data, no heartbeat. */
+static void check_silence(rg_tcp_lane* l, uint64_t now) {
+  const uint64_t quiet = since(now, &l->last_rx_ns);
+  if (quiet > l->silence_ns && !atomic_load(&l->dead) && !readable(l))
+    lane_fail(l, "nothing received from %s for %llu ms (no data, no heartbeat)", l->peer,
+              (unsigned long long)(quiet / 1000000));
+}
+
+/* The silence is judged here too, not only by the helper: a caller that asks whether the
+ * link lives (a gather at its deadline) gets the answer the clock gives now, whenever the
+ * helper last ran. */
 static int lane_check(void* impl, uint64_t now) {
-  (void)now;
-  return atomic_load(&((rg_tcp_lane*)impl)->dead) ? RG_ERR_DEAD : RG_OK;
+  rg_tcp_lane* l = impl;
+  if (!atomic_load(&l->dead)) check_silence(l, now);
+  return atomic_load(&l->dead) ? RG_ERR_DEAD : RG_OK;
 }
 
 static const char* lane_why(void* impl) {
@@ -525,12 +564,6 @@ const rg_lane_ops rg_tcp_lane_ops = {
 };
 
 /* ------------------------------------------------------------------ the helper */
-
-/* Bytes waiting in the socket mean the peer is talking and this side is not reading. */
-static int readable(rg_tcp_lane* l) {
-  struct pollfd p = {.fd = l->fd, .events = POLLIN};
-  return poll(&p, 1, 0) > 0;
-}
 
 static void* helper_main(void* arg) {
   rg_tcp_lane* l = arg;
@@ -556,10 +589,7 @@ static void* helper_main(void* arg) {
           send_control(l, F_HEARTBEAT); /* with frames queued, their bytes say we live */
         pthread_mutex_unlock(&l->tx_mu);
       }
-      uint64_t quiet = since(now, &l->last_rx_ns);
-      if (quiet > l->timeout_ns && !readable(l))
-        lane_fail(l, "nothing received from %s for %llu ms (no data, no heartbeat)", l->peer,
-                  (unsigned long long)(quiet / 1000000));
+      check_silence(l, now);
       if (idle && !atomic_load(&l->dead)) {
         /* Nobody polls: wake for the socket itself, so a sender is not held back. */
         p[1].events = POLLIN;
@@ -622,9 +652,10 @@ rg_tcp_lane* rg_tcp_lane_start(rg_tcp_dev* dev, int fd, const char* peer, char* 
   l->dev = dev;
   l->fd = fd;
   snprintf(l->peer, sizeof(l->peer), "%s", peer);
-  l->timeout_ns = dev->timeout_ns;
-  l->heartbeat_ns = dev->timeout_ns / 4;
-  if (l->heartbeat_ns < 10000000ull) l->heartbeat_ns = 10000000ull;
+  /* Half the timeout, as a verbs probe's retries end halfway to it: a cut link fails the
+   * gather that waits on it before the gather's own deadline, with the link's cause. */
+  l->silence_ns = dev->timeout_ns / 2 > SILENCE_FLOOR_NS ? dev->timeout_ns / 2 : SILENCE_FLOOR_NS;
+  l->heartbeat_ns = l->silence_ns / 4;
   pthread_mutex_init(&l->why_mu, NULL);
   pthread_mutex_init(&l->tx_mu, NULL);
   pthread_mutex_init(&l->rx_mu, NULL);
