@@ -434,7 +434,7 @@ def step_integrity(s):
                      "communicator raised\n\n"
                      + md_table(["case", "kind", "rank 0", "rank 1", "rank 0 next gather", "rank 1 next gather", "verdict"],
                                 rows))
-    lines, n = evidence(rec["logs"], PLUGIN_WARN_RX, 24)
+    lines, n = evidence(rec["logs"], LIBRARY_WARN_RX, 24)
     s.d["md"].append(f"The library's WARN lines ({n} in both ranks' logs, the first 24):\n\n```\n" + "\n".join(lines) + "\n```")
     foreign = sum(integrity.call_state(c) == "foreign" for case in integrity.ORDER for r in (0, 1)
                   for c in (results[r].get(case) or {}).get("calls", []))
