@@ -43,6 +43,7 @@ def agree_max(ctx, values):
     once the device is idle (no copy is ever queued behind a collective)."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=ctx.dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    ctx.ledger.allreduce(8 * len(values), "max", "float64")
     torch.cuda.synchronize()
     return t.cpu().tolist()
 

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from unittest import mock
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import arcases  # noqa: E402
 import calibrate  # noqa: E402
 import common  # noqa: E402
 import integrity  # noqa: E402
@@ -34,6 +36,20 @@ import mps  # noqa: E402
 import plans  # noqa: E402
 import report  # noqa: E402
 import steps  # noqa: E402
+
+
+def setUpModule():
+    """Where this checkout's plugin/config.go holds no all-reduce window yet, the steps' logic is
+    checked against a stand-in default: the gather's window of the same fabric (a config file
+    given by path is still read)."""
+    try:
+        common.default_allreduce_window(launch.INTERCEPT_FABRIC)
+    except ValueError:
+        real = common.default_allreduce_window
+        p = mock.patch.object(common, "default_allreduce_window",
+                              lambda fabric, path=None: real(fabric, path) if path else common.default_window(fabric))
+        p.start()
+        unittest.addModuleCleanup(p.stop)
 
 
 def read(path):
@@ -1103,6 +1119,7 @@ class StepsTest(unittest.TestCase):
             f.write("0 10")
         return d
 
+
     def test_latency_fails_without_data(self):
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
             return record(run, config, {"samples": {}, "agreed": False}, work, timed_out=True, sizes=[16])
@@ -2123,6 +2140,353 @@ class IntegrityTest(unittest.TestCase):
         self.assertEqual(d["status"], "fail")
         self.assertEqual(d["headline"], "5/6 cases as required; calls whose rows held bytes not theirs: 1")
 
+
+# ---- the all-reduce: its cases, its ledger, its stats ------------------------------------------
+
+def float_of(bits, dtype):
+    """The value of a bit pattern of dtype (struct for the IEEE types, by hand for fp8)."""
+    if dtype == "float16":
+        return struct.unpack("<e", struct.pack("<H", bits))[0]
+    if dtype == "float32":
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    if dtype == "bfloat16":
+        return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+    if dtype == "float64":
+        return struct.unpack("<d", struct.pack("<Q", bits))[0]
+    e, m = arcases.DTYPES[dtype]["bits"]
+    sign = -1.0 if bits >> (e + m) else 1.0
+    exp, man = (bits >> m) & ((1 << e) - 1), bits & ((1 << m) - 1)
+    bias = (1 << (e - 1)) - 1
+    if exp == (1 << e) - 1 and (arcases.DTYPES[dtype]["inf"] or man == (1 << m) - 1):
+        return sign * float("inf") if arcases.DTYPES[dtype]["inf"] and man == 0 else float("nan")
+    if exp == 0:
+        return sign * man * 2.0 ** (1 - bias - m)
+    return sign * (1 + man / (1 << m)) * 2.0 ** (exp - bias)
+
+
+class ArcasesTest(unittest.TestCase):
+    def test_classes(self):
+        self.assertEqual(len(arcases.REQUIRED), 4 * 8 + 4)
+        for op in ("sum", "prod", "max", "min"):
+            for d in ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64"):
+                self.assertTrue(arcases.required(arcases.cls(op, d)), (op, d))
+        for d in arcases.FLOATS:
+            self.assertTrue(arcases.required(f"avg/{d}"))
+        for c in ["avg/int8", "avg/int64", "sum/float8_e4m3fn", "max/float8_e5m2"]:
+            self.assertFalse(arcases.required(c), c)
+        self.assertEqual(arcases.split("prod/uint8"), ("prod", "uint8"))
+        # NCCL's enums (nccl.h), as the binding passes them.
+        self.assertEqual([arcases.DTYPES[d]["nccl"] for d in ("int8", "uint8", "int32", "int64", "float16", "float32",
+                                                               "float64", "bfloat16", "float8_e4m3fn", "float8_e5m2")],
+                         [0, 1, 2, 4, 6, 7, 8, 9, 10, 11])
+        self.assertEqual([arcases.OPS[o]["nccl"] for o in ("sum", "prod", "max", "min", "avg")], [0, 1, 2, 3, 4])
+
+    def test_counts_around_the_cap(self):
+        c = arcases.counts("float32", 262144)
+        self.assertEqual(c["1"], 1)
+        self.assertEqual([c[f"{n}el"] for n in (3, 999, 4097)], [3, 999, 4097])
+        self.assertEqual((c["cap"], c["cap+1"]), (65536, 65537))
+        pow2 = sorted(4 * n for k, n in c.items() if k.endswith("B"))
+        self.assertEqual(pow2, [1 << k for k in range(4, 20) if 1 << k != 262144])  # 16 B .. 512 KiB, the cap as "cap"
+        self.assertEqual(len(set(c.values())), len(c))  # no size twice
+        f64 = arcases.counts("float64", 262144)
+        self.assertEqual((f64["16B"], f64["cap"]), (2, 32768))
+        i8 = arcases.counts("int8", 100000)  # a cap that is no power of two
+        self.assertEqual((i8["cap"], i8["cap+1"], i8["131072B"]), (100000, 100001, 131072))
+        self.assertNotIn("262144B", i8)  # the first power of two above the cap is the last
+
+    def test_special_values(self):
+        import math
+        got = [float_of(b, "float16") for b in arcases.specials("float16")]
+        self.assertEqual(got[:10], [0.0, -0.0, 2 ** -24, 2 ** -14 - 2 ** -24, 2 ** -14, 0.5, 1.0, -1.0, 1.5, 2.0])
+        self.assertEqual(math.copysign(1, got[1]), -1.0)
+        self.assertEqual(got[10:14], [65504.0, -65504.0, math.inf, -math.inf])
+        self.assertTrue(all(math.isnan(x) for x in got[14:]))
+        self.assertEqual(len(set(arcases.specials("float16")[14:])), 4)  # four NaNs, each its own bits
+        for d in ("float32", "bfloat16", "float64"):
+            v = [float_of(b, d) for b in arcases.specials(d)]
+            fi = {"float32": (2 ** -149, 2 ** -126, 3.4028234663852886e38), "bfloat16": (2 ** -133, 2 ** -126, 3.3895313892515355e38),
+                  "float64": (5e-324, 2.2250738585072014e-308, 1.7976931348623157e308)}[d]
+            self.assertEqual((v[2], v[4], v[10]), fi, d)
+            self.assertEqual(v[12], math.inf, d)
+        e4 = [float_of(b, "float8_e4m3fn") for b in arcases.specials("float8_e4m3fn")]
+        self.assertEqual(e4[:12], [0.0, -0.0, 2 ** -9, 7 * 2 ** -9, 2 ** -6, 0.5, 1.0, -1.0, 1.5, 2.0, 448.0, -448.0])
+        self.assertEqual(arcases.specials("float8_e4m3fn")[12:], [0x7F, 0xFF])  # no infinities: its only NaNs
+        e5 = [float_of(b, "float8_e5m2") for b in arcases.specials("float8_e5m2")]
+        self.assertEqual(e5[10:14], [57344.0, -57344.0, math.inf, -math.inf])
+        self.assertEqual(arcases.specials("int8"), [0x80, 0x81, 0xFE, 0xFF, 0, 1, 2, 0x7E, 0x7F, 0x55])
+        self.assertEqual(arcases.specials("uint8")[-2:], [0x55, 0xAA])
+        self.assertEqual(arcases.specials("int64")[:2], [1 << 63, (1 << 63) + 1])
+        self.assertEqual([arcases.signed(b, 8) for b in arcases.specials("int8")], [-128, -127, -2, -1, 0, 1, 2, 126, 127, 85])
+
+    def test_special_pairs_cover_every_ordered_pair(self):
+        for d in ("float16", "float8_e4m3fn", "int32"):
+            a, b = arcases.special_pairs(d)
+            v = arcases.specials(d)
+            self.assertEqual(len(a), len(v) ** 2)
+            self.assertEqual(set(zip(a, b)), {(x, y) for x in v for y in v})
+
+    def test_matrix_cases(self):
+        cap = 262144
+        cases = arcases.matrix_cases(cap)
+        blocks = arcases.blocks(cases)
+        self.assertEqual(len(blocks), len(arcases.DTYPES) * len(arcases.OPS))  # one block a class, each once
+        self.assertEqual(len({b for b, _ in blocks}), len(blocks))
+        self.assertEqual([b.split("/")[1] for b, _ in blocks[-10:]], ["float8_e4m3fn"] * 5 + ["float8_e5m2"] * 5)
+        self.assertEqual(len({c["name"] for c in cases}), len(cases))
+        by = dict(blocks)
+        s32 = by["sum/float32"]
+        self.assertEqual([c["count"] for c in s32 if c["form"] == "inplace" and c["data"] == "random"],
+                         list(arcases.counts("float32", cap).values()))
+        self.assertEqual([c["count"] for c in s32 if c["form"] == "copy"], [1, 1024, 65536])
+        self.assertEqual([(c["count"], c["offset"]) for c in s32 if c["form"] == "offset"], [(1001, 1), (1001, 3)])
+        self.assertFalse(any(c["form"] == "offset" for c in by["max/float32"]))
+        sp = [c for c in by["min/float16"] if c["data"] == "special"]
+        self.assertEqual((len(sp), sp[0]["count"], sp[0]["ref"]), (1, 18 * 18, False))
+        self.assertTrue(all(c["ref"] for c in s32 if c["data"] == "random"))
+        self.assertFalse(any(c["ref"] for c in by["avg/int32"]))  # NCCL divides its wrapped sum: NCCL's bytes only
+        self.assertTrue(all(c["ref"] for c in by["avg/bfloat16"] if c["data"] == "random"))
+        self.assertFalse(any(c["ref"] for c in by["sum/float8_e5m2"]))
+        self.assertTrue(any(c["count"] * 4 > cap for c in s32))  # sizes above the cap: NCCL's, never a launch
+        self.assertEqual(len(arcases.matrix_cases(cap, ["int8"], ["sum", "max"])), len(by["sum/int8"]) + len(by["max/int8"]))
+        # A cap of 4 KiB: the copy form's 4 KiB is the cap, once.
+        small = dict(arcases.blocks(arcases.matrix_cases(4096)))["sum/float32"]
+        self.assertEqual([(c["label"], c["count"]) for c in small if c["form"] == "copy"], [("1", 1), ("cap", 1024)])
+
+    def test_graph_and_binding_cases(self):
+        cap = 262144
+        g = arcases.graph_cases(cap)
+        self.assertTrue(all(arcases.required(arcases.cls(op, d)) for op, d, _ in g))
+        self.assertTrue(all(arcases.ref_holds(op, d, "random") for op, d, _ in g))
+        b = [n * arcases.DTYPES[d]["size"] for _, d, n in g]
+        self.assertEqual((b[0], min(b), max(b) > cap, cap in b), (16, 16, True, True))
+        p = arcases.pynccl_cases(cap)
+        self.assertEqual([n * 2 for op, d, n in p if (op, d) == ("sum", "bfloat16")], [16, 100, 8192, 65536, cap, cap + 2])
+        self.assertTrue(all(arcases.required(arcases.cls(op, d)) for op, d, _ in p))
+
+
+def ar_ledger(*events, comm="default"):
+    """A ledger of all-reduces from (bytes, op, dtype, enq, execs) events."""
+    L = common.Ledger()
+    for b, op, d, enq, execs in events:
+        L.allreduce(b, op, d, enq=enq, execs=execs, comm=comm)
+    return L
+
+
+def arstats(launches, allreduces, launch_bytes=None, bytes_=None, forwarded=0, errors=0, calls=None, **extra):
+    st = {"intercepted": {"launches": 0, "gathers": 0, "forwarded": 0, "errors": 0},
+          common.AR_SECTION: {k: v for k, v in {"launches": launches, "allreduces": allreduces, "launch_bytes": launch_bytes,
+                                                "bytes": bytes_, "forwarded": forwarded, "errors": errors}.items()
+                              if v is not None}}
+    st[common.AR_SECTION].update(extra)
+    if calls is not None:
+        st["interceptor"] = {"way_in": "hooked", "ncclAllReduce": calls}
+    return st
+
+
+class AllReduceLedgerTest(unittest.TestCase):
+    W = (0, 262144)
+
+    def test_one_agreement_for_both_collectives(self):
+        L = common.Ledger()
+        L.allreduce(16, "sum", "bfloat16", enq=1, execs=0)  # captured before any agreement: NCCL's
+        L.allreduce(16, "sum", "bfloat16", enq=0, execs=5)
+        L.allreduce(4096, "sum", "float32")  # the first eager call of either collective agrees the communicator
+        L.gather(16)
+        L.gather(16, enq=1, execs=0)
+        L.gather(16, enq=0, execs=3)
+        L.allreduce(8, "max", "float64", enq=1, execs=0)
+        L.allreduce(8, "max", "float64", enq=0, execs=2)
+        n = L.n
+        self.assertEqual(n["calls"]["16"], dict(first=0, eager=1, captured=1, list=0, replays=3, pre=0, replays_pre=0))
+        self.assertEqual(n["allreduce"]["sum/bfloat16"]["16"], dict(first=0, eager=0, captured=0, list=0, replays=0, pre=1,
+                                                                   replays_pre=5))
+        self.assertEqual(n["allreduce"]["sum/float32"]["4096"]["first"], 1)
+        self.assertEqual(n["allreduce"]["max/float64"]["8"], dict(first=0, eager=0, captured=1, list=0, replays=2, pre=0,
+                                                                 replays_pre=0))
+        with self.assertRaisesRegex(ValueError, "replays of 8 B allreduces on 'default': none was captured"):
+            L.allreduce(8, "max", "float32", enq=0, execs=1)  # another class: its captures are its own
+        m = common.merged(n, ar_ledger((16, "sum", "bfloat16", 2, 2), comm="other").n)
+        row = m["allreduce"]["sum/bfloat16"]["16"]
+        self.assertEqual((row["eager"], row["first"], row["pre"]), (2, 1, 1))  # the other communicator agreed on its own
+
+    def test_expectation_and_exact_match(self):
+        L = ar_ledger((4096, "sum", "float32", 3, 3), (4096, "sum", "float32", 2, 0), (4096, "sum", "float32", 0, 40),
+                      (1 << 20, "sum", "float32", 2, 2), (16, "avg", "int8", 4, 4), (16, "sum", "float8_e4m3fn", 1, 1))
+        taken = common.allreduce_taken({"avg/int8": False, "sum/float8_e4m3fn": True})
+        e = common.allreduce_expectation(L.n["allreduce"], self.W, taken)
+        self.assertEqual((e["launches"], e["allreduces"]), (3 + 2 + 1, 3 + 40 + 1))
+        self.assertEqual((e["launch_bytes"], e["bytes"]), (5 * 4096 + 16, 43 * 4096 + 16))
+        self.assertEqual((e["forwarded_min"], e["forwarded_bytes_min"]), (2 + 4, 2 * (1 << 20) + 4 * 16))
+        self.assertEqual((e["calls"], e["first_in"], e["unknown"]), (3 + 2 + 2 + 4 + 1, 1, []))
+        good = arstats(6, 44, e["launch_bytes"], e["bytes"], forwarded=6, calls=12)
+        self.assertEqual(common.allreduce_check(good, L.n, self.W, taken), ([], mock.ANY))
+        # Bytes counted for both ranks: a note.
+        F, info = common.allreduce_check(arstats(6, 44, 2 * e["launch_bytes"], None, forwarded=6), L.n, self.W, taken)
+        self.assertEqual(F, [])
+        self.assertIn(f"{common.AR_SECTION}.launch_bytes counts both ranks' bytes", info["notes"][0])
+        # Without the observation, avg/int8 and fp8 are unknown: a failure says so.
+        F, _ = common.allreduce_check(good, L.n, self.W)
+        self.assertEqual(F[0], "the path of avg/int8, sum/float8_e4m3fn is unknown: no class the library must take, and "
+                               "the worker did not observe it")
+        # The all-reduce off: every call to NCCL.
+        off = common.allreduce_expectation(L.n["allreduce"], None, taken)
+        self.assertEqual((off["launches"], off["forwarded_min"]), (0, 12))
+
+    def test_mismatches_say_why(self):
+        L = ar_ledger((4096, "sum", "float32", 3, 3), (16, "sum", "bfloat16", 2, 2), (4096, "avg", "int32", 2, 2))
+        taken = common.allreduce_taken({"avg/int32": False})
+        chk = lambda st: common.allreduce_check(st, L.n, self.W, taken)[0]
+        F = chk(arstats(7, 7, forwarded=2))
+        self.assertEqual(F, [f"{common.AR_SECTION}.launches=7 allreduces=7; expected launches=5 allreduces=5 (all-reduce "
+                             "window 0 to 262144 bytes); the difference is exactly the calls of avg/int32: the library "
+                             "takes them"])
+        self.assertIn("the difference is exactly the calls of sum/float32: the library leaves them to NCCL",
+                      chk(arstats(2, 2, forwarded=5))[0])
+        self.assertIn("the 1 in-window calls that made each communicator's agreement: they went to NCCL",
+                      chk(arstats(4, 4, forwarded=3))[0])
+        self.assertIn("no all-reduce took the path", chk(arstats(0, 0, forwarded=7))[0])
+        ok = dict(launch_bytes=3 * 4096 + 32, bytes_=3 * 4096 + 32, forwarded=2)
+        self.assertEqual(chk(arstats(5, 5, **dict(ok, errors=1))), [f"{common.AR_SECTION}.errors=1"])
+        self.assertIn("forwarded=1, but 2 calls were outside the window", chk(arstats(5, 5, **dict(ok, forwarded=1)))[0])
+        self.assertEqual(chk(arstats(5, 5, **dict(ok, bytes_=99))),
+                         [f"{common.AR_SECTION}.bytes=99, expected {3 * 4096 + 32} (bytes of the buffers of the calls counted)"])
+        self.assertEqual(chk(arstats(5, 5, calls=6, **ok)), ["interceptor.ncclAllReduce=6, but the worker made 7 "
+                                                             "ncclAllReduce calls: some did not reach the library's wrapper"])
+        self.assertEqual(chk(arstats(5, 5, calls=7, **ok)), [])
+        self.assertIn("no \"intercepted_allreduce\" section", chk({"intercepted": {}})[0])
+        self.assertIn("no ROCE_GATHER_STATS file", chk(None)[0])
+
+    def test_observe_classes(self):
+        W = (0, 4096)
+        blocks = [{"class": "sum/float32", "calls": {"16": 2, "4096": 1, "8192": 3},
+                   "delta": {"launches": 3, "launch_bytes": 32 + 4096, "forwarded": 3}},
+                  {"class": "avg/int8", "calls": {"16": 4, "8192": 1}, "delta": {"launches": 0, "forwarded": 5}},
+                  {"class": "max/int8", "calls": {"16": 4}, "delta": {"launches": 0, "forwarded": 4}},
+                  {"class": "min/int8", "calls": {"16": 2, "32": 2}, "delta": {"launches": 2, "launch_bytes": 32}},
+                  {"class": "sum/float8_e5m2", "calls": {"16": 2}, "delta": None},
+                  {"class": "prod/int64", "calls": {"8192": 2}, "delta": {"launches": 0}},
+                  {"class": "avg/float8_e4m3fn", "calls": {}, "delta": {"launches": 0}}]
+        observed, F, rows = common.observe_classes(blocks, W)
+        self.assertEqual(observed, {"sum/float32": True, "avg/int8": False, "max/int8": False, "min/int8": None,
+                                    "sum/float8_e5m2": None, "prod/int64": None, "avg/float8_e4m3fn": None})
+        self.assertEqual(F, ["max/int8: every call went to NCCL, but the library must take this class (the issue: NCCL's "
+                             "two-rank result is op(x0, x1) in rank order there)",
+                             "min/int8: 2 launches of 32 bytes for its 4 in-window calls of 96 bytes: the size alone "
+                             "decides which calls of a class take the path"])
+        self.assertEqual([r["what"] for r in rows], ["taken", "left to NCCL", "left to NCCL", "2 launches (32 bytes)",
+                                                     "no stats to read", "no call within the window",
+                                                     "no call made (torch refused every one)"])
+        # Calls outside the window of a taken class must be counted as NCCL's.
+        blocks[0]["delta"]["forwarded"] = 2
+        self.assertIn("sum/float32: forwarded grew by 2 over its block, but 3 of its calls were outside the window",
+                      common.observe_classes(blocks[:1], W)[1])
+
+    def test_stats_now(self):
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "s.json")
+            self.assertIsNone(common.stats_now(None))
+            self.assertEqual(common.stats_now(p), {})  # not made yet (LD_PRELOAD makes it at the first intercepted call)
+            with open(p, "w") as f:
+                json.dump({common.AR_SECTION: {"launches": 7, "forwarded": 2}}, f)
+            before = common.stats_now(p)
+            with open(p, "w") as f:
+                json.dump({common.AR_SECTION: {"launches": 9, "launch_bytes": 64, "forwarded": 2}}, f)
+            self.assertEqual(common.stats_delta(before, common.stats_now(p)),
+                             {"launches": 2, "launch_bytes": 64, "forwarded": 0, "forwarded_bytes": 0})
+            self.assertIsNone(common.stats_delta(None, before))
+            with open(p, "w") as f:
+                f.write('{"intercepted_allreduce": {"launches":  1')  # a slot being rewritten
+            with mock.patch.object(common.time, "sleep") as nap:
+                self.assertIsNone(common.stats_now(p))
+            self.assertEqual(nap.call_count, 5)
+
+    def test_default_window_from_config_go(self):
+        with tempfile.TemporaryDirectory() as d:
+            go = os.path.join(d, "config.go")
+
+            def write(entries):
+                with open(go, "w") as f:
+                    f.write("package plugin\n\nconst (\n\tCap = 256 << 10\n)\n\nvar DefaultWindows = map[string]FabricWindow{\n"
+                            + entries + "}\n")
+            write('\t"verbs": {MinBytes: 0, MaxBytes: 512 << 10, AllReduceMinBytes: 16, AllReduceMaxBytes: 1 << 20}, // x\n'
+                  '\t"tcp":   {MinBytes: 0, MaxBytes: Cap, AllReduceMaxBytes: Cap},\n')
+            self.assertEqual(common.default_allreduce_window("verbs", go), (16, 1 << 20))
+            self.assertEqual(common.default_allreduce_window("tcp", go), (0, 262144))
+            self.assertEqual(common.default_window("verbs", go), (0, 524288))
+            # A struct of its own: its MinBytes and MaxBytes are not the gather's.
+            write('\t"tcp": {MinBytes: 8, AllReduce: Window{MinBytes: 0, MaxBytes: 128 << 10}, MaxBytes: Cap},\n'
+                  '\t"verbs": {MaxBytes: 4096, AllReduce: {Off: true}},\n')
+            self.assertEqual(common.default_allreduce_window("tcp", go), (0, 131072))
+            self.assertEqual(common.default_window("tcp", go), (8, 262144))
+            self.assertIsNone(common.default_allreduce_window("verbs", go))
+            write('\t"tcp": {MinBytes: 0, MaxBytes: Cap, AllReduceOff: true},\n')
+            self.assertIsNone(common.default_allreduce_window("tcp", go))
+            write('\t"tcp": {MinBytes: 0, MaxBytes: Cap},\n')
+            with self.assertRaisesRegex(ValueError, r"DefaultWindows\['tcp'\] names no all-reduce window"):
+                common.default_allreduce_window("tcp", go)
+
+    def test_cli_checks_the_allreduces_too(self):
+        with tempfile.TemporaryDirectory() as d:
+            L = common.Ledger()
+            L.allreduce(4096, "sum", "bfloat16", enq=4, execs=4)
+            L.allreduce(1 << 20, "sum", "bfloat16")
+            res, st = os.path.join(d, "r.json"), os.path.join(d, "s.json")
+            with open(res, "w") as f:
+                json.dump({"failures": [], "completed": True, "ledger": L.n, "numbers": {}}, f)
+
+            def run(stats, **env):
+                with open(st, "w") as f:
+                    json.dump(stats, f)
+                return subprocess.run([sys.executable, os.path.join(HERE, "common.py"), res, st], capture_output=True,
+                                      text=True, env=dict(os.environ, ROCE_GATHER_FABRIC="tcp", **env,
+                                                          ROCE_GATHER_ALLREDUCE_MIN_BYTES="0",
+                                                          ROCE_GATHER_ALLREDUCE_MAX_BYTES="65536"))
+            good = arstats(4, 4, 4 * 4096, 4 * 4096, forwarded=1)
+            self.assertEqual(run(good).returncode, 0)
+            p = run(arstats(5, 5, forwarded=0))
+            self.assertEqual(p.returncode, 1)
+            self.assertIn("intercepted_allreduce.launches=5 allreduces=5; expected launches=4", p.stdout)
+            p = run(good, ROCE_GATHER_ENABLE="0")  # both collectives off: every all-reduce to NCCL
+            self.assertIn("expected launches=0 allreduces=0 (all-reduce window off)", p.stdout)
+
+    def test_config_windows(self):
+        self.assertEqual(launch.allreduce_window("intercept"), common.default_allreduce_window(launch.INTERCEPT_FABRIC))
+        self.assertEqual(launch.allreduce_window("intercept-preload"), launch.allreduce_window("intercept"))
+        self.assertEqual(launch.allreduce_window("intercept-wide"), (0, launch.WIDE_CAP))
+        self.assertIsNone(launch.allreduce_window("nccl-socket"))
+        cfgs = {"a": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_ALLREDUCE_MIN_BYTES": "64"},
+                "b": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_ENABLE": "0"},
+                "c": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_ALLREDUCE_MIN_BYTES": "9",
+                      "ROCE_GATHER_ALLREDUCE_MAX_BYTES": "8"}}
+        with mock.patch.dict(launch.CONFIGS, cfgs), mock.patch.object(common, "default_allreduce_window",
+                                                                      return_value=(0, 65536)):
+            self.assertEqual(launch.allreduce_window("a"), (64, 65536))
+            self.assertIsNone(launch.allreduce_window("b"))  # ROCE_GATHER_ENABLE=0 turns both collectives off
+            self.assertIsNone(launch.allreduce_window("c"))  # an empty window
+            self.assertEqual(launch.intercept_window("a"), common.default_window(launch.INTERCEPT_FABRIC))
+
+    def test_judge_both_collectives(self):
+        w = launch.allreduce_window("intercept")
+        L = common.Ledger()
+        L.gather(16)
+        L.allreduce(16, "sum", "bfloat16", enq=3, execs=3)
+        L.allreduce(16, "avg", "int8", enq=2, execs=2)
+        L.allreduce(w[1] + 2, "sum", "bfloat16")
+        st = istats(1, 1, 16, 16, way_in="hooked")
+        st.update({common.AR_SECTION: {"launches": 3, "allreduces": 3, "forwarded": 3, "errors": 0}})
+        blocks = [{"class": "avg/int8", "calls": {"16": 2}, "delta": {"launches": 0, "forwarded": 2}}]
+        self.assertEqual(launch.judge_stats("intercept", st, L.n, blocks)[0], [])
+        F, _ = launch.judge_stats("intercept", st, L.n)  # avg/int8 not observed: unknown
+        self.assertEqual(F, ["the path of avg/int8 is unknown: no class the library must take, and the worker did not "
+                             "observe it"])
+        st[common.AR_SECTION].update(launches=5, allreduces=5)
+        F, _ = launch.judge_stats("intercept", st, L.n, blocks)
+        self.assertIn("the difference is exactly the calls of avg/int8: the library takes them", F[0])
+        # A ledger without all-reduces leaves the section unjudged.
+        G = common.Ledger()
+        G.gather(16)
+        self.assertEqual(launch.judge_stats("intercept", istats(1, 1, 16, 16, way_in="hooked"), G.n)[0], [])
 
 if __name__ == "__main__":
     unittest.main()
