@@ -434,12 +434,28 @@ def step_integrity(s):
                      "communicator raised\n\n"
                      + md_table(["case", "kind", "rank 0", "rank 1", "rank 0 next gather", "rank 1 next gather", "verdict"],
                                 rows))
+    mismatch_warns(s, logs)
     lines, n = evidence(rec["logs"], LIBRARY_WARN_RX, 24)
     s.d["md"].append(f"The library's WARN lines ({n} in both ranks' logs, the first 24):\n\n```\n" + "\n".join(lines) + "\n```")
     foreign = sum(integrity.call_state(c) == "foreign" for case in integrity.ORDER for r in (0, 1)
                   for c in (results[r].get(case) or {}).get("calls", []))
     s.d["headline"] = (f"{passed}/{len(integrity.ORDER)} cases as required; calls whose rows held bytes not theirs: "
                        f"{foreign}")
+
+
+def mismatch_warns(s, logs):
+    """Each rank's first WARN that the calls differ (integrity.MISMATCH_RX) in each case whose
+    calls move the same bytes but differ in collective, op or datatype, into the summary."""
+    rx, out = re.compile(integrity.MISMATCH_RX), []
+    for case in (c for c in integrity.ORDER if integrity.CASES[c]["kind"] == "mismatch"):
+        for r in (0, 1):
+            line = next((x.strip() for x in (logs[r].get(case) or "").splitlines() if rx.search(x)), None)
+            out.append(f"{case} rank {r}: {line[:300] if line else '(none)'}")
+    if out:
+        s.d["numbers"]["mismatch_warns"] = out
+        s.d["md"].append("The WARN each rank gave where the ranks' calls move the same bytes but differ in collective, op "
+                         "or datatype (the first matching /" + integrity.MISMATCH_RX + "/ of each case):\n\n```\n"
+                         + "\n".join(out) + "\n```")
 
 
 # ---- capi: NCCL's C API, no framework ------------------------------------------------------------

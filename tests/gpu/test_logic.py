@@ -1999,6 +1999,23 @@ def imismatch(rank, b0, c0, b1, c1, calls=(2, 2)):
                            f"{ann(b1, c1, calls[1])}; no row is written")
 
 
+def icall_of(call, tag, n, state):
+    """A worker's record of a mismatch case's call: a gather's two rows, or an all-reduce's buffer
+    (untouched: its input as it was, written: anything else)."""
+    if call["coll"] == "gather":
+        return icall(tag, n, (state, state))
+    own = integrity.tag_bytes(0, tag, n)
+    buf = own if state == "untouched" else bytes(n)
+    return {"tag": tag, "bytes": n, "collective": "allreduce", "rows": [integrity.classify_allreduce(buf, own)]}
+
+
+def iann(call, n):
+    """How a WARN might announce a call (the library's words are its own; the step matches loosely)."""
+    if call["coll"] == "gather":
+        return f"an all-gather of {n} bytes a rank ({call['dtype']}) in 1 chunk of 262144 bytes"
+    return f"an all-reduce of {n} bytes ({call['op']}, {call['dtype']}) in 1 chunk of 262144 bytes"
+
+
 def integrity_good():
     """Both ranks' records and each case's part of their logs, as the library must leave them."""
     res, logs = [{}, {}], [{}, {}]
@@ -2014,6 +2031,12 @@ def integrity_good():
             for r in (0, 1):
                 res[r][case] = {"calls": [icall(2, n, ("untouched",) * 2), icall(3, n, ("untouched",) * 2)], "probe_error": probe}
                 logs[r][case] += imismatch(r, n, 1, n, 1, calls=(3, 4))
+        elif spec["kind"] == "mismatch":
+            for r in (0, 1):
+                res[r][case] = {"calls": [icall_of(spec["calls"][r], 2, n, "untouched")], "probe_error": probe}
+                logs[r][case] += iwarn(1 - r, "the ranks' calls differ: rank 0 announced sequence 2, call 2: "
+                                       + iann(spec["calls"][0], n) + "; rank 1 announced sequence 2, call 2: "
+                                       + iann(spec["calls"][1], n) + "; no output is written")
         elif spec["kind"] == "overlap":
             res[0][case] = {"calls": [icall(2, n, ("untouched",) * 2), icall(3, n, ("untouched",) * 2)], "probe_error": probe}
             res[1][case] = {"calls": [icall(2, n), icall(3, n, ("untouched",) * 2)], "probe_error": probe}
@@ -2094,6 +2117,43 @@ class IntegrityTest(unittest.TestCase):
         F = integrity.verdict("abort", [res[0]["abort"], res[1]["abort"]], [logs[0]["abort"], ""])
         self.assertIn("abort: rank 1's log has no WARN naming rank 0's abort", F[0])
 
+    def test_mismatched_calls(self):
+        """Calls of the same bytes that differ in collective, op or datatype: untouched on both ranks
+        (an all-reduce's buffer its input as it was), each rank's WARN, the next call raising."""
+        self.assertEqual([c for c in integrity.ORDER if integrity.CASES[c]["kind"] == "mismatch"],
+                         ["allreduce-vs-gather", "allreduce-vs-gather-chunks", "allreduce-op", "allreduce-dtype",
+                          "allreduce-dtype-half"])
+        self.assertEqual(integrity.ORDER[-1], "abort")  # it aborts a communicator: last
+        for case in ("allreduce-vs-gather", "allreduce-vs-gather-chunks"):
+            self.assertEqual({c["coll"] for c in integrity.CASES[case]["calls"]}, {"gather", "allreduce"})
+        for case, key in (("allreduce-op", "op"), ("allreduce-dtype", "dtype"), ("allreduce-dtype-half", "dtype")):
+            a, b = integrity.CASES[case]["calls"]
+            self.assertNotEqual(a[key], b[key])
+            sizes = {arcases.DTYPES[x["dtype"]]["size"] for x in (a, b)}
+            self.assertEqual(len(sizes), 1, "the same bytes: datatypes of one size")
+        res, logs = integrity_good()
+        v = lambda case: integrity.verdict(case, [res[0][case], res[1][case]], [logs[0][case], logs[1][case]])
+        self.assertEqual(v("allreduce-op"), [])
+        # The all-reduce wrote its buffer although the peer's call differs: a failure naming it.
+        res[1]["allreduce-op"]["calls"][0] = icall_of(integrity.CASES["allreduce-op"]["calls"][1], 2, 4096, "written")
+        self.assertEqual(v("allreduce-op"), ["allreduce-op: rank 1, call 2: written, expected untouched (the ranks' "
+                                             "calls differ, so no output is written)"])
+        # Had the gathering rank taken the peer's buffer as a gather's row (it is the peer's own
+        # tagged shard, so the row reads exact), the case fails all the same.
+        res[0]["allreduce-vs-gather"]["calls"][0] = icall(2, 4096)
+        self.assertEqual(v("allreduce-vs-gather"), ["allreduce-vs-gather: rank 0, call 2: exact, expected untouched (the "
+                                                    "ranks' calls differ, so no output is written)"])
+        # No WARN, or a WARN about something else: a failure.
+        logs[0]["allreduce-dtype"] = iwarn(1, "the peer stopped: rank 1 (x) failed after sequence 2")
+        F = v("allreduce-dtype")
+        self.assertEqual(len(F), 1)
+        self.assertIn("allreduce-dtype: rank 0's log has no WARN that the ranks' calls differ", F[0])
+        logs[0]["allreduce-dtype"] = iwarn(1, "the ranks' calls MISMATCH in their datatype")
+        self.assertEqual(v("allreduce-dtype"), [])  # matched loosely
+        res[1]["allreduce-dtype-half"]["probe_error"] = None
+        self.assertEqual(v("allreduce-dtype-half"), ["allreduce-dtype-half: rank 1's next gather on the communicator "
+                                                     "returned, though the case failed it"])
+
     def test_case_logs(self):
         text = "start\nrank 1: case differ-size\nA\nrank 1: case overlap\nB\nC\n"
         self.assertEqual(integrity.case_logs(text), {"differ-size": "\nA\n", "overlap": "\nB\nC\n"})
@@ -2128,17 +2188,26 @@ class IntegrityTest(unittest.TestCase):
             return s.finish()
         d = step()
         self.assertEqual(d["status"], "pass", d["failures"])
-        self.assertEqual(d["headline"], "6/6 cases as required; calls whose rows held bytes not theirs: 0")
+        n = len(integrity.ORDER)
+        self.assertEqual(d["headline"], f"{n}/{n} cases as required; calls whose rows held bytes not theirs: 0")
         run, config, worker, params, env, kw = calls[0]
         self.assertEqual((run, config, worker, params["cases"]), ("integrity", "intercept-wide", "integrity_cases.py",
                                                                    integrity.ORDER))
         self.assertEqual(env["ROCE_GATHER_TIMEOUT_MS"], "3000")
         self.assertFalse(kw["check_stats"])
         self.assertIn("| overlap | overlap | call 2 untouched; call 3 untouched | call 2 exact; call 3 untouched |", d["md"][0])
+        self.assertIn("| allreduce-op | mismatch | call 2 untouched | call 2 untouched | raised | raised | pass |", d["md"][0])
+        # Each mismatch case's WARN on each rank, quoted.
+        warns = d["numbers"]["mismatch_warns"]
+        self.assertEqual(len(warns), 2 * 5)
+        self.assertTrue(warns[0].startswith("allreduce-vs-gather rank 0: vm:1:2 [roce_gather] NCCL WARN NET/roce_gather : "
+                                            "one-shot gather of communicator"), warns[0])
+        self.assertIn("the ranks' calls differ: rank 0 announced sequence 2, call 2: an all-gather of 4096 bytes", warns[0])
+        self.assertTrue(any("allreduce-dtype-half rank 1" in m for m in d["md"][1].splitlines()), d["md"][1])
         res[0]["reorder"]["calls"][1] = icall(3, 4096, ("foreign", "foreign"))
         d = step()
         self.assertEqual(d["status"], "fail")
-        self.assertEqual(d["headline"], "5/6 cases as required; calls whose rows held bytes not theirs: 1")
+        self.assertEqual(d["headline"], f"{n - 1}/{n} cases as required; calls whose rows held bytes not theirs: 1")
 
 
 # ---- the all-reduce: its cases, its ledger, its stats ------------------------------------------
