@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+import arcases
 import calibrate
 import common
 import integrity
@@ -48,6 +49,7 @@ PLAN = [
     ("abort", 200, ("check",)),
     ("integrity", 120, ("check",)),  # one pair: mismatched calls, aborts with calls queued, overlapping launches
     ("recreate", 150, ("check",)),
+    ("allreduce", 150, ("check",)),  # three pairs: the all-reduce matrix and a CUDA graph, NCCL socket and both ways in
     ("latency", 250, ("check", "timing")),
     ("plot", 30, ("check", "timing")),
     ("calibrate", 150, ("timing",)),
@@ -663,6 +665,215 @@ def step_pynccl(s):
     s.d["numbers"]["sizes"] = sizes
     s.d["headline"] = (f"plain, grouped and graph-captured gathers of {len(sizes)} sizes; byte-exact with "
                        f"nccl-socket's, every in-window gather intercepted: {', '.join(good) if good else 'none'}")
+
+
+# ---- allreduce: the all-reduce matrix through PyTorch -----------------------------------------
+
+# Each intercepted way in beside NCCL's socket transport, every pair with the agreement's line
+# (INFO, INIT): it names both windows.
+AR_RUNS = ["intercept", "intercept-preload"]
+AR_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
+AGREEMENT_RX = (r"one-shot gather and all-reduce on for communicator 0x[0-9a-f]+, rank (\d) of 2 \(peer [^)]*\): "
+                r"gather window (\d+) to (\d+) bytes a rank, all-reduce window (\d+) to (\d+) bytes")
+AR_CAP_OFF = 512 << 10  # the matrix's cap where the all-reduce is off by default: every size still runs
+
+
+def allreduce_cap(config="intercept"):
+    """The cap of config's all-reduce window (bytes of the buffer), where the steps put sizes
+    above it; AR_CAP_OFF where the all-reduce is off."""
+    w = launch.allreduce_window(config)
+    return w[1] if w else AR_CAP_OFF
+
+
+def step_allreduce(s):
+    """arcases' matrix and CUDA graph (allreduce_cases.py) on NCCL's socket transport and on both
+    ways in, judged by allreduce_judge."""
+    params = {"cap": allreduce_cap(), "replays": 16}
+    recs = [s.pair("allreduce.nccl-socket", "nccl-socket", "allreduce_cases.py", "matrix", 120, params, AR_ENV)]
+    for c in AR_RUNS:
+        recs.append(s.pair(f"allreduce.{c}", c, "allreduce_cases.py", "matrix", 120, params, AR_ENV))
+    allreduce_judge(s, recs, params["cap"])
+
+
+def completed(rec):
+    return bool(rec) and all(x and x.get("completed") for x in rec["results"])
+
+
+def union(res, key):
+    """numbers[key] of both ranks' results, merged ({case: why}, rank 0's first)."""
+    out = {}
+    for r in (1, 0):
+        out.update(((res[r] or {}).get("numbers") or {}).get(key) or {})
+    return out
+
+
+def reference_failures(run, differs, ref_differs):
+    """The cases of an intercepted run whose output is not op(x0, x1) in rank order (differs:
+    {case: why}) where NCCL's own output (nccl-socket's, ref_differs) is: where NCCL's is not
+    either, the comparison of the two runs' bytes rules."""
+    return [f"{run} {k}: not op(x0, x1) in rank order: {why}" for k, why in differs.items() if k not in ref_differs]
+
+
+def agreement_lines(rec):
+    """Each rank's agreement lines (AGREEMENT_RX) in its log: [[(gather window, all-reduce window), ...], ...]."""
+    out = []
+    for p in rec["logs"]:
+        try:
+            with open(p, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            text = ""
+        out.append([((int(m[1]), int(m[2])), (int(m[3]), int(m[4]))) for m in re.findall(AGREEMENT_RX, text)])
+    return out
+
+
+def allreduce_judge(s, recs, cap):
+    """The verdicts of the all-reduce matrix's runs (recs: nccl-socket's first): every run byte-
+    identical on both ranks and, each intercepted one, to nccl-socket's case by case; the
+    element-wise reference op(x0, x1) in rank order met wherever NCCL's own result meets it (where
+    NCCL's does not, a note: the standard is NCCL's); a call torch refused on an intercepted run
+    but not on nccl-socket a failure; the classes each intercepted run took, read from its class
+    blocks (common.observe_classes: the required ones taken, the size alone deciding); the
+    agreement's line naming both windows as launch.py works them out. The stats against the
+    ledger are launch.run_pair's (judge_stats)."""
+    ref = recs[0] if recs and recs[0] and recs[0]["config"] == "nccl-socket" else None
+    ref_ok = completed(ref)
+    ref_differs = union(ref["results"], "ref_differs") if ref_ok else {}
+    ref_refused = union(ref["results"], "refused") if ref_ok else {}
+    rows, classes, good, nccl_own = [], {}, [], []
+    for rec in recs:
+        if rec is None:
+            continue
+        run, c, res = rec["run"], rec["config"], rec["results"]
+        if not completed(rec):
+            rows.append([run, "-", "did not complete", "-", "-", "-", "-", "-"])
+            continue
+        F = []
+        d0, d1 = res[0]["digests"], res[1]["digests"]
+        split = [k for k in sorted(set(d0) | set(d1)) if d0.get(k) != d1.get(k)]
+        F += [f"{run} {k}: the ranks' outputs differ" + ("" if k in d0 and k in d1 else " (one rank has no output)")
+              for k in split[:12]]
+        if len(split) > 12:
+            F.append(f"{run}: ... and {len(split) - 12} more cases whose outputs differ between the ranks")
+        same = "-"
+        if rec is not ref and ref_ok:
+            G, n = common.compare_digests("nccl-socket", [x["digests"] for x in ref["results"]], c,
+                                          [x["digests"] for x in res])
+            F += G[:12] + ([f"{run}: ... and {len(G) - 12} more outputs that differ from nccl-socket's"] if len(G) > 12 else [])
+            same = f"{n - len(G)}/{n}"
+        elif rec is not ref:
+            F.append(f"{run}: no nccl-socket run to compare with")
+        differs = union(res, "ref_differs")
+        if rec is ref:
+            nccl_own += [f"{k}: {why}" for k, why in differs.items()]
+        else:
+            F += reference_failures(run, differs, ref_differs)
+        refused = union(res, "refused")
+        for k, why in refused.items():
+            if rec is not ref and k not in ref_refused:
+                F.append(f"{run} {k}: refused ({why}), though nccl-socket's run took it")
+        taken = "-"
+        if launch.uses_plugin(c):
+            w = launch.allreduce_window(c)
+            for r in (0, 1):
+                _, G, crow = common.observe_classes(res[r]["numbers"].get("ar_blocks"), w)
+                F += [f"{run} rank {r}: {g}" for g in G]
+                if r == 0:
+                    classes[c] = crow
+            n_taken = sum(1 for x in classes.get(c, []) if x["state"])
+            taken = f"{n_taken}/{len(classes.get(c, []))}"
+            F += agreement_failures(rec, c)
+        for f in F:
+            s.fail(f)
+        if not F and not rec["failures"] and rec is not ref:
+            good.append(c)
+        missing = res[0]["numbers"].get("missing_dtypes") or []
+        if missing:
+            s.note(f"{run}: torch {res[0]['numbers'].get('torch', '?')} has no {', '.join(missing)}: not run")
+        rows.append([run, res[0]["cases"], f"{len(d0) - len(split)}/{len(d0)}", same,
+                     f"{len(differs)} (NCCL's own: {len(ref_differs)})" if rec is not ref else len(differs),
+                     len(refused), taken, "yes" if not split and not F else "no"])
+    s.d["md"].append(f"The all-reduce matrix (arcases.py: every op x datatype, sizes from one element to past the "
+                     f"all-reduce cap of {measure.size_label(cap)}, odd counts, in place, copy-then-reduce, odd addresses, "
+                     "special values) and a CUDA graph of six all-reduces replayed 16 times with new data, per run: "
+                     "outputs equal on both ranks, equal to nccl-socket's, not op(x0, x1) in rank order (where the "
+                     "reference holds), refused by torch, classes the library took\n\n"
+                     + md_table(["run", "cases a rank", "ranks identical", "identical to nccl-socket", "not op(x0, x1)",
+                                 "refused", "classes taken", "ok"], rows))
+    for c, crow in classes.items():
+        s.d["md"].append(class_table(c, crow))
+    if nccl_own:
+        s.note(f"NCCL's own result is not op(x0, x1) in rank order in {len(nccl_own)} cases (the reference does not hold "
+               "there; the intercepted runs are held to NCCL's bytes)")
+        s.d["md"].append("Where NCCL's own result (nccl-socket) is not op(x0, x1) in rank order, the first 12:\n\n```\n"
+                         + "\n".join(nccl_own[:12]) + "\n```")
+    if ref_refused:
+        s.d["md"].append("Calls torch or NCCL refused on nccl-socket (the same is allowed on the intercepted runs), the "
+                         "first 12:\n\n```\n" + "\n".join(f"{k}: {v}" for k, v in list(ref_refused.items())[:12]) + "\n```")
+    ar_runs_table(s, recs)
+    s.d["numbers"].update(cap=cap, window={c: launch.allreduce_window(c) for c in AR_RUNS},
+                          classes={c: {x["class"]: x["state"] for x in crow} for c, crow in classes.items()},
+                          nccl_not_reference=len(nccl_own))
+    cases = next((r["results"][0]["cases"] for r in recs if completed(r)), 0)
+    s.d["headline"] = (f"{cases} all-reduces a rank, cap {measure.size_label(cap)}; byte-identical on both ranks and to "
+                       f"nccl-socket's, every in-window all-reduce intercepted: {', '.join(good) if good else 'none'}")
+
+
+def agreement_failures(rec, config):
+    """The agreement's line on both ranks, naming the windows launch.py works out for config."""
+    want = (launch.intercept_window(config), launch.allreduce_window(config))
+    if want[0] is None or want[1] is None:
+        return []  # a collective off: what the line says then is not fixed
+    F = []
+    for r, lines in enumerate(agreement_lines(rec)):
+        if not lines:
+            F.append(f"{rec['run']} rank {r}: no agreement line (\"one-shot gather and all-reduce on for communicator "
+                     "...\") in its log")
+        elif any(w != want for w in lines):
+            got = next(w for w in lines if w != want)
+            F.append(f"{rec['run']} rank {r}: the agreement names gather window {got[0][0]} to {got[0][1]} and all-reduce "
+                     f"window {got[1][0]} to {got[1][1]}; expected {want[0][0]} to {want[0][1]} and {want[1][0]} to "
+                     f"{want[1][1]} (plugin/config.go's defaults and the config's variables)")
+    return F
+
+
+def class_table(config, crow):
+    """The path each class took in a run (common.observe_classes' rows), a datatype a row."""
+    by = {(x["class"].split("/")[1], x["class"].split("/")[0]): x for x in crow}
+    mark = {True: "taken", False: "NCCL", None: "?"}
+    rows = []
+    for d in arcases.DTYPES:
+        if not any((d, op) in by for op in arcases.OPS):
+            continue
+        cells = []
+        for op in arcases.OPS:
+            x = by.get((d, op))
+            cells.append("-" if x is None else mark[x["state"]] + ("" if x["state"] is not None else f" ({x['what']})")
+                         + ("" if x["required"] or x["state"] is None else " (the library's choice)"))
+        rows.append([d] + cells)
+    return (f"The path each class took in {config} (rank 0: the change of {common.AR_SECTION}.launches over its "
+            "block against its calls within the window; taken: exactly those, NCCL: none; the issue requires every op "
+            "on the eight non-fp8 types taken, avg on the integer types and fp8 are the library's choice)\n\n"
+            + md_table(["datatype"] + list(arcases.OPS), rows))
+
+
+def ar_runs_table(step, recs):
+    """ROCE_GATHER_STATS' intercepted_allreduce of every run that loads the library, per rank."""
+    rows = []
+    for rec in recs:
+        if rec is None:
+            continue
+        for r, st in enumerate(rec["stats"]):
+            b = common.stats_brief(st)
+            if b is not None:
+                rows.append([rec["run"], r, b["way_in"], b["ar_calls"], b["ar_launches"], b["ar_forwarded"],
+                             b["ar_allreduces"], b["ar_errors"], b["ar_p50_us"], b["ar_p99_us"], b["ar_max_us"]])
+    if rows:
+        step.d["md"].append("ROCE_GATHER_STATS per rank, the intercepted all-reduce (calls: ncclAllReduce calls that "
+                            "reached the wrapper; launches: those the path took, a captured call once; forwarded: "
+                            "handed to NCCL; allreduces: all-reduces its kernel finished, graph replays included)\n\n"
+                            + md_table(["run", "rank", "way in", "calls", "launches", "forwarded", "allreduces", "errors",
+                                        "p50 us", "p99 us", "max us"], rows))
 
 
 # ---- latency: the intercepted gather against NCCL socket -----------------------------------------

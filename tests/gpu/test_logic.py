@@ -191,8 +191,8 @@ class StepPlanTest(unittest.TestCase):
 
     def test_groups_and_order(self):
         self.assertEqual([n for n, _ in steps.plan(["check"])],
-                         ["env", "gather", "graphs", "capi", "jax", "pynccl", "abort", "integrity", "recreate", "latency",
-                          "plot"])
+                         ["env", "gather", "graphs", "capi", "jax", "pynccl", "abort", "integrity", "recreate", "allreduce",
+                          "latency", "plot"])
         self.assertEqual([n for n, _ in steps.plan(["timing"])], ["env", "latency", "plot", "calibrate"])
         # Each once, in the plan's order, whatever the order asked.
         self.assertEqual(steps.plan(["plot", "gather", "timing", "gather"]),
@@ -1097,7 +1097,9 @@ def record(run, config, numbers, work, timed_out=False, failures=None, nccl="2.2
             "notes": [], "tails": [], "nccl": [nccl, nccl], "nccl_lib": None, "mps_restart": None}
 
 
-class StepsTest(unittest.TestCase):
+class StepHarness(unittest.TestCase):
+    """A work dir, and run_step: a step run against a fake launch.run_pair."""
+
     def setUp(self):
         self.work = tempfile.mkdtemp()
         for d in ("logs", "raw", "steps"):
@@ -1119,6 +1121,8 @@ class StepsTest(unittest.TestCase):
             f.write("0 10")
         return d
 
+
+class StepsTest(StepHarness):
 
     def test_latency_fails_without_data(self):
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
@@ -1595,11 +1599,15 @@ class CalibrateDriverTest(unittest.TestCase):
 
 def fake_torch():
     """Modules torch, torch.cuda, torch.distributed standing in for PyTorch in one process:
-    tensors are keys, a gather computes the key of the right output, a CUDA graph records the
-    gathers made while capturing and repeats them at replay, time advances 25 µs a gather.
-    `counts` says how many AllGathers were enqueued (eager calls and captured ones) and run."""
+    tensors are keys, a gather computes the key of the right output, an all-reduce of a
+    pattern's key the key of op(both ranks' patterns) (others keep theirs, or become the key of
+    their sum), arithmetic makes a key of its operands, a CUDA graph records the collectives,
+    copies and kernels made while capturing and runs them at replay, time advances 25 µs a
+    collective. `counts` says
+    how many AllGathers ("enq", "exec") and AllReduces ("ar_enq", "ar_exec") were enqueued
+    (eager calls and captured ones) and run."""
     import types
-    counts = {"enq": 0, "exec": 0, "clock": 0}
+    counts = {"enq": 0, "exec": 0, "ar_enq": 0, "ar_exec": 0, "clock": 0}
     capturing = []
 
     class T:
@@ -1617,7 +1625,9 @@ def fake_torch():
             return list(self.key[1])
 
         def copy_(self, other):
-            self.key = other.key
+            def do():
+                self.key = other.key
+            later(do)
             return self
 
         def to(self, device):
@@ -1627,18 +1637,62 @@ def fake_torch():
             self.key = ("fill", value)
             return self
 
+        def clone(self):
+            return T(self.key)
+
+        def view(self, *shape):
+            return self
+
+        def numpy(self):
+            return repr(self.key).encode()
+
+        def __getitem__(self, i):
+            return Part(self, i)
+
+        def expr(op):
+            return lambda self, other: T((op, self.key, getattr(other, "key", other)))
+        __add__, __sub__, __mul__, __mod__, __truediv__ = expr("+"), expr("-"), expr("*"), expr("%"), expr("/")
+
+    class Part(T):
+        """A part of a tensor (t[i]): its key is the key its tensor has when it is read."""
+
+        def __init__(self, of, i):
+            self.of, self.i = of, i
+
+        @property
+        def key(self):
+            return ("part", self.of.key, self.i)
+
+    def later(fn):
+        """fn now, or at each replay of the graph being captured (what a capture records runs only then)."""
+        if capturing:
+            capturing[-1].calls.append(fn)
+        else:
+            fn()
+
     torch = types.ModuleType("torch")
     torch.FakeTensor = T
     cuda = types.ModuleType("torch.cuda")
     dist = types.ModuleType("torch.distributed")
-    for name in ("int32", "int64", "float64", "float32", "bfloat16", "uint8"):
+    for name in ("int8", "int32", "int64", "float64", "float32", "float16", "bfloat16", "uint8"):
         setattr(torch, name, name)
     torch.device = lambda *a: ("device",) + a
     torch.tensor = lambda vals, dtype=None, device=None: T(("vals", tuple(vals)))
     torch.zeros = lambda *a, **k: T(("zeros",))
     torch.empty = lambda *a, **k: T(("empty",))
+    torch.full = lambda size, value, **k: T(("full", value))
+    torch.arange = lambda n, **k: T(("arange", n))
     torch.cat = lambda ts: T(("cat",) + tuple(t.key for t in ts))
+    torch.maximum = lambda a, b: T(("max", a.key, b.key))
     torch.equal = lambda a, b: a.key == b.key
+
+    def mul(a, b, out):
+        later(lambda: setattr(out, "key", ("*", a.key, b.key)))
+    torch.mul = mul
+
+    def index_select(t, dim, idx, out):
+        later(lambda: setattr(out, "key", ("index", t.key)))
+    torch.index_select = index_select
 
     class Event:
         def __init__(self, enable_timing=False):
@@ -1670,8 +1724,11 @@ def fake_torch():
     torch.cuda = cuda
 
     def run(out, inp):
-        _, rank, n, salt = inp.key
-        out.key = ("cat", ("pattern", 0, n, salt), ("pattern", 1, n, salt))
+        if inp.key[0] == "pattern":
+            _, rank, n, salt = inp.key
+            out.key = ("cat", ("pattern", 0, n, salt), ("pattern", 1, n, salt))
+        else:
+            out.key = ("gathered", inp.key)
         counts["exec"] += 1
         counts["clock"] += 1
 
@@ -1681,9 +1738,25 @@ def fake_torch():
             capturing[-1].calls.append(lambda: run(out, inp))
         else:
             run(out, inp)
+
+    def run_ar(t, op):
+        if t.key[0] == "pattern":
+            _, _, n, salt = t.key
+            t.key = (op, ("pattern", 0, n, salt), ("pattern", 1, n, salt))
+        elif t.key[0] not in ("vals", "zeros", op):  # agree_max's and sync_peers' tensors keep theirs
+            t.key = (op, t.key)
+        counts["ar_exec"] += 1
+        counts["clock"] += 1
+
+    def all_reduce(t, op="sum"):
+        counts["ar_enq"] += 1
+        if capturing:
+            capturing[-1].calls.append(lambda: run_ar(t, op))
+        else:
+            run_ar(t, op)
     dist.all_gather_into_tensor = all_gather_into_tensor
-    dist.all_reduce = lambda t, op=None: None
-    dist.ReduceOp = types.SimpleNamespace(MAX="max")
+    dist.all_reduce = all_reduce
+    dist.ReduceOp = types.SimpleNamespace(MAX="max", SUM="sum")
     torch.distributed = dist
     return {"torch": torch, "torch.cuda": cuda, "torch.distributed": dist}, counts
 
@@ -1955,12 +2028,12 @@ class RunAllTest(unittest.TestCase):
             self.assertNotEqual(p.returncode, 0)  # every step skipped: the budget of 10 s is below 15
             env.pop("ROCE_GATHER_GPU_STEPS")  # the default group
             p = run()
-            self.assertIn("steps: env gather graphs capi jax pynccl abort integrity recreate latency plot \n", p.stdout)
+            self.assertIn("steps: env gather graphs capi jax pynccl abort integrity recreate allreduce latency plot \n",
+                          p.stdout)
             s = json.loads(read(os.path.join(out, "summary.json")))
             # Run in the plan's order: latency, which fits its rounds into what is left, last but plot.
-            self.assertEqual(list(s["steps"]), ["env", "gather", "graphs", "capi", "jax", "pynccl", "abort", "integrity", "recreate",
-                                                "latency",
-                                                "plot"])
+            self.assertEqual(list(s["steps"]), ["env", "gather", "graphs", "capi", "jax", "pynccl", "abort", "integrity",
+                                                "recreate", "allreduce", "latency", "plot"])
             # A name that is neither a step nor a group: nothing runs, and the run says why.
             os.remove(os.path.join(out, "summary.json"))
             env["ROCE_GATHER_GPU_STEPS"] = "gather intercept"
@@ -2556,6 +2629,184 @@ class AllReduceLedgerTest(unittest.TestCase):
         G = common.Ledger()
         G.gather(16)
         self.assertEqual(launch.judge_stats("intercept", istats(1, 1, 16, 16, way_in="hooked"), G.n)[0], [])
+
+# ---- the all-reduce's steps from canned records ----------------------------------------------
+
+def ar_taken_default(c):
+    """The library as these tests imagine it: every required class, and avg on the integer types."""
+    return arcases.required(c) or c.split("/")[1] in arcases.INTEGERS
+
+
+def ar_blocks_for(cap, window, taken=ar_taken_default):
+    """The class blocks a rank running the whole matrix leaves, as a library taking taken() classes would."""
+    blocks = []
+    for c, block in arcases.blocks(arcases.matrix_cases(cap)):
+        calls = {}
+        for x in block:
+            b = str(x["count"] * arcases.DTYPES[x["dtype"]]["size"])
+            calls[b] = calls.get(b, 0) + 1
+        inside = {int(b): n for b, n in calls.items() if window and window[0] <= int(b) <= window[1]}
+        n_in = sum(inside.values()) if taken(c) else 0
+        blocks.append({"class": c, "calls": calls, "refused": 0, "delta": {
+            "launches": n_in, "launch_bytes": sum(b * n for b, n in inside.items()) if taken(c) else 0,
+            "forwarded": sum(calls.values()) - n_in}})
+    return blocks
+
+
+def agreement_line(rank, gw, aw):
+    return (f"vm:1:2 [{rank}] NCCL INFO NET/roce_gather : one-shot gather and all-reduce on for communicator 0x5a, rank "
+            f"{rank} of 2 (peer 127.0.0.1:4242): gather window {gw[0]} to {gw[1]} bytes a rank, all-reduce window {aw[0]} "
+            f"to {aw[1]} bytes, chunks from 262144 bytes\n")
+
+
+class AllReduceStepTest(StepHarness):
+    def fake(self, calls, shape=None):
+        """Pairs of allreduce_cases.py: every case's digest the same on both ranks and every run, the class
+        blocks of ar_blocks_for, the agreement's line on both ranks with the library; shape(config, rec)."""
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((run, config, worker, task, params, extra_env))
+            w = launch.allreduce_window(config) if launch.uses_plugin(config) else None
+            digests = {c["name"]: "d-" + c["name"] for c in arcases.matrix_cases(params["cap"])}
+            res = {"completed": True, "failures": [], "n_failures": 0, "cases": len(digests), "digests": digests,
+                   "numbers": {"ar_blocks": ar_blocks_for(params["cap"], w) if w else [], "ref_differs": {}, "refused": {},
+                               "missing_dtypes": [], "torch": "2.11.0"}, "ledger": common.Ledger().n}
+            rec = record(run, config, {}, work, results=[res, json.loads(json.dumps(res))], sizes=[16])
+            if w:
+                for r, p in enumerate(rec["logs"]):
+                    with open(p, "a") as f:
+                        f.write(agreement_line(r, launch.intercept_window(config), w))
+            if shape:
+                shape(config, rec)
+            return rec
+        return fake
+
+    def test_passes(self):
+        calls = []
+        d = self.run_step("allreduce", self.fake(calls))
+        self.assertEqual(d["status"], "pass", d["failures"])
+        cap = launch.allreduce_window("intercept")[1]
+        self.assertEqual([(c[0], c[1], c[2], c[3]) for c in calls],
+                         [(f"allreduce.{c}", c, "allreduce_cases.py", "matrix") for c in
+                          ("nccl-socket", "intercept", "intercept-preload")])
+        self.assertEqual([c[4] for c in calls], [{"cap": cap, "replays": 16}] * 3)
+        self.assertEqual(calls[0][5], {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"})  # the agreement's line
+        n = len(arcases.matrix_cases(cap))
+        self.assertEqual(d["headline"], f"{n} all-reduces a rank, cap {measure.size_label(cap)}; byte-identical on both "
+                                        "ranks and to nccl-socket's, every in-window all-reduce intercepted: intercept, "
+                                        "intercept-preload")
+        self.assertIn(f"| allreduce.intercept | {n} | {n}/{n} | {2 * n}/{2 * n} | 0 (NCCL's own: 0) | 0 | 40/50 | yes |",
+                      d["md"][0])
+        table = d["md"][1]
+        self.assertIn("The path each class took in intercept", table)
+        self.assertIn("| int8 | taken | taken | taken | taken | taken (the library's choice) |", table)
+        self.assertIn("| float8_e4m3fn | NCCL (the library's choice) |", table)
+        self.assertEqual(d["numbers"]["classes"]["intercept"]["avg/int32"], True)
+        self.assertEqual(d["numbers"]["classes"]["intercept"]["sum/float8_e5m2"], False)
+
+    def test_failures(self):
+        def shape(config, rec):
+            r0, r1 = rec["results"]
+            if config == "nccl-socket":
+                for r in (r0, r1):
+                    r["numbers"]["ref_differs"] = {"avg/float16/inplace/1": "1 of 1 elements differ"}
+                    r["numbers"]["refused"] = {"avg/float8_e5m2/inplace/1": "DistBackendError: invalid argument"}
+            if config == "intercept":
+                r1["digests"]["sum/float32/inplace/1"] = "other"
+                for r in (r0, r1):
+                    blk = next(b for b in r["numbers"]["ar_blocks"] if b["class"] == "max/int32")
+                    blk["delta"].update(launches=0, launch_bytes=0, forwarded=sum(blk["calls"].values()))
+                with open(rec["logs"][0], "a") as f:  # a second communicator's line with another window
+                    f.write(agreement_line(0, launch.intercept_window(config), (0, 4096)))
+            if config == "intercept-preload":
+                for r in (r0, r1):
+                    r["numbers"]["ref_differs"] = {"avg/float16/inplace/1": "1 of 1 elements differ",
+                                                   "prod/int8/inplace/3el": "1 of 3 elements differ, first at 2"}
+                    r["numbers"]["refused"] = {"avg/float8_e5m2/inplace/1": "DistBackendError: invalid argument",
+                                               "sum/float8_e4m3fn/inplace/1": "TypeError: no"}
+                with open(rec["logs"][1], "w") as f:
+                    f.write("no agreement here\n")
+        d = self.run_step("allreduce", self.fake([], shape))
+        self.assertEqual(d["status"], "fail")
+        F = d["failures"]
+        aw = launch.allreduce_window("intercept")
+        gw = launch.intercept_window("intercept")
+        want = ["allreduce.intercept sum/float32/inplace/1: the ranks' outputs differ",
+                "rank 1 sum/float32/inplace/1: output of intercept differs from nccl-socket",
+                "allreduce.intercept rank 0: max/int32: every call went to NCCL, but the library must take this class (the "
+                "issue: NCCL's two-rank result is op(x0, x1) in rank order there)",
+                f"allreduce.intercept rank 0: the agreement names gather window {gw[0]} to {gw[1]} and all-reduce window 0 to "
+                f"4096; expected {gw[0]} to {gw[1]} and {aw[0]} to {aw[1]} (plugin/config.go's defaults and the config's "
+                "variables)",
+                "allreduce.intercept-preload prod/int8/inplace/3el: not op(x0, x1) in rank order: 1 of 3 elements differ, "
+                "first at 2",
+                "allreduce.intercept-preload sum/float8_e4m3fn/inplace/1: refused (TypeError: no), though nccl-socket's "
+                "run took it",
+                "allreduce.intercept-preload rank 1: no agreement line (\"one-shot gather and all-reduce on for communicator "
+                "...\") in its log"]
+        for f in want:
+            self.assertIn(f, F)
+        self.assertEqual(len(F), len(want) + 1, F)  # and rank 1's verdict on max/int32
+        self.assertTrue(any("NCCL's own result is not op(x0, x1) in rank order in 1 cases" in n for n in d["notes"]))
+        self.assertTrue(d["headline"].endswith("every in-window all-reduce intercepted: none"), d["headline"])
+
+
+# ---- the all-reduce's workers against the stand-in torch --------------------------------------
+
+def import_with(mods, name):
+    """Module name imported against the stand-in torch (fake_torch), and out of sys.modules again."""
+    with mock.patch.dict(sys.modules, mods):
+        for m in (name, "torch_cases", "allreduce_cases"):
+            sys.modules.pop(m, None)
+        mod = __import__(name)
+        for m in (name, "torch_cases", "allreduce_cases"):
+            sys.modules.pop(m, None)
+    return mod
+
+
+class AllReduceCasesTest(unittest.TestCase):
+    """allreduce_cases.py's matrix without a GPU: each class run as one block with the stats read
+    around it, the calls it made counted by size, refusals and types torch lacks kept apart."""
+
+    def test_blocks(self):
+        mods, _ = fake_torch()
+        ac = import_with(mods, "allreduce_cases")
+        res = mock.Mock()
+        res.d = {"numbers": {}, "cases": 0, "digests": {}}
+        ctx = mock.Mock(rank=0, dev="cuda:0", res=res)
+        ctx.ledger = common.Ledger()
+        launched = {"n": 0}
+        refused = {"prod/int8/inplace/1", "avg/int8/copy/1"}
+
+        def case(self, c):
+            if c["name"] in refused:
+                self.num["refused"][c["name"]] = "TypeError: no"
+                return False
+            self.ctx.ledger.allreduce(c["count"] * arcases.DTYPES[c["dtype"]]["size"], c["op"], c["dtype"])
+            launched["n"] += c["count"] <= 1000  # what the stand-in library takes: up to 1000 elements
+            return True
+        with mock.patch.dict(sys.modules, mods), mock.patch.object(ac.Cases, "case", case), \
+                mock.patch.dict(os.environ, {"ROCE_GATHER_STATS": "/s.json"}), \
+                mock.patch.object(common, "stats_now", lambda path: {"launches": launched["n"]} if path else None), \
+                contextlib.redirect_stdout(io.StringIO()):
+            cases = ac.Cases(ctx)
+            cases.matrix(arcases.matrix_cases(4096))
+        n = res.d["numbers"]
+        self.assertEqual(n["missing_dtypes"], ["float8_e4m3fn", "float8_e5m2"])  # this torch has none
+        self.assertEqual([b["class"] for b in n["ar_blocks"]], [c for c, _ in arcases.blocks(arcases.matrix_cases(4096))
+                                                                if "float8" not in c])
+        by = {b["class"]: b for b in n["ar_blocks"]}
+        i8 = arcases.counts("int8", 4096)
+        self.assertEqual(by["prod/int8"]["refused"], 1)
+        self.assertEqual(sum(by["prod/int8"]["calls"].values()), len(dict(arcases.blocks(arcases.matrix_cases(4096)))["prod/int8"]) - 1)
+        self.assertEqual(by["sum/int8"]["calls"]["1"], 1 + 1)  # one element, in place and copied
+        self.assertEqual(by["sum/int8"]["delta"]["launches"], sum(1 for c in dict(arcases.blocks(arcases.matrix_cases(4096)))
+                                                                  ["sum/int8"] if c["count"] <= 1000))
+        self.assertEqual(by["sum/int8"]["delta"]["forwarded"], 0)
+        self.assertEqual(set(i8.values()) - {int(b) for b in by["sum/int8"]["calls"]}, set())
+        self.assertEqual(n["refused"], {k: "TypeError: no" for k in refused})
+        self.assertEqual(sum(r["eager"] for b in ctx.ledger.n["allreduce"].values() for r in b.values()),
+                         sum(sum(b["calls"].values()) for b in n["ar_blocks"]))
+        self.assertEqual(res.write.call_count, 40)  # after every class
 
 if __name__ == "__main__":
     unittest.main()
