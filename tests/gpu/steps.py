@@ -638,7 +638,8 @@ def step_pynccl(s):
     `python -m roce_gather env` prints (NCCL_NET_PLUGIN), once with LD_PRELOAD alone."""
     cap = window_cap()
     sizes = [b for b in (16, 100, 1024, 4096, 65536, 262144) if cap is None or b <= cap] + ([cap + 16] if cap else [])
-    params = {"sizes": sizes, "replays": 8}
+    ar = [list(c) for c in arcases.pynccl_cases(allreduce_cap("intercept-env"))]
+    params = {"sizes": sizes, "replays": 8, "allreduce": {"cases": ar, "replays": 4}}
     ref = s.pair("pynccl.nccl-socket", "nccl-socket", "pynccl_cases.py", "gather", 90, params)
     ref_ok = ref and all(x and x.get("completed") for x in ref["results"])
     recs, good = [ref], []
@@ -654,6 +655,7 @@ def step_pynccl(s):
         if ref_ok and all(x and x.get("completed") for x in rec["results"]):
             F, n = common.compare_digests("nccl-socket", [x["digests"] for x in ref["results"]],
                                           c, [x["digests"] for x in rec["results"]])
+            F += reference_failures(rec["run"], union(rec["results"], "ref_differs"), union(ref["results"], "ref_differs"))
             for f in F:
                 s.fail(f)
             s.note(f"pynccl.{c}: {rec['results'][0]['cases']} cases a rank; {n} outputs identical to nccl-socket's")
@@ -662,9 +664,11 @@ def step_pynccl(s):
         elif not ref_ok:
             s.fail(f"pynccl.{c}: no nccl-socket reference to compare with")
     runs_table(s, recs)
-    s.d["numbers"]["sizes"] = sizes
-    s.d["headline"] = (f"plain, grouped and graph-captured gathers of {len(sizes)} sizes; byte-exact with "
-                       f"nccl-socket's, every in-window gather intercepted: {', '.join(good) if good else 'none'}")
+    ar_runs_table(s, recs)
+    s.d["numbers"].update(sizes=sizes, allreduce=ar)
+    s.d["headline"] = (f"plain, grouped and graph-captured gathers of {len(sizes)} sizes and all-reduces of {len(ar)} "
+                       f"(out of place, in place); byte-exact with nccl-socket's, every in-window call intercepted: "
+                       f"{', '.join(good) if good else 'none'}")
 
 
 # ---- allreduce: the all-reduce matrix through PyTorch -----------------------------------------

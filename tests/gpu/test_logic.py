@@ -1377,14 +1377,18 @@ class StepsTest(StepHarness):
                          [("pynccl.nccl-socket", "nccl-socket", "pynccl_cases.py"),
                           ("pynccl.intercept-env", "intercept-env", "pynccl_cases.py"),
                           ("pynccl.intercept-preload", "intercept-preload", "pynccl_cases.py")])
-        self.assertEqual(calls[0][3], {"sizes": [16, 100, 1024, 4096, 65536, 262144, 262160], "replays": 8})
+        cap = launch.allreduce_window("intercept-env")[1]
+        self.assertEqual(calls[0][3], {"sizes": [16, 100, 1024, 4096, 65536, 262144, 262160], "replays": 8,
+                                       "allreduce": {"cases": [list(c) for c in arcases.pynccl_cases(cap)], "replays": 4}})
+        self.assertEqual(calls[0][3]["allreduce"]["cases"][:6], [["sum", "bfloat16", n] for n in
+                                                                 (8, 50, 4096, 32768, cap // 2, cap // 2 + 1)])
         self.assertIsNone(calls[0][4])
         self.assertTrue(calls[1][4]["ROCE_GATHER_BIND_REPORT"].endswith("raw/pynccl.intercept-env.bind.%p.jsonl"))
         # The preload run's replay differs from nccl-socket's: a failure naming it; the env run passes.
         self.assertEqual(d["status"], "fail")
         self.assertEqual(d["failures"], [f"rank {r} pynccl/graph/replay0/16B: output of intercept-preload differs from "
                                          "nccl-socket" for r in (0, 1)])
-        self.assertIn("every in-window gather intercepted: intercept-env", d["headline"])
+        self.assertIn("every in-window call intercepted: intercept-env", d["headline"])
         self.assertTrue(any("7: hooked at NCCL init: 2 functions" in m for m in d["md"]), d["md"])
 
     def abort_fake(self, calls, launches=5):
@@ -2807,6 +2811,55 @@ class AllReduceCasesTest(unittest.TestCase):
         self.assertEqual(sum(r["eager"] for b in ctx.ledger.n["allreduce"].values() for r in b.values()),
                          sum(sum(b["calls"].values()) for b in n["ar_blocks"]))
         self.assertEqual(res.write.call_count, 40)  # after every class
+
+
+class PyncclAllReduceTest(unittest.TestCase):
+    def test_cases_and_their_ledger(self):
+        mods, _ = fake_torch()
+        torch = mods["torch"]
+        T = torch.FakeTensor
+        torch.zeros_like = lambda t: T(("zeros",))
+        issued, captured, state = [], [], {"capturing": False, "group": 0}
+
+        class Graph:
+            def replay(self):
+                issued.extend(("replay",) + c for c in captured)
+
+        @contextlib.contextmanager
+        def graph(g, capture_error_mode=None):
+            state["capturing"] = True
+            yield
+            state["capturing"] = False
+        torch.cuda.CUDAGraph, torch.cuda.graph = Graph, graph
+        pc = import_with(mods, "pynccl_cases")
+        ac = import_with(mods, "allreduce_cases")
+
+        def allreduce(self, out, inp, count, dtype, op, stream=None):
+            call = (op, dtype, count, "inplace" if out is inp else "outofplace", state["group"])
+            (captured if state["capturing"] else issued).append(call if state["capturing"] else ("eager",) + call)
+        nccl = mock.Mock()
+        nccl.f = {"ncclGroupStart": lambda: state.__setitem__("group", state["group"] + 1) or 0,
+                  "ncclGroupEnd": lambda: state.__setitem__("group", state["group"] - 1) or 0}
+        nccl.check = lambda what, r: None
+        res = mock.Mock()
+        res.d = {"cases": 0}
+        cases_ = [("sum", "bfloat16", 8), ("max", "float16", 2048)]
+        with mock.patch.dict(sys.modules, dict(mods, allreduce_cases=ac)), \
+                mock.patch.object(pc.Cases, "allreduce", allreduce), \
+                mock.patch.object(pc.Cases, "ar_verify", lambda self, name, out, x, op, dtype: None), \
+                mock.patch.object(ac, "gen", lambda tag, r, n, dtype: T(("gen", r, n, tag))):
+            c = pc.Cases(mock.Mock(rank=0, local=0), res, nccl, "comm")
+            c.ledger = common.Ledger()
+            c.ledger.gather(16)  # the binding's gathers come first and agree the communicator
+            c.run_allreduce(cases_, 3)
+        self.assertEqual(issued[:6], [("eager", "sum", "bfloat16", 8, "outofplace", 0), ("eager", "max", "float16", 2048, "outofplace", 0),
+                                      ("eager", "sum", "bfloat16", 8, "inplace", 0), ("eager", "max", "float16", 2048, "inplace", 0),
+                                      ("eager", "sum", "bfloat16", 8, "outofplace", 1), ("eager", "max", "float16", 2048, "outofplace", 1)])
+        self.assertEqual(captured, [("sum", "bfloat16", 8, "outofplace", 0), ("max", "float16", 2048, "outofplace", 0)])
+        self.assertEqual(issued[6:], [("replay",) + x for x in captured] * 3)
+        L = c.ledger.n["allreduce"]
+        self.assertEqual(L["sum/bfloat16"]["16"], dict(first=0, eager=3, captured=1, list=0, replays=3, pre=0, replays_pre=0))
+        self.assertEqual(L["max/float16"]["4096"], dict(first=0, eager=3, captured=1, list=0, replays=3, pre=0, replays_pre=0))
 
 if __name__ == "__main__":
     unittest.main()
