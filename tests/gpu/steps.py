@@ -532,11 +532,11 @@ def step_jax(s):
     # inside ncclGroupStart/End. Both ways in run; each passes if its gathers took the path on
     # both ranks exactly as the ledger says (the first one, in a group, goes to NCCL), or took
     # NCCL's path with the line that says why. One seed: the cases are for values and the path.
-    paths = {}
+    paths, psums = {}, {}
     for c in ("intercept", "intercept-preload"):
         # The binding report: which NCCL, what the hook did, what is not reached.
         report = os.path.join(s.work, "raw", f"jax.{c}.bind.%p.jsonl")
-        rec = s.pair(f"jax.{c}", c, "jax_cases.py", "gather", 120, {"seeds": 1},
+        rec = s.pair(f"jax.{c}", c, "jax_cases.py", "gather", 120, {"seeds": 1, "psum": jax_psum_sizes(c)},
                      dict(extra, ROCE_GATHER_BIND_REPORT=report), check_stats=False)
         if rec is None:
             continue
@@ -554,8 +554,48 @@ def step_jax(s):
             paths[c] = "NCCL's path, and no line says why"
             s.fail(f"jax.{c}: the gathers did not take the intercepted path ({'; '.join(F)}) and no line says why")
         s.note(f"jax.{c}: {paths[c]} ({jax_path(rec)})")
-    s.d["numbers"]["path"] = paths
+        psums[c] = jax_psum_path(s, rec, c) if took else "NCCL's path, as the gathers'"
+    s.d["numbers"].update(path=paths, psum=psums)
     s.d["headline"] += "; " + "; ".join(f"{c}: {p.split(':')[0]}" for c, p in paths.items())
+    s.d["headline"] += "; psum " + "; ".join(f"{c}: {p}" for c, p in psums.items())
+
+
+def jax_psum_sizes(config):
+    """The psums of step jax ([dtype, bytes]): float32, bfloat16 and int32 within the all-reduce
+    window, and one bfloat16 buffer above its cap (NCCL's)."""
+    cap = allreduce_cap(config)
+    return [["float32", 16], ["float32", 4096], ["bfloat16", 8192], ["int32", 65536], ["bfloat16", cap + 2]]
+
+
+def jax_psum_path(s, rec, config):
+    """What the stats say of the psums: intercepted on both ranks as the ledger says (XLA's
+    all-reduces on the gathers' communicator, or on one of their own: their first, in a group,
+    then goes to NCCL), or, when fewer ncclAllReduce calls reached the wrapper than XLA was asked
+    for, a warning that XLA did not issue them (its own kernels, say); else a failure."""
+    res = rec["results"]
+    if not all(r and r.get("completed") and r.get("ledger") for r in res):
+        return "not judged: the run did not complete"
+    w = launch.allreduce_window(config)
+    first = None
+    for reading, key in (("on the gathers' communicator", None), ("on a communicator of their own", "psum_own_comm_ledger")):
+        F = []
+        for r in (0, 1):
+            L = res[r]["ledger"] if key is None else (res[r].get("numbers") or {}).get(key)
+            F += [f"rank {r}: {f}" for f in common.allreduce_check(rec["stats"][r], L, w)[0]]
+        if not F:
+            return f"intercepted on both ranks ({reading})"
+        first = first or F
+    asked = sum(r["eager"] + r["pre"] for by in res[0]["ledger"].get("allreduce", {}).values() for r in by.values())
+    reached = [((st or {}).get("interceptor") or {}).get("ncclAllReduce", 0) for st in rec["stats"]]
+    if min(reached) < asked:
+        s.note(f"jax.{config}: {asked} psums a rank, but {' and '.join(map(str, reached))} ncclAllReduce calls reached the "
+               "library's wrapper: XLA did not issue them as ncclAllReduce")
+        if s.d["status"] != "fail":
+            s.d["status"] = "warn"
+        return "not issued as ncclAllReduce"
+    for f in first:
+        s.fail(f"jax.{config} psum: {f}")
+    return "off the path"
 
 
 def jax_report(s, rec):

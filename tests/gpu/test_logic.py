@@ -1309,20 +1309,30 @@ class StepsTest(StepHarness):
                                          "(make all builds it)"])
         self.assertEqual(calls, [])
 
-    def jax_fake(self, seen, taken, why):
-        """A JAX pair: 3 grouped gathers of 16 B a rank; taken: the stats show them on the path
-        (the first at NCCL) on both ranks; why: a line the logs hold."""
-        L = common.Ledger()
+    def jax_fake(self, seen, taken, why, psum="same"):
+        """A JAX pair: 3 grouped gathers of 16 B a rank, then 2 psums of 16 B; taken: the stats show the
+        gathers on the path (the first at NCCL) on both ranks; psum: the stats show the psums on the
+        path on the gathers' communicator ("same"), on one of their own ("own": the first to NCCL),
+        none of them reaching the wrapper ("none"), or off the path ("off"); why: a line the logs hold."""
+        L, alt = common.Ledger(), common.Ledger()
         for _ in range(3):
             L.gather(16, grouped=True)
+            alt.gather(16, grouped=True)
+        for _ in range(2):
+            L.allreduce(16, "sum", "float32", grouped=True)
+            alt.allreduce(16, "sum", "float32", grouped=True, comm="psum")
 
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
             seen.append(dict(config=config, params=params, check_stats=kw.get("check_stats")))
-            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 3, "numbers": {"jax": "0.7"},
+            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 5,
+                   "numbers": {"jax": "0.7", "psum_own_comm_ledger": json.loads(json.dumps(alt.n))},
                    "ledger": json.loads(json.dumps(L.n))}
             rec = record(run, config, {}, work, results=[res, dict(res)], sizes=[16])
             st = istats(2, 2, 32, 32, forwarded=1, way_in="hooked") if taken[config] else \
                 istats(0, 0, forwarded=3, way_in="refused")
+            n = {"same": 2, "own": 1, "none": 0, "off": 0}[psum] if taken[config] else 0
+            st[common.AR_SECTION] = {"launches": n, "allreduces": n, "forwarded": 2 - n, "errors": 0}
+            st.setdefault("interceptor", {})["ncclAllReduce"] = 0 if psum == "none" else 2
             rec["stats"] = [st, st]
             with open(rec["logs"][1], "a") as f:
                 f.write(why.get(config, "") + "\n")
@@ -1335,8 +1345,14 @@ class StepsTest(StepHarness):
                    "ncclAllGather (first bytes cc 90 90 90 90): at +0: an opcode the decoder does not take (bytes cc)")
         d = self.run_step("jax", self.jax_fake(seen, {"intercept": False, "intercept-preload": True},
                                                {"intercept": refused}))
-        self.assertEqual(seen, [{"config": c, "params": {"seeds": 1}, "check_stats": False}
+        cap = launch.allreduce_window("intercept")[1]
+        psums = [["float32", 16], ["float32", 4096], ["bfloat16", 8192], ["int32", 65536], ["bfloat16", cap + 2]]
+        self.assertEqual(seen, [{"config": c, "params": {"seeds": 1, "psum": psums}, "check_stats": False}
                                 for c in ("intercept", "intercept-preload")])
+        # The gathers of intercept took NCCL's path, with the line saying why: its psums are not judged.
+        self.assertEqual(d["numbers"]["psum"], {"intercept": "NCCL's path, as the gathers'",
+                                                "intercept-preload": "intercepted on both ranks (on the gathers' "
+                                                                     "communicator)"})
         self.assertEqual(d["status"], "pass", d["failures"])
         self.assertEqual(d["numbers"]["path"]["intercept-preload"], "intercepted on both ranks")
         self.assertTrue(d["numbers"]["path"]["intercept"].startswith("NCCL's path: ") and
@@ -1353,6 +1369,22 @@ class StepsTest(StepHarness):
         self.assertIn("jax.intercept-preload: the gathers did not take the intercepted path (rank 0: "
                       "interceptor.way_in='refused', expected 'hooked'", d["failures"][0])
         self.assertIn("rank 1: intercepted.launches=0 gathers=0; expected launches=2 gathers=2", d["failures"][0])
+
+    def test_jax_psum(self):
+        both = {"intercept": True, "intercept-preload": True}
+        d = self.run_step("jax", self.jax_fake([], both, {}, psum="own"))
+        self.assertEqual(d["status"], "pass", d["failures"])
+        self.assertEqual(set(d["numbers"]["psum"].values()), {"intercepted on both ranks (on a communicator of their own)"})
+        d = self.run_step("jax", self.jax_fake([], both, {}, psum="none"))
+        self.assertEqual(d["status"], "warn", d["failures"])
+        self.assertIn("jax.intercept: 2 psums a rank, but 0 and 0 ncclAllReduce calls reached the library's wrapper: XLA "
+                      "did not issue them as ncclAllReduce", d["notes"])
+        d = self.run_step("jax", self.jax_fake([], both, {}, psum="off"))
+        self.assertEqual(d["status"], "fail")
+        self.assertEqual(d["failures"][0], "jax.intercept psum: rank 0: intercepted_allreduce.launches=0 allreduces=0; "
+                                           f"expected launches=2 allreduces=2 (all-reduce window 0 to "
+                                           f"{launch.allreduce_window('intercept')[1]} bytes); the difference is exactly "
+                                           "the calls of sum/float32: the library leaves them to NCCL")
 
     def test_pynccl_step(self):
         calls = []
