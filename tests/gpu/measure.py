@@ -193,11 +193,14 @@ def write_csv(path, header, rows):
 
 
 def read_latency_csv(path):
-    """latency.csv (config, mode, bytes_per_rank, round, rep, us_per_gather: one row a sample)
-    as {mode: {config: {bytes: summary}}}."""
+    """A timed step's CSV (config, mode, its size: bytes_per_rank, bytes or batch, round, rep, its
+    µs: us_per_gather, us_per_allreduce or us_per_step; one row a sample) as {mode: {config:
+    {size: summary}}}."""
     raw = {}
     with open(path) as f:
-        for row in csv.DictReader(f):
+        r = csv.DictReader(f)
+        size, us = r.fieldnames[2], r.fieldnames[5]
+        for row in r:
             raw.setdefault(row["mode"], {}).setdefault(row["config"], {}).setdefault(
-                int(row["bytes_per_rank"]), []).append(float(row["us_per_gather"]))
+                int(row[size]), []).append(float(row[us]))
     return {m: {c: {b: summarize(xs) for b, xs in by.items()} for c, by in cs.items()} for m, cs in raw.items()}

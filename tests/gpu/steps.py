@@ -37,8 +37,9 @@ os.environ.update(launch.NO_MULTICAST)  # for every command a step starts, not o
 
 # The steps in the order run_all.sh runs them: (name, time limit in s, the groups it is in).
 # ROCE_GATHER_GPU_STEPS names steps and groups; "check", the default, validates the product in
-# one run; "timing" measures it. Latency comes last but plot in check: it fits its rounds into
-# what is left, so a slow run loses rounds, not a step.
+# one run; "timing" measures it. Latency comes last but plot in both: it fits its rounds into
+# what is left, so a slow run loses rounds, not a step (arlatency and decode fit theirs into
+# their own limits).
 PLAN = [
     ("env", 45, ("check", "timing")),
     ("gather", 200, ("check",)),
@@ -50,9 +51,11 @@ PLAN = [
     ("integrity", 120, ("check",)),  # one pair: mismatched calls, aborts with calls queued, overlapping launches
     ("recreate", 150, ("check",)),
     ("allreduce", 150, ("check",)),  # three pairs: the all-reduce matrix and a CUDA graph, NCCL socket and both ways in
+    ("arlatency", 120, ("timing",)),  # 2 configs x 4 rounds
+    ("decode", 130, ("timing",)),  # 3 configs x 4 rounds
+    ("calibrate", 120, ("timing",)),
     ("latency", 250, ("check", "timing")),
     ("plot", 30, ("check", "timing")),
-    ("calibrate", 150, ("timing",)),
 ]
 DEFAULT_GROUP = "check"
 
@@ -929,10 +932,14 @@ def complete_samples(rec):
     return n.get("samples") if n.get("agreed") else None
 
 
-def step_latency(s):
-    configs, params = plans.LATENCY_CONFIGS, plans.LATENCY_PARAMS
-    sizes = params["sizes"]
-    rounds = int(os.environ.get("ROCE_GATHER_GPU_LATENCY_ROUNDS", plans.LATENCY_ROUNDS))
+def timed_rounds(s, plan):
+    """The pairs of a timed step's plan (plans.GATHER, ALLREDUCE, DECODE): its rounds
+    (ROCE_GATHER_GPU_*_ROUNDS, plan["rounds_env"], or plan["rounds"]) of its configs, each round
+    in a rotated order so that drift falls on all alike, a round started only while the longest
+    one so far fits in what the step has left; every sample into plan["csv"]. Returns (runs:
+    [(config, round, samples)], the pairs' records, rounds done)."""
+    configs, params = plan["configs"], plan["params"]
+    rounds = int(os.environ.get(plan["rounds_env"], plan["rounds"]))
     m = mps.summary(s.work)
     if os.environ.get("ROCE_GATHER_GPU_ONE_DEVICE") is not None and not m["used"]:
         s.note("no MPS on one GPU: the ranks time-share it, these timings say little about the transports")
@@ -945,39 +952,54 @@ def step_latency(s):
             break
         t0 = time.time()
         for c in order:
-            rec = s.pair(f"latency.r{r}.{c}", c, "bench.py", "latency", 60, params)
+            rec = s.pair(f"{plan['step']}.r{r}.{c}", c, "bench.py", "latency", 60, params)
             recs.append(rec)
             smp = complete_samples(rec)
             if smp:
                 runs.append((c, r, smp))
             elif rec:
-                s.note(f"latency.r{r}.{c}: no complete samples (its partial ones are left out)")
+                s.note(f"{plan['step']}.r{r}.{c}: no complete samples (its partial ones are left out)")
         done, longest = r + 1, max(longest, time.time() - t0)
     rows = [[c, mode, b, r, i, f"{us:.3f}"] for c, r, smp in runs for mode, by in smp.items()
             for b, xs in sorted(by.items(), key=lambda kv: int(kv[0])) for i, us in enumerate(xs)]
-    measure.write_csv(os.path.join(s.work, "latency.csv"), ["config", "mode", "bytes_per_rank", "round", "rep",
-                                                            "us_per_gather"], rows)
-    s.d["numbers"].update(rounds=done, mps=m["line"], configs=configs, csv="latency.csv")
-    latency_intercept(s, runs, sizes, done, params["reps"], recs)
+    measure.write_csv(os.path.join(s.work, plan["csv"]), ["config", "mode", plan.get("size_column", "bytes_per_rank"),
+                                                          "round", "rep", plan["column"]], rows)
+    s.d["numbers"].update(rounds=done, mps=m["line"], configs=configs, csv=plan["csv"])
+    return runs, recs, done
+
+
+def step_latency(s):
+    runs, recs, done = timed_rounds(s, plans.GATHER)
+    latency_intercept(s, runs, plans.LATENCY_SIZES, done, plans.LATENCY_PARAMS["reps"], recs)
     runs_table(s, recs)
 
 
-def latency_intercept(s, runs, sizes, rounds, reps, recs):
+def step_arlatency(s):
+    """The intercepted all-reduce against NCCL socket under graph replay (bench.py's
+    AllReduceCase), judged against the issue's goals as step latency judges the gather."""
+    plan = plans.ALLREDUCE
+    runs, recs, done = timed_rounds(s, plan)
+    latency_intercept(s, runs, plan["sizes"], done, plan["params"]["reps"], recs, plan)
+    ar_runs_table(s, recs)
+
+
+def latency_intercept(s, runs, sizes, rounds, reps, recs, plan=plans.GATHER):
     """The intercepted path against NCCL socket under graph replay: the goal table, every
-    config side by side, and the proxy's naps."""
+    config side by side, and (gathers) the proxy's naps."""
     num = s.d["numbers"]
+    gather = plan["what"] == "gather"
     table = measure.pooled([(c, smp) for c, _, smp in runs], "graph")
     num["latency"] = {c: {"graph": {str(b): measure.summarize(xs) for b, xs in by.items()}} for c, by in table.items()}
     if not table:
         s.fail("no graph-replay samples: nothing measured")
         s.d["headline"] = "no latency measured"
         return
-    window = launch.intercept_window("intercept")
-    rows = plans.latency_rows(table, window)
-    goals = plans.latency_goals(table, window)
-    spread = measure.worst_spread(table, plans.LATENCY_CONFIGS, sizes)
-    s.d["md"].append(plans.latency_markdown_intercept(rows, goals, rounds, reps, spread, window))
-    naps = proxy_naps(recs)
+    window = launch.intercept_window("intercept") if gather else launch.allreduce_window("intercept")
+    rows = plans.latency_rows(table, window, plans.gather_size_goal if gather else plans.allreduce_size_goal)
+    goals = plans.latency_goals(table, window, None if gather else plans.allreduce_goals(window))
+    spread = measure.worst_spread(table, plan["configs"], sizes)
+    s.d["md"].append(plans.latency_markdown_intercept(rows, goals, rounds, reps, spread, window, plan))
+    naps = proxy_naps(recs) if gather else []
     if naps:
         s.d["md"].append("The proxy's naps (ROCE_GATHER_STATS, both ranks' sums over a config's pairs): how often it "
                          "went to sleep after being idle, and how often it found a gather in flight right after a "
@@ -1001,6 +1023,65 @@ def latency_intercept(s, runs, sizes, rounds, reps, recs):
     pick = [b for b in (16, 4096, 65536, 262144, 1 << 20, 4 << 20) if r.get(b)]
     s.d["headline"] = (f"goals met: {len(goals) - len(missed)}/{len(goals)}; intercept/socket "
                        + ", ".join(f"{measure.size_label(b)} {measure.fmt_ratio(r[b])}" for b in pick))
+
+
+# ---- decode: a tensor-parallel decode step, NCCL socket against the intercepted configs --------
+
+def step_decode(s):
+    """bench.py's DecodeCase at batch 1 and 4 (plans.DECODE), the configs interleaved: every
+    step's output byte-identical on both ranks and across configs, and each intercepted config's
+    median step against the issue's goal (plans.decode_goals)."""
+    plan = plans.DECODE
+    runs, recs, done = timed_rounds(s, plan)
+    table = measure.pooled([(c, smp) for c, _, smp in runs], "graph")
+    num = s.d["numbers"]
+    num["decode"] = {c: {str(b): measure.summarize(xs) for b, xs in by.items()} for c, by in table.items()}
+    num["model"] = plans.DECODE_MODEL
+    digest_failures(s, recs, [f"decode/batch{b}/{k}" for b in plan["sizes"] for k in ("logits", "hidden")])
+    if not table:
+        s.fail("no graph-replay samples: nothing measured")
+        s.d["headline"] = "no decode step measured"
+        return
+    gw, aw = launch.intercept_window("intercept"), launch.allreduce_window("intercept")
+    paths = {b: plans.decode_paths(b, gw, aw, plans.decode_sizes(b)) for b in plan["sizes"]}
+    goals = plans.decode_goals(table, plan["configs"])
+    s.d["md"].append(plans.decode_markdown(table, goals, done, plan["params"]["reps"], paths, plans.DECODE_MODEL,
+                                           plan["configs"]))
+    runs_table(s, recs)
+    ar_runs_table(s, recs)
+    missing = [(c, b) for c in plan["configs"] for b in plan["sizes"] if not table.get(c, {}).get(b)]
+    if missing:
+        s.fail("not measured: " + ", ".join(f"{c} at batch {b}" for c, b in missing))
+    missed = [g for g in goals if not g["pass"]]
+    if missed and s.d["status"] != "fail":
+        s.d["status"] = "warn"
+    for g in missed:
+        s.note(f"goal missed: {g['goal']}: " + ", ".join(f"batch {b} ({w})" for b, w in g["failed"]))
+    ratios = {(c, b): measure.ratio(measure.summarize(table.get(c, {}).get(b)),
+                                    measure.summarize(table.get("nccl-socket", {}).get(b)))
+              for c in plan["configs"] if c != "nccl-socket" for b in plan["sizes"]}
+    num.update(goals=[{k: g[k] for k in ("goal", "pass", "failed")} for g in goals], paths=paths,
+               ratios={f"{c}/batch{b}": r for (c, b), r in ratios.items()})
+    s.d["headline"] = (f"goals met: {len(goals) - len(missed)}/{len(goals)}; intercept/socket "
+                       + ", ".join(f"batch {b} {measure.fmt_ratio(ratios.get(('intercept', b)))}" for b in plan["sizes"]))
+
+
+def digest_failures(s, recs, keys):
+    """Every pair's outputs of keys the same on both ranks and in every pair (the first complete
+    nccl-socket pair's, else the first complete pair's, is the reference)."""
+    done = [r for r in recs if completed(r)]
+    ref = next((r for r in done if r["config"] == "nccl-socket"), done[0] if done else None)
+    if ref is None:
+        return
+    want = ref["results"][0].get("digests") or {}
+    for rec in done:
+        for r in (0, 1):
+            got = rec["results"][r].get("digests") or {}
+            for k in keys:
+                if k not in got or k not in want:
+                    s.fail(f"{rec['run']} rank {r}: no digest of {k}")
+                elif got[k] != want[k]:
+                    s.fail(f"{rec['run']} rank {r}: {k} differs from {ref['run']} rank 0's")
 
 
 def proxy_naps(recs):
@@ -1124,19 +1205,28 @@ def step_recreate(s):
 
 # ---- plot ----------------------------------------------------------------------------------------
 
+# The plots: (a timed step's CSV, its plot, what it times).
+PLOTS = [("latency.csv", "latency.png", "gather"), ("allreduce-latency.csv", "allreduce-latency.png", "all-reduce")]
+
+
 def step_plot(s):
-    src = os.path.join(s.work, "latency.csv")
-    rows = 0
-    if os.path.exists(src):
-        with open(src) as f:
-            rows = len(f.readlines()) - 1
-    if rows <= 0:
+    made = []
+    for src, dst, what in PLOTS:
+        path = os.path.join(s.work, src)
+        rows = 0
+        if os.path.exists(path):
+            with open(path) as f:
+                rows = len(f.readlines()) - 1
+        if rows <= 0:
+            continue
+        import plot
+        plot.plot(path, os.path.join(s.work, dst), what)
+        made.append(dst)
+    if not made:
         s.d["status"] = "skip"
-        s.d["headline"] = "no latency.csv rows (the latency step failed)"
+        s.d["headline"] = "no latency.csv or allreduce-latency.csv rows (the latency steps did not run or failed)"
         return
-    import plot
-    plot.plot(src, os.path.join(s.work, "latency.png"))
-    s.d["headline"] = "latency.png"
+    s.d["headline"] = ", ".join(made)
 
 
 def main():

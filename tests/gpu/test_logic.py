@@ -193,10 +193,15 @@ class StepPlanTest(unittest.TestCase):
         self.assertEqual([n for n, _ in steps.plan(["check"])],
                          ["env", "gather", "graphs", "capi", "jax", "pynccl", "abort", "integrity", "recreate", "allreduce",
                           "latency", "plot"])
-        self.assertEqual([n for n, _ in steps.plan(["timing"])], ["env", "latency", "plot", "calibrate"])
+        # The all-reduce's speed, the decode step and the calibration first; latency fits into what is left.
+        self.assertEqual([n for n, _ in steps.plan(["timing"])], ["env", "arlatency", "decode", "calibrate", "latency",
+                                                                  "plot"])
         # Each once, in the plan's order, whatever the order asked.
         self.assertEqual(steps.plan(["plot", "gather", "timing", "gather"]),
-                         [("env", 45), ("gather", 200), ("latency", 250), ("plot", 30), ("calibrate", 150)])
+                         [("env", 45), ("gather", 200), ("arlatency", 120), ("decode", 130), ("calibrate", 120),
+                          ("latency", 250), ("plot", 30)])
+        # timing's limits but latency's leave it 30 s of the default budget at the least: it takes what is left.
+        self.assertLessEqual(sum(limit for n, limit in steps.plan(["timing"]) if n != "latency"), 480 - 30)
         self.assertEqual(steps.plan([]), [])
         with self.assertRaisesRegex(ValueError, "names 'sweep', 'intercept': neither a step .* nor a group "
                                                 r"\(check, timing\)"):
@@ -2058,9 +2063,9 @@ class RunAllTest(unittest.TestCase):
             run = lambda: subprocess.run(["bash", os.path.join(HERE, "run_all.sh"), out], capture_output=True, text=True,
                                          env=env, timeout=120)
             p = run()
-            self.assertIn("steps: env latency plot calibrate \n", p.stdout)
+            self.assertIn("steps: env arlatency decode calibrate latency plot \n", p.stdout)
             s = json.loads(read(os.path.join(out, "summary.json")))
-            self.assertEqual(list(s["steps"]), ["env", "latency", "plot", "calibrate"])  # each once, in order
+            self.assertEqual(list(s["steps"]), ["env", "arlatency", "decode", "calibrate", "latency", "plot"])  # in order
             self.assertNotEqual(p.returncode, 0)  # every step skipped: the budget of 10 s is below 15
             env.pop("ROCE_GATHER_GPU_STEPS")  # the default group
             p = run()
@@ -2786,7 +2791,195 @@ class AllReduceStepTest(StepHarness):
         self.assertTrue(d["headline"].endswith("every in-window all-reduce intercepted: none"), d["headline"])
 
 
+class AllReduceTimingStepsTest(StepHarness):
+    def arlatency_fake(self, calls, shape=None):
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((run, config, worker, params))
+            sizes = params["collectives"]["allreduce"]
+            sock = {b: 40 + b / 1024 for b in sizes}
+            f = lambda b: 1.0 if config == "nccl-socket" else 0.5 if b <= 65536 else 0.95  # noqa: E731
+            us = {b: v * f(b) for b, v in sock.items()}
+            if shape:
+                us = {b: shape(config, b, v) for b, v in us.items()}
+            return record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work, sizes=sizes)
+        return fake
+
+    def test_arlatency(self):
+        calls = []
+        d = self.run_step("arlatency", self.arlatency_fake(calls))
+        self.assertEqual(d["status"], "pass", d["failures"] + d["notes"])
+        self.assertEqual([c[0] for c in calls[:4]], ["arlatency.r0.nccl-socket", "arlatency.r0.intercept",
+                                                     "arlatency.r1.intercept", "arlatency.r1.nccl-socket"])
+        self.assertEqual(len(calls), 2 * 4)
+        self.assertEqual({c[2] for c in calls}, {"bench.py"})
+        self.assertEqual(calls[0][3]["collectives"], {"allreduce": plans.LATENCY_SIZES})
+        self.assertEqual([g["goal"] for g in d["numbers"]["goals"]],
+                         ["intercept's median <= 0.6x NCCL socket's, 16 B to 64 KiB",
+                          "the path the size picks is never slower than NCCL socket beyond the spread, 16 B to 4 MiB"])
+        md = d["md"][0]
+        self.assertIn("(4 all-reduces a graph)", md)
+        self.assertIn("µs an all-reduce, median (min-max)", md)
+        self.assertIn("| bytes of the buffer | path in intercept | nccl-socket | intercept | intercept/socket | vs socket | "
+                      "goal | met |\n", md)
+        self.assertIn("| 8 KiB | intercepted |", md)
+        self.assertIn("| 4 MiB | NCCL (outside the window) |", md)
+        self.assertNotIn("intercept-nonap", md)
+        self.assertTrue(any(m.startswith("ROCE_GATHER_STATS per rank, the intercepted all-reduce") for m in d["md"]))
+        with open(os.path.join(self.work, "allreduce-latency.csv")) as f:
+            rows = list(csv.reader(f))
+        self.assertEqual(rows[0], ["config", "mode", "bytes", "round", "rep", "us_per_allreduce"])
+        self.assertEqual(len(rows) - 1, 2 * 4 * 19 * 3)
+        self.assertEqual(measure.read_latency_csv(os.path.join(self.work, "allreduce-latency.csv"))["graph"]["intercept"][16]["n"], 12)
+
+    def test_plot_both_latencies(self):
+        import types
+        made = []
+        fake = types.ModuleType("plot")
+        fake.plot = lambda src, dst, what="gather": made.append((os.path.basename(src), os.path.basename(dst), what))
+        with mock.patch.dict(sys.modules, {"plot": fake}):
+            d = self.run_step("plot", None)
+            self.assertEqual((d["status"], made), ("skip", []))
+            for name in ("latency.csv", "allreduce-latency.csv"):
+                measure.write_csv(os.path.join(self.work, name), ["config", "mode", "bytes", "round", "rep", "us"],
+                                  [["intercept", "graph", 16, 0, 0, "1.0"]])
+            d = self.run_step("plot", None)
+        self.assertEqual(made, [("latency.csv", "latency.png", "gather"),
+                                ("allreduce-latency.csv", "allreduce-latency.png", "all-reduce")])
+        self.assertEqual((d["status"], d["headline"]), ("pass", "latency.png, allreduce-latency.png"))
+
+    def test_arlatency_goals_missed(self):
+        def shape(config, b, us):
+            if config == "intercept" and b == 4096:
+                return us * 1.24  # 0.62x
+            if config == "intercept" and b == 1 << 20:
+                return us * 1.2  # slower than NCCL beyond the spread
+            return us
+        d = self.run_step("arlatency", self.arlatency_fake([], shape), {"ROCE_GATHER_GPU_ARLATENCY_ROUNDS": "2"})
+        self.assertEqual(d["status"], "warn")
+        g = d["numbers"]["goals"]
+        self.assertEqual([tuple(x) for x in g[0]["failed"]], [(4096, "0.62x")])
+        self.assertEqual([b for b, _ in g[1]["failed"]], [1 << 20])
+        self.assertEqual(d["numbers"]["rounds"], 2)
+
+    def decode_fake(self, calls, ratio, digest=None):
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((run, config, params))
+            batches = params["collectives"]["decode"]
+            us = {b: {1: 3500.0, 4: 3900.0}[b] * ratio(config, b) for b in batches}
+            rec = record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work, sizes=[16])
+            for r, res in enumerate(rec["results"]):
+                res["digests"] = {f"decode/batch{b}/{k}": f"{k}{b}" for b in batches for k in ("logits", "hidden")}
+                if digest:
+                    digest(config, r, res["digests"])
+            return rec
+        return fake
+
+    def test_decode(self):
+        calls = []
+        ratio = lambda c, b: {"nccl-socket": 1.0, "intercept": 0.5, "intercept-preload": 0.6 if b == 1 else 0.75}[c]
+        d = self.run_step("decode", self.decode_fake(calls, ratio))
+        self.assertEqual(d["status"], "warn", d["failures"])
+        self.assertEqual(len(calls), 3 * 4)
+        self.assertEqual([c[1] for c in calls[3:6]], ["intercept", "intercept-preload", "nccl-socket"])
+        self.assertEqual(calls[0][2], plans.DECODE["params"])
+        g = d["numbers"]["goals"]
+        self.assertEqual([(x["goal"], x["pass"]) for x in g],
+                         [("intercept's median step <= 0.7x NCCL socket's, batch 1 and 4", True),
+                          ("intercept-preload's median step <= 0.7x NCCL socket's, batch 1 and 4", False)])
+        self.assertEqual([tuple(x) for x in g[1]["failed"]], [(4, "0.75x")])
+        md = d["md"][0]
+        self.assertIn("Llama-3-8B (32 layers, hidden 4096, vocabulary 128256, bfloat16)", md)
+        gw, aw = launch.intercept_window("intercept"), launch.allreduce_window("intercept")
+        self.assertEqual(plans.decode_sizes(1), {"gather": 4096, "allreduce": 8192, "logits": 128256})
+        self.assertEqual(d["numbers"]["paths"][1], plans.decode_paths(1, gw, aw, plans.decode_sizes(1)))
+        self.assertIn("gathers 4 KiB a rank (intercepted), all-reduces 8 KiB (intercepted), logits 128256 B a rank "
+                      "(intercepted)", d["numbers"]["paths"][1])
+        self.assertIn("logits 501 KiB a rank (NCCL)", d["numbers"]["paths"][4])  # above the gather's cap
+        self.assertIn("| 1 | gathers 4 KiB a rank (intercepted)", md)
+        self.assertIn("| 0.50 (0.48-0.52) | met | 0.60 (0.58-0.62) | met |", md)
+        self.assertIn("| 0.75 (0.72-0.78) | MISSED |", md)
+        self.assertTrue(d["headline"].startswith("goals met: 1/2; intercept/socket batch 1 0.50"), d["headline"])
+        self.assertEqual(d["failures"], [])
+
+    def test_decode_outputs_must_agree(self):
+        def digest(config, r, digests):
+            if config == "intercept" and r == 1:
+                digests["decode/batch4/hidden"] = "other"
+        d = self.run_step("decode", self.decode_fake([], lambda c, b: 0.5 if c != "nccl-socket" else 1.0, digest),
+                          {"ROCE_GATHER_GPU_DECODE_ROUNDS": "1"})
+        self.assertEqual(d["status"], "fail")
+        self.assertEqual(d["failures"], ["decode.r0.intercept rank 1: decode/batch4/hidden differs from "
+                                         "decode.r0.nccl-socket rank 0's"])
+
+    def test_report_shows_both_latencies_and_the_decode_goal(self):
+        self.run_step("arlatency", self.arlatency_fake([]), {"ROCE_GATHER_GPU_ARLATENCY_ROUNDS": "1"})
+        self.run_step("decode", self.decode_fake([], lambda c, b: 0.5 if c != "nccl-socket" else 1.0),
+                      {"ROCE_GATHER_GPU_DECODE_ROUNDS": "1"})
+        out = os.path.join(self.work, "out")
+        argv = ["report.py", "--work", self.work, "--out", out, "--steps", "arlatency decode", "--start", str(time.time())]
+        with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(self.out):
+            with self.assertRaises(SystemExit) as e:
+                report.main()
+        self.assertEqual(e.exception.code, 0)
+        text = self.out.getvalue()
+        self.assertIn("us per all-reduce under CUDA graph replay, median (min-max):", text)
+        self.assertIn("goal met: intercept's median <= 0.6x NCCL socket's, 16 B to 64 KiB", text)
+        self.assertIn("decode goal met: intercept's median step <= 0.7x NCCL socket's, batch 1 and 4", text)
+        self.assertEqual(sorted(os.listdir(out)), ["allreduce-latency.csv", "decode.csv", "results.tar.gz", "summary.json",
+                                                   "summary.md"])
+
+
+
 # ---- the all-reduce's workers against the stand-in torch --------------------------------------
+
+def ar_calls(ledger):
+    """(calls made, calls run) of a ledger's all-reduces, as the interceptor would see them."""
+    rows = [r for by in ledger["allreduce"].values() for r in by.values()]
+    return (sum(r["eager"] + r["captured"] + r["pre"] for r in rows), sum(r["eager"] + r["replays"] + r["replays_pre"]
+                                                                        for r in rows))
+
+
+class BenchCollectivesTest(unittest.TestCase):
+    run_task = BenchTest.run_task
+
+    def test_allreduce_samples_and_ledger(self):
+        ctx, res, counts, _ = self.run_task({"collectives": {"allreduce": [16, 4096]}, "modes": ["graph"], "reps": 2,
+                                             "budget_s": 60})
+        self.assertEqual(res.d["n_failures"], 0, res.d["failures"])  # max(x0, x1) after every sample
+        n = res.d["numbers"]
+        self.assertEqual(list(n["samples_by"]), ["allreduce"])
+        self.assertIs(n["samples"], n["samples_by"]["allreduce"])
+        self.assertEqual(len(n["samples"]["graph"]["4096"]), 2)
+        self.assertEqual(n["replays"]["allreduce/16"], 100)
+        self.assertEqual(ctx.ledger.n["calls"], {})  # no gather
+        L = ctx.ledger.n["allreduce"]
+        self.assertEqual(sorted(L), ["max/bfloat16", "max/float64", "sum/float32"])  # the sampled ones, agree_max, sync_peers
+        self.assertEqual(sorted(L["max/bfloat16"]), ["16", "4096"])
+        self.assertEqual(ar_calls(ctx.ledger.n), (counts["ar_enq"], counts["ar_exec"]))
+        self.assertEqual(L["max/bfloat16"]["16"]["first"], 1)  # its first warm-up call made the agreement
+
+    def test_decode_step(self):
+        ctx, res, counts, _ = self.run_task({"collectives": {"decode": [1, 4]}, "modes": ["graph"], "reps": 2,
+                                             "budget_s": 60})
+        self.assertEqual(res.d["n_failures"], 0, res.d["failures"])
+        n = res.d["numbers"]
+        self.assertEqual(sorted(n["samples"]["graph"]), ["1", "4"])
+        # Each replay is one step of 32 layers: its ledger holds every call the step made, per size.
+        L = ctx.ledger.n
+        self.assertEqual(sum(r["eager"] + r["captured"] for r in L["calls"].values()), counts["enq"])
+        self.assertEqual(sum(r["eager"] + r["replays"] for r in L["calls"].values()), counts["exec"])
+        self.assertEqual(ar_calls(L), (counts["ar_enq"], counts["ar_exec"]))
+        s1, s4 = plans.decode_sizes(1), plans.decode_sizes(4)
+        self.assertEqual(sorted(L["calls"]), sorted(str(x) for x in (s1["gather"], s1["logits"], s4["gather"], s4["logits"])))
+        self.assertEqual(sorted(L["allreduce"]["sum/bfloat16"]), sorted([str(s1["allreduce"]), str(s4["allreduce"])]))
+        g1, l1 = L["calls"][str(s1["gather"])], L["calls"][str(s1["logits"])]
+        self.assertEqual((g1["captured"], l1["captured"]), (32, 1))
+        self.assertEqual(g1["replays"], 32 * l1["replays"])
+        self.assertEqual(L["allreduce"]["sum/bfloat16"][str(s1["allreduce"])]["replays"], g1["replays"])
+        self.assertEqual(sorted(res.d["digests"]), ["decode/batch1/hidden", "decode/batch1/logits", "decode/batch4/hidden",
+                                                   "decode/batch4/logits"])
+
+
 
 def import_with(mods, name):
     """Module name imported against the stand-in torch (fake_torch), and out of sys.modules again."""
