@@ -175,11 +175,16 @@ def window(sizes, path, ref):
     return res
 
 
-def window_env(w):
-    """The environment line a user sets for window w."""
+def window_env(w, prefix="ROCE_GATHER", other_on=False):
+    """The environment line a user sets for window w of the collective whose variables start
+    with prefix (ROCE_GATHER: the gather's, ROCE_GATHER_ALLREDUCE: the all-reduce's). No window:
+    ROCE_GATHER_ENABLE=0 for the gather when the other collective has none either (it turns both
+    off), else an empty window (a floor above the cap: the ranks agree none)."""
     if w["floor"] is None:
-        return "export ROCE_GATHER_ENABLE=0"
-    return f"export ROCE_GATHER_MIN_BYTES={w['floor']} ROCE_GATHER_MAX_BYTES={w['cap']}"
+        if prefix == "ROCE_GATHER" and not other_on:
+            return "export ROCE_GATHER_ENABLE=0"
+        return f"export {prefix}_MIN_BYTES=2 {prefix}_MAX_BYTES=1"
+    return f"export {prefix}_MIN_BYTES={w['floor']} {prefix}_MAX_BYTES={w['cap']}"
 
 
 # ---- files ---------------------------------------------------------------------------------

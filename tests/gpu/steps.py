@@ -1123,21 +1123,32 @@ def step_calibrate(s):
         res1 = rec["results"][1]
         if w and res1 and res1.get("completed") and res1.get("ledger"):  # rank 1 took the path too
             F, _ = common.intercept_check(rec["stats"][1], res1["ledger"], w)
+            if res1["ledger"].get("allreduce"):
+                F += common.allreduce_check(rec["stats"][1], res1["ledger"], launch.allreduce_window(c))[0]
             for f in F:
                 s.fail(f"calibrate.{i}.{role} rank 1 stats: {f}")
     a = calibrate.analyse(runs)
     for f in a["failures"]:
         s.fail(f)
     s.d["md"].append("The calibration (calibrate.py, the same analysis a user's run gets): NCCL's own transport "
-                     "(nccl-socket) against the intercepted path with its window opened over every size "
-                     "(intercept-wide):\n\n" + calibrate.report(a))
+                     "(nccl-socket) against the intercepted path with both windows opened over every size "
+                     "(intercept-wide), the gather and the all-reduce:\n\n" + calibrate.report(a))
     runs_table(s, recs)
-    w = a["window"]
-    s.d["numbers"].update(window={"floor": w["floor"], "cap": w["cap"], "notes": w["notes"], "runs": w["runs"]},
-                          env=a["env"], rounds=rounds)
-    s.d["headline"] = (("no answer: checks failed" if a["failures"] else
-                        f"the intercepted path never wins beyond the spread: {a['env']}" if w["floor"] is None else
-                        f"window {measure.size_label(w['floor'])} to {measure.size_label(w['cap'])}: {a['env']}"))
+    ar_runs_table(s, recs)
+
+    def brief(w):
+        return {"floor": w["floor"], "cap": w["cap"], "notes": w["notes"], "runs": w["runs"]}
+    ar = a.get("allreduce")
+    s.d["numbers"].update(window=brief(a["window"]), env=a["env"], rounds=rounds,
+                          allreduce=ar and {"window": brief(ar["window"]), "env": ar["env"]})
+
+    def said(w, env):
+        return (f"never wins beyond the spread: {env}" if w["floor"] is None else
+                f"window {measure.size_label(w['floor'])} to {measure.size_label(w['cap'])}: {env}")
+    s.d["headline"] = ("no answer: checks failed" if a["failures"] else
+                       "gather " + said(a["window"], a["env"])
+                       + (f"; all-reduce {said(ar['window'], ar['env'] or 'ROCE_GATHER_ENABLE=0 covers it')}" if ar else
+                          "; no all-reduce measured"))
 
 
 # ---- recreate: the default process group destroyed and created again -----------------------------

@@ -2928,7 +2928,89 @@ class AllReduceTimingStepsTest(StepHarness):
         self.assertEqual(sorted(os.listdir(out)), ["allreduce-latency.csv", "decode.csv", "results.tar.gz", "summary.json",
                                                    "summary.md"])
 
+    def calibrate_fake(self, bad_run=None):
+        """Calibration pairs measuring both collectives; the stats of bad_run's ranks miss one all-reduce."""
+        sizes = calibrate.SIZES
 
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            role = params["role"]
+            g = {b: 30 + b / 4096 for b in sizes}
+            a = {b: 40 + b / 2048 for b in sizes}
+            if role == "intercept":
+                g = {b: v * (0.7 if 4096 <= b <= 131072 else 1.4) for b, v in g.items()}
+                a = {b: v * (0.5 if b <= 65536 else 1.3) for b, v in a.items()}
+            by = {"gather": {"graph": samples_for(g)}, "allreduce": {"graph": samples_for(a)}}
+            rec = record(run, config, {"samples": by["gather"], "samples_by": by, "agreed": True}, work, sizes=sizes)
+            L = common.Ledger()
+            for b in sizes:
+                L.gather(b, enq=8, execs=8)
+                L.allreduce(b, "max", "bfloat16", enq=8, execs=8)
+            for res in rec["results"]:
+                res.update(params=params, ledger=json.loads(json.dumps(L.n)))
+            if role == "intercept":
+                n = len(sizes) * 8
+                st = istats(n, n, 8 * sum(sizes), 8 * sum(sizes), way_in="hooked")
+                st[common.AR_SECTION] = {"launches": n, "allreduces": n - 1 if run == bad_run else n, "errors": 0,
+                                         "forwarded": 0}
+                rec["stats"] = [st, st]
+            return rec
+        return fake
+
+    def test_calibrate_both_collectives(self):
+        seen = []
+        fake = self.calibrate_fake()
+        d = self.run_step("calibrate", lambda *a, **kw: seen.append(a[4]) or fake(*a, **kw))
+        self.assertEqual(d["status"], "pass", d["failures"])
+        self.assertEqual({t for t in seen}, {"calibrate"})
+        self.assertEqual(launch.allreduce_window("intercept-wide"), (0, launch.WIDE_CAP))  # every size on the path
+        self.assertEqual(d["numbers"]["env"], "export ROCE_GATHER_MIN_BYTES=4096 ROCE_GATHER_MAX_BYTES=131072")
+        self.assertEqual(d["numbers"]["allreduce"]["env"],
+                         "export ROCE_GATHER_ALLREDUCE_MIN_BYTES=16 ROCE_GATHER_ALLREDUCE_MAX_BYTES=65536")
+        self.assertIn("The all-reduce:", d["md"][0])
+        self.assertIn("    export ROCE_GATHER_ALLREDUCE_MIN_BYTES=16 ROCE_GATHER_ALLREDUCE_MAX_BYTES=65536", d["md"][0])
+        self.assertEqual(d["headline"], "gather window 4 KiB to 128 KiB: export ROCE_GATHER_MIN_BYTES=4096 "
+                                        "ROCE_GATHER_MAX_BYTES=131072; all-reduce window 16 B to 64 KiB: export "
+                                        "ROCE_GATHER_ALLREDUCE_MIN_BYTES=16 ROCE_GATHER_ALLREDUCE_MAX_BYTES=65536")
+        # calibrate.1.intercept's stats miss one all-reduce on both ranks: no answer.
+        d = self.run_step("calibrate", self.calibrate_fake("calibrate.1.intercept"))
+        self.assertEqual(d["status"], "fail")
+        self.assertIsNone(d["numbers"]["env"])
+        self.assertTrue(any(f.startswith("calibrate.1.intercept rank 1 stats: intercepted_allreduce.launches=")
+                            for f in d["failures"]), d["failures"])
+        self.assertTrue(any(f.startswith("calibrate.1.intercept stats: intercepted_allreduce.launches=")
+                            for f in d["failures"]), d["failures"])
+
+    def test_window_lines(self):
+        none = {"floor": None, "cap": None}
+        self.assertEqual(measure.window_env(none), "export ROCE_GATHER_ENABLE=0")
+        self.assertEqual(measure.window_env(none, other_on=True), "export ROCE_GATHER_MIN_BYTES=2 ROCE_GATHER_MAX_BYTES=1")
+        self.assertEqual(measure.window_env(none, "ROCE_GATHER_ALLREDUCE"),
+                         "export ROCE_GATHER_ALLREDUCE_MIN_BYTES=2 ROCE_GATHER_ALLREDUCE_MAX_BYTES=1")
+        self.assertEqual(measure.window_env({"floor": 16, "cap": 4096}, "ROCE_GATHER_ALLREDUCE"),
+                         "export ROCE_GATHER_ALLREDUCE_MIN_BYTES=16 ROCE_GATHER_ALLREDUCE_MAX_BYTES=4096")
+
+        def runs(g_faster, a_faster):
+            out = []
+            for i, role in calibrate.plan(1):
+                f = lambda faster: 0.5 if role == "intercept" and faster else 1.5 if role == "intercept" else 1.0
+                by = {"gather": {"graph": samples_for({16: 20 * f(g_faster), 4096: 30 * f(g_faster)})},
+                      "allreduce": {"graph": samples_for({16: 25 * f(a_faster), 4096: 35 * f(a_faster)})}}
+                out.append({"name": f"r{i}", "role": role, "stats": None,
+                            "result": {"completed": True, "failures": [], "ledger": None, "numbers": {"samples_by": by}}})
+            return out
+        a = calibrate.analyse(runs(False, True))
+        self.assertEqual((a["env"], a["allreduce"]["env"]), ("export ROCE_GATHER_MIN_BYTES=2 ROCE_GATHER_MAX_BYTES=1",
+                                                             "export ROCE_GATHER_ALLREDUCE_MIN_BYTES=16 "
+                                                             "ROCE_GATHER_ALLREDUCE_MAX_BYTES=4096"))
+        a = calibrate.analyse(runs(False, False))
+        self.assertEqual((a["env"], a["allreduce"]["env"]), ("export ROCE_GATHER_ENABLE=0", None))
+        a = calibrate.analyse(runs(True, False))
+        self.assertEqual(a["allreduce"]["env"], "export ROCE_GATHER_ALLREDUCE_MIN_BYTES=2 ROCE_GATHER_ALLREDUCE_MAX_BYTES=1")
+        self.assertIn("Window: none.", calibrate.report(a).split("The all-reduce:")[1])
+        # A run of the gather alone (an older worker): no all-reduce in the answer.
+        old = [dict(r, result=dict(r["result"], numbers={"samples": r["result"]["numbers"]["samples_by"]["gather"]}))
+               for r in runs(True, True)]
+        self.assertIsNone(calibrate.analyse(old)["allreduce"])
 
 # ---- the all-reduce's workers against the stand-in torch --------------------------------------
 
@@ -2979,6 +3061,14 @@ class BenchCollectivesTest(unittest.TestCase):
         self.assertEqual(sorted(res.d["digests"]), ["decode/batch1/hidden", "decode/batch1/logits", "decode/batch4/hidden",
                                                    "decode/batch4/logits"])
 
+    def test_calibrate_measures_both_collectives(self):
+        ctx, res, _, _ = self.run_task({"role": "intercept", "sizes": [16, 1 << 20], "reps": 1}, task="calibrate")
+        self.assertEqual(res.d["n_failures"], 0, res.d["failures"])
+        self.assertEqual(list(res.d["numbers"]["samples_by"]), ["gather", "allreduce"])
+        self.assertEqual(sorted(ctx.ledger.n["allreduce"]["max/bfloat16"]), ["1048576", "16"])
+        ctx, res, _, _ = self.run_task({"role": "intercept", "sizes": [16], "reps": 1, "measure": ["gather"]},
+                                       task="calibrate")
+        self.assertEqual(list(res.d["numbers"]["samples_by"]), ["gather"])
 
 
 def import_with(mods, name):
