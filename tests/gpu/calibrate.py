@@ -1,5 +1,7 @@
-"""Finds the size window in which the intercepted gather beats NCCL's own transport, under CUDA
-graph replay, and prints the ROCE_GATHER_MIN_BYTES / ROCE_GATHER_MAX_BYTES to set.
+"""Finds the size windows in which the intercepted gather and the intercepted all-reduce beat
+NCCL's own transport, under CUDA graph replay, and prints the ROCE_GATHER_MIN_BYTES /
+ROCE_GATHER_MAX_BYTES and ROCE_GATHER_ALLREDUCE_MIN_BYTES / ROCE_GATHER_ALLREDUCE_MAX_BYTES to
+set.
 
 On each of two hosts, one GPU each, with the job's environment exported as for any job
 (README.md, "Using it in a NCCL job"); host A gives --node-rank 0, host B --node-rank 1:
@@ -10,14 +12,16 @@ On each of two hosts, one GPU each, with the job's environment exported as for a
 `run` starts torchrun 2 x ROUNDS times, one process a host, alternating NCCL on its own
 (NCCL_NET_PLUGIN=none: its IB or socket transport, whichever it picks) and the intercepted
 path (NCCL_NET_PLUGIN alone: this checkout's library unless NCCL_NET_PLUGIN names one) with
-the window opened over every size measured (ROCE_GATHER_MIN_BYTES=0, ROCE_GATHER_MAX_BYTES=the
-largest size). Each run is `calibrate.py --task calibrate` (bench.py's sampler: per size,
-GRAPH_GATHERS gathers in one CUDA graph, replayed; REPS samples a size).
-Then it reads what the runs wrote, checks that every gather was byte-exact and that every one
-of the intercepted runs took the intercepted path (ROCE_GATHER_STATS against the worker's
-ledger), and prints a table and the window (measure.window: README.md, "Calibration", gives
-the rule). Both hosts print the same answer: every sample is the larger of the two ranks'
-values. `python3 tests/gpu/calibrate.py window DIR` prints it again from DIR.
+both windows opened over every size measured (ROCE_GATHER_MIN_BYTES=0, ROCE_GATHER_MAX_BYTES=the
+largest size, the same for ROCE_GATHER_ALLREDUCE_*). Each run is `calibrate.py --task calibrate`
+(bench.py's sampler: per size, 4 gathers in one CUDA graph, replayed, then 4 all-reduces of a
+buffer of that size the same way; REPS samples a size and collective).
+Then it reads what the runs wrote, checks that every call was byte-exact and that every one of
+the intercepted runs took the intercepted path (ROCE_GATHER_STATS against the worker's ledger,
+gathers and all-reduces), and prints a table and the window of each collective (measure.window:
+README.md, "Calibration", gives the rule). Both hosts print the same answer: every sample is
+the larger of the two ranks' values. `python3 tests/gpu/calibrate.py window DIR` prints it
+again from DIR.
 
 The testbed runs the same worker and the same analysis as step calibrate (steps.py), with its
 pairs started by launch.py on one host.
@@ -38,14 +42,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = [1 << k for k in range(4, 23)]
 REPS = 3
 ROLES = ("nccl", "intercept")
+# The collectives measured, their variables' prefix, and what their sizes count.
+COLLECTIVES = {"gather": ("ROCE_GATHER", "bytes a rank"), "allreduce": ("ROCE_GATHER_ALLREDUCE", "bytes of the buffer")}
 
 
 def task_calibrate(ctx):
-    """The rank worker's task: bench.py's sampler, graph replay only, over the calibration sizes."""
+    """The rank worker's task: bench.py's sampler, graph replay only, over the calibration sizes,
+    every collective of COLLECTIVES (params "measure" names fewer)."""
     from bench import task_latency
     p = ctx.params
-    ctx.params = dict({"sizes": SIZES, "modes": ["graph"], "reps": REPS, "target_ms": 10, "budget_s": 90,
-                       "cap": max(p.get("sizes", SIZES))}, **p)
+    sizes = p.get("sizes", SIZES)
+    ctx.params = dict({"modes": ["graph"], "reps": REPS, "target_ms": 10, "budget_s": 90, "cap": max(sizes),
+                       "collectives": {c: sizes for c in p.get("measure", list(COLLECTIVES))}}, **p)
     task_latency(ctx)
 
 
@@ -53,10 +61,11 @@ def task_calibrate(ctx):
 
 def analyse(runs):
     """runs: [{"name", "role" ("nccl"|"intercept"), "result" (a worker's JSON), "stats"}]. Checks
-    each run (completed, byte-exact; the intercepted runs' stats: every gather intercepted) and
-    pools its graph samples by role. Returns {"failures", "sizes", "summaries", "window", "env"
-    (None when a check failed)}."""
-    failures, pooled = [], {r: {} for r in ROLES}
+    each run (completed, byte-exact; the intercepted runs' stats: every call intercepted) and
+    pools its graph samples by collective and role. Returns {"failures", "sizes", "summaries",
+    "window", "env" (the gather's; None when a check failed), "allreduce": {"sizes", "summaries",
+    "window", "env"} (None when the runs measured no all-reduce)}."""
+    failures, pooled = [], {c: {r: {} for r in ROLES} for c in COLLECTIVES}
     for run in runs:
         name, role, res = run["name"], run["role"], run.get("result")
         if role not in ROLES:
@@ -66,23 +75,38 @@ def analyse(runs):
             failures.append(f"{name}: no result file")
             continue
         failures += [f"{name}: {f}" for f in res.get("failures", [])]
-        samples = ((res.get("numbers") or {}).get("samples") or {}).get("graph", {})
+        num = res.get("numbers") or {}
+        by = num.get("samples_by") or {"gather": num.get("samples") or {}}
         if not res.get("completed"):
             failures.append(f"{name}: did not complete")
         elif role == "intercept" and res.get("ledger") is not None:
-            cap = int((res.get("params") or {}).get("cap") or max((int(b) for b in samples), default=0))
+            cap = int((res.get("params") or {}).get("cap") or max((int(b) for b in (by.get("gather") or {}).get("graph", {})),
+                                                                  default=0))
             F, _ = common.intercept_check(run.get("stats"), res["ledger"], (0, cap))
+            if res["ledger"].get("allreduce"):
+                F += common.allreduce_check(run.get("stats"), res["ledger"], (0, cap))[0]
             failures += [f"{name} stats: {f}" for f in F]
-        for b, xs in samples.items():
-            pooled[role].setdefault(int(b), []).extend(xs)
-    sizes = sorted(set(pooled["nccl"]) | set(pooled["intercept"]))
-    summ = {r: {b: measure.summarize(xs) for b, xs in pooled[r].items()} for r in ROLES}
-    w = measure.window(sizes, summ["intercept"], summ["nccl"])
-    return {"failures": failures, "sizes": sizes, "summaries": summ, "window": w,
-            "env": None if failures else measure.window_env(w)}
+        for c, samples in by.items():
+            for b, xs in (samples.get("graph") or {}).items():
+                pooled.setdefault(c, {r: {} for r in ROLES})[role].setdefault(int(b), []).extend(xs)
+    out = {"failures": failures}
+    for c in COLLECTIVES:
+        sizes = sorted(set(pooled[c]["nccl"]) | set(pooled[c]["intercept"]))
+        summ = {r: {b: measure.summarize(xs) for b, xs in pooled[c][r].items()} for r in ROLES}
+        out[c] = {"sizes": sizes, "summaries": summ, "window": measure.window(sizes, summ["intercept"], summ["nccl"])}
+    ar = out.pop("allreduce")
+    g = out.pop("gather")
+    measured_ar = bool(ar["sizes"])
+    ar_on = measured_ar and ar["window"]["floor"] is not None
+    g["env"] = None if failures else measure.window_env(g["window"], "ROCE_GATHER", ar_on)
+    if measured_ar:
+        ar["env"] = (None if failures or (g["window"]["floor"] is None and not ar_on)
+                     else measure.window_env(ar["window"], "ROCE_GATHER_ALLREDUCE"))
+    out.update(g, allreduce=ar if measured_ar else None)
+    return out
 
 
-def table(a):
+def table(a, unit="bytes a rank"):
     rows = []
     fl, cap = a["window"]["floor"], a["window"]["cap"]
     for p in a["window"]["per_size"]:
@@ -90,27 +114,35 @@ def table(a):
         rows.append([measure.size_label(b), measure.fmt_range(p["path"]), measure.fmt_range(p["ref"]),
                      measure.fmt_ratio(p["ratio"]), p["faster"] or "-",
                      "yes" if p["win"] else "no", "yes" if fl is not None and fl <= b <= cap else "no"])
-    return md_table(["bytes a rank", "intercepted us: median (min-max)", "NCCL's own transport us",
+    return md_table([unit, "intercepted us: median (min-max)", "NCCL's own transport us",
                      "intercepted/NCCL", "faster (median)", "intercepted faster beyond the spread", "in the window"], rows)
 
 
-def report(a):
-    """The answer as markdown: the table, the rule's outcome, the line to set."""
+def one_report(a, what, unit):
     w = a["window"]
     n = {r: max((s["n"] for s in a["summaries"][r].values() if s), default=0) for r in ROLES}
-    out = [f"Per size, µs a gather under CUDA graph replay; {n['intercept']} intercepted and {n['nccl']} NCCL samples "
+    out = [f"Per size, µs {what} under CUDA graph replay; {n['intercept']} intercepted and {n['nccl']} NCCL samples "
            "a size (each the mean of one timed batch of replays, the larger of the two ranks' values); "
-           "spread = min-max of the samples.", "", table(a), ""]
-    if a["failures"]:
-        out += ["NO ANSWER: the runs failed their checks:", ""] + [f"- {f}" for f in a["failures"][:20]]
-        return "\n".join(out)
+           "spread = min-max of the samples.", "", table(a, unit), ""]
     if w["floor"] is None:
         out.append("Window: none.")
     else:
-        out.append(f"Window: {measure.size_label(w['floor'])} to {measure.size_label(w['cap'])} a rank "
+        out.append(f"Window: {measure.size_label(w['floor'])} to {measure.size_label(w['cap'])} {unit.replace('bytes ', '')} "
                    f"({w['floor']} to {w['cap']} bytes).")
-    out += [f"- {x}" for x in w["notes"]]
+    return out + [f"- {x}" for x in w["notes"]]
+
+
+def report(a):
+    """The answer as markdown: each collective's table and the rule's outcome, the lines to set."""
+    out = one_report(a, "a gather", "bytes a rank")
+    if a.get("allreduce"):
+        out += ["", "The all-reduce:", ""] + one_report(a["allreduce"], "an all-reduce", "bytes of the buffer")
+    if a["failures"]:
+        out += ["", "NO ANSWER: the runs failed their checks:", ""] + [f"- {f}" for f in a["failures"][:20]]
+        return "\n".join(out)
     out += ["", "Set on both hosts:", "", f"    {a['env']}"]
+    if a.get("allreduce") and a["allreduce"]["env"]:
+        out.append(f"    {a['allreduce']['env']}")
     return "\n".join(out)
 
 
@@ -127,7 +159,8 @@ def load_dir(d):
 
 def write_answer(d, a):
     with open(os.path.join(d, "calibration.json"), "w") as f:
-        json.dump({k: a[k] for k in ("failures", "sizes", "window", "env")}, f, indent=1)
+        json.dump({k: a[k] for k in ("failures", "sizes", "window", "env")}
+                  | {"allreduce": a["allreduce"] and {k: a["allreduce"][k] for k in ("sizes", "window", "env")}}, f, indent=1)
     text = report(a)
     with open(os.path.join(d, "calibration.md"), "w") as f:
         f.write(text + "\n")
@@ -158,7 +191,7 @@ def is_library(path, lib):
 def run_env(base, role, stats, cap, lib):
     """The environment of one torchrun: the user's; for "nccl", NCCL on its own
     (NCCL_NET_PLUGIN=none, the library out of LD_PRELOAD); for "intercept", NCCL_NET_PLUGIN
-    (this checkout's library unless it names one) with the window opened over every size
+    (this checkout's library unless it names one) with both windows opened over every size
     measured and stats to a file; multicast off in both."""
     import launch
     env = dict(base)
@@ -174,7 +207,7 @@ def run_env(base, role, stats, cap, lib):
         if env.get("NCCL_NET_PLUGIN", "none").lower() == "none":
             env["NCCL_NET_PLUGIN"] = lib
         env.update(ROCE_GATHER_ENABLE="1", ROCE_GATHER_MIN_BYTES="0", ROCE_GATHER_MAX_BYTES=str(cap),
-                   ROCE_GATHER_STATS=stats)
+                   ROCE_GATHER_ALLREDUCE_MIN_BYTES="0", ROCE_GATHER_ALLREDUCE_MAX_BYTES=str(cap), ROCE_GATHER_STATS=stats)
     env.update(launch.NO_MULTICAST)
     return env
 

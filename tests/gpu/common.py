@@ -3,9 +3,10 @@ neither torch nor jax.
 
 The library counts, per process, into the ROCE_GATHER_STATS file, which it keeps current as it
 counts (so it survives any end short of a lost disk): the ncclAllGather calls its interceptor
-took or handed to NCCL and the gathers its kernel finished (intercepted.*), and how it was
-reached (interceptor.way_in). A worker keeps a Ledger of the gathers it asked for; the parent
-compares the two (intercept_check), so the path each case took is read, not assumed.
+took or handed to NCCL and the gathers its kernel finished (intercepted.*), the same of
+ncclAllReduce (intercepted_allreduce.*), and how it was reached (interceptor.way_in). A worker
+keeps a Ledger of the gathers and all-reduces it asked for; the parent compares the two
+(intercept_check, allreduce_check), so the path each case took is read, not assumed.
 """
 import argparse
 import faulthandler
@@ -13,7 +14,10 @@ import json
 import os
 import re
 import signal
+import time
 import zlib
+
+import arcases
 
 # The library's configuration, where the intercepted gather's default windows are set.
 CONFIG_GO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "plugin",
@@ -29,39 +33,51 @@ def seed_of(tag, rank):
 
 
 class Ledger:
-    """The ncclAllGather calls a worker asked for, as the interceptor sees them.
+    """The ncclAllGather and ncclAllReduce calls a worker asked for, as the interceptor sees them.
 
-    n["calls"]: per size (bytes a rank, as a string), each call by kind (CALL_FIELDS). A
-    communicator agrees at its first call issued outside a CUDA graph capture (PyTorch issues
-    its collectives outside ncclGroupStart/End): calls captured before that go to NCCL ("pre",
-    and "replays_pre" the gathers their replays ran); from it on, eager calls ("eager", of which
-    "first" made the agreement), captured calls ("captured", once at capture), the gathers their
-    replays ran ("replays") and list-form calls ("list": dist.all_gather, which PyTorch may or
-    may not issue as one AllGather) are decided by the window alone, which the parent applies
-    (intercept_check). gather's comm names the communicator. A caller that issues its gathers
-    inside ncclGroupStart/End (XLA: grouped=True) agrees when the group of its first call ends,
-    so that first call goes to NCCL ("pre") and the next ones are eager.
+    n["calls"]: the gathers, per size (bytes a rank, as a string), each call by kind
+    (CALL_FIELDS); n["allreduce"]: the all-reduces, per class ("op/dtype", arcases.cls) and size
+    (bytes of the buffer), by the same kinds. A communicator agrees at its first call of either
+    collective issued outside a CUDA graph capture (PyTorch issues its collectives outside
+    ncclGroupStart/End): calls captured before that go to NCCL ("pre", and "replays_pre" what
+    their replays ran); from it on, eager calls ("eager", of which "first" made the agreement),
+    captured calls ("captured", once at capture), what their replays ran ("replays") and
+    list-form gathers ("list": dist.all_gather, which PyTorch may or may not issue as one
+    AllGather) are decided by the window alone (and, for an all-reduce, whether the library takes
+    its class), which the parent applies (intercept_check, allreduce_check). comm names the
+    communicator. A caller that issues its calls inside ncclGroupStart/End (XLA: grouped=True)
+    agrees when the group of its first call ends, so that first call goes to NCCL ("pre") and
+    the next ones are eager.
     """
 
     def __init__(self):
-        self.n = {"calls": {}}
+        self.n = {"calls": {}, "allreduce": {}}
         self.agreed = set()  # communicators whose agreement call was made
-        self.captured = {}  # (comm, bytes) -> {True: captured after the agreement, False: before}
+        self.captured = {}  # (comm, collective, bytes) -> {True: captured after the agreement, False: before}
 
     def gather(self, shard_bytes, enq=1, execs=1, listform=False, comm="default", grouped=False):
         """enq == execs > 0: eager calls; execs == 0: calls captured in a graph; enq == 0: the
         gathers of graph replays of calls of this size captured on comm. grouped: eager calls
         made inside ncclGroupStart/End."""
+        row = self.n["calls"].setdefault(str(shard_bytes), dict.fromkeys(CALL_FIELDS, 0))
+        self._record(row, ("gather", shard_bytes), shard_bytes, enq, execs, listform, comm, grouped)
+
+    def allreduce(self, nbytes, op, dtype, enq=1, execs=1, comm="default", grouped=False):
+        """ncclAllReduce calls of nbytes (the buffer: count x the datatype's size), of op and dtype
+        (arcases' names), counted as gather counts them."""
+        row = self.n["allreduce"].setdefault(f"{op}/{dtype}", {}).setdefault(str(nbytes), dict.fromkeys(CALL_FIELDS, 0))
+        self._record(row, ("allreduce", op, dtype, nbytes), nbytes, enq, execs, False, comm, grouped)
+
+    def _record(self, row, what, nbytes, enq, execs, listform, comm, grouped):
         if enq > 0 and execs in (0, enq):
             kind = "eager" if execs else "captured"
         elif enq == 0 and execs > 0:
             kind = "replay"
         else:
-            raise ValueError(f"gather({shard_bytes}, enq={enq}, execs={execs}): neither eager calls (enq == execs), "
+            raise ValueError(f"{what[0]}({nbytes}, enq={enq}, execs={execs}): neither eager calls (enq == execs), "
                              "captured calls (execs 0) nor graph replays (enq 0)")
         if listform and kind != "eager":
             raise ValueError("the list form is counted for eager calls only")
-        row = self.n["calls"].setdefault(str(shard_bytes), dict.fromkeys(CALL_FIELDS, 0))
         if listform:
             if comm not in self.agreed:
                 raise ValueError(f"a list-form gather made {comm!r}'s first call: whether it is one AllGather is "
@@ -79,11 +95,11 @@ class Ledger:
         elif kind == "captured":
             took = comm in self.agreed
             row["captured" if took else "pre"] += enq
-            self.captured.setdefault((comm, shard_bytes), set()).add(took)
+            self.captured.setdefault((comm,) + what, set()).add(took)
         else:
-            took = self.captured.get((comm, shard_bytes), set())
+            took = self.captured.get((comm,) + what, set())
             if len(took) != 1:
-                raise ValueError(f"replays of {shard_bytes} B gathers on {comm!r}: "
+                raise ValueError(f"replays of {nbytes} B {what[0]}s on {comm!r}: "
                                  + ("none was captured" if not took else
                                     "some were captured before its agreement and some after, so the path is unknown"))
             row["replays" if True in took else "replays_pre"] += execs
@@ -95,14 +111,19 @@ CALL_FIELDS = ("first", "eager", "captured", "list", "replays", "pre", "replays_
 
 def merged(*ledgers):
     """One ledger (Ledger.n) of the calls of several (a process's communicators kept apart):
-    their calls summed per size and kind."""
-    calls = {}
-    for n in ledgers:
-        for b, row in n["calls"].items():
-            out = calls.setdefault(b, dict.fromkeys(CALL_FIELDS, 0))
+    their calls summed per size and kind, the all-reduces per class too."""
+    calls, ar = {}, {}
+
+    def add(into, rows):
+        for b, row in rows.items():
+            out = into.setdefault(b, dict.fromkeys(CALL_FIELDS, 0))
             for k, v in row.items():
                 out[k] += v
-    return {"calls": calls}
+    for n in ledgers:
+        add(calls, n["calls"])
+        for c, rows in (n.get("allreduce") or {}).items():
+            add(ar.setdefault(c, {}), rows)
+    return {"calls": calls, "allreduce": ar}
 
 
 def intercept_expectation(calls, window, list_as_allgather):
@@ -162,10 +183,10 @@ def go_int(expr, where, consts=""):
     return ev(parse(expr), 0)
 
 
-def default_window(fabric, path=None):
-    """The intercepted gather's default window on fabric, (floor, cap) in bytes a rank, or None
-    where the fabric's default keeps the path off: read from DefaultWindows in plugin/config.go,
-    the one place it is set."""
+def fabric_entry(fabric, path=None):
+    """DefaultWindows' entry for fabric in plugin/config.go, the one place the defaults are set:
+    (its flat fields {name: expression}, its nested struct fields {name: their flat fields},
+    where, the file's text). Comments are dropped; a field's expression ends at its comma."""
     path = path or CONFIG_GO
     with open(path) as f:
         text = f.read()
@@ -173,14 +194,61 @@ def default_window(fabric, path=None):
     if not m:
         raise ValueError(f"{path}: no `var DefaultWindows = map[string]FabricWindow{{...}}`")
     body = "\n".join(line.split("//")[0] for line in m.group(1).splitlines())
-    e = re.search(r'"%s"\s*:\s*\{([^}]*)\}' % re.escape(fabric), body)
+    e = re.search(r'"%s"\s*:\s*\{' % re.escape(fabric), body)
     if not e:
         raise ValueError(f"{path}: DefaultWindows has no {fabric!r} entry")
-    fields = dict((k, v.strip()) for k, v in re.findall(r"(\w+)\s*:\s*([^,]+)", e.group(1)))
-    where = f"{path}: DefaultWindows[{fabric!r}]"
+    inner = braced(body, e.end() - 1)
+    nested = {}
+    for n in re.finditer(r"(\w+)\s*:\s*(?:\w+)?\{", inner):  # AllReduce: Window{...} or AllReduce: {...}
+        nested[n.group(1)] = flat_fields(braced(inner, n.end() - 1))
+    flat = flat_fields(re.sub(r"\w+\s*:\s*(?:\w+)?\{[^{}]*\}", "", inner))
+    return flat, nested, f"{path}: DefaultWindows[{fabric!r}]", text
+
+
+def braced(text, at):
+    """What lies between the brace at text[at] and the one that closes it."""
+    depth = 0
+    for i in range(at, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[at + 1:i]
+    raise ValueError(f"unbalanced braces after {text[at:at + 40]!r}")
+
+
+def flat_fields(text):
+    return dict((k, v.strip()) for k, v in re.findall(r"(\w+)\s*:\s*([^,{}]+)", text))
+
+
+def default_window(fabric, path=None):
+    """The intercepted gather's default window on fabric, (floor, cap) in bytes a rank, or None
+    where the fabric's default keeps the path off: read from DefaultWindows in plugin/config.go,
+    the one place it is set."""
+    fields, _, where, text = fabric_entry(fabric, path)
     if fields.get("Off") == "true":
         return None
     return go_int(fields.get("MinBytes", "0"), where, text), go_int(fields.get("MaxBytes", "0"), where, text)
+
+
+def default_allreduce_window(fabric, path=None):
+    """The intercepted all-reduce's default window on fabric, (floor, cap) in bytes of the buffer,
+    or None where the fabric's default keeps it off: DefaultWindows in plugin/config.go holds it
+    beside the gather's, either as fields named for it (AllReduceMinBytes, AllReduceMaxBytes,
+    AllReduceOff) or as a struct field of its own (AllReduce: {MinBytes, MaxBytes, Off})."""
+    flat, nested, where, text = fabric_entry(fabric, path)
+    own = next((v for k, v in nested.items() if "allreduce" in k.lower()), None)
+    if own is not None:
+        lo, hi, off = own.get("MinBytes"), own.get("MaxBytes"), own.get("Off")
+    else:
+        ar = {k.lower(): v for k, v in flat.items() if "allreduce" in k.lower()}
+        lo = next((v for k, v in ar.items() if "min" in k), None)
+        hi = next((v for k, v in ar.items() if "max" in k), None)
+        off = next((v for k, v in ar.items() if "off" in k), None)
+    if hi is None and off is None:
+        raise ValueError(f"{where} names no all-reduce window (AllReduceMinBytes and AllReduceMaxBytes, or an "
+                         "AllReduce struct of MinBytes and MaxBytes): a library without the all-reduce?")
+    if off == "true":
+        return None
+    return go_int(lo or "0", where, text), go_int(hi or "0", where, text)
 
 
 def way_in_check(stats, expected):
@@ -255,16 +323,203 @@ def intercept_check(stats, ledger, window, way_in=None):
     return F, info
 
 
+# The stats' section of the intercepted all-reduce: the keys of "intercepted", with
+# "allreduces" (all-reduces its kernel finished, graph replays included) for "gathers".
+AR_SECTION = "intercepted_allreduce"
+
+
+def allreduce_taken(observed=None):
+    """taken(class) for allreduce_expectation: what the worker observed of the class (True: its
+    in-window calls take the path, False: every call goes to NCCL), else True for a class the
+    library must take (arcases.REQUIRED), else None: unknown."""
+    def taken(c):
+        if observed and observed.get(c) is not None:
+            return observed[c]
+        return True if arcases.required(c) else None
+    return taken
+
+
+def allreduce_expectation(ar, window, taken):
+    """What the stats' intercepted_allreduce section must show for a ledger's all-reduces
+    (Ledger.n["allreduce"]): launches, allreduces and their bytes exactly, forwarded (and its
+    bytes) at least; "calls": every call made (the wrapper saw each), "unknown": the classes
+    whose path taken() does not know. window: (floor, cap) in bytes of the buffer, None when
+    the all-reduce is off."""
+    e = dict.fromkeys(("launches", "launch_bytes", "allreduces", "bytes", "forwarded_min", "forwarded_bytes_min",
+                       "first_in", "calls"), 0)
+    unknown = []
+    for c, rows in ar.items():
+        t = taken(c)
+        if t is None:
+            unknown.append(c)
+        for b, row in rows.items():
+            b = int(b)
+            made, ran = row["eager"] + row["captured"], row["eager"] + row["replays"]
+            e["calls"] += made + row["pre"]
+            if t and window is not None and 0 < b and window[0] <= b <= window[1]:
+                e["launches"] += made
+                e["launch_bytes"] += made * b
+                e["allreduces"] += ran
+                e["bytes"] += ran * b
+                e["first_in"] += row["first"]
+            else:
+                e["forwarded_min"] += made
+                e["forwarded_bytes_min"] += made * b
+            e["forwarded_min"] += row["pre"]
+            e["forwarded_bytes_min"] += row["pre"] * b
+    e["unknown"] = sorted(unknown)
+    return e
+
+
+def allreduce_check(stats, ledger, window, taken=None):
+    """One rank's intercepted_allreduce section against its ledger's all-reduces: every call of a
+    class the library takes within the window took the path (launches, allreduces and their
+    bytes, exactly), none else did, none failed, NCCL got at least the rest, and every call
+    reached the wrapper (interceptor.ncclAllReduce). taken: allreduce_taken(). Returns
+    (failures, info)."""
+    taken = taken or allreduce_taken()
+    ar = (ledger or {}).get("allreduce") or {}
+    if stats is None:
+        return ["no ROCE_GATHER_STATS file was written (NCCL_NET_PLUGIN makes it at NCCL's load of the library, "
+                "LD_PRELOAD at the first intercepted call: neither happened)"], {}
+    s = stats.get(AR_SECTION)
+    if s is None:
+        return [f"ROCE_GATHER_STATS has no \"{AR_SECTION}\" section (a library without the all-reduce?)"], {}
+    e = allreduce_expectation(ar, window, taken)
+    w = "off" if window is None else f"{window[0]} to {window[1]} bytes"
+    F, info = [], {"window": window, "expected": e, "notes": []}
+    if e["unknown"]:
+        F.append(f"the path of {', '.join(e['unknown'])} is unknown: no class the library must take, and the worker "
+                 "did not observe it")
+    got = (s.get("launches"), s.get("allreduces"))
+    if got != (e["launches"], e["allreduces"]):
+        F.append(f"{AR_SECTION}.launches={got[0]} allreduces={got[1]}; expected launches={e['launches']} "
+                 f"allreduces={e['allreduces']} (all-reduce window {w}){explain_allreduce(s, ar, window, taken, e)}")
+    else:
+        for key, want in (("launch_bytes", e["launch_bytes"]), ("bytes", e["bytes"])):
+            v = s.get(key)
+            if v is None or v == want:
+                continue
+            if want and v == 2 * want:
+                info["notes"].append(f"{AR_SECTION}.{key} counts both ranks' bytes ({v} = 2 x {want})")
+            else:
+                F.append(f"{AR_SECTION}.{key}={v}, expected {want} (bytes of the buffers of the calls counted)")
+    if s.get("errors"):
+        F.append(f"{AR_SECTION}.errors={s['errors']}")
+    if s.get("forwarded", 0) < e["forwarded_min"]:
+        F.append(f"{AR_SECTION}.forwarded={s.get('forwarded', 0)}, but {e['forwarded_min']} calls were outside the "
+                 f"window (all-reduce window {w}), of a class the library leaves to NCCL, or made before their "
+                 "communicator's agreement")
+    fb = s.get("forwarded_bytes")
+    if fb is not None and fb < e["forwarded_bytes_min"]:
+        F.append(f"{AR_SECTION}.forwarded_bytes={fb}, but the calls handed to NCCL carried {e['forwarded_bytes_min']}")
+    reached = (stats.get("interceptor") or {}).get("ncclAllReduce")
+    if reached is not None and reached < e["calls"]:
+        F.append(f"interceptor.ncclAllReduce={reached}, but the worker made {e['calls']} ncclAllReduce calls: "
+                 "some did not reach the library's wrapper")
+    return F, info
+
+
+def explain_allreduce(s, ar, window, taken, e):
+    """Why the counts differ, where one reason accounts for it exactly: one class taken or left
+    where the testbed expected the other, the agreement's calls gone to NCCL, or no launch."""
+    got = (s.get("launches"), s.get("allreduces"))
+    for c in sorted(ar):
+        t = taken(c)
+        if t is None:
+            continue
+        alt = allreduce_expectation(ar, window, lambda x, c=c, t=t: (not t) if x == c else taken(x))
+        if got == (alt["launches"], alt["allreduces"]):
+            return f"; the difference is exactly the calls of {c}: the library {'leaves them to NCCL' if t else 'takes them'}"
+    if e["first_in"] and got[0] == e["launches"] - e["first_in"]:
+        return (f"; the difference is the {e['first_in']} in-window calls that made each communicator's agreement: "
+                "they went to NCCL")
+    if not got[0] and e["launches"]:
+        return "; no all-reduce took the path (the agreement's line says whether the communicator agreed it)"
+    return ""
+
+
+def observe_classes(blocks, window):
+    """What a worker's class blocks show of the path each class takes: blocks, one a class run
+    alone, {"class", "calls": {str(bytes): eager calls}, "delta": the change of launches,
+    launch_bytes and forwarded in intercepted_allreduce over the block (None: no stats)}.
+    A class is taken (True) when exactly its in-window calls and bytes took the path and the
+    rest went to NCCL, left to NCCL (False) when none took it. Returns (observed {class: True,
+    False or None}, failures, rows for a table): a class some of whose in-window calls took the
+    path and some not fails (the size alone decides), and so does a class the library must take
+    (arcases.REQUIRED) left to NCCL."""
+    observed, F, rows = {}, [], []
+    for blk in blocks or []:
+        c, d = blk["class"], blk.get("delta")
+        inside = {int(b): n for b, n in blk["calls"].items() if window and window[0] <= int(b) <= window[1] and int(b) > 0}
+        n_in, bytes_in, n_all = sum(inside.values()), sum(b * n for b, n in inside.items()), sum(blk["calls"].values())
+        state, what = None, ""
+        if d is None:
+            what = "no stats to read"
+        elif not n_all:
+            what = "no call made (torch refused every one)"
+        elif not n_in:
+            what = "no call within the window"
+        elif d.get("launches") == n_in and d.get("launch_bytes", bytes_in) == bytes_in:
+            state, what = True, "taken"
+            if d.get("forwarded", n_all - n_in) < n_all - n_in:
+                F.append(f"{c}: forwarded grew by {d.get('forwarded')} over its block, but {n_all - n_in} of its calls "
+                         "were outside the window")
+        elif not d.get("launches"):
+            state, what = False, "left to NCCL"
+            if d.get("forwarded", n_all) < n_all:
+                F.append(f"{c}: none of its {n_all} calls took the path, but forwarded grew by {d.get('forwarded')} only")
+        else:
+            what = f"{d.get('launches')} launches ({d.get('launch_bytes')} bytes)"
+            F.append(f"{c}: {d.get('launches')} launches of {d.get('launch_bytes')} bytes for its {n_in} in-window calls "
+                     f"of {bytes_in} bytes: the size alone decides which calls of a class take the path")
+        if state is False and arcases.required(c):
+            F.append(f"{c}: every call went to NCCL, but the library must take this class (the issue: NCCL's two-rank "
+                     "result is op(x0, x1) in rank order there)")
+        observed[c] = state
+        rows.append({"class": c, "required": arcases.required(c), "calls": n_all, "in_window": n_in,
+                     "launches": None if d is None else d.get("launches"), "state": state, "what": what})
+    return observed, F, rows
+
+
+def stats_now(path, section=AR_SECTION, tries=5):
+    """One section of the ROCE_GATHER_STATS file as it stands (the library keeps every count in it
+    current): {} while the file is not there (LD_PRELOAD makes it at the first intercepted
+    call), None without a path or when it cannot be read."""
+    if not path:
+        return None
+    for _ in range(tries):
+        try:
+            with open(path) as f:
+                return dict(json.load(f).get(section) or {})
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError):  # a text value being rewritten as it was read
+            time.sleep(0.02)
+    return None
+
+
+def stats_delta(before, after, keys=("launches", "launch_bytes", "forwarded", "forwarded_bytes")):
+    """after - before for the keys (stats_now's dicts), None when either is None."""
+    if before is None or after is None:
+        return None
+    return {k: after.get(k, 0) - before.get(k, 0) for k in keys}
+
+
 def stats_brief(stats):
     """One rank's stats as a flat dict, for tables: the intercepted path's counts (os_*: its
     kernel's gathers and their latency) and the interceptor's way in."""
     if stats is None:
         return None
     i, w = stats.get("intercepted") or {}, stats.get("interceptor") or {}
+    a = stats.get(AR_SECTION) or {}
     return {"launches": i.get("launches", 0), "forwarded": i.get("forwarded", 0), "os_gathers": i.get("gathers", 0),
             "os_errors": i.get("errors", 0), "os_p50_us": i.get("p50_us", 0), "os_p99_us": i.get("p99_us", 0),
             "os_max_us": i.get("max_us", 0), "proxy_naps": i.get("proxy_naps", 0),
-            "proxy_woke": i.get("proxy_woke_to_work", 0), "way_in": w.get("way_in", "unknown")}
+            "proxy_woke": i.get("proxy_woke_to_work", 0), "way_in": w.get("way_in", "unknown"),
+            "ar_launches": a.get("launches", 0), "ar_forwarded": a.get("forwarded", 0),
+            "ar_allreduces": a.get("allreduces", 0), "ar_errors": a.get("errors", 0), "ar_p50_us": a.get("p50_us", 0),
+            "ar_p99_us": a.get("p99_us", 0), "ar_max_us": a.get("max_us", 0), "ar_calls": w.get("ncclAllReduce", 0)}
 
 
 def compare_digests(ref_name, ref, name, other):
@@ -414,12 +669,22 @@ def cli_window(mode, env):
     parts = mode.split(":")
     if len(parts) == 3:
         return int(parts[1]), int(parts[2])
+    return env_window(env, "ROCE_GATHER", default_window)
+
+
+def env_window(env, prefix, default):
+    """A collective's window as the library works it out from env: {prefix}_MIN_BYTES and
+    {prefix}_MAX_BYTES over default(the fabric: verbs unless ROCE_GATHER_FABRIC says tcp); None
+    where ROCE_GATHER_ENABLE=0, the default is off and no cap is given, or the window is empty."""
+    if env.get("ROCE_GATHER_ENABLE") == "0":
+        return None
     fabric = "tcp" if env.get("ROCE_GATHER_FABRIC") == "tcp" else "verbs"
-    d = default_window(fabric)
-    floor = int(env["ROCE_GATHER_MIN_BYTES"]) if env.get("ROCE_GATHER_MIN_BYTES") else (d[0] if d else 0)
-    if env.get("ROCE_GATHER_MAX_BYTES"):
-        return floor, int(env["ROCE_GATHER_MAX_BYTES"])
-    return None if d is None else (floor, d[1])
+    lo, hi = env.get(f"{prefix}_MIN_BYTES"), env.get(f"{prefix}_MAX_BYTES")
+    d = default(fabric) if not (lo and hi) else None
+    floor = int(lo) if lo else (d[0] if d else 0)
+    if hi:
+        return (floor, int(hi)) if floor <= int(hi) else None
+    return None if d is None or floor > d[1] else (floor, d[1])
 
 
 def main():
@@ -438,6 +703,11 @@ def main():
     if mode.split(":")[0] not in ("intercept", "off"):
         raise SystemExit(f"common.py: {mode!r} is neither intercept[:FLOOR:CAP] nor off")
     failures, info = intercept_check(stats, res["ledger"], None if mode == "off" else cli_window(mode, os.environ))
+    if res["ledger"].get("allreduce"):  # the worker's all-reduces, in the window the environment gives
+        w = None if mode == "off" else env_window(os.environ, "ROCE_GATHER_ALLREDUCE", default_allreduce_window)
+        F, info["allreduce"] = allreduce_check(stats, res["ledger"], w,
+                                               allreduce_taken(observe_classes((res.get("numbers") or {}).get("ar_blocks"), w)[0]))
+        failures += F
     print(json.dumps({"worker_failures": res["failures"], "stats": stats_brief(stats), "ledger": res["ledger"],
                       "stats_failures": failures, **info}, indent=1))
     raise SystemExit(1 if failures or res["failures"] or not res["completed"] else 0)

@@ -21,14 +21,32 @@ POISON = 0xEE
 #            on each rank, one at a time: both fail on both (their call numbers differ);
 #   abort:   rank 0 queues four gathers while rank 1 lags, then aborts the group: rank 0's
 #            write nothing, rank 1's first gets rank 0's first whole or fails, its later ones
-#            fail, naming the abort.
+#            fail, naming the abort;
+#   mismatch: the ranks' calls move the same bytes but are not the same call: one rank
+#            gathers while the other all-reduces (one chunk, and several), or both all-reduce
+#            with two ops or two datatypes: both fail with the WARN, no output written (an
+#            in-place all-reduce's buffer keeps its input), the next call raises.
 CASES = {
     "differ-size": {"kind": "differ", "bytes": (4096, 8192), "chunks": (1, 1)},
     "differ-chunks": {"kind": "differ", "bytes": (300 << 10, 600 << 10), "chunks": (2, 3)},
     "differ-size-same-chunks": {"kind": "differ", "bytes": (600 << 10, 700 << 10), "chunks": (3, 3)},
     "overlap": {"kind": "overlap", "bytes": (4096, 4096)},
     "reorder": {"kind": "reorder", "bytes": (4096, 4096)},
-    "abort": {"kind": "abort", "bytes": (4096, 4096), "queued": 4},
+    "allreduce-vs-gather": {"kind": "mismatch", "bytes": (4096, 4096),
+                            "calls": ({"coll": "gather", "dtype": "float32"}, {"coll": "allreduce", "op": "sum", "dtype": "float32"})},
+    "allreduce-vs-gather-chunks": {"kind": "mismatch", "bytes": (600 << 10, 600 << 10),
+                                   "calls": ({"coll": "allreduce", "op": "sum", "dtype": "bfloat16"},
+                                             {"coll": "gather", "dtype": "bfloat16"})},
+    "allreduce-op": {"kind": "mismatch", "bytes": (4096, 4096),
+                     "calls": ({"coll": "allreduce", "op": "sum", "dtype": "float32"},
+                               {"coll": "allreduce", "op": "max", "dtype": "float32"})},
+    "allreduce-dtype": {"kind": "mismatch", "bytes": (4096, 4096),
+                        "calls": ({"coll": "allreduce", "op": "sum", "dtype": "float32"},
+                                  {"coll": "allreduce", "op": "sum", "dtype": "int32"})},
+    "allreduce-dtype-half": {"kind": "mismatch", "bytes": (8192, 8192),
+                             "calls": ({"coll": "allreduce", "op": "sum", "dtype": "float16"},
+                                       {"coll": "allreduce", "op": "sum", "dtype": "bfloat16"})},
+    "abort": {"kind": "abort", "bytes": (4096, 4096), "queued": 4},  # last: it aborts a communicator
 }
 ORDER = list(CASES)
 CONFIG = "intercept-wide"
@@ -69,10 +87,17 @@ def classify(row, rank, tag, n):
 
 
 def call_state(call):
-    """A call's outcome from its rows: "exact" when both are, "untouched" when both are, else
+    """A call's outcome from its rows: "exact" when both are, "untouched" when both are (an
+    all-reduce's one row: classify_allreduce), "written" when an all-reduce wrote its buffer, else
     "foreign" (a row written with bytes not the call's, or one row only)."""
     states = {r["state"] for r in call["rows"]}
-    return states.pop() if len(states) == 1 and states <= {"exact", "untouched"} else "foreign"
+    return states.pop() if len(states) == 1 and states <= {"exact", "untouched", "written"} else "foreign"
+
+
+def classify_allreduce(buf, own):
+    """What an in-place all-reduce's buffer holds after a call that must fail: "untouched" (its
+    own input, as it was) or "written"."""
+    return {"state": "untouched" if buf == own else "written"}
 
 
 def announced(n, chunks):
@@ -92,6 +117,9 @@ REORDER_RX = (r"the ranks' calls differ: rank 0 (?:\(this rank\) has|announced) 
 OVERLAP_RX = WARN.format(peer=1) + "two launches of this communicator's one-shot calls ran on the device at once"
 PEER_FAILED_RX = WARN.format(peer=0) + r"the peer stopped: the one-shot path of rank 0 \(\S+\) failed after sequence \d+"
 ABORTED_RX = WARN.format(peer=0) + r"the peer stopped: rank 0 \(\S+\) aborted its communicator \(ncclCommAbort\) after sequence \d+"
+# The library's WARN that the ranks' calls differ in collective, op or datatype (its words for
+# them are docs/troubleshooting.md's): matched loosely, the lines kept in the summary.
+MISMATCH_RX = r"(?i)NCCL WARN NET/roce_gather : .*one-shot.*(differ|mismatch)"
 
 
 MARK_RX = re.compile(r"^rank [01]: case (\S+)$", re.M)
@@ -171,6 +199,11 @@ def verdict(case, results, logs):
             F.append(f"{case}: rank 1's log has no WARN that rank 0 failed, nor that the calls differ")
         probed(0)
         probed(1)
+    elif kind == "mismatch":
+        for r in (0, 1):
+            must(r, 0, ("untouched",), "the ranks' calls differ, so no output is written")
+            warn(r, MISMATCH_RX, "that the ranks' calls differ")
+            probed(r)
     elif kind == "abort":
         for i in range(spec["queued"]):
             must(0, i, ("untouched",), "rank 0 aborted")

@@ -38,17 +38,31 @@ class Case:
         self.ctx, self.name, self.rec = ctx, name, {"calls": [], "probe_error": None, "errors": []}
         self.group = dist.new_group([0, 1])
         self.calls = []  # (tag, n, out)
+        self.allreduces = []  # (tag, n, buffer, its input's bytes)
 
-    def gather(self, tag, n, out=None, async_op=True):
-        """A gather of call `tag`, n bytes a rank, into a poisoned output; an error it raises is kept."""
+    def gather(self, tag, n, out=None, async_op=True, dtype=None):
+        """A gather of call `tag`, n bytes a rank, into a poisoned output; an error it raises is kept.
+        dtype: the shards' and the output's datatype (their bytes as they are), uint8 by default."""
         dev = self.ctx.dev
         out = poisoned(n, dev) if out is None else out
         self.calls.append((tag, n, out))
+        inp = shard(self.ctx.rank, tag, n, dev)
         try:
-            dist.all_gather_into_tensor(out, shard(self.ctx.rank, tag, n, dev), group=self.group, async_op=async_op)
+            dist.all_gather_into_tensor(out if dtype is None else out.view(dtype), inp if dtype is None else inp.view(dtype),
+                                        group=self.group, async_op=async_op)
         except Exception as e:  # the communicator's error, at the call
             self.rec["errors"].append(f"call {tag}: {type(e).__name__}: {e}"[:400])
         return out
+
+    def allreduce(self, tag, n, op, dtype):
+        """An in-place all-reduce of call `tag` over the rank's tagged shard of n bytes viewed as dtype;
+        an error it raises is kept."""
+        buf = shard(self.ctx.rank, tag, n, self.ctx.dev)
+        self.allreduces.append((tag, n, buf, integrity.tag_bytes(self.ctx.rank, tag, n)))
+        try:
+            dist.all_reduce(buf.view(dtype), op=op, group=self.group, async_op=True)
+        except Exception as e:
+            self.rec["errors"].append(f"call {tag}: {type(e).__name__}: {e}"[:400])
 
     def agree(self):
         """The communicator's first gather, the same on both ranks: it agrees the path."""
@@ -84,6 +98,9 @@ class Case:
             b = bytes(out.cpu().numpy())
             self.rec["calls"].append({"tag": tag, "bytes": n,
                                       "rows": [integrity.classify(b[r * n:(r + 1) * n], r, tag, n) for r in (0, 1)]})
+        for tag, n, buf, own in self.allreduces:
+            self.rec["calls"].append({"tag": tag, "bytes": n, "collective": "allreduce",
+                                      "rows": [integrity.classify_allreduce(bytes(buf.cpu().numpy()), own)]})
         if probe:
             time.sleep(0.2)  # the proxy has raised the error by now
             try:
@@ -163,7 +180,21 @@ def run_abort(case, spec):
     case.finish(probe=False)
 
 
-RUNNERS = {"differ": run_differ, "overlap": run_overlap, "reorder": run_reorder, "abort": run_abort}
+def run_mismatch(case, spec):
+    """This rank's side of spec["calls"]: a gather or an all-reduce of the same bytes as the peer's call."""
+    rank = case.ctx.rank
+    call, n = spec["calls"][rank], spec["bytes"][rank]
+    case.agree()
+    dtype = getattr(torch, call["dtype"])
+    if call["coll"] == "gather":
+        case.gather(2, n, dtype=dtype)
+    else:
+        case.allreduce(2, n, getattr(dist.ReduceOp, {"sum": "SUM", "max": "MAX"}[call["op"]]), dtype)
+    case.finish()
+
+
+RUNNERS = {"differ": run_differ, "overlap": run_overlap, "reorder": run_reorder, "abort": run_abort,
+           "mismatch": run_mismatch}
 
 
 class Ctx:

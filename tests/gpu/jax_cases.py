@@ -6,7 +6,11 @@ Two processes, one GPU each (local_device_ids=[the rank's GPU]: cuda:<rank>, or 
 "device" when both ranks share one GPU), a 2-device mesh over both, and a jitted shard_map
 whose body is jax.lax.all_gather (XLA issues it as ncclAllGather). The
 gathered array is checked byte for byte against both ranks' shards, regenerated here
-from the seeds. The parent reads ROCE_GATHER_STATS as for PyTorch.
+from the seeds. With params "psum" ([[dtype, bytes], ...]), then a jitted shard_map of
+jax.lax.psum (XLA issues it as ncclAllReduce, sum) of each, checked byte for byte against
+x0 + x1 computed here in rank order. The parent reads ROCE_GATHER_STATS as for PyTorch; since
+XLA may give its all-reduces a communicator of their own, numbers.psum_own_comm_ledger holds
+the ledger as that would make it.
 """
 import sys
 import time
@@ -29,7 +33,16 @@ def gen(tag, rank, numel, dtype):
     return rng.standard_normal(numel, dtype=np.float32).astype(dtype)
 
 
-def run(jax, rank, res, ledger, seeds=3):
+def psum_reference(dtype, a, b):
+    """a + b in rank order, as NCCL's two-rank sum: integers wrap, floats are rounded once (float64,
+    or float32 for bfloat16, holds the exact sum's rounding)."""
+    if np.dtype(dtype).kind == "i":
+        return (a.astype(np.int64) + b.astype(np.int64)).astype(dtype)
+    wide = np.float64 if np.dtype(dtype) == np.float32 else np.float32
+    return (a.astype(wide) + b.astype(wide)).astype(dtype)
+
+
+def run(jax, rank, res, ledger, seeds=3, psums=(), alt=None):
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     shard_map = getattr(jax, "shard_map", None)
@@ -60,7 +73,8 @@ def run(jax, rank, res, ledger, seeds=3):
         shards = [gen(name, r, n, dt) for r in (0, 1)]
         x = jax.make_array_from_single_device_arrays((2 * n,), sharding, [jax.device_put(shards[rank], local[0])])
         y = gather(x)
-        ledger.gather(nbytes, grouped=True)  # XLA issues each ncclAllGather inside ncclGroupStart/End
+        for L in (ledger, alt) if alt else (ledger,):
+            L.gather(nbytes, grouped=True)  # XLA issues each ncclAllGather inside ncclGroupStart/End
         got = np.asarray(y.addressable_shards[0].data)
         res.d["cases"] += 1
         want = np.concatenate(shards)
@@ -72,6 +86,23 @@ def run(jax, rank, res, ledger, seeds=3):
             bad = np.flatnonzero(g8 != w8)
             res.fail(f"{name}: {bad.size} of {w8.size} bytes differ, first at byte {bad[0]}: "
                      f"got 0x{g8[bad[0]]:02x}, expected 0x{w8[bad[0]]:02x}; rows {sorted({int(i) * 2 // w8.size for i in bad})} wrong")
+    if not psums:
+        return
+    psum = jax.jit(shard_map(lambda x: jax.lax.psum(x, "i"), mesh=mesh, in_specs=P("i"), out_specs=P("i"), **unchecked))
+    for dname, nbytes in psums:
+        dt = np.dtype(dtypes[dname])
+        n = nbytes // dt.itemsize
+        name = f"jax/psum/{dname}/{nbytes}B"
+        shards = [gen(name, r, n, dt) for r in (0, 1)]
+        x = jax.make_array_from_single_device_arrays((2 * n,), sharding, [jax.device_put(shards[rank], local[0])])
+        y = psum(x)
+        ledger.allreduce(nbytes, "sum", dname, grouped=True)  # inside ncclGroupStart/End, as XLA's gathers
+        alt.allreduce(nbytes, "sum", dname, grouped=True, comm="psum")
+        got = np.asarray(y.addressable_shards[0].data)
+        res.d["cases"] += 1
+        want = psum_reference(dt, shards[0], shards[1])
+        if got.shape != want.shape or not np.array_equal(got.view(np.uint8), want.view(np.uint8)):
+            res.fail(f"{name}: not x0 + x1 in rank order (shape {got.shape}, expected {want.shape})")
 
 
 def main():
@@ -86,8 +117,11 @@ def main():
         # platform CUDA").
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
                                    process_id=args.rank, local_device_ids=[args.local])
-        run(jax, args.rank, res, ledger, int(args.params.get("seeds", 3)))
+        alt = common.Ledger()  # the same calls, the all-reduces on a communicator of their own
+        run(jax, args.rank, res, ledger, int(args.params.get("seeds", 3)),
+            [tuple(p) for p in args.params.get("psum", [])], alt)
         res.d["ledger"] = ledger.n
+        res.d["numbers"]["psum_own_comm_ledger"] = alt.n
         jax.distributed.shutdown()
         res.d["completed"] = True
     except Exception as e:

@@ -60,8 +60,9 @@ CONFIGS = {
     "intercept-env": dict(INTERCEPT_ENV),
     "intercept-preload": {"LD_PRELOAD": LIB},
     "intercept-nonap": dict(INTERCEPT, ROCE_GATHER_PROXY_IDLE_MS="0"),
-    # Step calibrate: the window opened over every size it measures.
-    "intercept-wide": dict(INTERCEPT, ROCE_GATHER_MIN_BYTES="0", ROCE_GATHER_MAX_BYTES=str(WIDE_CAP)),
+    # Steps calibrate and integrity: both windows opened over every size calibrate measures.
+    "intercept-wide": dict(INTERCEPT, ROCE_GATHER_MIN_BYTES="0", ROCE_GATHER_MAX_BYTES=str(WIDE_CAP),
+                           ROCE_GATHER_ALLREDUCE_MIN_BYTES="0", ROCE_GATHER_ALLREDUCE_MAX_BYTES=str(WIDE_CAP)),
 }
 # Cleared from the inherited environment so that nothing outside changes what a config means.
 OWNED = {"NCCL_NET_PLUGIN", "NCCL_NET", "NCCL_COLLNET_ENABLE", "NCCL_NET_GDR_LEVEL", "NCCL_TUNER_PLUGIN",
@@ -89,15 +90,28 @@ def intercept_window(config):
     intercepted path when floor <= bytes a rank <= cap (plugin/config.go, Window; both ranks get
     the same environment). None where the path is off (no library, ROCE_GATHER_ENABLE=0, off by
     the fabric's default, or an empty window)."""
+    return window_of(config, "ROCE_GATHER_MIN_BYTES", "ROCE_GATHER_MAX_BYTES", common.default_window)
+
+
+def allreduce_window(config):
+    """The all-reduce window both ranks of config agree on, (floor, cap) in bytes of the buffer
+    (count x the datatype's size), from ROCE_GATHER_ALLREDUCE_MIN_BYTES and _MAX_BYTES over the
+    fabric's default; None where it is off (as intercept_window: ROCE_GATHER_ENABLE=0 turns both
+    collectives off)."""
+    return window_of(config, "ROCE_GATHER_ALLREDUCE_MIN_BYTES", "ROCE_GATHER_ALLREDUCE_MAX_BYTES",
+                     common.default_allreduce_window)
+
+
+def window_of(config, min_var, max_var, default):
     if not uses_plugin(config):
         return None
     c = CONFIGS[config]
     if c.get("ROCE_GATHER_ENABLE") == "0":
         return None
-    d = common.default_window(INTERCEPT_FABRIC)
-    floor = int(c["ROCE_GATHER_MIN_BYTES"]) if "ROCE_GATHER_MIN_BYTES" in c else (d[0] if d else 0)
-    if "ROCE_GATHER_MAX_BYTES" in c:
-        cap = int(c["ROCE_GATHER_MAX_BYTES"])
+    d = default(INTERCEPT_FABRIC) if max_var not in c or min_var not in c else None
+    floor = int(c[min_var]) if min_var in c else (d[0] if d else 0)
+    if max_var in c:
+        cap = int(c[max_var])
     elif d is None:
         return None
     else:
@@ -140,9 +154,19 @@ def rank_env(config, rank, stats_path, extra=None, nccl_lib=""):
     return env
 
 
-def judge_stats(config, stats, ledger):
-    """One rank's ROCE_GATHER_STATS against its worker's ledger. Returns (failures, info)."""
-    return common.intercept_check(stats, ledger, intercept_window(config), way_in(config))
+def judge_stats(config, stats, ledger, ar_blocks=None):
+    """One rank's ROCE_GATHER_STATS against its worker's ledger: the gathers, and the all-reduces
+    where the worker made some (the path of each class as its class blocks, ar_blocks, showed it,
+    else as the issue requires: common.allreduce_taken). Returns (failures, info)."""
+    F, info = common.intercept_check(stats, ledger, intercept_window(config), way_in(config))
+    if (ledger or {}).get("allreduce"):
+        w = allreduce_window(config)
+        observed = common.observe_classes(ar_blocks, w)[0] if ar_blocks else None
+        F2, info2 = common.allreduce_check(stats, ledger, w, common.allreduce_taken(observed))
+        F += F2
+        info.setdefault("notes", []).extend(info2.get("notes", []))
+        info["allreduce"] = info2
+    return F, info
 
 
 def free_port():
@@ -318,7 +342,8 @@ def run_pair(work, run, config, worker, task, timeout, params=None, extra_env=No
     clean = not rec["failures"] and all(res and res.get("completed") for res in rec["results"])
     if uses_plugin(config) and clean and check_stats:
         for r in (0, 1):
-            F, info = judge_stats(config, rec["stats"][r], rec["results"][r]["ledger"])
+            res = rec["results"][r]
+            F, info = judge_stats(config, rec["stats"][r], res["ledger"], (res.get("numbers") or {}).get("ar_blocks"))
             rec["failures"] += [f"{run} rank {r} stats: {f}" for f in F]
             if info.get("list_form"):
                 rec["notes"].append(f"{run} rank {r}: the list form dist.all_gather was {info['list_form']}")

@@ -175,11 +175,16 @@ def window(sizes, path, ref):
     return res
 
 
-def window_env(w):
-    """The environment line a user sets for window w."""
+def window_env(w, prefix="ROCE_GATHER", other_on=False):
+    """The environment line a user sets for window w of the collective whose variables start
+    with prefix (ROCE_GATHER: the gather's, ROCE_GATHER_ALLREDUCE: the all-reduce's). No window:
+    ROCE_GATHER_ENABLE=0 for the gather when the other collective has none either (it turns both
+    off), else an empty window (a floor above the cap: the ranks agree none)."""
     if w["floor"] is None:
-        return "export ROCE_GATHER_ENABLE=0"
-    return f"export ROCE_GATHER_MIN_BYTES={w['floor']} ROCE_GATHER_MAX_BYTES={w['cap']}"
+        if prefix == "ROCE_GATHER" and not other_on:
+            return "export ROCE_GATHER_ENABLE=0"
+        return f"export {prefix}_MIN_BYTES=2 {prefix}_MAX_BYTES=1"
+    return f"export {prefix}_MIN_BYTES={w['floor']} {prefix}_MAX_BYTES={w['cap']}"
 
 
 # ---- files ---------------------------------------------------------------------------------
@@ -193,11 +198,14 @@ def write_csv(path, header, rows):
 
 
 def read_latency_csv(path):
-    """latency.csv (config, mode, bytes_per_rank, round, rep, us_per_gather: one row a sample)
-    as {mode: {config: {bytes: summary}}}."""
+    """A timed step's CSV (config, mode, its size: bytes_per_rank, bytes or batch, round, rep, its
+    µs: us_per_gather, us_per_allreduce or us_per_step; one row a sample) as {mode: {config:
+    {size: summary}}}."""
     raw = {}
     with open(path) as f:
-        for row in csv.DictReader(f):
+        r = csv.DictReader(f)
+        size, us = r.fieldnames[2], r.fieldnames[5]
+        for row in r:
             raw.setdefault(row["mode"], {}).setdefault(row["config"], {}).setdefault(
-                int(row["bytes_per_rank"]), []).append(float(row["us_per_gather"]))
+                int(row[size]), []).append(float(row[us]))
     return {m: {c: {b: summarize(xs) for b, xs in by.items()} for c, by in cs.items()} for m, cs in raw.items()}

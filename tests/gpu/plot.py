@@ -1,8 +1,9 @@
 """latency.png from latency.csv (one row a sample): the median microseconds per gather against
 bytes per rank, log-log, with the min-max of the samples shaded; a panel for CUDA graph replay
-and one for eager PyTorch calls where the run has them.
+and one for eager PyTorch calls where the run has them. allreduce-latency.csv the same, per
+all-reduce against bytes of the buffer.
 
-    python3 plot.py latency.csv latency.png
+    python3 plot.py latency.csv latency.png [gather|all-reduce]
 """
 import sys
 
@@ -24,10 +25,15 @@ def label(b):
     return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB" if b >= 1024 else f"{b} B"
 
 
-def plot(src, dst):
+# What a plot's collective is called, and what its sizes count.
+WHAT = {"gather": ("all-gather", "bytes per rank"), "all-reduce": ("all-reduce", "bytes of the buffer")}
+
+
+def plot(src, dst, what="gather"):
+    name, xlabel = WHAT[what]
     data = {mode: {c: sorted((b, s) for b, s in by.items() if s) for c, by in cs.items()}
             for mode, cs in measure.read_latency_csv(src).items()}
-    titles = {"graph": "CUDA graph replay (4 gathers a graph)", "eager": "eager PyTorch calls"}
+    titles = {"graph": f"CUDA graph replay (4 {what}s a graph)", "eager": "eager PyTorch calls"}
     modes = [m for m in titles if data.get(m)] or ["graph"]
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes) + 1, 5), sharey=True, squeeze=False)
     axes = axes[0]
@@ -49,15 +55,15 @@ def plot(src, dst):
         ax.set_xticks(ticks)
         ax.set_xticklabels([label(b) for b in ticks], rotation=45, fontsize=8)
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_title(f"two-rank all-gather, {title}")
-        ax.set_xlabel("bytes per rank")
+        ax.set_title(f"two-rank {name}, {title}")
+        ax.set_xlabel(xlabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0].set_ylabel("microseconds per gather")
+    axes[0].set_ylabel(f"microseconds per {what}")
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
     plt.close(fig)
 
 
 if __name__ == "__main__":
-    plot(sys.argv[1], sys.argv[2])
+    plot(sys.argv[1], sys.argv[2], *sys.argv[3:4])

@@ -13,7 +13,13 @@ binding:
 - the same inside ncclGroupStart/ncclGroupEnd, one gather a group, as vLLM's all_gatherv and
   SGLang's grouped calls issue them;
 - a CUDA graph capturing one gather of each size on the capture stream, replayed params
-  "replays" times with new shards copied into the captured inputs.
+  "replays" times with new shards copied into the captured inputs;
+- with params "allreduce" ({"cases": [[op, dtype, elements], ...], "replays": n}), the binding's
+  ncclAllReduce (SGLang's and vLLM's tensor-parallel all-reduce goes through it): each case out
+  of place (its own output buffer, the input left as it was), in place, out of place inside
+  ncclGroupStart/ncclGroupEnd, then all of them captured in one CUDA graph and replayed n times
+  with new inputs. Outputs are hashed and compared with op(x0, x1) in rank order where that
+  reference holds (allreduce_cases.reference; numbers.ref_differs, judged by the parent).
 
 Every output is checked byte for byte against both ranks' shards regenerated from the seeds,
 and its sha256 is kept so that the parent compares it with nccl-socket's. The ledger records
@@ -29,6 +35,7 @@ from datetime import timedelta
 
 import torch
 
+import arcases
 import common
 
 ncclResult_t = ctypes.c_int
@@ -97,6 +104,65 @@ class Cases:
         s = stream if stream is not None else torch.cuda.current_stream()
         self.nccl.check("ncclAllGather", self.nccl.f["ncclAllGather"](
             inp.data_ptr(), out.data_ptr(), inp.numel(), NCCL_UINT8, self.comm, s.cuda_stream))
+
+    def allreduce(self, out, inp, count, dtype, op, stream=None):
+        s = stream if stream is not None else torch.cuda.current_stream()
+        self.nccl.check("ncclAllReduce", self.nccl.f["ncclAllReduce"](
+            inp.data_ptr(), out.data_ptr(), count, arcases.DTYPES[dtype]["nccl"], arcases.OPS[op]["nccl"], self.comm,
+            s.cuda_stream))
+
+    def ar_verify(self, name, out, x, op, dtype):
+        import allreduce_cases
+        torch.cuda.synchronize()
+        got = out.cpu()
+        self.res.d["cases"] += 1
+        self.res.d["digests"][name] = hashlib.sha256(got.view(torch.uint8).numpy()).hexdigest()
+        want = allreduce_cases.reference(op, dtype, x[0], x[1])
+        if want is not None and not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+            self.res.d["numbers"].setdefault("ref_differs", {})[name] = allreduce_cases.first_difference(got, want, *x)
+
+    def ar_one(self, name, op, dtype, n, form, grouped=False):
+        import allreduce_cases
+        x = [allreduce_cases.gen(name, r, n, dtype) for r in (0, 1)]
+        inp = x[self.rank].to(self.dev)
+        out = inp if form == "inplace" else torch.full((n * arcases.DTYPES[dtype]["size"],), 0xA5, dtype=torch.uint8,
+                                                        device=self.dev).view(allreduce_cases.torch_dtype(dtype))
+        if grouped:
+            self.nccl.check("ncclGroupStart", self.nccl.f["ncclGroupStart"]())
+        self.allreduce(out, inp, n, dtype, op)
+        if grouped:
+            self.nccl.check("ncclGroupEnd", self.nccl.f["ncclGroupEnd"]())
+        self.ledger.allreduce(n * arcases.DTYPES[dtype]["size"], op, dtype, grouped=grouped)
+        self.ar_verify(name, out, x, op, dtype)
+        if form != "inplace" and not torch.equal(inp.cpu().view(torch.uint8), x[self.rank].view(torch.uint8)):
+            self.res.fail(f"{name}: the input changed (an out-of-place all-reduce must leave it as it was)")
+
+    def run_allreduce(self, cases, replays):
+        for form, grouped in (("outofplace", False), ("inplace", False), ("outofplace", True)):
+            for op, dtype, n in cases:
+                self.ar_one(f"pynccl/allreduce/{form}{'/grouped' if grouped else ''}/{op}/{dtype}/{n}el", op, dtype, n,
+                            form, grouped)
+        import allreduce_cases
+        ins = [torch.zeros(n * arcases.DTYPES[d]["size"], dtype=torch.uint8, device=self.dev).view(
+            allreduce_cases.torch_dtype(d)) for _, d, n in cases]
+        outs = [torch.zeros_like(i) for i in ins]
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            for (op, dtype, n), i, o in zip(cases, ins, outs):
+                self.allreduce(o, i, n, dtype, op)  # on the capture stream, as pynccl passes it
+        for op, dtype, n in cases:
+            self.ledger.allreduce(n * arcases.DTYPES[dtype]["size"], op, dtype, enq=1, execs=0)
+        for rep in range(replays):
+            xs = [[allreduce_cases.gen(f"pynccl/allreduce/graph/replay{rep}/{k}", r, n, d) for r in (0, 1)]
+                  for k, (_, d, n) in enumerate(cases)]
+            for i, x in zip(ins, xs):
+                i.copy_(x[self.rank].to(self.dev))
+            g.replay()
+            for k, (op, dtype, n) in enumerate(cases):
+                self.ledger.allreduce(n * arcases.DTYPES[dtype]["size"], op, dtype, enq=0, execs=1)
+                self.ar_verify(f"pynccl/allreduce/graph/replay{rep}/{k}/{op}/{dtype}/{n}el", outs[k], xs[k], op, dtype)
+        del g
 
     def verify(self, name, out, shards):
         torch.cuda.synchronize()
@@ -177,6 +243,9 @@ def main():
         cases = Cases(args, res, nccl, comm)
         sizes = [int(b) for b in args.params.get("sizes", SIZES)]
         cases.run(sizes, int(args.params.get("replays", 8)))
+        ar = args.params.get("allreduce")
+        if ar:
+            cases.run_allreduce([tuple(c) for c in ar["cases"]], int(ar.get("replays", 4)))
         torch.cuda.synchronize()
         res.d["ledger"] = cases.ledger.n
         store.set(f"done{args.rank}", "1")

@@ -1,5 +1,6 @@
 """Gathers the steps' results: OUT/summary.json, OUT/summary.md, OUT/latency.png,
-OUT/latency.csv and OUT/results.tar.gz (every log and raw file); prints a short table. The
+OUT/latency.csv (and allreduce-latency.png, allreduce-latency.csv, decode.csv where those steps
+ran) and OUT/results.tar.gz (every log and raw file); prints a short table. The
 summary's second line says whether CUDA MPS ran (mps.summary).
 
     python3 report.py --work DIR --out OUTDIR --steps "env gather ..." --start EPOCH
@@ -101,7 +102,8 @@ def main():
     with open(os.path.join(a.work, "summary.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     os.makedirs(a.out, exist_ok=True)
-    for name in ("summary.json", "summary.md", "latency.png", "latency.csv"):
+    for name in ("summary.json", "summary.md", "latency.png", "latency.csv", "allreduce-latency.png",
+                 "allreduce-latency.csv", "decode.csv"):
         if os.path.exists(os.path.join(a.work, name)):
             shutil.copy(os.path.join(a.work, name), os.path.join(a.out, name))
     with tarfile.open(os.path.join(a.out, "results.tar.gz"), "w:gz") as tar:
@@ -120,13 +122,26 @@ def main():
         if len(s["failures"]) > 4:
             print(f"{'':<23}- ... {len(s['failures']) - 4} more in summary.md")
     print("\n" + m["line"][:300])
-    lat = next((s for s in steps if s["name"] == "latency"), None)
+    for lat, what in ((next((s for s in steps if s["name"] == n), None), w) for n, w in (("latency", "gather"),
+                                                                                        ("arlatency", "all-reduce"))):
+        latency_table(lat, what)
+    dec = next((s for s in steps if s["name"] == "decode"), None)
+    for g in (dec or {}).get("numbers", {}).get("goals", []):
+        print(f"decode goal {'met' if g['pass'] else 'MISSED'}: {g['goal']}"
+              + ("" if g["pass"] else " (" + ", ".join(f"batch {b}: {w}" for b, w in g["failed"]) + ")"))
+    present = ", ".join(sorted(os.listdir(a.out)))
+    print(f"\nRESULT: {'PASS' if not failed else 'FAIL: ' + ', '.join(failed)} ({total} s); {a.out}: {present}")
+    raise SystemExit(1 if failed else 0)
+
+
+def latency_table(lat, what):
+    """A latency step's medians and ratios, the short form the caller sees."""
     cmp_ = (lat or {}).get("numbers", {}).get("compare")
     if cmp_ and cmp_.get("rows"):
         L = lat["numbers"]["latency"]
         cols = [c for c in lat["numbers"].get("configs", []) if L.get(c, {}).get("graph")]
         name = f"{cmp_['a']}/{cmp_['b']}"
-        print("\nus per gather under CUDA graph replay, median (min-max):")
+        print(f"\nus per {what} under CUDA graph replay, median (min-max):")
         print(f"{'bytes':>8} " + " ".join(f"{c:>20}" for c in cols) + f" {name:>22} verdict")
         for row in cmp_["rows"]:
             b = str(row["bytes"])
@@ -135,9 +150,6 @@ def main():
         for g in lat["numbers"].get("goals", []):
             print(f"goal {'met' if g['pass'] else 'MISSED'}: {g['goal']}"
                   + ("" if g["pass"] else " (" + ", ".join(f"{measure.size_label(b)}: {w}" for b, w in g["failed"]) + ")"))
-    present = ", ".join(sorted(os.listdir(a.out)))
-    print(f"\nRESULT: {'PASS' if not failed else 'FAIL: ' + ', '.join(failed)} ({total} s); {a.out}: {present}")
-    raise SystemExit(1 if failed else 0)
 
 
 if __name__ == "__main__":

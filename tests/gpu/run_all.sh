@@ -13,8 +13,8 @@
 # tests/gpu/README.md says what each step checks.
 #
 # ROCE_GATHER_GPU_STEPS: the steps to run, by name or group (steps.py's PLAN; default: check):
-#   check  = env gather graphs capi jax pynccl abort integrity recreate latency plot   (validates the product)
-#   timing = env latency plot calibrate                               (measures it)
+#   check  = env gather graphs capi jax pynccl abort integrity recreate allreduce latency plot   (validates the product)
+#   timing = env arlatency decode calibrate latency plot                                 (measures it)
 # ROCE_GATHER_GPU_ONE_DEVICE=0: both ranks of every pair on GPU 0, under CUDA MPS (started
 # here before the first pair, stopped at the end; ROCE_GATHER_GPU_MPS=0 leaves it off).
 # ROCE_GATHER_GPU_NCCL_LIB=/path/to/libnccl.so.2: every pair runs that NCCL (LD_PRELOAD).

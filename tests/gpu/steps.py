@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+import arcases
 import calibrate
 import common
 import integrity
@@ -37,8 +38,9 @@ os.environ.update(launch.NO_MULTICAST)  # for every command a step starts, not o
 
 # The steps in the order run_all.sh runs them: (name, time limit in s, the groups it is in).
 # ROCE_GATHER_GPU_STEPS names steps and groups; "check", the default, validates the product in
-# one run; "timing" measures it. Latency comes last but plot in check: it fits its rounds into
-# what is left, so a slow run loses rounds, not a step.
+# one run; "timing" measures it. Latency comes last but plot in both: it fits its rounds into
+# what is left, so a slow run loses rounds, not a step (arlatency and decode fit theirs into
+# their own limits).
 PLAN = [
     ("env", 45, ("check", "timing")),
     ("gather", 200, ("check",)),
@@ -49,9 +51,12 @@ PLAN = [
     ("abort", 200, ("check",)),
     ("integrity", 120, ("check",)),  # one pair: mismatched calls, aborts with calls queued, overlapping launches
     ("recreate", 150, ("check",)),
+    ("allreduce", 150, ("check",)),  # three pairs: the all-reduce matrix and a CUDA graph, NCCL socket and both ways in
+    ("arlatency", 120, ("timing",)),  # 2 configs x 4 rounds
+    ("decode", 130, ("timing",)),  # 3 configs x 4 rounds
+    ("calibrate", 120, ("timing",)),
     ("latency", 250, ("check", "timing")),
     ("plot", 30, ("check", "timing")),
-    ("calibrate", 150, ("timing",)),
 ]
 DEFAULT_GROUP = "check"
 
@@ -495,12 +500,28 @@ def step_integrity(s):
                      "communicator raised\n\n"
                      + md_table(["case", "kind", "rank 0", "rank 1", "rank 0 next gather", "rank 1 next gather", "verdict"],
                                 rows))
+    mismatch_warns(s, logs)
     lines, n = evidence(rec["logs"], LIBRARY_WARN_RX, 24)
     s.d["md"].append(f"The library's WARN lines ({n} in both ranks' logs, the first 24):\n\n```\n" + "\n".join(lines) + "\n```")
     foreign = sum(integrity.call_state(c) == "foreign" for case in integrity.ORDER for r in (0, 1)
                   for c in (results[r].get(case) or {}).get("calls", []))
     s.d["headline"] = (f"{passed}/{len(integrity.ORDER)} cases as required; calls whose rows held bytes not theirs: "
                        f"{foreign}")
+
+
+def mismatch_warns(s, logs):
+    """Each rank's first WARN that the calls differ (integrity.MISMATCH_RX) in each case whose
+    calls move the same bytes but differ in collective, op or datatype, into the summary."""
+    rx, out = re.compile(integrity.MISMATCH_RX), []
+    for case in (c for c in integrity.ORDER if integrity.CASES[c]["kind"] == "mismatch"):
+        for r in (0, 1):
+            line = next((x.strip() for x in (logs[r].get(case) or "").splitlines() if rx.search(x)), None)
+            out.append(f"{case} rank {r}: {line[:300] if line else '(none)'}")
+    if out:
+        s.d["numbers"]["mismatch_warns"] = out
+        s.d["md"].append("The WARN each rank gave where the ranks' calls move the same bytes but differ in collective, op "
+                         "or datatype (the first matching /" + integrity.MISMATCH_RX + "/ of each case):\n\n```\n"
+                         + "\n".join(out) + "\n```")
 
 
 # ---- capi: NCCL's C API, no framework ------------------------------------------------------------
@@ -575,11 +596,11 @@ def step_jax(s):
     # inside ncclGroupStart/End. Both ways in run; each passes if its gathers took the path on
     # both ranks exactly as the ledger says (the first one, in a group, goes to NCCL), or took
     # NCCL's path with the line that says why. One seed: the cases are for values and the path.
-    paths = {}
+    paths, psums = {}, {}
     for c in ("intercept", "intercept-preload"):
         # The binding report: which NCCL, what the hook did, what is not reached.
         report = os.path.join(s.work, "raw", f"jax.{c}.bind.%p.jsonl")
-        rec = s.pair(f"jax.{c}", c, "jax_cases.py", "gather", 120, {"seeds": 1},
+        rec = s.pair(f"jax.{c}", c, "jax_cases.py", "gather", 120, {"seeds": 1, "psum": jax_psum_sizes(c)},
                      dict(extra, ROCE_GATHER_BIND_REPORT=report), check_stats=False)
         if rec is None:
             continue
@@ -597,8 +618,48 @@ def step_jax(s):
             paths[c] = "NCCL's path, and no line says why"
             s.fail(f"jax.{c}: the gathers did not take the intercepted path ({'; '.join(F)}) and no line says why")
         s.note(f"jax.{c}: {paths[c]} ({jax_path(rec)})")
-    s.d["numbers"]["path"] = paths
+        psums[c] = jax_psum_path(s, rec, c) if took else "NCCL's path, as the gathers'"
+    s.d["numbers"].update(path=paths, psum=psums)
     s.d["headline"] += "; " + "; ".join(f"{c}: {p.split(':')[0]}" for c, p in paths.items())
+    s.d["headline"] += "; psum " + "; ".join(f"{c}: {p}" for c, p in psums.items())
+
+
+def jax_psum_sizes(config):
+    """The psums of step jax ([dtype, bytes]): float32, bfloat16 and int32 within the all-reduce
+    window, and one bfloat16 buffer above its cap (NCCL's)."""
+    cap = allreduce_cap(config)
+    return [["float32", 16], ["float32", 4096], ["bfloat16", 8192], ["int32", 65536], ["bfloat16", cap + 2]]
+
+
+def jax_psum_path(s, rec, config):
+    """What the stats say of the psums: intercepted on both ranks as the ledger says (XLA's
+    all-reduces on the gathers' communicator, or on one of their own: their first, in a group,
+    then goes to NCCL), or, when fewer ncclAllReduce calls reached the wrapper than XLA was asked
+    for, a warning that XLA did not issue them (its own kernels, say); else a failure."""
+    res = rec["results"]
+    if not all(r and r.get("completed") and r.get("ledger") for r in res):
+        return "not judged: the run did not complete"
+    w = launch.allreduce_window(config)
+    first = None
+    for reading, key in (("on the gathers' communicator", None), ("on a communicator of their own", "psum_own_comm_ledger")):
+        F = []
+        for r in (0, 1):
+            L = res[r]["ledger"] if key is None else (res[r].get("numbers") or {}).get(key)
+            F += [f"rank {r}: {f}" for f in common.allreduce_check(rec["stats"][r], L, w)[0]]
+        if not F:
+            return f"intercepted on both ranks ({reading})"
+        first = first or F
+    asked = sum(r["eager"] + r["pre"] for by in res[0]["ledger"].get("allreduce", {}).values() for r in by.values())
+    reached = [((st or {}).get("interceptor") or {}).get("ncclAllReduce", 0) for st in rec["stats"]]
+    if min(reached) < asked:
+        s.note(f"jax.{config}: {asked} psums a rank, but {' and '.join(map(str, reached))} ncclAllReduce calls reached the "
+               "library's wrapper: XLA did not issue them as ncclAllReduce")
+        if s.d["status"] != "fail":
+            s.d["status"] = "warn"
+        return "not issued as ncclAllReduce"
+    for f in first:
+        s.fail(f"jax.{config} psum: {f}")
+    return "off the path"
 
 
 def jax_report(s, rec):
@@ -681,7 +742,8 @@ def step_pynccl(s):
     `python -m roce_gather env` prints (NCCL_NET_PLUGIN), once with LD_PRELOAD alone."""
     cap = window_cap()
     sizes = [b for b in (16, 100, 1024, 4096, 65536, 262144) if cap is None or b <= cap] + ([cap + 16] if cap else [])
-    params = {"sizes": sizes, "replays": 8}
+    ar = [list(c) for c in arcases.pynccl_cases(allreduce_cap("intercept-env"))]
+    params = {"sizes": sizes, "replays": 8, "allreduce": {"cases": ar, "replays": 4}}
     ref = s.pair("pynccl.nccl-socket", "nccl-socket", "pynccl_cases.py", "gather", 90, params)
     ref_ok = ref and all(x and x.get("completed") for x in ref["results"])
     recs, good = [ref], []
@@ -697,6 +759,7 @@ def step_pynccl(s):
         if ref_ok and all(x and x.get("completed") for x in rec["results"]):
             F, n = common.compare_digests("nccl-socket", [x["digests"] for x in ref["results"]],
                                           c, [x["digests"] for x in rec["results"]])
+            F += reference_failures(rec["run"], union(rec["results"], "ref_differs"), union(ref["results"], "ref_differs"))
             for f in F:
                 s.fail(f)
             s.note(f"pynccl.{c}: {rec['results'][0]['cases']} cases a rank; {n} outputs identical to nccl-socket's")
@@ -705,9 +768,220 @@ def step_pynccl(s):
         elif not ref_ok:
             s.fail(f"pynccl.{c}: no nccl-socket reference to compare with")
     runs_table(s, recs)
-    s.d["numbers"]["sizes"] = sizes
-    s.d["headline"] = (f"plain, grouped and graph-captured gathers of {len(sizes)} sizes; byte-exact with "
-                       f"nccl-socket's, every in-window gather intercepted: {', '.join(good) if good else 'none'}")
+    ar_runs_table(s, recs)
+    s.d["numbers"].update(sizes=sizes, allreduce=ar)
+    s.d["headline"] = (f"plain, grouped and graph-captured gathers of {len(sizes)} sizes and all-reduces of {len(ar)} "
+                       f"(out of place, in place); byte-exact with nccl-socket's, every in-window call intercepted: "
+                       f"{', '.join(good) if good else 'none'}")
+
+
+# ---- allreduce: the all-reduce matrix through PyTorch -----------------------------------------
+
+# Each intercepted way in beside NCCL's socket transport, every pair with the agreement's line
+# (INFO, INIT): it names both windows.
+AR_RUNS = ["intercept", "intercept-preload"]
+AR_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
+AGREEMENT_RX = (r"one-shot gather and all-reduce on for communicator 0x[0-9a-f]+, rank (\d) of 2 \(peer [^)]*\): "
+                r"gather window (\d+) to (\d+) bytes a rank, all-reduce window (\d+) to (\d+) bytes")
+AR_CAP_OFF = 512 << 10  # the matrix's cap where the all-reduce is off by default: every size still runs
+
+
+def allreduce_cap(config="intercept"):
+    """The cap of config's all-reduce window (bytes of the buffer), where the steps put sizes
+    above it; AR_CAP_OFF where the all-reduce is off."""
+    w = launch.allreduce_window(config)
+    return w[1] if w else AR_CAP_OFF
+
+
+def step_allreduce(s):
+    """arcases' matrix and CUDA graph (allreduce_cases.py) on NCCL's socket transport and on both
+    ways in, judged by allreduce_judge."""
+    params = {"cap": allreduce_cap(), "replays": 16}
+    recs = [s.pair("allreduce.nccl-socket", "nccl-socket", "allreduce_cases.py", "matrix", 120, params, AR_ENV)]
+    for c in AR_RUNS:
+        recs.append(s.pair(f"allreduce.{c}", c, "allreduce_cases.py", "matrix", 120, params, AR_ENV))
+    allreduce_judge(s, recs, params["cap"])
+
+
+def completed(rec):
+    return bool(rec) and all(x and x.get("completed") for x in rec["results"])
+
+
+def union(res, key):
+    """numbers[key] of both ranks' results, merged ({case: why}, rank 0's first)."""
+    out = {}
+    for r in (1, 0):
+        out.update(((res[r] or {}).get("numbers") or {}).get(key) or {})
+    return out
+
+
+def reference_failures(run, differs, ref_differs):
+    """The cases of an intercepted run whose output is not op(x0, x1) in rank order (differs:
+    {case: why}) where NCCL's own output (nccl-socket's, ref_differs) is: where NCCL's is not
+    either, the comparison of the two runs' bytes rules."""
+    return [f"{run} {k}: not op(x0, x1) in rank order: {why}" for k, why in differs.items() if k not in ref_differs]
+
+
+def agreement_lines(rec):
+    """Each rank's agreement lines (AGREEMENT_RX) in its log: [[(gather window, all-reduce window), ...], ...]."""
+    out = []
+    for p in rec["logs"]:
+        try:
+            with open(p, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            text = ""
+        out.append([((int(m[1]), int(m[2])), (int(m[3]), int(m[4]))) for m in re.findall(AGREEMENT_RX, text)])
+    return out
+
+
+def allreduce_judge(s, recs, cap):
+    """The verdicts of the all-reduce matrix's runs (recs: nccl-socket's first): every run byte-
+    identical on both ranks and, each intercepted one, to nccl-socket's case by case; the
+    element-wise reference op(x0, x1) in rank order met wherever NCCL's own result meets it (where
+    NCCL's does not, a note: the standard is NCCL's); a call torch refused on an intercepted run
+    but not on nccl-socket a failure; the classes each intercepted run took, read from its class
+    blocks (common.observe_classes: the required ones taken, the size alone deciding); the
+    agreement's line naming both windows as launch.py works them out. The stats against the
+    ledger are launch.run_pair's (judge_stats)."""
+    ref = recs[0] if recs and recs[0] and recs[0]["config"] == "nccl-socket" else None
+    ref_ok = completed(ref)
+    ref_differs = union(ref["results"], "ref_differs") if ref_ok else {}
+    ref_refused = union(ref["results"], "refused") if ref_ok else {}
+    rows, classes, good, nccl_own = [], {}, [], []
+    for rec in recs:
+        if rec is None:
+            continue
+        run, c, res = rec["run"], rec["config"], rec["results"]
+        if not completed(rec):
+            rows.append([run, "-", "did not complete", "-", "-", "-", "-", "-"])
+            continue
+        F = []
+        d0, d1 = res[0]["digests"], res[1]["digests"]
+        split = [k for k in sorted(set(d0) | set(d1)) if d0.get(k) != d1.get(k)]
+        F += [f"{run} {k}: the ranks' outputs differ" + ("" if k in d0 and k in d1 else " (one rank has no output)")
+              for k in split[:12]]
+        if len(split) > 12:
+            F.append(f"{run}: ... and {len(split) - 12} more cases whose outputs differ between the ranks")
+        same = "-"
+        if rec is not ref and ref_ok:
+            G, n = common.compare_digests("nccl-socket", [x["digests"] for x in ref["results"]], c,
+                                          [x["digests"] for x in res])
+            F += G[:12] + ([f"{run}: ... and {len(G) - 12} more outputs that differ from nccl-socket's"] if len(G) > 12 else [])
+            same = f"{n - len(G)}/{n}"
+        elif rec is not ref:
+            F.append(f"{run}: no nccl-socket run to compare with")
+        differs = union(res, "ref_differs")
+        if rec is ref:
+            nccl_own += [f"{k}: {why}" for k, why in differs.items()]
+        else:
+            F += reference_failures(run, differs, ref_differs)
+        refused = union(res, "refused")
+        for k, why in refused.items():
+            if rec is not ref and k not in ref_refused:
+                F.append(f"{run} {k}: refused ({why}), though nccl-socket's run took it")
+        taken = "-"
+        if launch.uses_plugin(c):
+            w = launch.allreduce_window(c)
+            for r in (0, 1):
+                _, G, crow = common.observe_classes(res[r]["numbers"].get("ar_blocks"), w)
+                F += [f"{run} rank {r}: {g}" for g in G]
+                if r == 0:
+                    classes[c] = crow
+            n_taken = sum(1 for x in classes.get(c, []) if x["state"])
+            taken = f"{n_taken}/{len(classes.get(c, []))}"
+            F += agreement_failures(rec, c)
+        for f in F:
+            s.fail(f)
+        if not F and not rec["failures"] and rec is not ref:
+            good.append(c)
+        missing = res[0]["numbers"].get("missing_dtypes") or []
+        if missing:
+            s.note(f"{run}: torch {res[0]['numbers'].get('torch', '?')} has no {', '.join(missing)}: not run")
+        rows.append([run, res[0]["cases"], f"{len(d0) - len(split)}/{len(d0)}", same,
+                     f"{len(differs)} (NCCL's own: {len(ref_differs)})" if rec is not ref else len(differs),
+                     len(refused), taken, "yes" if not split and not F else "no"])
+    s.d["md"].append(f"The all-reduce matrix (arcases.py: every op x datatype, sizes from one element to past the "
+                     f"all-reduce cap of {measure.size_label(cap)}, odd counts, in place, copy-then-reduce, odd addresses, "
+                     "special values) and a CUDA graph of six all-reduces replayed 16 times with new data, per run: "
+                     "outputs equal on both ranks, equal to nccl-socket's, not op(x0, x1) in rank order (where the "
+                     "reference holds), refused by torch, classes the library took\n\n"
+                     + md_table(["run", "cases a rank", "ranks identical", "identical to nccl-socket", "not op(x0, x1)",
+                                 "refused", "classes taken", "ok"], rows))
+    for c, crow in classes.items():
+        s.d["md"].append(class_table(c, crow))
+    if nccl_own:
+        s.note(f"NCCL's own result is not op(x0, x1) in rank order in {len(nccl_own)} cases (the reference does not hold "
+               "there; the intercepted runs are held to NCCL's bytes)")
+        s.d["md"].append("Where NCCL's own result (nccl-socket) is not op(x0, x1) in rank order, the first 12:\n\n```\n"
+                         + "\n".join(nccl_own[:12]) + "\n```")
+    if ref_refused:
+        s.d["md"].append("Calls torch or NCCL refused on nccl-socket (the same is allowed on the intercepted runs), the "
+                         "first 12:\n\n```\n" + "\n".join(f"{k}: {v}" for k, v in list(ref_refused.items())[:12]) + "\n```")
+    ar_runs_table(s, recs)
+    s.d["numbers"].update(cap=cap, window={c: launch.allreduce_window(c) for c in AR_RUNS},
+                          classes={c: {x["class"]: x["state"] for x in crow} for c, crow in classes.items()},
+                          nccl_not_reference=len(nccl_own))
+    cases = next((r["results"][0]["cases"] for r in recs if completed(r)), 0)
+    s.d["headline"] = (f"{cases} all-reduces a rank, cap {measure.size_label(cap)}; byte-identical on both ranks and to "
+                       f"nccl-socket's, every in-window all-reduce intercepted: {', '.join(good) if good else 'none'}")
+
+
+def agreement_failures(rec, config):
+    """The agreement's line on both ranks, naming the windows launch.py works out for config."""
+    want = (launch.intercept_window(config), launch.allreduce_window(config))
+    if want[0] is None or want[1] is None:
+        return []  # a collective off: what the line says then is not fixed
+    F = []
+    for r, lines in enumerate(agreement_lines(rec)):
+        if not lines:
+            F.append(f"{rec['run']} rank {r}: no agreement line (\"one-shot gather and all-reduce on for communicator "
+                     "...\") in its log")
+        elif any(w != want for w in lines):
+            got = next(w for w in lines if w != want)
+            F.append(f"{rec['run']} rank {r}: the agreement names gather window {got[0][0]} to {got[0][1]} and all-reduce "
+                     f"window {got[1][0]} to {got[1][1]}; expected {want[0][0]} to {want[0][1]} and {want[1][0]} to "
+                     f"{want[1][1]} (plugin/config.go's defaults and the config's variables)")
+    return F
+
+
+def class_table(config, crow):
+    """The path each class took in a run (common.observe_classes' rows), a datatype a row."""
+    by = {(x["class"].split("/")[1], x["class"].split("/")[0]): x for x in crow}
+    mark = {True: "taken", False: "NCCL", None: "?"}
+    rows = []
+    for d in arcases.DTYPES:
+        if not any((d, op) in by for op in arcases.OPS):
+            continue
+        cells = []
+        for op in arcases.OPS:
+            x = by.get((d, op))
+            cells.append("-" if x is None else mark[x["state"]] + ("" if x["state"] is not None else f" ({x['what']})")
+                         + ("" if x["required"] or x["state"] is None else " (the library's choice)"))
+        rows.append([d] + cells)
+    return (f"The path each class took in {config} (rank 0: the change of {common.AR_SECTION}.launches over its "
+            "block against its calls within the window; taken: exactly those, NCCL: none; the issue requires every op "
+            "on the eight non-fp8 types taken, avg on the integer types and fp8 are the library's choice)\n\n"
+            + md_table(["datatype"] + list(arcases.OPS), rows))
+
+
+def ar_runs_table(step, recs):
+    """ROCE_GATHER_STATS' intercepted_allreduce of every run that loads the library, per rank."""
+    rows = []
+    for rec in recs:
+        if rec is None:
+            continue
+        for r, st in enumerate(rec["stats"]):
+            b = common.stats_brief(st)
+            if b is not None:
+                rows.append([rec["run"], r, b["way_in"], b["ar_calls"], b["ar_launches"], b["ar_forwarded"],
+                             b["ar_allreduces"], b["ar_errors"], b["ar_p50_us"], b["ar_p99_us"], b["ar_max_us"]])
+    if rows:
+        step.d["md"].append("ROCE_GATHER_STATS per rank, the intercepted all-reduce (calls: ncclAllReduce calls that "
+                            "reached the wrapper; launches: those the path took, a captured call once; forwarded: "
+                            "handed to NCCL; allreduces: all-reduces its kernel finished, graph replays included)\n\n"
+                            + md_table(["run", "rank", "way in", "calls", "launches", "forwarded", "allreduces", "errors",
+                                        "p50 us", "p99 us", "max us"], rows))
 
 
 # ---- latency: the intercepted gather against NCCL socket -----------------------------------------
@@ -719,10 +993,14 @@ def complete_samples(rec):
     return n.get("samples") if n.get("agreed") else None
 
 
-def step_latency(s):
-    configs, params = plans.LATENCY_CONFIGS, plans.LATENCY_PARAMS
-    sizes = params["sizes"]
-    rounds = int(os.environ.get("ROCE_GATHER_GPU_LATENCY_ROUNDS", plans.LATENCY_ROUNDS))
+def timed_rounds(s, plan):
+    """The pairs of a timed step's plan (plans.GATHER, ALLREDUCE, DECODE): its rounds
+    (ROCE_GATHER_GPU_*_ROUNDS, plan["rounds_env"], or plan["rounds"]) of its configs, each round
+    in a rotated order so that drift falls on all alike, a round started only while the longest
+    one so far fits in what the step has left; every sample into plan["csv"]. Returns (runs:
+    [(config, round, samples)], the pairs' records, rounds done)."""
+    configs, params = plan["configs"], plan["params"]
+    rounds = int(os.environ.get(plan["rounds_env"], plan["rounds"]))
     m = mps.summary(s.work)
     if os.environ.get("ROCE_GATHER_GPU_ONE_DEVICE") is not None and not m["used"]:
         s.note("no MPS on one GPU: the ranks time-share it, these timings say little about the transports")
@@ -735,39 +1013,54 @@ def step_latency(s):
             break
         t0 = time.time()
         for c in order:
-            rec = s.pair(f"latency.r{r}.{c}", c, "bench.py", "latency", 60, params)
+            rec = s.pair(f"{plan['step']}.r{r}.{c}", c, "bench.py", "latency", 60, params)
             recs.append(rec)
             smp = complete_samples(rec)
             if smp:
                 runs.append((c, r, smp))
             elif rec:
-                s.note(f"latency.r{r}.{c}: no complete samples (its partial ones are left out)")
+                s.note(f"{plan['step']}.r{r}.{c}: no complete samples (its partial ones are left out)")
         done, longest = r + 1, max(longest, time.time() - t0)
     rows = [[c, mode, b, r, i, f"{us:.3f}"] for c, r, smp in runs for mode, by in smp.items()
             for b, xs in sorted(by.items(), key=lambda kv: int(kv[0])) for i, us in enumerate(xs)]
-    measure.write_csv(os.path.join(s.work, "latency.csv"), ["config", "mode", "bytes_per_rank", "round", "rep",
-                                                            "us_per_gather"], rows)
-    s.d["numbers"].update(rounds=done, mps=m["line"], configs=configs, csv="latency.csv")
-    latency_intercept(s, runs, sizes, done, params["reps"], recs)
+    measure.write_csv(os.path.join(s.work, plan["csv"]), ["config", "mode", plan.get("size_column", "bytes_per_rank"),
+                                                          "round", "rep", plan["column"]], rows)
+    s.d["numbers"].update(rounds=done, mps=m["line"], configs=configs, csv=plan["csv"])
+    return runs, recs, done
+
+
+def step_latency(s):
+    runs, recs, done = timed_rounds(s, plans.GATHER)
+    latency_intercept(s, runs, plans.LATENCY_SIZES, done, plans.LATENCY_PARAMS["reps"], recs)
     runs_table(s, recs)
 
 
-def latency_intercept(s, runs, sizes, rounds, reps, recs):
+def step_arlatency(s):
+    """The intercepted all-reduce against NCCL socket under graph replay (bench.py's
+    AllReduceCase), judged against the issue's goals as step latency judges the gather."""
+    plan = plans.ALLREDUCE
+    runs, recs, done = timed_rounds(s, plan)
+    latency_intercept(s, runs, plan["sizes"], done, plan["params"]["reps"], recs, plan)
+    ar_runs_table(s, recs)
+
+
+def latency_intercept(s, runs, sizes, rounds, reps, recs, plan=plans.GATHER):
     """The intercepted path against NCCL socket under graph replay: the goal table, every
-    config side by side, and the proxy's naps."""
+    config side by side, and (gathers) the proxy's naps."""
     num = s.d["numbers"]
+    gather = plan["what"] == "gather"
     table = measure.pooled([(c, smp) for c, _, smp in runs], "graph")
     num["latency"] = {c: {"graph": {str(b): measure.summarize(xs) for b, xs in by.items()}} for c, by in table.items()}
     if not table:
         s.fail("no graph-replay samples: nothing measured")
         s.d["headline"] = "no latency measured"
         return
-    window = launch.intercept_window("intercept")
-    rows = plans.latency_rows(table, window)
-    goals = plans.latency_goals(table, window)
-    spread = measure.worst_spread(table, plans.LATENCY_CONFIGS, sizes)
-    s.d["md"].append(plans.latency_markdown_intercept(rows, goals, rounds, reps, spread, window))
-    naps = proxy_naps(recs)
+    window = launch.intercept_window("intercept") if gather else launch.allreduce_window("intercept")
+    rows = plans.latency_rows(table, window, plans.gather_size_goal if gather else plans.allreduce_size_goal)
+    goals = plans.latency_goals(table, window, None if gather else plans.allreduce_goals(window))
+    spread = measure.worst_spread(table, plan["configs"], sizes)
+    s.d["md"].append(plans.latency_markdown_intercept(rows, goals, rounds, reps, spread, window, plan))
+    naps = proxy_naps(recs) if gather else []
     if naps:
         s.d["md"].append("The proxy's naps (ROCE_GATHER_STATS, both ranks' sums over a config's pairs): how often it "
                          "went to sleep after being idle, and how often it found a gather in flight right after a "
@@ -791,6 +1084,65 @@ def latency_intercept(s, runs, sizes, rounds, reps, recs):
     pick = [b for b in (16, 4096, 65536, 262144, 1 << 20, 4 << 20) if r.get(b)]
     s.d["headline"] = (f"goals met: {len(goals) - len(missed)}/{len(goals)}; intercept/socket "
                        + ", ".join(f"{measure.size_label(b)} {measure.fmt_ratio(r[b])}" for b in pick))
+
+
+# ---- decode: a tensor-parallel decode step, NCCL socket against the intercepted configs --------
+
+def step_decode(s):
+    """bench.py's DecodeCase at batch 1 and 4 (plans.DECODE), the configs interleaved: every
+    step's output byte-identical on both ranks and across configs, and each intercepted config's
+    median step against the issue's goal (plans.decode_goals)."""
+    plan = plans.DECODE
+    runs, recs, done = timed_rounds(s, plan)
+    table = measure.pooled([(c, smp) for c, _, smp in runs], "graph")
+    num = s.d["numbers"]
+    num["decode"] = {c: {str(b): measure.summarize(xs) for b, xs in by.items()} for c, by in table.items()}
+    num["model"] = plans.DECODE_MODEL
+    digest_failures(s, recs, [f"decode/batch{b}/{k}" for b in plan["sizes"] for k in ("logits", "hidden")])
+    if not table:
+        s.fail("no graph-replay samples: nothing measured")
+        s.d["headline"] = "no decode step measured"
+        return
+    gw, aw = launch.intercept_window("intercept"), launch.allreduce_window("intercept")
+    paths = {b: plans.decode_paths(b, gw, aw, plans.decode_sizes(b)) for b in plan["sizes"]}
+    goals = plans.decode_goals(table, plan["configs"])
+    s.d["md"].append(plans.decode_markdown(table, goals, done, plan["params"]["reps"], paths, plans.DECODE_MODEL,
+                                           plan["configs"]))
+    runs_table(s, recs)
+    ar_runs_table(s, recs)
+    missing = [(c, b) for c in plan["configs"] for b in plan["sizes"] if not table.get(c, {}).get(b)]
+    if missing:
+        s.fail("not measured: " + ", ".join(f"{c} at batch {b}" for c, b in missing))
+    missed = [g for g in goals if not g["pass"]]
+    if missed and s.d["status"] != "fail":
+        s.d["status"] = "warn"
+    for g in missed:
+        s.note(f"goal missed: {g['goal']}: " + ", ".join(f"batch {b} ({w})" for b, w in g["failed"]))
+    ratios = {(c, b): measure.ratio(measure.summarize(table.get(c, {}).get(b)),
+                                    measure.summarize(table.get("nccl-socket", {}).get(b)))
+              for c in plan["configs"] if c != "nccl-socket" for b in plan["sizes"]}
+    num.update(goals=[{k: g[k] for k in ("goal", "pass", "failed")} for g in goals], paths=paths,
+               ratios={f"{c}/batch{b}": r for (c, b), r in ratios.items()})
+    s.d["headline"] = (f"goals met: {len(goals) - len(missed)}/{len(goals)}; intercept/socket "
+                       + ", ".join(f"batch {b} {measure.fmt_ratio(ratios.get(('intercept', b)))}" for b in plan["sizes"]))
+
+
+def digest_failures(s, recs, keys):
+    """Every pair's outputs of keys the same on both ranks and in every pair (the first complete
+    nccl-socket pair's, else the first complete pair's, is the reference)."""
+    done = [r for r in recs if completed(r)]
+    ref = next((r for r in done if r["config"] == "nccl-socket"), done[0] if done else None)
+    if ref is None:
+        return
+    want = ref["results"][0].get("digests") or {}
+    for rec in done:
+        for r in (0, 1):
+            got = rec["results"][r].get("digests") or {}
+            for k in keys:
+                if k not in got or k not in want:
+                    s.fail(f"{rec['run']} rank {r}: no digest of {k}")
+                elif got[k] != want[k]:
+                    s.fail(f"{rec['run']} rank {r}: {k} differs from {ref['run']} rank 0's")
 
 
 def proxy_naps(recs):
@@ -832,21 +1184,32 @@ def step_calibrate(s):
         res1 = rec["results"][1]
         if w and res1 and res1.get("completed") and res1.get("ledger"):  # rank 1 took the path too
             F, _ = common.intercept_check(rec["stats"][1], res1["ledger"], w)
+            if res1["ledger"].get("allreduce"):
+                F += common.allreduce_check(rec["stats"][1], res1["ledger"], launch.allreduce_window(c))[0]
             for f in F:
                 s.fail(f"calibrate.{i}.{role} rank 1 stats: {f}")
     a = calibrate.analyse(runs)
     for f in a["failures"]:
         s.fail(f)
     s.d["md"].append("The calibration (calibrate.py, the same analysis a user's run gets): NCCL's own transport "
-                     "(nccl-socket) against the intercepted path with its window opened over every size "
-                     "(intercept-wide):\n\n" + calibrate.report(a))
+                     "(nccl-socket) against the intercepted path with both windows opened over every size "
+                     "(intercept-wide), the gather and the all-reduce:\n\n" + calibrate.report(a))
     runs_table(s, recs)
-    w = a["window"]
-    s.d["numbers"].update(window={"floor": w["floor"], "cap": w["cap"], "notes": w["notes"], "runs": w["runs"]},
-                          env=a["env"], rounds=rounds)
-    s.d["headline"] = (("no answer: checks failed" if a["failures"] else
-                        f"the intercepted path never wins beyond the spread: {a['env']}" if w["floor"] is None else
-                        f"window {measure.size_label(w['floor'])} to {measure.size_label(w['cap'])}: {a['env']}"))
+    ar_runs_table(s, recs)
+
+    def brief(w):
+        return {"floor": w["floor"], "cap": w["cap"], "notes": w["notes"], "runs": w["runs"]}
+    ar = a.get("allreduce")
+    s.d["numbers"].update(window=brief(a["window"]), env=a["env"], rounds=rounds,
+                          allreduce=ar and {"window": brief(ar["window"]), "env": ar["env"]})
+
+    def said(w, env):
+        return (f"never wins beyond the spread: {env}" if w["floor"] is None else
+                f"window {measure.size_label(w['floor'])} to {measure.size_label(w['cap'])}: {env}")
+    s.d["headline"] = ("no answer: checks failed" if a["failures"] else
+                       "gather " + said(a["window"], a["env"])
+                       + (f"; all-reduce {said(ar['window'], ar['env'] or 'ROCE_GATHER_ENABLE=0 covers it')}" if ar else
+                          "; no all-reduce measured"))
 
 
 # ---- recreate: the default process group destroyed and created again -----------------------------
@@ -914,19 +1277,28 @@ def step_recreate(s):
 
 # ---- plot ----------------------------------------------------------------------------------------
 
+# The plots: (a timed step's CSV, its plot, what it times).
+PLOTS = [("latency.csv", "latency.png", "gather"), ("allreduce-latency.csv", "allreduce-latency.png", "all-reduce")]
+
+
 def step_plot(s):
-    src = os.path.join(s.work, "latency.csv")
-    rows = 0
-    if os.path.exists(src):
-        with open(src) as f:
-            rows = len(f.readlines()) - 1
-    if rows <= 0:
+    made = []
+    for src, dst, what in PLOTS:
+        path = os.path.join(s.work, src)
+        rows = 0
+        if os.path.exists(path):
+            with open(path) as f:
+                rows = len(f.readlines()) - 1
+        if rows <= 0:
+            continue
+        import plot
+        plot.plot(path, os.path.join(s.work, dst), what)
+        made.append(dst)
+    if not made:
         s.d["status"] = "skip"
-        s.d["headline"] = "no latency.csv rows (the latency step failed)"
+        s.d["headline"] = "no latency.csv or allreduce-latency.csv rows (the latency steps did not run or failed)"
         return
-    import plot
-    plot.plot(src, os.path.join(s.work, "latency.png"))
-    s.d["headline"] = "latency.png"
+    s.d["headline"] = ", ".join(made)
 
 
 def main():

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from unittest import mock
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import arcases  # noqa: E402
 import calibrate  # noqa: E402
 import common  # noqa: E402
 import integrity  # noqa: E402
@@ -34,6 +36,20 @@ import mps  # noqa: E402
 import plans  # noqa: E402
 import report  # noqa: E402
 import steps  # noqa: E402
+
+
+def setUpModule():
+    """Where this checkout's plugin/config.go holds no all-reduce window yet, the steps' logic is
+    checked against a stand-in default: the gather's window of the same fabric (a config file
+    given by path is still read)."""
+    try:
+        common.default_allreduce_window(launch.INTERCEPT_FABRIC)
+    except ValueError:
+        real = common.default_allreduce_window
+        p = mock.patch.object(common, "default_allreduce_window",
+                              lambda fabric, path=None: real(fabric, path) if path else common.default_window(fabric))
+        p.start()
+        unittest.addModuleCleanup(p.stop)
 
 
 def read(path):
@@ -175,12 +191,17 @@ class StepPlanTest(unittest.TestCase):
 
     def test_groups_and_order(self):
         self.assertEqual([n for n, _ in steps.plan(["check"])],
-                         ["env", "gather", "graphs", "capi", "jax", "pynccl", "abort", "integrity", "recreate", "latency",
-                          "plot"])
-        self.assertEqual([n for n, _ in steps.plan(["timing"])], ["env", "latency", "plot", "calibrate"])
+                         ["env", "gather", "graphs", "capi", "jax", "pynccl", "abort", "integrity", "recreate", "allreduce",
+                          "latency", "plot"])
+        # The all-reduce's speed, the decode step and the calibration first; latency fits into what is left.
+        self.assertEqual([n for n, _ in steps.plan(["timing"])], ["env", "arlatency", "decode", "calibrate", "latency",
+                                                                  "plot"])
         # Each once, in the plan's order, whatever the order asked.
         self.assertEqual(steps.plan(["plot", "gather", "timing", "gather"]),
-                         [("env", 45), ("gather", 200), ("latency", 250), ("plot", 30), ("calibrate", 150)])
+                         [("env", 45), ("gather", 200), ("arlatency", 120), ("decode", 130), ("calibrate", 120),
+                          ("latency", 250), ("plot", 30)])
+        # timing's limits but latency's leave it 30 s of the default budget at the least: it takes what is left.
+        self.assertLessEqual(sum(limit for n, limit in steps.plan(["timing"]) if n != "latency"), 480 - 30)
         self.assertEqual(steps.plan([]), [])
         with self.assertRaisesRegex(ValueError, "names 'sweep', 'intercept': neither a step .* nor a group "
                                                 r"\(check, timing\)"):
@@ -1182,7 +1203,9 @@ class PtxasTest(unittest.TestCase):
             self.assertEqual(steps.find_ptxas(), os.path.join(cuda, "ptxas"))
 
 
-class StepsTest(unittest.TestCase):
+class StepHarness(unittest.TestCase):
+    """A work dir, and run_step: a step run against a fake launch.run_pair."""
+
     def setUp(self):
         self.work = tempfile.mkdtemp()
         for d in ("logs", "raw", "steps"):
@@ -1203,6 +1226,9 @@ class StepsTest(unittest.TestCase):
         with open(os.path.join(self.work, "steps", name + ".meta"), "w") as f:
             f.write("0 10")
         return d
+
+
+class StepsTest(StepHarness):
 
     def test_latency_fails_without_data(self):
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
@@ -1389,20 +1415,30 @@ class StepsTest(unittest.TestCase):
                                          "(make all builds it)"])
         self.assertEqual(calls, [])
 
-    def jax_fake(self, seen, taken, why):
-        """A JAX pair: 3 grouped gathers of 16 B a rank; taken: the stats show them on the path
-        (the first at NCCL) on both ranks; why: a line the logs hold."""
-        L = common.Ledger()
+    def jax_fake(self, seen, taken, why, psum="same"):
+        """A JAX pair: 3 grouped gathers of 16 B a rank, then 2 psums of 16 B; taken: the stats show the
+        gathers on the path (the first at NCCL) on both ranks; psum: the stats show the psums on the
+        path on the gathers' communicator ("same"), on one of their own ("own": the first to NCCL),
+        none of them reaching the wrapper ("none"), or off the path ("off"); why: a line the logs hold."""
+        L, alt = common.Ledger(), common.Ledger()
         for _ in range(3):
             L.gather(16, grouped=True)
+            alt.gather(16, grouped=True)
+        for _ in range(2):
+            L.allreduce(16, "sum", "float32", grouped=True)
+            alt.allreduce(16, "sum", "float32", grouped=True, comm="psum")
 
         def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
             seen.append(dict(config=config, params=params, check_stats=kw.get("check_stats")))
-            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 3, "numbers": {"jax": "0.7"},
+            res = {"completed": True, "failures": [], "n_failures": 0, "cases": 5,
+                   "numbers": {"jax": "0.7", "psum_own_comm_ledger": json.loads(json.dumps(alt.n))},
                    "ledger": json.loads(json.dumps(L.n))}
             rec = record(run, config, {}, work, results=[res, dict(res)], sizes=[16])
             st = istats(2, 2, 32, 32, forwarded=1, way_in="hooked") if taken[config] else \
                 istats(0, 0, forwarded=3, way_in="refused")
+            n = {"same": 2, "own": 1, "none": 0, "off": 0}[psum] if taken[config] else 0
+            st[common.AR_SECTION] = {"launches": n, "allreduces": n, "forwarded": 2 - n, "errors": 0}
+            st.setdefault("interceptor", {})["ncclAllReduce"] = 0 if psum == "none" else 2
             rec["stats"] = [st, st]
             with open(rec["logs"][1], "a") as f:
                 f.write(why.get(config, "") + "\n")
@@ -1415,8 +1451,14 @@ class StepsTest(unittest.TestCase):
                    "ncclAllGather (first bytes cc 90 90 90 90): at +0: an opcode the decoder does not take (bytes cc)")
         d = self.run_step("jax", self.jax_fake(seen, {"intercept": False, "intercept-preload": True},
                                                {"intercept": refused}))
-        self.assertEqual(seen, [{"config": c, "params": {"seeds": 1}, "check_stats": False}
+        cap = launch.allreduce_window("intercept")[1]
+        psums = [["float32", 16], ["float32", 4096], ["bfloat16", 8192], ["int32", 65536], ["bfloat16", cap + 2]]
+        self.assertEqual(seen, [{"config": c, "params": {"seeds": 1, "psum": psums}, "check_stats": False}
                                 for c in ("intercept", "intercept-preload")])
+        # The gathers of intercept took NCCL's path, with the line saying why: its psums are not judged.
+        self.assertEqual(d["numbers"]["psum"], {"intercept": "NCCL's path, as the gathers'",
+                                                "intercept-preload": "intercepted on both ranks (on the gathers' "
+                                                                     "communicator)"})
         self.assertEqual(d["status"], "pass", d["failures"])
         self.assertEqual(d["numbers"]["path"]["intercept-preload"], "intercepted on both ranks")
         self.assertTrue(d["numbers"]["path"]["intercept"].startswith("NCCL's path: ") and
@@ -1433,6 +1475,22 @@ class StepsTest(unittest.TestCase):
         self.assertIn("jax.intercept-preload: the gathers did not take the intercepted path (rank 0: "
                       "interceptor.way_in='refused', expected 'hooked'", d["failures"][0])
         self.assertIn("rank 1: intercepted.launches=0 gathers=0; expected launches=2 gathers=2", d["failures"][0])
+
+    def test_jax_psum(self):
+        both = {"intercept": True, "intercept-preload": True}
+        d = self.run_step("jax", self.jax_fake([], both, {}, psum="own"))
+        self.assertEqual(d["status"], "pass", d["failures"])
+        self.assertEqual(set(d["numbers"]["psum"].values()), {"intercepted on both ranks (on a communicator of their own)"})
+        d = self.run_step("jax", self.jax_fake([], both, {}, psum="none"))
+        self.assertEqual(d["status"], "warn", d["failures"])
+        self.assertIn("jax.intercept: 2 psums a rank, but 0 and 0 ncclAllReduce calls reached the library's wrapper: XLA "
+                      "did not issue them as ncclAllReduce", d["notes"])
+        d = self.run_step("jax", self.jax_fake([], both, {}, psum="off"))
+        self.assertEqual(d["status"], "fail")
+        self.assertEqual(d["failures"][0], "jax.intercept psum: rank 0: intercepted_allreduce.launches=0 allreduces=0; "
+                                           f"expected launches=2 allreduces=2 (all-reduce window 0 to "
+                                           f"{launch.allreduce_window('intercept')[1]} bytes); the difference is exactly "
+                                           "the calls of sum/float32: the library leaves them to NCCL")
 
     def test_pynccl_step(self):
         calls = []
@@ -1457,14 +1515,18 @@ class StepsTest(unittest.TestCase):
                          [("pynccl.nccl-socket", "nccl-socket", "pynccl_cases.py"),
                           ("pynccl.intercept-env", "intercept-env", "pynccl_cases.py"),
                           ("pynccl.intercept-preload", "intercept-preload", "pynccl_cases.py")])
-        self.assertEqual(calls[0][3], {"sizes": [16, 100, 1024, 4096, 65536, 262144, 262160], "replays": 8})
+        cap = launch.allreduce_window("intercept-env")[1]
+        self.assertEqual(calls[0][3], {"sizes": [16, 100, 1024, 4096, 65536, 262144, 262160], "replays": 8,
+                                       "allreduce": {"cases": [list(c) for c in arcases.pynccl_cases(cap)], "replays": 4}})
+        self.assertEqual(calls[0][3]["allreduce"]["cases"][:6], [["sum", "bfloat16", n] for n in
+                                                                 (8, 50, 4096, 32768, cap // 2, cap // 2 + 1)])
         self.assertIsNone(calls[0][4])
         self.assertTrue(calls[1][4]["ROCE_GATHER_BIND_REPORT"].endswith("raw/pynccl.intercept-env.bind.%p.jsonl"))
         # The preload run's replay differs from nccl-socket's: a failure naming it; the env run passes.
         self.assertEqual(d["status"], "fail")
         self.assertEqual(d["failures"], [f"rank {r} pynccl/graph/replay0/16B: output of intercept-preload differs from "
                                          "nccl-socket" for r in (0, 1)])
-        self.assertIn("every in-window gather intercepted: intercept-env", d["headline"])
+        self.assertIn("every in-window call intercepted: intercept-env", d["headline"])
         self.assertTrue(any("7: hooked at NCCL init: 2 functions" in m for m in d["md"]), d["md"])
 
     def abort_fake(self, calls, launches=5):
@@ -1679,11 +1741,15 @@ class CalibrateDriverTest(unittest.TestCase):
 
 def fake_torch():
     """Modules torch, torch.cuda, torch.distributed standing in for PyTorch in one process:
-    tensors are keys, a gather computes the key of the right output, a CUDA graph records the
-    gathers made while capturing and repeats them at replay, time advances 25 µs a gather.
-    `counts` says how many AllGathers were enqueued (eager calls and captured ones) and run."""
+    tensors are keys, a gather computes the key of the right output, an all-reduce of a
+    pattern's key the key of op(both ranks' patterns) (others keep theirs, or become the key of
+    their sum), arithmetic makes a key of its operands, a CUDA graph records the collectives,
+    copies and kernels made while capturing and runs them at replay, time advances 25 µs a
+    collective. `counts` says
+    how many AllGathers ("enq", "exec") and AllReduces ("ar_enq", "ar_exec") were enqueued
+    (eager calls and captured ones) and run."""
     import types
-    counts = {"enq": 0, "exec": 0, "clock": 0}
+    counts = {"enq": 0, "exec": 0, "ar_enq": 0, "ar_exec": 0, "clock": 0}
     capturing = []
 
     class T:
@@ -1701,7 +1767,9 @@ def fake_torch():
             return list(self.key[1])
 
         def copy_(self, other):
-            self.key = other.key
+            def do():
+                self.key = other.key
+            later(do)
             return self
 
         def to(self, device):
@@ -1711,18 +1779,62 @@ def fake_torch():
             self.key = ("fill", value)
             return self
 
+        def clone(self):
+            return T(self.key)
+
+        def view(self, *shape):
+            return self
+
+        def numpy(self):
+            return repr(self.key).encode()
+
+        def __getitem__(self, i):
+            return Part(self, i)
+
+        def expr(op):
+            return lambda self, other: T((op, self.key, getattr(other, "key", other)))
+        __add__, __sub__, __mul__, __mod__, __truediv__ = expr("+"), expr("-"), expr("*"), expr("%"), expr("/")
+
+    class Part(T):
+        """A part of a tensor (t[i]): its key is the key its tensor has when it is read."""
+
+        def __init__(self, of, i):
+            self.of, self.i = of, i
+
+        @property
+        def key(self):
+            return ("part", self.of.key, self.i)
+
+    def later(fn):
+        """fn now, or at each replay of the graph being captured (what a capture records runs only then)."""
+        if capturing:
+            capturing[-1].calls.append(fn)
+        else:
+            fn()
+
     torch = types.ModuleType("torch")
     torch.FakeTensor = T
     cuda = types.ModuleType("torch.cuda")
     dist = types.ModuleType("torch.distributed")
-    for name in ("int32", "int64", "float64", "float32", "bfloat16", "uint8"):
+    for name in ("int8", "int32", "int64", "float64", "float32", "float16", "bfloat16", "uint8"):
         setattr(torch, name, name)
     torch.device = lambda *a: ("device",) + a
     torch.tensor = lambda vals, dtype=None, device=None: T(("vals", tuple(vals)))
     torch.zeros = lambda *a, **k: T(("zeros",))
     torch.empty = lambda *a, **k: T(("empty",))
+    torch.full = lambda size, value, **k: T(("full", value))
+    torch.arange = lambda n, **k: T(("arange", n))
     torch.cat = lambda ts: T(("cat",) + tuple(t.key for t in ts))
+    torch.maximum = lambda a, b: T(("max", a.key, b.key))
     torch.equal = lambda a, b: a.key == b.key
+
+    def mul(a, b, out):
+        later(lambda: setattr(out, "key", ("*", a.key, b.key)))
+    torch.mul = mul
+
+    def index_select(t, dim, idx, out):
+        later(lambda: setattr(out, "key", ("index", t.key)))
+    torch.index_select = index_select
 
     class Event:
         def __init__(self, enable_timing=False):
@@ -1754,8 +1866,11 @@ def fake_torch():
     torch.cuda = cuda
 
     def run(out, inp):
-        _, rank, n, salt = inp.key
-        out.key = ("cat", ("pattern", 0, n, salt), ("pattern", 1, n, salt))
+        if inp.key[0] == "pattern":
+            _, rank, n, salt = inp.key
+            out.key = ("cat", ("pattern", 0, n, salt), ("pattern", 1, n, salt))
+        else:
+            out.key = ("gathered", inp.key)
         counts["exec"] += 1
         counts["clock"] += 1
 
@@ -1765,9 +1880,25 @@ def fake_torch():
             capturing[-1].calls.append(lambda: run(out, inp))
         else:
             run(out, inp)
+
+    def run_ar(t, op):
+        if t.key[0] == "pattern":
+            _, _, n, salt = t.key
+            t.key = (op, ("pattern", 0, n, salt), ("pattern", 1, n, salt))
+        elif t.key[0] not in ("vals", "zeros", op):  # agree_max's and sync_peers' tensors keep theirs
+            t.key = (op, t.key)
+        counts["ar_exec"] += 1
+        counts["clock"] += 1
+
+    def all_reduce(t, op="sum"):
+        counts["ar_enq"] += 1
+        if capturing:
+            capturing[-1].calls.append(lambda: run_ar(t, op))
+        else:
+            run_ar(t, op)
     dist.all_gather_into_tensor = all_gather_into_tensor
-    dist.all_reduce = lambda t, op=None: None
-    dist.ReduceOp = types.SimpleNamespace(MAX="max")
+    dist.all_reduce = all_reduce
+    dist.ReduceOp = types.SimpleNamespace(MAX="max", SUM="sum")
     torch.distributed = dist
     return {"torch": torch, "torch.cuda": cuda, "torch.distributed": dist}, counts
 
@@ -2033,18 +2164,18 @@ class RunAllTest(unittest.TestCase):
             run = lambda: subprocess.run(["bash", os.path.join(HERE, "run_all.sh"), out], capture_output=True, text=True,
                                          env=env, timeout=120)
             p = run()
-            self.assertIn("steps: env latency plot calibrate \n", p.stdout)
+            self.assertIn("steps: env arlatency decode calibrate latency plot \n", p.stdout)
             s = json.loads(read(os.path.join(out, "summary.json")))
-            self.assertEqual(list(s["steps"]), ["env", "latency", "plot", "calibrate"])  # each once, in order
+            self.assertEqual(list(s["steps"]), ["env", "arlatency", "decode", "calibrate", "latency", "plot"])  # in order
             self.assertNotEqual(p.returncode, 0)  # every step skipped: the budget of 10 s is below 15
             env.pop("ROCE_GATHER_GPU_STEPS")  # the default group
             p = run()
-            self.assertIn("steps: env gather graphs capi jax pynccl abort integrity recreate latency plot \n", p.stdout)
+            self.assertIn("steps: env gather graphs capi jax pynccl abort integrity recreate allreduce latency plot \n",
+                          p.stdout)
             s = json.loads(read(os.path.join(out, "summary.json")))
             # Run in the plan's order: latency, which fits its rounds into what is left, last but plot.
-            self.assertEqual(list(s["steps"]), ["env", "gather", "graphs", "capi", "jax", "pynccl", "abort", "integrity", "recreate",
-                                                "latency",
-                                                "plot"])
+            self.assertEqual(list(s["steps"]), ["env", "gather", "graphs", "capi", "jax", "pynccl", "abort", "integrity",
+                                                "recreate", "allreduce", "latency", "plot"])
             # A name that is neither a step nor a group: nothing runs, and the run says why.
             os.remove(os.path.join(out, "summary.json"))
             env["ROCE_GATHER_GPU_STEPS"] = "gather intercept"
@@ -2083,6 +2214,23 @@ def imismatch(rank, b0, c0, b1, c1, calls=(2, 2)):
                            f"{ann(b1, c1, calls[1])}; no row is written")
 
 
+def icall_of(call, tag, n, state):
+    """A worker's record of a mismatch case's call: a gather's two rows, or an all-reduce's buffer
+    (untouched: its input as it was, written: anything else)."""
+    if call["coll"] == "gather":
+        return icall(tag, n, (state, state))
+    own = integrity.tag_bytes(0, tag, n)
+    buf = own if state == "untouched" else bytes(n)
+    return {"tag": tag, "bytes": n, "collective": "allreduce", "rows": [integrity.classify_allreduce(buf, own)]}
+
+
+def iann(call, n):
+    """How a WARN might announce a call (the library's words are its own; the step matches loosely)."""
+    if call["coll"] == "gather":
+        return f"an all-gather of {n} bytes a rank ({call['dtype']}) in 1 chunk of 262144 bytes"
+    return f"an all-reduce of {n} bytes ({call['op']}, {call['dtype']}) in 1 chunk of 262144 bytes"
+
+
 def integrity_good():
     """Both ranks' records and each case's part of their logs, as the library must leave them."""
     res, logs = [{}, {}], [{}, {}]
@@ -2098,6 +2246,12 @@ def integrity_good():
             for r in (0, 1):
                 res[r][case] = {"calls": [icall(2, n, ("untouched",) * 2), icall(3, n, ("untouched",) * 2)], "probe_error": probe}
                 logs[r][case] += imismatch(r, n, 1, n, 1, calls=(3, 4))
+        elif spec["kind"] == "mismatch":
+            for r in (0, 1):
+                res[r][case] = {"calls": [icall_of(spec["calls"][r], 2, n, "untouched")], "probe_error": probe}
+                logs[r][case] += iwarn(1 - r, "the ranks' calls differ: rank 0 announced sequence 2, call 2: "
+                                       + iann(spec["calls"][0], n) + "; rank 1 announced sequence 2, call 2: "
+                                       + iann(spec["calls"][1], n) + "; no output is written")
         elif spec["kind"] == "overlap":
             res[0][case] = {"calls": [icall(2, n, ("untouched",) * 2), icall(3, n, ("untouched",) * 2)], "probe_error": probe}
             res[1][case] = {"calls": [icall(2, n), icall(3, n, ("untouched",) * 2)], "probe_error": probe}
@@ -2178,6 +2332,43 @@ class IntegrityTest(unittest.TestCase):
         F = integrity.verdict("abort", [res[0]["abort"], res[1]["abort"]], [logs[0]["abort"], ""])
         self.assertIn("abort: rank 1's log has no WARN naming rank 0's abort", F[0])
 
+    def test_mismatched_calls(self):
+        """Calls of the same bytes that differ in collective, op or datatype: untouched on both ranks
+        (an all-reduce's buffer its input as it was), each rank's WARN, the next call raising."""
+        self.assertEqual([c for c in integrity.ORDER if integrity.CASES[c]["kind"] == "mismatch"],
+                         ["allreduce-vs-gather", "allreduce-vs-gather-chunks", "allreduce-op", "allreduce-dtype",
+                          "allreduce-dtype-half"])
+        self.assertEqual(integrity.ORDER[-1], "abort")  # it aborts a communicator: last
+        for case in ("allreduce-vs-gather", "allreduce-vs-gather-chunks"):
+            self.assertEqual({c["coll"] for c in integrity.CASES[case]["calls"]}, {"gather", "allreduce"})
+        for case, key in (("allreduce-op", "op"), ("allreduce-dtype", "dtype"), ("allreduce-dtype-half", "dtype")):
+            a, b = integrity.CASES[case]["calls"]
+            self.assertNotEqual(a[key], b[key])
+            sizes = {arcases.DTYPES[x["dtype"]]["size"] for x in (a, b)}
+            self.assertEqual(len(sizes), 1, "the same bytes: datatypes of one size")
+        res, logs = integrity_good()
+        v = lambda case: integrity.verdict(case, [res[0][case], res[1][case]], [logs[0][case], logs[1][case]])
+        self.assertEqual(v("allreduce-op"), [])
+        # The all-reduce wrote its buffer although the peer's call differs: a failure naming it.
+        res[1]["allreduce-op"]["calls"][0] = icall_of(integrity.CASES["allreduce-op"]["calls"][1], 2, 4096, "written")
+        self.assertEqual(v("allreduce-op"), ["allreduce-op: rank 1, call 2: written, expected untouched (the ranks' "
+                                             "calls differ, so no output is written)"])
+        # Had the gathering rank taken the peer's buffer as a gather's row (it is the peer's own
+        # tagged shard, so the row reads exact), the case fails all the same.
+        res[0]["allreduce-vs-gather"]["calls"][0] = icall(2, 4096)
+        self.assertEqual(v("allreduce-vs-gather"), ["allreduce-vs-gather: rank 0, call 2: exact, expected untouched (the "
+                                                    "ranks' calls differ, so no output is written)"])
+        # No WARN, or a WARN about something else: a failure.
+        logs[0]["allreduce-dtype"] = iwarn(1, "the peer stopped: rank 1 (x) failed after sequence 2")
+        F = v("allreduce-dtype")
+        self.assertEqual(len(F), 1)
+        self.assertIn("allreduce-dtype: rank 0's log has no WARN that the ranks' calls differ", F[0])
+        logs[0]["allreduce-dtype"] = iwarn(1, "the ranks' calls MISMATCH in their datatype")
+        self.assertEqual(v("allreduce-dtype"), [])  # matched loosely
+        res[1]["allreduce-dtype-half"]["probe_error"] = None
+        self.assertEqual(v("allreduce-dtype-half"), ["allreduce-dtype-half: rank 1's next gather on the communicator "
+                                                     "returned, though the case failed it"])
+
     def test_case_logs(self):
         text = "start\nrank 1: case differ-size\nA\nrank 1: case overlap\nB\nC\n"
         self.assertEqual(integrity.case_logs(text), {"differ-size": "\nA\n", "overlap": "\nB\nC\n"})
@@ -2212,17 +2403,26 @@ class IntegrityTest(unittest.TestCase):
             return s.finish()
         d = step()
         self.assertEqual(d["status"], "pass", d["failures"])
-        self.assertEqual(d["headline"], "6/6 cases as required; calls whose rows held bytes not theirs: 0")
+        n = len(integrity.ORDER)
+        self.assertEqual(d["headline"], f"{n}/{n} cases as required; calls whose rows held bytes not theirs: 0")
         run, config, worker, params, env, kw = calls[0]
         self.assertEqual((run, config, worker, params["cases"]), ("integrity", "intercept-wide", "integrity_cases.py",
                                                                    integrity.ORDER))
         self.assertEqual(env["ROCE_GATHER_TIMEOUT_MS"], "3000")
         self.assertFalse(kw["check_stats"])
         self.assertIn("| overlap | overlap | call 2 untouched; call 3 untouched | call 2 exact; call 3 untouched |", d["md"][0])
+        self.assertIn("| allreduce-op | mismatch | call 2 untouched | call 2 untouched | raised | raised | pass |", d["md"][0])
+        # Each mismatch case's WARN on each rank, quoted.
+        warns = d["numbers"]["mismatch_warns"]
+        self.assertEqual(len(warns), 2 * 5)
+        self.assertTrue(warns[0].startswith("allreduce-vs-gather rank 0: vm:1:2 [roce_gather] NCCL WARN NET/roce_gather : "
+                                            "one-shot gather of communicator"), warns[0])
+        self.assertIn("the ranks' calls differ: rank 0 announced sequence 2, call 2: an all-gather of 4096 bytes", warns[0])
+        self.assertTrue(any("allreduce-dtype-half rank 1" in m for m in d["md"][1].splitlines()), d["md"][1])
         res[0]["reorder"]["calls"][1] = icall(3, 4096, ("foreign", "foreign"))
         d = step()
         self.assertEqual(d["status"], "fail")
-        self.assertEqual(d["headline"], "5/6 cases as required; calls whose rows held bytes not theirs: 1")
+        self.assertEqual(d["headline"], f"{n - 1}/{n} cases as required; calls whose rows held bytes not theirs: 1")
 
 
 # ---- every script: no name used that nothing defines ------------------------------------------
@@ -2270,6 +2470,858 @@ class NamesTest(unittest.TestCase):
                 f.write("import re\nKNOWN = 1\n\ndef step(s):\n    return re.compile(KNOWN), GONE_RX\n")
             self.assertEqual(undefined_globals(p), ["m.py: step: GONE_RX"])
 
+
+# ---- the all-reduce: its cases, its ledger, its stats ------------------------------------------
+
+def float_of(bits, dtype):
+    """The value of a bit pattern of dtype (struct for the IEEE types, by hand for fp8)."""
+    if dtype == "float16":
+        return struct.unpack("<e", struct.pack("<H", bits))[0]
+    if dtype == "float32":
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    if dtype == "bfloat16":
+        return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+    if dtype == "float64":
+        return struct.unpack("<d", struct.pack("<Q", bits))[0]
+    e, m = arcases.DTYPES[dtype]["bits"]
+    sign = -1.0 if bits >> (e + m) else 1.0
+    exp, man = (bits >> m) & ((1 << e) - 1), bits & ((1 << m) - 1)
+    bias = (1 << (e - 1)) - 1
+    if exp == (1 << e) - 1 and (arcases.DTYPES[dtype]["inf"] or man == (1 << m) - 1):
+        return sign * float("inf") if arcases.DTYPES[dtype]["inf"] and man == 0 else float("nan")
+    if exp == 0:
+        return sign * man * 2.0 ** (1 - bias - m)
+    return sign * (1 + man / (1 << m)) * 2.0 ** (exp - bias)
+
+
+class ArcasesTest(unittest.TestCase):
+    def test_classes(self):
+        self.assertEqual(len(arcases.REQUIRED), 4 * 8 + 4)
+        for op in ("sum", "prod", "max", "min"):
+            for d in ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64"):
+                self.assertTrue(arcases.required(arcases.cls(op, d)), (op, d))
+        for d in arcases.FLOATS:
+            self.assertTrue(arcases.required(f"avg/{d}"))
+        for c in ["avg/int8", "avg/int64", "sum/float8_e4m3fn", "max/float8_e5m2"]:
+            self.assertFalse(arcases.required(c), c)
+        self.assertEqual(arcases.split("prod/uint8"), ("prod", "uint8"))
+        # NCCL's enums (nccl.h), as the binding passes them.
+        self.assertEqual([arcases.DTYPES[d]["nccl"] for d in ("int8", "uint8", "int32", "int64", "float16", "float32",
+                                                               "float64", "bfloat16", "float8_e4m3fn", "float8_e5m2")],
+                         [0, 1, 2, 4, 6, 7, 8, 9, 10, 11])
+        self.assertEqual([arcases.OPS[o]["nccl"] for o in ("sum", "prod", "max", "min", "avg")], [0, 1, 2, 3, 4])
+
+    def test_counts_around_the_cap(self):
+        c = arcases.counts("float32", 262144)
+        self.assertEqual(c["1"], 1)
+        self.assertEqual([c[f"{n}el"] for n in (3, 999, 4097)], [3, 999, 4097])
+        self.assertEqual((c["cap"], c["cap+1"]), (65536, 65537))
+        pow2 = sorted(4 * n for k, n in c.items() if k.endswith("B"))
+        self.assertEqual(pow2, [1 << k for k in range(4, 20) if 1 << k != 262144])  # 16 B .. 512 KiB, the cap as "cap"
+        self.assertEqual(len(set(c.values())), len(c))  # no size twice
+        f64 = arcases.counts("float64", 262144)
+        self.assertEqual((f64["16B"], f64["cap"]), (2, 32768))
+        i8 = arcases.counts("int8", 100000)  # a cap that is no power of two
+        self.assertEqual((i8["cap"], i8["cap+1"], i8["131072B"]), (100000, 100001, 131072))
+        self.assertNotIn("262144B", i8)  # the first power of two above the cap is the last
+
+    def test_special_values(self):
+        import math
+        got = [float_of(b, "float16") for b in arcases.specials("float16")]
+        self.assertEqual(got[:10], [0.0, -0.0, 2 ** -24, 2 ** -14 - 2 ** -24, 2 ** -14, 0.5, 1.0, -1.0, 1.5, 2.0])
+        self.assertEqual(math.copysign(1, got[1]), -1.0)
+        self.assertEqual(got[10:14], [65504.0, -65504.0, math.inf, -math.inf])
+        self.assertTrue(all(math.isnan(x) for x in got[14:]))
+        self.assertEqual(len(set(arcases.specials("float16")[14:])), 4)  # four NaNs, each its own bits
+        for d in ("float32", "bfloat16", "float64"):
+            v = [float_of(b, d) for b in arcases.specials(d)]
+            fi = {"float32": (2 ** -149, 2 ** -126, 3.4028234663852886e38), "bfloat16": (2 ** -133, 2 ** -126, 3.3895313892515355e38),
+                  "float64": (5e-324, 2.2250738585072014e-308, 1.7976931348623157e308)}[d]
+            self.assertEqual((v[2], v[4], v[10]), fi, d)
+            self.assertEqual(v[12], math.inf, d)
+        e4 = [float_of(b, "float8_e4m3fn") for b in arcases.specials("float8_e4m3fn")]
+        self.assertEqual(e4[:12], [0.0, -0.0, 2 ** -9, 7 * 2 ** -9, 2 ** -6, 0.5, 1.0, -1.0, 1.5, 2.0, 448.0, -448.0])
+        self.assertEqual(arcases.specials("float8_e4m3fn")[12:], [0x7F, 0xFF])  # no infinities: its only NaNs
+        e5 = [float_of(b, "float8_e5m2") for b in arcases.specials("float8_e5m2")]
+        self.assertEqual(e5[10:14], [57344.0, -57344.0, math.inf, -math.inf])
+        self.assertEqual(arcases.specials("int8"), [0x80, 0x81, 0xFE, 0xFF, 0, 1, 2, 0x7E, 0x7F, 0x55])
+        self.assertEqual(arcases.specials("uint8")[-2:], [0x55, 0xAA])
+        self.assertEqual(arcases.specials("int64")[:2], [1 << 63, (1 << 63) + 1])
+        self.assertEqual([arcases.signed(b, 8) for b in arcases.specials("int8")], [-128, -127, -2, -1, 0, 1, 2, 126, 127, 85])
+
+    def test_special_pairs_cover_every_ordered_pair(self):
+        for d in ("float16", "float8_e4m3fn", "int32"):
+            a, b = arcases.special_pairs(d)
+            v = arcases.specials(d)
+            self.assertEqual(len(a), len(v) ** 2)
+            self.assertEqual(set(zip(a, b)), {(x, y) for x in v for y in v})
+
+    def test_matrix_cases(self):
+        cap = 262144
+        cases = arcases.matrix_cases(cap)
+        blocks = arcases.blocks(cases)
+        self.assertEqual(len(blocks), len(arcases.DTYPES) * len(arcases.OPS))  # one block a class, each once
+        self.assertEqual(len({b for b, _ in blocks}), len(blocks))
+        self.assertEqual([b.split("/")[1] for b, _ in blocks[-10:]], ["float8_e4m3fn"] * 5 + ["float8_e5m2"] * 5)
+        self.assertEqual(len({c["name"] for c in cases}), len(cases))
+        by = dict(blocks)
+        s32 = by["sum/float32"]
+        self.assertEqual([c["count"] for c in s32 if c["form"] == "inplace" and c["data"] == "random"],
+                         list(arcases.counts("float32", cap).values()))
+        self.assertEqual([c["count"] for c in s32 if c["form"] == "copy"], [1, 1024, 65536])
+        self.assertEqual([(c["count"], c["offset"]) for c in s32 if c["form"] == "offset"], [(1001, 1), (1001, 3)])
+        self.assertFalse(any(c["form"] == "offset" for c in by["max/float32"]))
+        sp = [c for c in by["min/float16"] if c["data"] == "special"]
+        self.assertEqual((len(sp), sp[0]["count"], sp[0]["ref"]), (1, 18 * 18, False))
+        self.assertTrue(all(c["ref"] for c in s32 if c["data"] == "random"))
+        self.assertFalse(any(c["ref"] for c in by["avg/int32"]))  # NCCL divides its wrapped sum: NCCL's bytes only
+        self.assertTrue(all(c["ref"] for c in by["avg/bfloat16"] if c["data"] == "random"))
+        self.assertFalse(any(c["ref"] for c in by["sum/float8_e5m2"]))
+        self.assertTrue(any(c["count"] * 4 > cap for c in s32))  # sizes above the cap: NCCL's, never a launch
+        self.assertEqual(len(arcases.matrix_cases(cap, ["int8"], ["sum", "max"])), len(by["sum/int8"]) + len(by["max/int8"]))
+        # A cap of 4 KiB: the copy form's 4 KiB is the cap, once.
+        small = dict(arcases.blocks(arcases.matrix_cases(4096)))["sum/float32"]
+        self.assertEqual([(c["label"], c["count"]) for c in small if c["form"] == "copy"], [("1", 1), ("cap", 1024)])
+
+    def test_graph_and_binding_cases(self):
+        cap = 262144
+        g = arcases.graph_cases(cap)
+        self.assertTrue(all(arcases.required(arcases.cls(op, d)) for op, d, _ in g))
+        self.assertTrue(all(arcases.ref_holds(op, d, "random") for op, d, _ in g))
+        b = [n * arcases.DTYPES[d]["size"] for _, d, n in g]
+        self.assertEqual((b[0], min(b), max(b) > cap, cap in b), (16, 16, True, True))
+        p = arcases.pynccl_cases(cap)
+        self.assertEqual([n * 2 for op, d, n in p if (op, d) == ("sum", "bfloat16")], [16, 100, 8192, 65536, cap, cap + 2])
+        self.assertTrue(all(arcases.required(arcases.cls(op, d)) for op, d, _ in p))
+
+
+def ar_ledger(*events, comm="default"):
+    """A ledger of all-reduces from (bytes, op, dtype, enq, execs) events."""
+    L = common.Ledger()
+    for b, op, d, enq, execs in events:
+        L.allreduce(b, op, d, enq=enq, execs=execs, comm=comm)
+    return L
+
+
+def arstats(launches, allreduces, launch_bytes=None, bytes_=None, forwarded=0, errors=0, calls=None, **extra):
+    st = {"intercepted": {"launches": 0, "gathers": 0, "forwarded": 0, "errors": 0},
+          common.AR_SECTION: {k: v for k, v in {"launches": launches, "allreduces": allreduces, "launch_bytes": launch_bytes,
+                                                "bytes": bytes_, "forwarded": forwarded, "errors": errors}.items()
+                              if v is not None}}
+    st[common.AR_SECTION].update(extra)
+    if calls is not None:
+        st["interceptor"] = {"way_in": "hooked", "ncclAllReduce": calls}
+    return st
+
+
+class AllReduceLedgerTest(unittest.TestCase):
+    W = (0, 262144)
+
+    def test_one_agreement_for_both_collectives(self):
+        L = common.Ledger()
+        L.allreduce(16, "sum", "bfloat16", enq=1, execs=0)  # captured before any agreement: NCCL's
+        L.allreduce(16, "sum", "bfloat16", enq=0, execs=5)
+        L.allreduce(4096, "sum", "float32")  # the first eager call of either collective agrees the communicator
+        L.gather(16)
+        L.gather(16, enq=1, execs=0)
+        L.gather(16, enq=0, execs=3)
+        L.allreduce(8, "max", "float64", enq=1, execs=0)
+        L.allreduce(8, "max", "float64", enq=0, execs=2)
+        n = L.n
+        self.assertEqual(n["calls"]["16"], dict(first=0, eager=1, captured=1, list=0, replays=3, pre=0, replays_pre=0))
+        self.assertEqual(n["allreduce"]["sum/bfloat16"]["16"], dict(first=0, eager=0, captured=0, list=0, replays=0, pre=1,
+                                                                   replays_pre=5))
+        self.assertEqual(n["allreduce"]["sum/float32"]["4096"]["first"], 1)
+        self.assertEqual(n["allreduce"]["max/float64"]["8"], dict(first=0, eager=0, captured=1, list=0, replays=2, pre=0,
+                                                                 replays_pre=0))
+        with self.assertRaisesRegex(ValueError, "replays of 8 B allreduces on 'default': none was captured"):
+            L.allreduce(8, "max", "float32", enq=0, execs=1)  # another class: its captures are its own
+        m = common.merged(n, ar_ledger((16, "sum", "bfloat16", 2, 2), comm="other").n)
+        row = m["allreduce"]["sum/bfloat16"]["16"]
+        self.assertEqual((row["eager"], row["first"], row["pre"]), (2, 1, 1))  # the other communicator agreed on its own
+
+    def test_expectation_and_exact_match(self):
+        L = ar_ledger((4096, "sum", "float32", 3, 3), (4096, "sum", "float32", 2, 0), (4096, "sum", "float32", 0, 40),
+                      (1 << 20, "sum", "float32", 2, 2), (16, "avg", "int8", 4, 4), (16, "sum", "float8_e4m3fn", 1, 1))
+        taken = common.allreduce_taken({"avg/int8": False, "sum/float8_e4m3fn": True})
+        e = common.allreduce_expectation(L.n["allreduce"], self.W, taken)
+        self.assertEqual((e["launches"], e["allreduces"]), (3 + 2 + 1, 3 + 40 + 1))
+        self.assertEqual((e["launch_bytes"], e["bytes"]), (5 * 4096 + 16, 43 * 4096 + 16))
+        self.assertEqual((e["forwarded_min"], e["forwarded_bytes_min"]), (2 + 4, 2 * (1 << 20) + 4 * 16))
+        self.assertEqual((e["calls"], e["first_in"], e["unknown"]), (3 + 2 + 2 + 4 + 1, 1, []))
+        good = arstats(6, 44, e["launch_bytes"], e["bytes"], forwarded=6, calls=12)
+        self.assertEqual(common.allreduce_check(good, L.n, self.W, taken), ([], mock.ANY))
+        # Bytes counted for both ranks: a note.
+        F, info = common.allreduce_check(arstats(6, 44, 2 * e["launch_bytes"], None, forwarded=6), L.n, self.W, taken)
+        self.assertEqual(F, [])
+        self.assertIn(f"{common.AR_SECTION}.launch_bytes counts both ranks' bytes", info["notes"][0])
+        # Without the observation, avg/int8 and fp8 are unknown: a failure says so.
+        F, _ = common.allreduce_check(good, L.n, self.W)
+        self.assertEqual(F[0], "the path of avg/int8, sum/float8_e4m3fn is unknown: no class the library must take, and "
+                               "the worker did not observe it")
+        # The all-reduce off: every call to NCCL.
+        off = common.allreduce_expectation(L.n["allreduce"], None, taken)
+        self.assertEqual((off["launches"], off["forwarded_min"]), (0, 12))
+
+    def test_mismatches_say_why(self):
+        L = ar_ledger((4096, "sum", "float32", 3, 3), (16, "sum", "bfloat16", 2, 2), (4096, "avg", "int32", 2, 2))
+        taken = common.allreduce_taken({"avg/int32": False})
+        chk = lambda st: common.allreduce_check(st, L.n, self.W, taken)[0]
+        F = chk(arstats(7, 7, forwarded=2))
+        self.assertEqual(F, [f"{common.AR_SECTION}.launches=7 allreduces=7; expected launches=5 allreduces=5 (all-reduce "
+                             "window 0 to 262144 bytes); the difference is exactly the calls of avg/int32: the library "
+                             "takes them"])
+        self.assertIn("the difference is exactly the calls of sum/float32: the library leaves them to NCCL",
+                      chk(arstats(2, 2, forwarded=5))[0])
+        self.assertIn("the 1 in-window calls that made each communicator's agreement: they went to NCCL",
+                      chk(arstats(4, 4, forwarded=3))[0])
+        self.assertIn("no all-reduce took the path", chk(arstats(0, 0, forwarded=7))[0])
+        ok = dict(launch_bytes=3 * 4096 + 32, bytes_=3 * 4096 + 32, forwarded=2)
+        self.assertEqual(chk(arstats(5, 5, **dict(ok, errors=1))), [f"{common.AR_SECTION}.errors=1"])
+        self.assertIn("forwarded=1, but 2 calls were outside the window", chk(arstats(5, 5, **dict(ok, forwarded=1)))[0])
+        self.assertEqual(chk(arstats(5, 5, **dict(ok, bytes_=99))),
+                         [f"{common.AR_SECTION}.bytes=99, expected {3 * 4096 + 32} (bytes of the buffers of the calls counted)"])
+        self.assertEqual(chk(arstats(5, 5, calls=6, **ok)), ["interceptor.ncclAllReduce=6, but the worker made 7 "
+                                                             "ncclAllReduce calls: some did not reach the library's wrapper"])
+        self.assertEqual(chk(arstats(5, 5, calls=7, **ok)), [])
+        self.assertIn("no \"intercepted_allreduce\" section", chk({"intercepted": {}})[0])
+        self.assertIn("no ROCE_GATHER_STATS file", chk(None)[0])
+
+    def test_observe_classes(self):
+        W = (0, 4096)
+        blocks = [{"class": "sum/float32", "calls": {"16": 2, "4096": 1, "8192": 3},
+                   "delta": {"launches": 3, "launch_bytes": 32 + 4096, "forwarded": 3}},
+                  {"class": "avg/int8", "calls": {"16": 4, "8192": 1}, "delta": {"launches": 0, "forwarded": 5}},
+                  {"class": "max/int8", "calls": {"16": 4}, "delta": {"launches": 0, "forwarded": 4}},
+                  {"class": "min/int8", "calls": {"16": 2, "32": 2}, "delta": {"launches": 2, "launch_bytes": 32}},
+                  {"class": "sum/float8_e5m2", "calls": {"16": 2}, "delta": None},
+                  {"class": "prod/int64", "calls": {"8192": 2}, "delta": {"launches": 0}},
+                  {"class": "avg/float8_e4m3fn", "calls": {}, "delta": {"launches": 0}}]
+        observed, F, rows = common.observe_classes(blocks, W)
+        self.assertEqual(observed, {"sum/float32": True, "avg/int8": False, "max/int8": False, "min/int8": None,
+                                    "sum/float8_e5m2": None, "prod/int64": None, "avg/float8_e4m3fn": None})
+        self.assertEqual(F, ["max/int8: every call went to NCCL, but the library must take this class (the issue: NCCL's "
+                             "two-rank result is op(x0, x1) in rank order there)",
+                             "min/int8: 2 launches of 32 bytes for its 4 in-window calls of 96 bytes: the size alone "
+                             "decides which calls of a class take the path"])
+        self.assertEqual([r["what"] for r in rows], ["taken", "left to NCCL", "left to NCCL", "2 launches (32 bytes)",
+                                                     "no stats to read", "no call within the window",
+                                                     "no call made (torch refused every one)"])
+        # Calls outside the window of a taken class must be counted as NCCL's.
+        blocks[0]["delta"]["forwarded"] = 2
+        self.assertIn("sum/float32: forwarded grew by 2 over its block, but 3 of its calls were outside the window",
+                      common.observe_classes(blocks[:1], W)[1])
+
+    def test_stats_now(self):
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "s.json")
+            self.assertIsNone(common.stats_now(None))
+            self.assertEqual(common.stats_now(p), {})  # not made yet (LD_PRELOAD makes it at the first intercepted call)
+            with open(p, "w") as f:
+                json.dump({common.AR_SECTION: {"launches": 7, "forwarded": 2}}, f)
+            before = common.stats_now(p)
+            with open(p, "w") as f:
+                json.dump({common.AR_SECTION: {"launches": 9, "launch_bytes": 64, "forwarded": 2}}, f)
+            self.assertEqual(common.stats_delta(before, common.stats_now(p)),
+                             {"launches": 2, "launch_bytes": 64, "forwarded": 0, "forwarded_bytes": 0})
+            self.assertIsNone(common.stats_delta(None, before))
+            with open(p, "w") as f:
+                f.write('{"intercepted_allreduce": {"launches":  1')  # a slot being rewritten
+            with mock.patch.object(common.time, "sleep") as nap:
+                self.assertIsNone(common.stats_now(p))
+            self.assertEqual(nap.call_count, 5)
+
+    def test_default_window_from_config_go(self):
+        with tempfile.TemporaryDirectory() as d:
+            go = os.path.join(d, "config.go")
+
+            def write(entries):
+                with open(go, "w") as f:
+                    f.write("package plugin\n\nconst (\n\tCap = 256 << 10\n)\n\nvar DefaultWindows = map[string]FabricWindow{\n"
+                            + entries + "}\n")
+            write('\t"verbs": {MinBytes: 0, MaxBytes: 512 << 10, AllReduceMinBytes: 16, AllReduceMaxBytes: 1 << 20}, // x\n'
+                  '\t"tcp":   {MinBytes: 0, MaxBytes: Cap, AllReduceMaxBytes: Cap},\n')
+            self.assertEqual(common.default_allreduce_window("verbs", go), (16, 1 << 20))
+            self.assertEqual(common.default_allreduce_window("tcp", go), (0, 262144))
+            self.assertEqual(common.default_window("verbs", go), (0, 524288))
+            # A struct of its own: its MinBytes and MaxBytes are not the gather's.
+            write('\t"tcp": {MinBytes: 8, AllReduce: Window{MinBytes: 0, MaxBytes: 128 << 10}, MaxBytes: Cap},\n'
+                  '\t"verbs": {MaxBytes: 4096, AllReduce: {Off: true}},\n')
+            self.assertEqual(common.default_allreduce_window("tcp", go), (0, 131072))
+            self.assertEqual(common.default_window("tcp", go), (8, 262144))
+            self.assertIsNone(common.default_allreduce_window("verbs", go))
+            write('\t"tcp": {MinBytes: 0, MaxBytes: Cap, AllReduceOff: true},\n')
+            self.assertIsNone(common.default_allreduce_window("tcp", go))
+            write('\t"tcp": {MinBytes: 0, MaxBytes: Cap},\n')
+            with self.assertRaisesRegex(ValueError, r"DefaultWindows\['tcp'\] names no all-reduce window"):
+                common.default_allreduce_window("tcp", go)
+
+    def test_cli_checks_the_allreduces_too(self):
+        with tempfile.TemporaryDirectory() as d:
+            L = common.Ledger()
+            L.allreduce(4096, "sum", "bfloat16", enq=4, execs=4)
+            L.allreduce(1 << 20, "sum", "bfloat16")
+            res, st = os.path.join(d, "r.json"), os.path.join(d, "s.json")
+            with open(res, "w") as f:
+                json.dump({"failures": [], "completed": True, "ledger": L.n, "numbers": {}}, f)
+
+            def run(stats, **env):
+                with open(st, "w") as f:
+                    json.dump(stats, f)
+                return subprocess.run([sys.executable, os.path.join(HERE, "common.py"), res, st], capture_output=True,
+                                      text=True, env=dict(os.environ, ROCE_GATHER_FABRIC="tcp", **env,
+                                                          ROCE_GATHER_ALLREDUCE_MIN_BYTES="0",
+                                                          ROCE_GATHER_ALLREDUCE_MAX_BYTES="65536"))
+            good = arstats(4, 4, 4 * 4096, 4 * 4096, forwarded=1)
+            self.assertEqual(run(good).returncode, 0)
+            p = run(arstats(5, 5, forwarded=0))
+            self.assertEqual(p.returncode, 1)
+            self.assertIn("intercepted_allreduce.launches=5 allreduces=5; expected launches=4", p.stdout)
+            p = run(good, ROCE_GATHER_ENABLE="0")  # both collectives off: every all-reduce to NCCL
+            self.assertIn("expected launches=0 allreduces=0 (all-reduce window off)", p.stdout)
+
+    def test_config_windows(self):
+        self.assertEqual(launch.allreduce_window("intercept"), common.default_allreduce_window(launch.INTERCEPT_FABRIC))
+        self.assertEqual(launch.allreduce_window("intercept-preload"), launch.allreduce_window("intercept"))
+        self.assertEqual(launch.allreduce_window("intercept-wide"), (0, launch.WIDE_CAP))
+        self.assertIsNone(launch.allreduce_window("nccl-socket"))
+        cfgs = {"a": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_ALLREDUCE_MIN_BYTES": "64"},
+                "b": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_ENABLE": "0"},
+                "c": {"NCCL_NET_PLUGIN": launch.LIB, "ROCE_GATHER_ALLREDUCE_MIN_BYTES": "9",
+                      "ROCE_GATHER_ALLREDUCE_MAX_BYTES": "8"}}
+        with mock.patch.dict(launch.CONFIGS, cfgs), mock.patch.object(common, "default_allreduce_window",
+                                                                      return_value=(0, 65536)):
+            self.assertEqual(launch.allreduce_window("a"), (64, 65536))
+            self.assertIsNone(launch.allreduce_window("b"))  # ROCE_GATHER_ENABLE=0 turns both collectives off
+            self.assertIsNone(launch.allreduce_window("c"))  # an empty window
+            self.assertEqual(launch.intercept_window("a"), common.default_window(launch.INTERCEPT_FABRIC))
+
+    def test_judge_both_collectives(self):
+        w = launch.allreduce_window("intercept")
+        L = common.Ledger()
+        L.gather(16)
+        L.allreduce(16, "sum", "bfloat16", enq=3, execs=3)
+        L.allreduce(16, "avg", "int8", enq=2, execs=2)
+        L.allreduce(w[1] + 2, "sum", "bfloat16")
+        st = istats(1, 1, 16, 16, way_in="hooked")
+        st.update({common.AR_SECTION: {"launches": 3, "allreduces": 3, "forwarded": 3, "errors": 0}})
+        blocks = [{"class": "avg/int8", "calls": {"16": 2}, "delta": {"launches": 0, "forwarded": 2}}]
+        self.assertEqual(launch.judge_stats("intercept", st, L.n, blocks)[0], [])
+        F, _ = launch.judge_stats("intercept", st, L.n)  # avg/int8 not observed: unknown
+        self.assertEqual(F, ["the path of avg/int8 is unknown: no class the library must take, and the worker did not "
+                             "observe it"])
+        st[common.AR_SECTION].update(launches=5, allreduces=5)
+        F, _ = launch.judge_stats("intercept", st, L.n, blocks)
+        self.assertIn("the difference is exactly the calls of avg/int8: the library takes them", F[0])
+        # A ledger without all-reduces leaves the section unjudged.
+        G = common.Ledger()
+        G.gather(16)
+        self.assertEqual(launch.judge_stats("intercept", istats(1, 1, 16, 16, way_in="hooked"), G.n)[0], [])
+
+# ---- the all-reduce's steps from canned records ----------------------------------------------
+
+def ar_taken_default(c):
+    """The library as these tests imagine it: every required class, and avg on the integer types."""
+    return arcases.required(c) or c.split("/")[1] in arcases.INTEGERS
+
+
+def ar_blocks_for(cap, window, taken=ar_taken_default):
+    """The class blocks a rank running the whole matrix leaves, as a library taking taken() classes would."""
+    blocks = []
+    for c, block in arcases.blocks(arcases.matrix_cases(cap)):
+        calls = {}
+        for x in block:
+            b = str(x["count"] * arcases.DTYPES[x["dtype"]]["size"])
+            calls[b] = calls.get(b, 0) + 1
+        inside = {int(b): n for b, n in calls.items() if window and window[0] <= int(b) <= window[1]}
+        n_in = sum(inside.values()) if taken(c) else 0
+        blocks.append({"class": c, "calls": calls, "refused": 0, "delta": {
+            "launches": n_in, "launch_bytes": sum(b * n for b, n in inside.items()) if taken(c) else 0,
+            "forwarded": sum(calls.values()) - n_in}})
+    return blocks
+
+
+def agreement_line(rank, gw, aw):
+    return (f"vm:1:2 [{rank}] NCCL INFO NET/roce_gather : one-shot gather and all-reduce on for communicator 0x5a, rank "
+            f"{rank} of 2 (peer 127.0.0.1:4242): gather window {gw[0]} to {gw[1]} bytes a rank, all-reduce window {aw[0]} "
+            f"to {aw[1]} bytes, chunks from 262144 bytes\n")
+
+
+class AllReduceStepTest(StepHarness):
+    def fake(self, calls, shape=None):
+        """Pairs of allreduce_cases.py: every case's digest the same on both ranks and every run, the class
+        blocks of ar_blocks_for, the agreement's line on both ranks with the library; shape(config, rec)."""
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((run, config, worker, task, params, extra_env))
+            w = launch.allreduce_window(config) if launch.uses_plugin(config) else None
+            digests = {c["name"]: "d-" + c["name"] for c in arcases.matrix_cases(params["cap"])}
+            res = {"completed": True, "failures": [], "n_failures": 0, "cases": len(digests), "digests": digests,
+                   "numbers": {"ar_blocks": ar_blocks_for(params["cap"], w) if w else [], "ref_differs": {}, "refused": {},
+                               "missing_dtypes": [], "torch": "2.11.0"}, "ledger": common.Ledger().n}
+            rec = record(run, config, {}, work, results=[res, json.loads(json.dumps(res))], sizes=[16])
+            if w:
+                for r, p in enumerate(rec["logs"]):
+                    with open(p, "a") as f:
+                        f.write(agreement_line(r, launch.intercept_window(config), w))
+            if shape:
+                shape(config, rec)
+            return rec
+        return fake
+
+    def test_passes(self):
+        calls = []
+        d = self.run_step("allreduce", self.fake(calls))
+        self.assertEqual(d["status"], "pass", d["failures"])
+        cap = launch.allreduce_window("intercept")[1]
+        self.assertEqual([(c[0], c[1], c[2], c[3]) for c in calls],
+                         [(f"allreduce.{c}", c, "allreduce_cases.py", "matrix") for c in
+                          ("nccl-socket", "intercept", "intercept-preload")])
+        self.assertEqual([c[4] for c in calls], [{"cap": cap, "replays": 16}] * 3)
+        self.assertEqual(calls[0][5], {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"})  # the agreement's line
+        n = len(arcases.matrix_cases(cap))
+        self.assertEqual(d["headline"], f"{n} all-reduces a rank, cap {measure.size_label(cap)}; byte-identical on both "
+                                        "ranks and to nccl-socket's, every in-window all-reduce intercepted: intercept, "
+                                        "intercept-preload")
+        self.assertIn(f"| allreduce.intercept | {n} | {n}/{n} | {2 * n}/{2 * n} | 0 (NCCL's own: 0) | 0 | 40/50 | yes |",
+                      d["md"][0])
+        table = d["md"][1]
+        self.assertIn("The path each class took in intercept", table)
+        self.assertIn("| int8 | taken | taken | taken | taken | taken (the library's choice) |", table)
+        self.assertIn("| float8_e4m3fn | NCCL (the library's choice) |", table)
+        self.assertEqual(d["numbers"]["classes"]["intercept"]["avg/int32"], True)
+        self.assertEqual(d["numbers"]["classes"]["intercept"]["sum/float8_e5m2"], False)
+
+    def test_failures(self):
+        def shape(config, rec):
+            r0, r1 = rec["results"]
+            if config == "nccl-socket":
+                for r in (r0, r1):
+                    r["numbers"]["ref_differs"] = {"avg/float16/inplace/1": "1 of 1 elements differ"}
+                    r["numbers"]["refused"] = {"avg/float8_e5m2/inplace/1": "DistBackendError: invalid argument"}
+            if config == "intercept":
+                r1["digests"]["sum/float32/inplace/1"] = "other"
+                for r in (r0, r1):
+                    blk = next(b for b in r["numbers"]["ar_blocks"] if b["class"] == "max/int32")
+                    blk["delta"].update(launches=0, launch_bytes=0, forwarded=sum(blk["calls"].values()))
+                with open(rec["logs"][0], "a") as f:  # a second communicator's line with another window
+                    f.write(agreement_line(0, launch.intercept_window(config), (0, 4096)))
+            if config == "intercept-preload":
+                for r in (r0, r1):
+                    r["numbers"]["ref_differs"] = {"avg/float16/inplace/1": "1 of 1 elements differ",
+                                                   "prod/int8/inplace/3el": "1 of 3 elements differ, first at 2"}
+                    r["numbers"]["refused"] = {"avg/float8_e5m2/inplace/1": "DistBackendError: invalid argument",
+                                               "sum/float8_e4m3fn/inplace/1": "TypeError: no"}
+                with open(rec["logs"][1], "w") as f:
+                    f.write("no agreement here\n")
+        d = self.run_step("allreduce", self.fake([], shape))
+        self.assertEqual(d["status"], "fail")
+        F = d["failures"]
+        aw = launch.allreduce_window("intercept")
+        gw = launch.intercept_window("intercept")
+        want = ["allreduce.intercept sum/float32/inplace/1: the ranks' outputs differ",
+                "rank 1 sum/float32/inplace/1: output of intercept differs from nccl-socket",
+                "allreduce.intercept rank 0: max/int32: every call went to NCCL, but the library must take this class (the "
+                "issue: NCCL's two-rank result is op(x0, x1) in rank order there)",
+                f"allreduce.intercept rank 0: the agreement names gather window {gw[0]} to {gw[1]} and all-reduce window 0 to "
+                f"4096; expected {gw[0]} to {gw[1]} and {aw[0]} to {aw[1]} (plugin/config.go's defaults and the config's "
+                "variables)",
+                "allreduce.intercept-preload prod/int8/inplace/3el: not op(x0, x1) in rank order: 1 of 3 elements differ, "
+                "first at 2",
+                "allreduce.intercept-preload sum/float8_e4m3fn/inplace/1: refused (TypeError: no), though nccl-socket's "
+                "run took it",
+                "allreduce.intercept-preload rank 1: no agreement line (\"one-shot gather and all-reduce on for communicator "
+                "...\") in its log"]
+        for f in want:
+            self.assertIn(f, F)
+        self.assertEqual(len(F), len(want) + 1, F)  # and rank 1's verdict on max/int32
+        self.assertTrue(any("NCCL's own result is not op(x0, x1) in rank order in 1 cases" in n for n in d["notes"]))
+        self.assertTrue(d["headline"].endswith("every in-window all-reduce intercepted: none"), d["headline"])
+
+
+class AllReduceTimingStepsTest(StepHarness):
+    def arlatency_fake(self, calls, shape=None):
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((run, config, worker, params))
+            sizes = params["collectives"]["allreduce"]
+            sock = {b: 40 + b / 1024 for b in sizes}
+            f = lambda b: 1.0 if config == "nccl-socket" else 0.5 if b <= 65536 else 0.95  # noqa: E731
+            us = {b: v * f(b) for b, v in sock.items()}
+            if shape:
+                us = {b: shape(config, b, v) for b, v in us.items()}
+            return record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work, sizes=sizes)
+        return fake
+
+    def test_arlatency(self):
+        calls = []
+        d = self.run_step("arlatency", self.arlatency_fake(calls))
+        self.assertEqual(d["status"], "pass", d["failures"] + d["notes"])
+        self.assertEqual([c[0] for c in calls[:4]], ["arlatency.r0.nccl-socket", "arlatency.r0.intercept",
+                                                     "arlatency.r1.intercept", "arlatency.r1.nccl-socket"])
+        self.assertEqual(len(calls), 2 * 4)
+        self.assertEqual({c[2] for c in calls}, {"bench.py"})
+        self.assertEqual(calls[0][3]["collectives"], {"allreduce": plans.LATENCY_SIZES})
+        self.assertEqual([g["goal"] for g in d["numbers"]["goals"]],
+                         ["intercept's median <= 0.6x NCCL socket's, 16 B to 64 KiB",
+                          "the path the size picks is never slower than NCCL socket beyond the spread, 16 B to 4 MiB"])
+        md = d["md"][0]
+        self.assertIn("(4 all-reduces a graph)", md)
+        self.assertIn("µs an all-reduce, median (min-max)", md)
+        self.assertIn("| bytes of the buffer | path in intercept | nccl-socket | intercept | intercept/socket | vs socket | "
+                      "goal | met |\n", md)
+        self.assertIn("| 8 KiB | intercepted |", md)
+        self.assertIn("| 4 MiB | NCCL (outside the window) |", md)
+        self.assertNotIn("intercept-nonap", md)
+        self.assertTrue(any(m.startswith("ROCE_GATHER_STATS per rank, the intercepted all-reduce") for m in d["md"]))
+        with open(os.path.join(self.work, "allreduce-latency.csv")) as f:
+            rows = list(csv.reader(f))
+        self.assertEqual(rows[0], ["config", "mode", "bytes", "round", "rep", "us_per_allreduce"])
+        self.assertEqual(len(rows) - 1, 2 * 4 * 19 * 3)
+        self.assertEqual(measure.read_latency_csv(os.path.join(self.work, "allreduce-latency.csv"))["graph"]["intercept"][16]["n"], 12)
+
+    def test_plot_both_latencies(self):
+        import types
+        made = []
+        fake = types.ModuleType("plot")
+        fake.plot = lambda src, dst, what="gather": made.append((os.path.basename(src), os.path.basename(dst), what))
+        with mock.patch.dict(sys.modules, {"plot": fake}):
+            d = self.run_step("plot", None)
+            self.assertEqual((d["status"], made), ("skip", []))
+            for name in ("latency.csv", "allreduce-latency.csv"):
+                measure.write_csv(os.path.join(self.work, name), ["config", "mode", "bytes", "round", "rep", "us"],
+                                  [["intercept", "graph", 16, 0, 0, "1.0"]])
+            d = self.run_step("plot", None)
+        self.assertEqual(made, [("latency.csv", "latency.png", "gather"),
+                                ("allreduce-latency.csv", "allreduce-latency.png", "all-reduce")])
+        self.assertEqual((d["status"], d["headline"]), ("pass", "latency.png, allreduce-latency.png"))
+
+    def test_arlatency_goals_missed(self):
+        def shape(config, b, us):
+            if config == "intercept" and b == 4096:
+                return us * 1.24  # 0.62x
+            if config == "intercept" and b == 1 << 20:
+                return us * 1.2  # slower than NCCL beyond the spread
+            return us
+        d = self.run_step("arlatency", self.arlatency_fake([], shape), {"ROCE_GATHER_GPU_ARLATENCY_ROUNDS": "2"})
+        self.assertEqual(d["status"], "warn")
+        g = d["numbers"]["goals"]
+        self.assertEqual([tuple(x) for x in g[0]["failed"]], [(4096, "0.62x")])
+        self.assertEqual([b for b, _ in g[1]["failed"]], [1 << 20])
+        self.assertEqual(d["numbers"]["rounds"], 2)
+
+    def decode_fake(self, calls, ratio, digest=None):
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            calls.append((run, config, params))
+            batches = params["collectives"]["decode"]
+            us = {b: {1: 3500.0, 4: 3900.0}[b] * ratio(config, b) for b in batches}
+            rec = record(run, config, {"samples": {"graph": samples_for(us)}, "agreed": True}, work, sizes=[16])
+            for r, res in enumerate(rec["results"]):
+                res["digests"] = {f"decode/batch{b}/{k}": f"{k}{b}" for b in batches for k in ("logits", "hidden")}
+                if digest:
+                    digest(config, r, res["digests"])
+            return rec
+        return fake
+
+    def test_decode(self):
+        calls = []
+        ratio = lambda c, b: {"nccl-socket": 1.0, "intercept": 0.5, "intercept-preload": 0.6 if b == 1 else 0.75}[c]
+        d = self.run_step("decode", self.decode_fake(calls, ratio))
+        self.assertEqual(d["status"], "warn", d["failures"])
+        self.assertEqual(len(calls), 3 * 4)
+        self.assertEqual([c[1] for c in calls[3:6]], ["intercept", "intercept-preload", "nccl-socket"])
+        self.assertEqual(calls[0][2], plans.DECODE["params"])
+        g = d["numbers"]["goals"]
+        self.assertEqual([(x["goal"], x["pass"]) for x in g],
+                         [("intercept's median step <= 0.7x NCCL socket's, batch 1 and 4", True),
+                          ("intercept-preload's median step <= 0.7x NCCL socket's, batch 1 and 4", False)])
+        self.assertEqual([tuple(x) for x in g[1]["failed"]], [(4, "0.75x")])
+        md = d["md"][0]
+        self.assertIn("Llama-3-8B (32 layers, hidden 4096, vocabulary 128256, bfloat16)", md)
+        gw, aw = launch.intercept_window("intercept"), launch.allreduce_window("intercept")
+        self.assertEqual(plans.decode_sizes(1), {"gather": 4096, "allreduce": 8192, "logits": 128256})
+        self.assertEqual(d["numbers"]["paths"][1], plans.decode_paths(1, gw, aw, plans.decode_sizes(1)))
+        self.assertIn("gathers 4 KiB a rank (intercepted), all-reduces 8 KiB (intercepted), logits 128256 B a rank "
+                      "(intercepted)", d["numbers"]["paths"][1])
+        self.assertIn("logits 501 KiB a rank (NCCL)", d["numbers"]["paths"][4])  # above the gather's cap
+        self.assertIn("| 1 | gathers 4 KiB a rank (intercepted)", md)
+        self.assertIn("| 0.50 (0.48-0.52) | met | 0.60 (0.58-0.62) | met |", md)
+        self.assertIn("| 0.75 (0.72-0.78) | MISSED |", md)
+        self.assertTrue(d["headline"].startswith("goals met: 1/2; intercept/socket batch 1 0.50"), d["headline"])
+        self.assertEqual(d["failures"], [])
+
+    def test_decode_outputs_must_agree(self):
+        def digest(config, r, digests):
+            if config == "intercept" and r == 1:
+                digests["decode/batch4/hidden"] = "other"
+        d = self.run_step("decode", self.decode_fake([], lambda c, b: 0.5 if c != "nccl-socket" else 1.0, digest),
+                          {"ROCE_GATHER_GPU_DECODE_ROUNDS": "1"})
+        self.assertEqual(d["status"], "fail")
+        self.assertEqual(d["failures"], ["decode.r0.intercept rank 1: decode/batch4/hidden differs from "
+                                         "decode.r0.nccl-socket rank 0's"])
+
+    def test_report_shows_both_latencies_and_the_decode_goal(self):
+        self.run_step("arlatency", self.arlatency_fake([]), {"ROCE_GATHER_GPU_ARLATENCY_ROUNDS": "1"})
+        self.run_step("decode", self.decode_fake([], lambda c, b: 0.5 if c != "nccl-socket" else 1.0),
+                      {"ROCE_GATHER_GPU_DECODE_ROUNDS": "1"})
+        out = os.path.join(self.work, "out")
+        argv = ["report.py", "--work", self.work, "--out", out, "--steps", "arlatency decode", "--start", str(time.time())]
+        with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(self.out):
+            with self.assertRaises(SystemExit) as e:
+                report.main()
+        self.assertEqual(e.exception.code, 0)
+        text = self.out.getvalue()
+        self.assertIn("us per all-reduce under CUDA graph replay, median (min-max):", text)
+        self.assertIn("goal met: intercept's median <= 0.6x NCCL socket's, 16 B to 64 KiB", text)
+        self.assertIn("decode goal met: intercept's median step <= 0.7x NCCL socket's, batch 1 and 4", text)
+        self.assertEqual(sorted(os.listdir(out)), ["allreduce-latency.csv", "decode.csv", "results.tar.gz", "summary.json",
+                                                   "summary.md"])
+
+    def calibrate_fake(self, bad_run=None):
+        """Calibration pairs measuring both collectives; the stats of bad_run's ranks miss one all-reduce."""
+        sizes = calibrate.SIZES
+
+        def fake(work, run, config, worker, task, timeout, params=None, extra_env=None, **kw):
+            role = params["role"]
+            g = {b: 30 + b / 4096 for b in sizes}
+            a = {b: 40 + b / 2048 for b in sizes}
+            if role == "intercept":
+                g = {b: v * (0.7 if 4096 <= b <= 131072 else 1.4) for b, v in g.items()}
+                a = {b: v * (0.5 if b <= 65536 else 1.3) for b, v in a.items()}
+            by = {"gather": {"graph": samples_for(g)}, "allreduce": {"graph": samples_for(a)}}
+            rec = record(run, config, {"samples": by["gather"], "samples_by": by, "agreed": True}, work, sizes=sizes)
+            L = common.Ledger()
+            for b in sizes:
+                L.gather(b, enq=8, execs=8)
+                L.allreduce(b, "max", "bfloat16", enq=8, execs=8)
+            for res in rec["results"]:
+                res.update(params=params, ledger=json.loads(json.dumps(L.n)))
+            if role == "intercept":
+                n = len(sizes) * 8
+                st = istats(n, n, 8 * sum(sizes), 8 * sum(sizes), way_in="hooked")
+                st[common.AR_SECTION] = {"launches": n, "allreduces": n - 1 if run == bad_run else n, "errors": 0,
+                                         "forwarded": 0}
+                rec["stats"] = [st, st]
+            return rec
+        return fake
+
+    def test_calibrate_both_collectives(self):
+        seen = []
+        fake = self.calibrate_fake()
+        d = self.run_step("calibrate", lambda *a, **kw: seen.append(a[4]) or fake(*a, **kw))
+        self.assertEqual(d["status"], "pass", d["failures"])
+        self.assertEqual({t for t in seen}, {"calibrate"})
+        self.assertEqual(launch.allreduce_window("intercept-wide"), (0, launch.WIDE_CAP))  # every size on the path
+        self.assertEqual(d["numbers"]["env"], "export ROCE_GATHER_MIN_BYTES=4096 ROCE_GATHER_MAX_BYTES=131072")
+        self.assertEqual(d["numbers"]["allreduce"]["env"],
+                         "export ROCE_GATHER_ALLREDUCE_MIN_BYTES=16 ROCE_GATHER_ALLREDUCE_MAX_BYTES=65536")
+        self.assertIn("The all-reduce:", d["md"][0])
+        self.assertIn("    export ROCE_GATHER_ALLREDUCE_MIN_BYTES=16 ROCE_GATHER_ALLREDUCE_MAX_BYTES=65536", d["md"][0])
+        self.assertEqual(d["headline"], "gather window 4 KiB to 128 KiB: export ROCE_GATHER_MIN_BYTES=4096 "
+                                        "ROCE_GATHER_MAX_BYTES=131072; all-reduce window 16 B to 64 KiB: export "
+                                        "ROCE_GATHER_ALLREDUCE_MIN_BYTES=16 ROCE_GATHER_ALLREDUCE_MAX_BYTES=65536")
+        # calibrate.1.intercept's stats miss one all-reduce on both ranks: no answer.
+        d = self.run_step("calibrate", self.calibrate_fake("calibrate.1.intercept"))
+        self.assertEqual(d["status"], "fail")
+        self.assertIsNone(d["numbers"]["env"])
+        self.assertTrue(any(f.startswith("calibrate.1.intercept rank 1 stats: intercepted_allreduce.launches=")
+                            for f in d["failures"]), d["failures"])
+        self.assertTrue(any(f.startswith("calibrate.1.intercept stats: intercepted_allreduce.launches=")
+                            for f in d["failures"]), d["failures"])
+
+    def test_window_lines(self):
+        none = {"floor": None, "cap": None}
+        self.assertEqual(measure.window_env(none), "export ROCE_GATHER_ENABLE=0")
+        self.assertEqual(measure.window_env(none, other_on=True), "export ROCE_GATHER_MIN_BYTES=2 ROCE_GATHER_MAX_BYTES=1")
+        self.assertEqual(measure.window_env(none, "ROCE_GATHER_ALLREDUCE"),
+                         "export ROCE_GATHER_ALLREDUCE_MIN_BYTES=2 ROCE_GATHER_ALLREDUCE_MAX_BYTES=1")
+        self.assertEqual(measure.window_env({"floor": 16, "cap": 4096}, "ROCE_GATHER_ALLREDUCE"),
+                         "export ROCE_GATHER_ALLREDUCE_MIN_BYTES=16 ROCE_GATHER_ALLREDUCE_MAX_BYTES=4096")
+
+        def runs(g_faster, a_faster):
+            out = []
+            for i, role in calibrate.plan(1):
+                f = lambda faster: 0.5 if role == "intercept" and faster else 1.5 if role == "intercept" else 1.0
+                by = {"gather": {"graph": samples_for({16: 20 * f(g_faster), 4096: 30 * f(g_faster)})},
+                      "allreduce": {"graph": samples_for({16: 25 * f(a_faster), 4096: 35 * f(a_faster)})}}
+                out.append({"name": f"r{i}", "role": role, "stats": None,
+                            "result": {"completed": True, "failures": [], "ledger": None, "numbers": {"samples_by": by}}})
+            return out
+        a = calibrate.analyse(runs(False, True))
+        self.assertEqual((a["env"], a["allreduce"]["env"]), ("export ROCE_GATHER_MIN_BYTES=2 ROCE_GATHER_MAX_BYTES=1",
+                                                             "export ROCE_GATHER_ALLREDUCE_MIN_BYTES=16 "
+                                                             "ROCE_GATHER_ALLREDUCE_MAX_BYTES=4096"))
+        a = calibrate.analyse(runs(False, False))
+        self.assertEqual((a["env"], a["allreduce"]["env"]), ("export ROCE_GATHER_ENABLE=0", None))
+        a = calibrate.analyse(runs(True, False))
+        self.assertEqual(a["allreduce"]["env"], "export ROCE_GATHER_ALLREDUCE_MIN_BYTES=2 ROCE_GATHER_ALLREDUCE_MAX_BYTES=1")
+        self.assertIn("Window: none.", calibrate.report(a).split("The all-reduce:")[1])
+        # A run of the gather alone (an older worker): no all-reduce in the answer.
+        old = [dict(r, result=dict(r["result"], numbers={"samples": r["result"]["numbers"]["samples_by"]["gather"]}))
+               for r in runs(True, True)]
+        self.assertIsNone(calibrate.analyse(old)["allreduce"])
+
+# ---- the all-reduce's workers against the stand-in torch --------------------------------------
+
+def ar_calls(ledger):
+    """(calls made, calls run) of a ledger's all-reduces, as the interceptor would see them."""
+    rows = [r for by in ledger["allreduce"].values() for r in by.values()]
+    return (sum(r["eager"] + r["captured"] + r["pre"] for r in rows), sum(r["eager"] + r["replays"] + r["replays_pre"]
+                                                                        for r in rows))
+
+
+class BenchCollectivesTest(unittest.TestCase):
+    run_task = BenchTest.run_task
+
+    def test_allreduce_samples_and_ledger(self):
+        ctx, res, counts, _ = self.run_task({"collectives": {"allreduce": [16, 4096]}, "modes": ["graph"], "reps": 2,
+                                             "budget_s": 60})
+        self.assertEqual(res.d["n_failures"], 0, res.d["failures"])  # max(x0, x1) after every sample
+        n = res.d["numbers"]
+        self.assertEqual(list(n["samples_by"]), ["allreduce"])
+        self.assertIs(n["samples"], n["samples_by"]["allreduce"])
+        self.assertEqual(len(n["samples"]["graph"]["4096"]), 2)
+        self.assertEqual(n["replays"]["allreduce/16"], 100)
+        self.assertEqual(ctx.ledger.n["calls"], {})  # no gather
+        L = ctx.ledger.n["allreduce"]
+        self.assertEqual(sorted(L), ["max/bfloat16", "max/float64", "sum/float32"])  # the sampled ones, agree_max, sync_peers
+        self.assertEqual(sorted(L["max/bfloat16"]), ["16", "4096"])
+        self.assertEqual(ar_calls(ctx.ledger.n), (counts["ar_enq"], counts["ar_exec"]))
+        self.assertEqual(L["max/bfloat16"]["16"]["first"], 1)  # its first warm-up call made the agreement
+
+    def test_decode_step(self):
+        ctx, res, counts, _ = self.run_task({"collectives": {"decode": [1, 4]}, "modes": ["graph"], "reps": 2,
+                                             "budget_s": 60})
+        self.assertEqual(res.d["n_failures"], 0, res.d["failures"])
+        n = res.d["numbers"]
+        self.assertEqual(sorted(n["samples"]["graph"]), ["1", "4"])
+        # Each replay is one step of 32 layers: its ledger holds every call the step made, per size.
+        L = ctx.ledger.n
+        self.assertEqual(sum(r["eager"] + r["captured"] for r in L["calls"].values()), counts["enq"])
+        self.assertEqual(sum(r["eager"] + r["replays"] for r in L["calls"].values()), counts["exec"])
+        self.assertEqual(ar_calls(L), (counts["ar_enq"], counts["ar_exec"]))
+        s1, s4 = plans.decode_sizes(1), plans.decode_sizes(4)
+        self.assertEqual(sorted(L["calls"]), sorted(str(x) for x in (s1["gather"], s1["logits"], s4["gather"], s4["logits"])))
+        self.assertEqual(sorted(L["allreduce"]["sum/bfloat16"]), sorted([str(s1["allreduce"]), str(s4["allreduce"])]))
+        g1, l1 = L["calls"][str(s1["gather"])], L["calls"][str(s1["logits"])]
+        self.assertEqual((g1["captured"], l1["captured"]), (32, 1))
+        self.assertEqual(g1["replays"], 32 * l1["replays"])
+        self.assertEqual(L["allreduce"]["sum/bfloat16"][str(s1["allreduce"])]["replays"], g1["replays"])
+        self.assertEqual(sorted(res.d["digests"]), ["decode/batch1/hidden", "decode/batch1/logits", "decode/batch4/hidden",
+                                                   "decode/batch4/logits"])
+
+    def test_calibrate_measures_both_collectives(self):
+        ctx, res, _, _ = self.run_task({"role": "intercept", "sizes": [16, 1 << 20], "reps": 1}, task="calibrate")
+        self.assertEqual(res.d["n_failures"], 0, res.d["failures"])
+        self.assertEqual(list(res.d["numbers"]["samples_by"]), ["gather", "allreduce"])
+        self.assertEqual(sorted(ctx.ledger.n["allreduce"]["max/bfloat16"]), ["1048576", "16"])
+        ctx, res, _, _ = self.run_task({"role": "intercept", "sizes": [16], "reps": 1, "measure": ["gather"]},
+                                       task="calibrate")
+        self.assertEqual(list(res.d["numbers"]["samples_by"]), ["gather"])
+
+
+def import_with(mods, name):
+    """Module name imported against the stand-in torch (fake_torch), and out of sys.modules again."""
+    with mock.patch.dict(sys.modules, mods):
+        for m in (name, "torch_cases", "allreduce_cases"):
+            sys.modules.pop(m, None)
+        mod = __import__(name)
+        for m in (name, "torch_cases", "allreduce_cases"):
+            sys.modules.pop(m, None)
+    return mod
+
+
+class AllReduceCasesTest(unittest.TestCase):
+    """allreduce_cases.py's matrix without a GPU: each class run as one block with the stats read
+    around it, the calls it made counted by size, refusals and types torch lacks kept apart."""
+
+    def test_blocks(self):
+        mods, _ = fake_torch()
+        ac = import_with(mods, "allreduce_cases")
+        res = mock.Mock()
+        res.d = {"numbers": {}, "cases": 0, "digests": {}}
+        ctx = mock.Mock(rank=0, dev="cuda:0", res=res)
+        ctx.ledger = common.Ledger()
+        launched = {"n": 0}
+        refused = {"prod/int8/inplace/1", "avg/int8/copy/1"}
+
+        def case(self, c):
+            if c["name"] in refused:
+                self.num["refused"][c["name"]] = "TypeError: no"
+                return False
+            self.ctx.ledger.allreduce(c["count"] * arcases.DTYPES[c["dtype"]]["size"], c["op"], c["dtype"])
+            launched["n"] += c["count"] <= 1000  # what the stand-in library takes: up to 1000 elements
+            return True
+        with mock.patch.dict(sys.modules, mods), mock.patch.object(ac.Cases, "case", case), \
+                mock.patch.dict(os.environ, {"ROCE_GATHER_STATS": "/s.json"}), \
+                mock.patch.object(common, "stats_now", lambda path: {"launches": launched["n"]} if path else None), \
+                contextlib.redirect_stdout(io.StringIO()):
+            cases = ac.Cases(ctx)
+            cases.matrix(arcases.matrix_cases(4096))
+        n = res.d["numbers"]
+        self.assertEqual(n["missing_dtypes"], ["float8_e4m3fn", "float8_e5m2"])  # this torch has none
+        self.assertEqual([b["class"] for b in n["ar_blocks"]], [c for c, _ in arcases.blocks(arcases.matrix_cases(4096))
+                                                                if "float8" not in c])
+        by = {b["class"]: b for b in n["ar_blocks"]}
+        i8 = arcases.counts("int8", 4096)
+        self.assertEqual(by["prod/int8"]["refused"], 1)
+        self.assertEqual(sum(by["prod/int8"]["calls"].values()), len(dict(arcases.blocks(arcases.matrix_cases(4096)))["prod/int8"]) - 1)
+        self.assertEqual(by["sum/int8"]["calls"]["1"], 1 + 1)  # one element, in place and copied
+        self.assertEqual(by["sum/int8"]["delta"]["launches"], sum(1 for c in dict(arcases.blocks(arcases.matrix_cases(4096)))
+                                                                  ["sum/int8"] if c["count"] <= 1000))
+        self.assertEqual(by["sum/int8"]["delta"]["forwarded"], 0)
+        self.assertEqual(set(i8.values()) - {int(b) for b in by["sum/int8"]["calls"]}, set())
+        self.assertEqual(n["refused"], {k: "TypeError: no" for k in refused})
+        self.assertEqual(sum(r["eager"] for b in ctx.ledger.n["allreduce"].values() for r in b.values()),
+                         sum(sum(b["calls"].values()) for b in n["ar_blocks"]))
+        self.assertEqual(res.write.call_count, 40)  # after every class
+
+
+class PyncclAllReduceTest(unittest.TestCase):
+    def test_cases_and_their_ledger(self):
+        mods, _ = fake_torch()
+        torch = mods["torch"]
+        T = torch.FakeTensor
+        torch.zeros_like = lambda t: T(("zeros",))
+        issued, captured, state = [], [], {"capturing": False, "group": 0}
+
+        class Graph:
+            def replay(self):
+                issued.extend(("replay",) + c for c in captured)
+
+        @contextlib.contextmanager
+        def graph(g, capture_error_mode=None):
+            state["capturing"] = True
+            yield
+            state["capturing"] = False
+        torch.cuda.CUDAGraph, torch.cuda.graph = Graph, graph
+        pc = import_with(mods, "pynccl_cases")
+        ac = import_with(mods, "allreduce_cases")
+
+        def allreduce(self, out, inp, count, dtype, op, stream=None):
+            call = (op, dtype, count, "inplace" if out is inp else "outofplace", state["group"])
+            (captured if state["capturing"] else issued).append(call if state["capturing"] else ("eager",) + call)
+        nccl = mock.Mock()
+        nccl.f = {"ncclGroupStart": lambda: state.__setitem__("group", state["group"] + 1) or 0,
+                  "ncclGroupEnd": lambda: state.__setitem__("group", state["group"] - 1) or 0}
+        nccl.check = lambda what, r: None
+        res = mock.Mock()
+        res.d = {"cases": 0}
+        cases_ = [("sum", "bfloat16", 8), ("max", "float16", 2048)]
+        with mock.patch.dict(sys.modules, dict(mods, allreduce_cases=ac)), \
+                mock.patch.object(pc.Cases, "allreduce", allreduce), \
+                mock.patch.object(pc.Cases, "ar_verify", lambda self, name, out, x, op, dtype: None), \
+                mock.patch.object(ac, "gen", lambda tag, r, n, dtype: T(("gen", r, n, tag))):
+            c = pc.Cases(mock.Mock(rank=0, local=0), res, nccl, "comm")
+            c.ledger = common.Ledger()
+            c.ledger.gather(16)  # the binding's gathers come first and agree the communicator
+            c.run_allreduce(cases_, 3)
+        self.assertEqual(issued[:6], [("eager", "sum", "bfloat16", 8, "outofplace", 0), ("eager", "max", "float16", 2048, "outofplace", 0),
+                                      ("eager", "sum", "bfloat16", 8, "inplace", 0), ("eager", "max", "float16", 2048, "inplace", 0),
+                                      ("eager", "sum", "bfloat16", 8, "outofplace", 1), ("eager", "max", "float16", 2048, "outofplace", 1)])
+        self.assertEqual(captured, [("sum", "bfloat16", 8, "outofplace", 0), ("max", "float16", 2048, "outofplace", 0)])
+        self.assertEqual(issued[6:], [("replay",) + x for x in captured] * 3)
+        L = c.ledger.n["allreduce"]
+        self.assertEqual(L["sum/bfloat16"]["16"], dict(first=0, eager=3, captured=1, list=0, replays=3, pre=0, replays_pre=0))
+        self.assertEqual(L["max/float16"]["4096"], dict(first=0, eager=3, captured=1, list=0, replays=3, pre=0, replays_pre=0))
 
 if __name__ == "__main__":
     unittest.main()

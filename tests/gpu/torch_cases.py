@@ -76,7 +76,8 @@ class Ctx:
         return False
 
     def sync_peers(self):
-        dist.all_reduce(torch.zeros(1, device=self.dev))
+        dist.all_reduce(torch.zeros(1, device=self.dev))  # on the default group
+        self.ledger.allreduce(4, "sum", "float32", comm=self.comm if self.group is None else "default")
         torch.cuda.synchronize()
 
 
