@@ -7,7 +7,6 @@ package intercept
 
 import (
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 
@@ -205,8 +204,8 @@ func TestTheHookMeetsSeveralCompilersPrologues(t *testing.T) {
 // a 16-byte boundary, after no endbr64): written in steps (docs/interceptor.md, "The write"),
 // hooked all the same, and they run.
 func TestEntriesNoAtomicStoreCoversAreHookedToo(t *testing.T) {
-	if runtime.GOARCH != "amd64" {
-		t.Skip("x86-64's variable-length entries")
+	if testtarget.GOARCH() != "amd64" {
+		t.Skip("x86-64's variable-length entries: an aarch64 entry's patch is one aligned word, one store, and the stand-in builds no odd entries there")
 	}
 	f := fixtures(t)
 	j := newJob(t, f.caller, "NCCL_NET_PLUGIN="+f.lib, "LD_LIBRARY_PATH="+filepath.Dir(f.ncclO))
