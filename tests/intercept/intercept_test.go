@@ -1,17 +1,21 @@
 package intercept
 
 import (
+	"bytes"
 	"debug/elf"
+	"encoding/binary"
+	"encoding/hex"
 	"fmt"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"sort"
 	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/roce-gather/roce_gather/internal/testtarget"
 )
 
 // ncclCalls is how many times each process's NCCL (by FAKE_NAME) answered fn.
@@ -65,34 +69,80 @@ func TestRelocationCallersReachTheWrappersThroughTheHook(t *testing.T) {
 		require.Equal(t, 1, ncclCalls(log, pid, "A", "ncclAllReduce"), "counted and forwarded")
 		before, after := r.steps("entry")[0], r.steps("entry")[1]
 		require.NotEqual(t, before.str("bytes"), after.str("bytes"), "the entry is rewritten")
-		requireJumpAtEntry(t, after.str("bytes"))
+		requireJumpAtEntry(t, after)
 		require.Equal(t, merged(before.str("mappings")), merged(after.str("mappings")), "every page of NCCL as the loader left it")
 		require.Contains(t, before.str("mappings"), "r-xp")
 	}
 }
 
-// requireJumpAtEntry checks the hook's jump in the first bytes of a hooked entry (hex): after
-// an endbr64 where there is one.
-func requireJumpAtEntry(t *testing.T, hexBytes string) {
+// requireJumpAtEntry checks a hooked entry as the entry step saw it: after the landing pad
+// the hook keeps (x86-64's endbr64; aarch64's bti and return-address signing), the hook's
+// jump (jmp rel32; b imm26) to its stub, whose absolute jump goes to the library's
+// ncclAllGather. The children's instructions (testtarget.GOARCH), not this test binary's.
+func requireJumpAtEntry(t *testing.T, entry line) {
 	t.Helper()
-	switch runtime.GOARCH {
+	code, stub := unhex(t, entry.str("bytes")), unhex(t, entry.str("there"))
+	at, to, wrapper := address(t, entry.str("at")), address(t, entry.str("jumps_to")), address(t, entry.str("wrapper"))
+	require.NotZero(t, wrapper, "the library's ncclAllGather: %v", entry)
+	var target, stubTarget uint64
+	switch arch := testtarget.GOARCH(); arch {
 	case "amd64":
-		at := 0
-		if strings.HasPrefix(hexBytes, "f30f1efa") {
-			at = 8
+		site := 0
+		if bytes.HasPrefix(code, []byte{0xf3, 0x0f, 0x1e, 0xfa}) {
+			site = 4 // endbr64
 		}
-		require.Equal(t, "e9", hexBytes[at:at+2], "jmp rel32 at the entry: %s", hexBytes)
+		require.Equal(t, byte(0xe9), code[site], "jmp rel32 at +%d of the entry: % x", site, code)
+		target = at + uint64(site+5) + uint64(int64(int32(binary.LittleEndian.Uint32(code[site+1:]))))
+		require.Equal(t, []byte{0xff, 0x25, 0, 0, 0, 0}, stub[:6], "the stub's jmp *0(%%rip): % x", stub)
+		stubTarget = binary.LittleEndian.Uint64(stub[6:14])
 	case "arm64":
-		for at := 0; at+8 <= len(hexBytes); at += 8 {
-			w, err := strconv.ParseUint(hexBytes[at:at+8], 16, 32)
-			require.NoError(t, err)
-			word := uint32(w>>24 | (w>>8)&0xff00 | (w<<8)&0xff0000 | w<<24)
-			if word>>26 == 0x05 {
-				return // b imm26
+		words := func(b []byte) []uint32 {
+			var w []uint32
+			for i := 0; i+4 <= len(b); i += 4 {
+				w = append(w, binary.LittleEndian.Uint32(b[i:]))
 			}
+			return w
 		}
-		require.Fail(t, "no b at the entry", hexBytes)
+		const btiC, btiJ, btiJC, paciasp, pacibsp, autiasp, autibsp = 0xd503245f, 0xd503249f, 0xd50324df, 0xd503233f,
+			0xd503237f, 0xd50323bf, 0xd50323ff
+		w, site := words(code), 0
+		if w[site] == btiC || w[site] == btiJ || w[site] == btiJC {
+			site++
+		}
+		var auth []uint32 // the stub authenticates what the kept signing signed
+		switch w[site] {
+		case paciasp:
+			auth, site = []uint32{autiasp}, site+1
+		case pacibsp:
+			auth, site = []uint32{autibsp}, site+1
+		}
+		b := w[site]
+		require.Equal(t, uint32(0b000101), b>>26, "b imm26 (opcode bits 000101) at +%d of the entry: %08x in % x", 4*site, b, code)
+		target = at + uint64(4*site) + uint64(int64(int32(b<<6)>>6)*4)
+		ws := words(stub)
+		require.Equal(t, append(auth, 0x58000050, 0xd61f0200), ws[:len(auth)+2], "the stub's ldr x16, #8; br x16: % x", stub)
+		stubTarget = binary.LittleEndian.Uint64(stub[4*(len(auth)+2):])
+	default:
+		require.Fail(t, "no hook's jump known for "+arch)
 	}
+	require.Equal(t, fmt.Sprintf("%#x", target), fmt.Sprintf("%#x", to), "where the caller found the jump going: % x", code)
+	require.Equal(t, fmt.Sprintf("%#x", wrapper), fmt.Sprintf("%#x", stubTarget), "the stub jumps to the library's ncclAllGather")
+}
+
+// unhex is the bytes of a hex string without separators.
+func unhex(t *testing.T, s string) []byte {
+	t.Helper()
+	b, err := hex.DecodeString(s)
+	require.NoError(t, err)
+	return b
+}
+
+// address is a hex address as a program printed it.
+func address(t *testing.T, s string) uint64 {
+	t.Helper()
+	a, err := strconv.ParseUint(s, 16, 64)
+	require.NoError(t, err, "address %q", s)
+	return a
 }
 
 // (b) With the hook in, a library opened later (here by bare name) reaches the wrappers at its
@@ -321,17 +371,27 @@ func TestPreloadIntoAProcessThatNeverLoadsNCCLSaysOneLine(t *testing.T) {
 	report := filepath.Join(dir, "bind.jsonl")
 	env := append(baseEnv(), "LD_PRELOAD="+f.lib, "ROCE_GATHER_BIND_REPORT="+report)
 	for _, args := range [][]string{{f.callerNoNCCL, "0", filepath.Join(dir, "id")}, {"sh", "-c", "echo $NCCL_NET_PLUGIN"}} {
-		cmd := exec.Command(args[0], args[1:]...)
-		cmd.Env = env
-		var stderr strings.Builder
-		cmd.Stderr = &stderr
-		out, err := cmd.Output()
-		require.NoError(t, err, stderr.String())
-		require.Regexp(t, `^\S+ \[roce_gather\] NCCL INFO NET/roce_gather : interceptor: LD_PRELOAD names this library and NCCL_NET_PLUGIN is unset: set NCCL_NET_PLUGIN=`+
-			regexpQuote(f.lib)+`, so that NCCL initialises it at its first communicator\n$`, stderr.String())
-		if args[0] == "sh" {
-			require.Equal(t, f.lib+"\n", string(out))
-		}
+		t.Run(filepath.Base(args[0]), func(t *testing.T) {
+			cmd := testtarget.Command(args[0], args[1:]...)
+			if args[0] == "sh" {
+				if testtarget.Emulated() {
+					t.Skip("sh is this machine's program, into which the target's library cannot be preloaded; " +
+						"caller_nonccl shows the line on the target, and that the process's environment then names " +
+						"the library is shown where the target runs natively")
+				}
+				cmd = exec.Command(args[0], args[1:]...)
+			}
+			cmd.Env = env
+			var stderr strings.Builder
+			cmd.Stderr = &stderr
+			out, err := cmd.Output()
+			require.NoError(t, err, stderr.String())
+			require.Regexp(t, `^\S+ \[roce_gather\] NCCL INFO NET/roce_gather : interceptor: LD_PRELOAD names this library and NCCL_NET_PLUGIN is unset: set NCCL_NET_PLUGIN=`+
+				regexpQuote(f.lib)+`, so that NCCL initialises it at its first communicator\n$`, stderr.String())
+			if args[0] == "sh" {
+				require.Equal(t, f.lib+"\n", string(out))
+			}
+		})
 	}
 	require.Empty(t, readLines(t, report))
 }

@@ -22,7 +22,8 @@
  * group:COUNT:TYPE, groupstart, groupend, split:COLOR:KEY, asyncerr, allreduce:COUNT, finalize,
  * destroy, abort, abortafter:MS, destroyafter:MS and join (another thread aborts or destroys while the
  * next steps run), sleepms:MS, die (SIGKILL), stop (SIGSTOP), entry (the first bytes of the NCCL's own
- * pncclAllGather, CALLER_NCCL, and its file's mappings), load:PATH, via:libN,
+ * pncclAllGather, CALLER_NCCL, where a jump there goes, the library's ncclAllGather, and NCCL's
+ * file's mappings), load:PATH, via:libN,
  * via:lib, via:main, snap:LABEL (a copy of the ROCE_GATHER_STATS file as it is now), next:NAME
  * (the object where dlsym(RTLD_NEXT, NAME) from this object finds NAME: the next one after it),
  * bg:STEP (STEP on a second thread that lives as long as the program; the main thread waits
@@ -510,17 +511,61 @@ static void mappings(const char* file, char* all, size_t allsize) {
   if (f) fclose(f);
 }
 
-/* entry: the first 16 bytes of the NCCL's own pncclAllGather (CALLER_NCCL), and every mapping of
- * its file. */
+/* Where a jump at the start of entry f goes, NULL when it starts with none: x86-64's jmp rel32
+ * after an endbr64, aarch64's b after a bti and a return-address signing (as the hook writes
+ * them; the test checks the encoding, this only says where to look next). */
+static const unsigned char* jump_target(const unsigned char* f) {
+#if defined(__x86_64__)
+  if (memcmp(f, "\xf3\x0f\x1e\xfa", 4) == 0) f += 4;
+  if (f[0] != 0xe9) return NULL;
+  int32_t rel;
+  memcpy(&rel, f + 1, 4);
+  return f + 5 + rel;
+#elif defined(__aarch64__)
+  uint32_t w;
+  memcpy(&w, f, 4);
+  if (w == 0xd503245fu || w == 0xd503249fu || w == 0xd50324dfu) { /* bti c, j, jc */
+    f += 4;
+    memcpy(&w, f, 4);
+  }
+  if (w == 0xd503233fu || w == 0xd503237fu) { /* paciasp, pacibsp */
+    f += 4;
+    memcpy(&w, f, 4);
+  }
+  if (w >> 26 != 0x05) return NULL;
+  return f + (intptr_t)((int32_t)(w << 6) >> 6) * 4; /* imm26 words, signed */
+#else
+  (void)f;
+  return NULL;
+#endif
+}
+
+static void hex_of(const unsigned char* p, int n, char* dst, size_t size) {
+  dst[0] = '\0';
+  for (int i = 0; p != NULL && i < n && 2 * (size_t)i + 2 < size; i++) snprintf(dst + 2 * i, size - 2 * (size_t)i, "%02x", p[i]);
+}
+
+/* entry: the first 16 bytes of the NCCL's own pncclAllGather (CALLER_NCCL) and its address,
+ * where a jump there goes and the first 24 bytes at that place, the address of the library's
+ * ncclAllGather (NCCL_NET_PLUGIN, once loaded; 0 before), and every mapping of NCCL's file. */
 static int entry_step(caller_state* s, const char* step) {
   if (strcmp(step, "entry") != 0) return 0;
   void* h = dlopen(getenv("CALLER_NCCL"), RTLD_NOLOAD | RTLD_LAZY);
   const unsigned char* f = h ? dlsym(h, "pncclAllGather") : NULL;
-  char bytes[64] = "", all[4096] = "", real[4096] = "";
+  const unsigned char* to = f ? jump_target(f) : NULL;
+  const char* plugin = getenv("NCCL_NET_PLUGIN");
+  void* lib = plugin ? dlopen(plugin, RTLD_NOLOAD | RTLD_LAZY) : NULL;
+  void* wrapper = lib ? dlsym(lib, "ncclAllGather") : NULL;
+  char bytes[64], there[64], all[4096] = "", real[4096] = "";
   Dl_info info;
   if (f != NULL && dladdr(f, &info) != 0 && realpath(info.dli_fname, real) != NULL) mappings(real, all, sizeof(all));
-  for (int i = 0; f != NULL && i < 16; i++) snprintf(bytes + 2 * i, sizeof(bytes) - 2 * (size_t)i, "%02x", f[i]);
-  out(s, step, f ? 0 : 1, "\"bytes\":\"%s\",\"file\":\"%s\",\"mappings\":\"%s\"", bytes, real, all);
+  hex_of(f, 16, bytes, sizeof(bytes));
+  hex_of(to, 24, there, sizeof(there));
+  out(s, step, f ? 0 : 1,
+      "\"bytes\":\"%s\",\"at\":\"%lx\",\"jumps_to\":\"%lx\",\"there\":\"%s\",\"wrapper\":\"%lx\",\"file\":\"%s\","
+      "\"mappings\":\"%s\"",
+      bytes, (unsigned long)(uintptr_t)f, (unsigned long)(uintptr_t)to, there, (unsigned long)(uintptr_t)wrapper, real, all);
+  if (lib) dlclose(lib);
   if (h) dlclose(h);
   return 1;
 }
