@@ -10,6 +10,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -314,5 +315,35 @@ func TestRxeTwoHCAsOfOneAdapterCarryOneLaneEach(t *testing.T) {
 		mtu := mtuBytes(a.hcas[i].port.ActiveMTU)
 		sent := sentPackets(t, dev) - before[i]
 		require.GreaterOrEqual(t, sent, half/mtu, "%s sent %d packets for its 512 KiB at MTU %d", dev, sent, mtu)
+	}
+}
+
+// A lane whose link has been quiet for a quarter of the timeout probes the peer: on a live
+// peer the probe's write lands in the peer's probe word and completes, and the lane stays
+// alive however often it is checked afterwards (each direction of one link).
+func TestRxeLivenessProbeOfALivePeerLandsAndKeepsTheLane(t *testing.T) {
+	rxeGuest(t)
+	dev := os.Getenv("RXE_DEV")
+	a, b := openRxe(t, dev, -1), openRxe(t, dev, -1) // timeout 5 s: a probe after 1.25 s of quiet
+	la, lb := rxeLink(t, a, b, 1)
+	for _, c := range []struct {
+		name string
+		lane goLane
+		peer *Device
+	}{{"a to b", linkLane(la, 0), b}, {"b to a", linkLane(lb, 0), a}} {
+		word := (*uint64)(c.peer.scratch)
+		before := atomic.LoadUint64(word)
+		landed := time.Time{}
+		for deadline := time.Now().Add(4 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+			require.Equal(t, rgOK, c.lane.check(fabric.NowNanos()), "%s: %s", c.name, c.lane.why())
+			if landed.IsZero() && atomic.LoadUint64(word) != before {
+				landed = time.Now()
+			}
+			if !landed.IsZero() && time.Since(landed) > 500*time.Millisecond {
+				break
+			}
+		}
+		require.False(t, landed.IsZero(), "%s: no probe reached the peer's probe word in 4 s", c.name)
+		require.NotEqual(t, before, atomic.LoadUint64(word), c.name)
 	}
 }
