@@ -50,19 +50,6 @@ func openTestFabric(t *testing.T, timeout time.Duration) *roce.Transport {
 // without naming the cause (as in cmd/plugincheck's fault tests). tcp sees the close at once.
 const verbsDeadPeerTimeout = 4 * time.Second
 
-// peerGoneCause is what a lane says, whole, once the peer's end of the link is gone: on tcp
-// its close; on verbs a request the peer no longer answers failed its retries, or the
-// liveness probe did not complete.
-func peerGoneCause() string {
-	if onVerbs() {
-		return `((liveness probe|RDMA request) to 127\.0\.0\.1:\d+ over \S+ \(qp 0x[0-9a-f]+\) failed: transport retry counter exceeded ` +
-			`\(status 12, vendor error 0x0\): the peer stopped answering \(link down, cable cut, or its process died\)|` +
-			`the liveness probe to 127\.0\.0\.1:\d+ over \S+ has not completed in \d+ ms, nor anything else for \d+ ms ` +
-			`\(\d+ requests outstanding\))`
-	}
-	return `127\.0\.0\.1:\d+ closed the (link|connection)`
-}
-
 // wrongRKey is the deliberate bug of RG_TEST_WRONG_RKEY=1, which only the tests read: rank 0
 // writes into its peer's region with a key that is not the region's (tests/rxe runs the
 // size-class test with it and asserts that it fails, and how).

@@ -215,6 +215,26 @@ func TestInterceptedGatherPlacesBothRowsAtEverySizeClass(t *testing.T) {
 
 // Sizes that change the chunk count from one gather to the next, over many sequences, so
 // both slot parities and every doorbell level are reused many times.
+// A link left idle for longer than its quiet limit (a verbs lane probes its peer after a
+// quarter of the timeout, a tcp lane sends its heartbeat) still carries the next gather:
+// the first long after the link was made, and each after a pause of the same length.
+func TestInterceptedGatherAfterAnIdleLinkPlacesBothRows(t *testing.T) {
+	const timeout = 2 * time.Second
+	engines := osPair(t, timeout, [2]OneShotConfig{osConfig(1 << 20), osConfig(1 << 20)})
+	rng := rand.New(rand.NewSource(5))
+	for i, n := range []int{1, 4096, 100<<10 + 3} {
+		time.Sleep(timeout / 2) // past the quiet limit of a quarter of the timeout, short of the deadline
+		c := newRowsCase(rng, n, 0, 0, false)
+		errs := gatherOnBoth(engines, c)
+		require.NoError(t, errs[0], "rank 0, gather %d of %d bytes after an idle link", i, n)
+		require.NoError(t, errs[1], "rank 1, gather %d of %d bytes after an idle link", i, n)
+		c.check(t, 0)
+		c.check(t, 1)
+	}
+	require.NoError(t, engines[0].Err())
+	require.NoError(t, engines[1].Err())
+}
+
 func TestInterceptedGatherKeepsSequencesAcrossChangingSizes(t *testing.T) {
 	engines := osPair(t, 10*time.Second, [2]OneShotConfig{osConfig(256 << 10), osConfig(256 << 10)})
 	rng := rand.New(rand.NewSource(2))
@@ -372,7 +392,7 @@ func TestInterceptedGatherWithAWrongKeyFailsWithoutARowAtThePeer(t *testing.T) {
 		// The writer knows at once although its gather is done: its part did not arrive.
 		require.Eventually(t, func() bool { return engines[0].Err() != nil }, timeout, time.Millisecond)
 		refused = `RDMA request to 127\.0\.0\.1:\d+ over \S+ \(qp 0x[0-9a-f]+\) failed: remote access error \(status 10, vendor error 0x0\): ` +
-			`the peer refused the key or the address range`
+			`the peer refused the key or the address range \(the request: a write of \d+ bytes? to 0x[0-9a-f]+ with rkey 0x[0-9a-f]+\)`
 		require.Regexp(t, `^the link failed: `+refused+`$`, engines[0].Err().Error())
 	}
 	// Rank 0's next gather fails at once and names the cause.

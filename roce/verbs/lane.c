@@ -4,7 +4,8 @@
  * One thread drives a lane at a time (the engine's proxy), so there are no locks.
  * Send-queue slots are retired only by signaled completions, so every sig_every-th work
  * request is signaled internally; those completions, and the liveness probe's, are
- * filtered out of what the caller sees. */
+ * filtered out of what the caller sees. Every request in flight is remembered (its remote
+ * address, key and length), so that a failed one is named in the lane's error. */
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -15,7 +16,9 @@
 #define POLL_BATCH 16
 /* The receive queue's entries: the least a queue pair has, as none is ever posted. */
 #define RECV_DEPTH 1
-#define UNSIGNALED_WR_ID UINT64_MAX
+/* An unsignaled request's wr_id: this bit and its place in the posted ring. A failed request
+ * completes with its wr_id, signaled or not. */
+#define UNSIGNALED_BIT (1ull << 63)
 
 enum { SIG_USER = 1, SIG_INTERNAL = 2, SIG_PROBE = 3 };
 
@@ -23,9 +26,18 @@ enum { SIG_USER = 1, SIG_INTERNAL = 2, SIG_PROBE = 3 };
  * the unsignaled requests posted before it. */
 typedef struct sig_entry {
   uint64_t wr_id; /* the caller's id, for SIG_USER */
+  uint64_t post;  /* its place in the posted ring */
   uint32_t retire;
   uint32_t kind;
 } sig_entry;
+
+/* What a request in flight wrote where, for the error that names a failed one. */
+typedef struct posted_req {
+  uint64_t remote;
+  uint32_t rkey;
+  uint32_t len;
+  int probe;
+} posted_req;
 
 struct rg_vlane {
   struct ibv_qp* qp;
@@ -41,6 +53,8 @@ struct rg_vlane {
   sig_entry* sig;      /* ring of sq_depth: signaled requests in flight, in post order */
   uint64_t sig_head, sig_tail;
   rg_cqe* done; /* ring of sq_depth: the caller's completions reaped by check() */
+  posted_req* posted; /* ring of sq_depth: every request in flight, by post number */
+  uint64_t posts;     /* requests posted so far */
   uint64_t done_head, done_tail;
 
   uint64_t timeout_ns;
@@ -86,10 +100,35 @@ static const char* status_hint(enum ibv_wc_status s) {
   }
 }
 
-static void fail_wc(rg_vlane* l, const struct ibv_wc* wc, const char* what) {
-  lane_fail(l, "%s %s over %s (qp 0x%x) failed: %s (status %d, vendor error 0x%x)%s", what, l->peer, l->hca_name,
-            l->qp->qp_num, rg_ibv_wc_status_str(wc->status), (int)wc->status, wc->vendor_err,
-            status_hint(wc->status));
+/* The post number of the request a completion belongs to, or UINT64_MAX when its wr_id is
+ * none this lane gave. At most sq_depth requests are in flight: a number in the last sq_depth
+ * posts still has its slot in the ring. */
+static uint64_t post_of(const rg_vlane* l, uint64_t wr_id) {
+  uint64_t post = UINT64_MAX;
+  if (wr_id & UNSIGNALED_BIT)
+    post = wr_id & ~UNSIGNALED_BIT;
+  else if (wr_id >= l->sig_head && wr_id < l->sig_tail)
+    post = l->sig[wr_id % l->sq_depth].post;
+  return post < l->posts && l->posts - post <= l->sq_depth ? post : UINT64_MAX;
+}
+
+static void fail_wc(rg_vlane* l, const struct ibv_wc* wc) {
+  const uint64_t post = post_of(l, wc->wr_id);
+  const posted_req* r = post == UINT64_MAX ? NULL : &l->posted[post % l->sq_depth];
+  char req[128] = "";
+  if (r != NULL && wc->status != IBV_WC_WR_FLUSH_ERR)
+    snprintf(req, sizeof(req), " (the request: a write of %u byte%s to 0x%llx with rkey 0x%x)", r->len,
+             r->len == 1 ? "" : "s", (unsigned long long)r->remote, r->rkey);
+  lane_fail(l, "%s %s over %s (qp 0x%x) failed: %s (status %d, vendor error 0x%x)%s%s",
+            r != NULL && r->probe ? "liveness probe to" : "RDMA request to", l->peer, l->hca_name, l->qp->qp_num,
+            rg_ibv_wc_status_str(wc->status), (int)wc->status, wc->vendor_err, status_hint(wc->status), req);
+}
+
+/* Remembers a request about to be posted; returns its post number. */
+static uint64_t remember(rg_vlane* l, uint64_t remote, uint32_t rkey, uint32_t len, int probe) {
+  const uint64_t post = l->posts++;
+  l->posted[post % l->sq_depth] = (posted_req){.remote = remote, .rkey = rkey, .len = len, .probe = probe};
+  return post;
 }
 
 static uint32_t room(const rg_vlane* l) {
@@ -115,8 +154,7 @@ static int reap_send(rg_vlane* l) {
     for (int i = 0; i < n; i++) {
       int in_order = l->sig_head != l->sig_tail && wc[i].wr_id == l->sig_head;
       if (wc[i].status != IBV_WC_SUCCESS) {
-        int probe = in_order && l->sig[l->sig_head % l->sq_depth].kind == SIG_PROBE;
-        fail_wc(l, &wc[i], probe ? "liveness probe to" : "RDMA request to");
+        fail_wc(l, &wc[i]);
         return -1;
       }
       if (!in_order) {
@@ -170,15 +208,16 @@ int rg_vlane_post(rg_vlane* l, const rg_wr* wrs, int n) {
     }
     s->wr.rdma.remote_addr = w->remote;
     s->wr.rdma.rkey = w->rkey;
+    const uint64_t post = l->posts + (uint64_t)i;
     int user = (w->flags & RG_WR_SIGNALED) != 0;
     if (user || ++run >= l->sig_every) {
       s->send_flags |= IBV_SEND_SIGNALED;
       s->wr_id = l->sig_tail + (uint64_t)npend;
-      pend[npend++] = (sig_entry){.wr_id = w->wr_id, .retire = user ? run + 1 : run,
+      pend[npend++] = (sig_entry){.wr_id = w->wr_id, .post = post, .retire = user ? run + 1 : run,
                                   .kind = user ? SIG_USER : SIG_INTERNAL};
       run = 0;
     } else {
-      s->wr_id = UNSIGNALED_WR_ID;
+      s->wr_id = UNSIGNALED_BIT | post;
     }
     s->next = i + 1 < n ? &sw[i + 1] : NULL;
   }
@@ -189,6 +228,7 @@ int rg_vlane_post(rg_vlane* l, const rg_wr* wrs, int n) {
               strerror(rc), rc);
     return RG_ERR_DEAD;
   }
+  for (int i = 0; i < n; i++) remember(l, wrs[i].remote, wrs[i].rkey, (uint32_t)wrs[i].len, 0);
   for (int j = 0; j < npend; j++) l->sig[l->sig_tail++ % l->sq_depth] = pend[j];
   l->sq_used += (uint32_t)n;
   l->unsignaled = run;
@@ -224,12 +264,13 @@ static int post_probe(rg_vlane* l, uint64_t now) {
   wr.wr.rdma.rkey = l->probe_rkey;
   struct ibv_send_wr* bad = NULL;
   int rc = ibv_post_send(l->qp, &wr, &bad);
+  if (rc == 0) remember(l, l->probe_addr, l->probe_rkey, sizeof(l->probe_value), 1);
   if (rc != 0) {
     lane_fail(l, "posting a liveness probe to %s over %s failed: %s (errno %d)", l->peer, l->hca_name, strerror(rc),
               rc);
     return -1;
   }
-  l->sig[l->sig_tail++ % l->sq_depth] = (sig_entry){.retire = l->unsignaled + 1, .kind = SIG_PROBE};
+  l->sig[l->sig_tail++ % l->sq_depth] = (sig_entry){.post = l->posts - 1, .retire = l->unsignaled + 1, .kind = SIG_PROBE};
   l->unsignaled = 0;
   l->sq_used++;
   l->probe_inflight = 1;
@@ -289,9 +330,11 @@ rg_vlane* rg_vlane_wrap(struct ibv_qp* qp, struct ibv_cq* scq, int hca, const ch
   if (l == NULL) return NULL;
   l->sig = calloc(sq_depth, sizeof(*l->sig));
   l->done = calloc(sq_depth, sizeof(*l->done));
-  if (l->sig == NULL || l->done == NULL) {
+  l->posted = calloc(sq_depth, sizeof(*l->posted));
+  if (l->sig == NULL || l->done == NULL || l->posted == NULL) {
     free(l->sig);
     free(l->done);
+    free(l->posted);
     free(l);
     return NULL;
   }
@@ -358,6 +401,7 @@ void rg_vlane_destroy(rg_vlane* l) {
   }
   free(l->sig);
   free(l->done);
+  free(l->posted);
   free(l);
 }
 

@@ -188,7 +188,8 @@ func TestLaneErrorCompletionMakesLaneDead(t *testing.T) {
 	_, n := l.pollSend(16)
 	require.Equal(t, rgErrDead, n)
 	require.Equal(t, "RDMA request to 10.0.0.2:5000 over fake0:1 (qp 0x1234) failed: transport retry counter exceeded "+
-		"(status 12, vendor error 0x81): the peer stopped answering (link down, cable cut, or its process died)", l.why())
+		"(status 12, vendor error 0x81): the peer stopped answering (link down, cable cut, or its process died) "+
+		"(the request: a write of 1 byte to 0x0 with rkey 0x0)", l.why())
 	require.Equal(t, rgErrDead, l.post(laneWR{Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrInline}))
 	_, n = l.pollRecv(16)
 	require.Equal(t, rgErrDead, n)
@@ -197,11 +198,32 @@ func TestLaneErrorCompletionMakesLaneDead(t *testing.T) {
 
 func TestLaneRemoteAccessErrorNamesTheCause(t *testing.T) {
 	l, nic, _ := newTestLane(t, 64)
-	require.Equal(t, rgOK, l.post(laneWR{WRID: 1, Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrSignaled | wrInline}))
+	require.Equal(t, rgOK, l.post(laneWR{WRID: 1, Data: []byte{1}, Len: 1, Remote: 0x7f0000001000, RKey: 0x4d2, Op: opWrite, Flags: wrSignaled | wrInline}))
 	nic.Fail(fakenic.StatusRemoteAccess, 0)
 	_, n := l.pollSend(16)
 	require.Equal(t, rgErrDead, n)
-	require.Contains(t, l.why(), "remote access error (status 10, vendor error 0x0): the peer refused the key or the address range")
+	require.Contains(t, l.why(), "remote access error (status 10, vendor error 0x0): the peer refused the key or the address range "+
+		"(the request: a write of 1 byte to 0x7f0000001000 with rkey 0x4d2)")
+}
+
+// The request a failed completion names is the one that failed, signaled or not, and among
+// many in flight: here the third of four, after two completed.
+func TestLaneFailedRequestIsNamedAmongThoseInFlight(t *testing.T) {
+	l, nic, _ := newTestLane(t, 64)
+	data := make([]byte, 48)
+	for i, flags := range []uint8{wrSignaled | wrInline, wrInline, wrInline, wrSignaled | wrInline} {
+		require.Equal(t, rgOK, l.post(laneWR{WRID: uint64(i + 1), Data: data[:8*(i+1)], Len: uint64(8 * (i + 1)),
+			Remote: 0x10000 + uint64(i)*0x100, RKey: 0x100 + uint32(i), Op: opWrite, Flags: flags}))
+	}
+	require.Equal(t, 2, nic.Complete(2))
+	got, n := l.pollSend(16)
+	require.Equal(t, 1, n)
+	require.Equal(t, uint64(1), got[0].WRID)
+	nic.Fail(fakenic.StatusRemoteAccess, 0)
+	_, n = l.pollSend(16)
+	require.Equal(t, rgErrDead, n)
+	require.Equal(t, "RDMA request to 10.0.0.2:5000 over fake0:1 (qp 0x1234) failed: remote access error (status 10, vendor error 0x0): "+
+		"the peer refused the key or the address range (the request: a write of 24 bytes to 0x10200 with rkey 0x102)", l.why())
 }
 
 func TestLanePostFailureIsDead(t *testing.T) {
@@ -296,7 +318,8 @@ func TestLaneFailedRequestIsSeenByAPollOfTheReceiveSide(t *testing.T) {
 	_, n := l.pollRecv(16)
 	require.Equal(t, rgErrDead, n)
 	require.Equal(t, "RDMA request to 10.0.0.2:5000 over fake0:1 (qp 0x1234) failed: transport retry counter exceeded "+
-		"(status 12, vendor error 0x0): the peer stopped answering (link down, cable cut, or its process died)", l.why())
+		"(status 12, vendor error 0x0): the peer stopped answering (link down, cable cut, or its process died) "+
+		"(the request: a write of 1 byte to 0x0 with rkey 0x0)", l.why())
 }
 
 func TestLaneFullQueueThatNeverCompletesMakesLaneDead(t *testing.T) {
