@@ -148,7 +148,7 @@ lint: vet fmt
 # virtual environment (tests/wheel), the Python package's and the GPU scripts' own logic.
 test: all lint wheel | need-test
 	$(GO) test -count=1 ./...
-	python3 python/test_roce_gather.py
+	python3 tests/python/test_roce_gather.py
 	python3 tests/gpu/test_logic.py
 
 # Every test, the README's second command: make test, the engine under AddressSanitizer, then

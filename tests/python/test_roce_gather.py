@@ -3,7 +3,7 @@ job gets (job_env, set_env), the refusals, and python -m roce_gather's commands,
 copy of the package with a stand-in library and plugincheck. tests/wheel installs the real wheel;
 plugin/config_python_test.go checks the rules against plugin/config.go.
 
-    python3 python/test_roce_gather.py [-v]
+    python3 tests/python/test_roce_gather.py [-v]
 """
 import os
 import shutil
@@ -12,7 +12,7 @@ import sys
 import tempfile
 import unittest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 sys.path.insert(0, HERE)
 sys.dont_write_bytecode = True
 
