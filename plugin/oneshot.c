@@ -236,7 +236,7 @@ int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncc
       return 1;
     }
     if (bytes != 0 && bytes >= c->floor && bytes <= c->cap) {
-      int r = rg_os_launch(e, sendbuff, recvbuff, bytes, (CUstream)stream);
+      int r = rg_os_launch(e, sendbuff, recvbuff, bytes, rg_os_coll(RG_OS_ALLGATHER, 0, 0), (CUstream)stream);
       if (r != CUDA_SUCCESS) {
         rg_os_fail(e, ncclUnhandledCudaError, 0, "launching the gather kernel: %s", rg_cuda_strerror(r));
         *result = ncclUnhandledCudaError;
