@@ -24,13 +24,13 @@ type Config struct {
 	// the buffer, where Set says they were given; AllReduceWindow resolves them.
 	AllReduceMinBytes, AllReduceMaxBytes       uint64
 	AllReduceMinBytesSet, AllReduceMaxBytesSet bool
-	Fabric                   string // auto, verbs, tcp
-	HCAs                     string
-	GIDIndex                 int // -1: automatic
-	TCPIf                    string
-	SocketIf                 string // NCCL_SOCKET_IFNAME, consulted when TCPIf is empty
-	Timeout                  time.Duration
-	StatsPath                string // "", a path (with %p for the pid, %h for the host) or "stderr"
+	Fabric                                     string // auto, verbs, tcp
+	HCAs                                       string
+	GIDIndex                                   int // -1: automatic
+	TCPIf                                      string
+	SocketIf                                   string // NCCL_SOCKET_IFNAME, consulted when TCPIf is empty
+	Timeout                                    time.Duration
+	StatsPath                                  string // "", a path (with %p for the pid, %h for the host) or "stderr"
 	// TracePath is ROCE_GATHER_TRACE, the timeline's file ("" for none; %p and %h as in
 	// StatsPath); TraceEvery samples one call in that many (ROCE_GATHER_TRACE_EVERY), and
 	// TraceRecords is the ring's size (ROCE_GATHER_TRACE_RECORDS).
