@@ -172,7 +172,8 @@ func failedGather(t *testing.T, r run, within time.Duration) {
 // once the other has its row: a gather can end on one rank before its own data has left.
 func TestPeerKilledMidGatherFailsTheGatherWithoutARow(t *testing.T) {
 	f := fixtures(t)
-	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN")...)
+	// The all-reduce's floor keeps its 16 bytes on NCCL's path.
+	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN", "ROCE_GATHER_ALLREDUCE_MIN_BYTES=1K")...)
 	j.args = func(rank int) []string {
 		if rank == 1 {
 			return []string{"init", "gather:16:0", "allreduce:4", "sleepms:300", "die"}
@@ -212,7 +213,7 @@ func TestPeerThatNeverJoinsTimesOutAtTheDeadline(t *testing.T) {
 // first gather's data has left, as in the killed peer's test.
 func TestSilentPeerFailsTheGatherWithinTheDeadline(t *testing.T) {
 	f := fixtures(t)
-	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN", "ROCE_GATHER_TIMEOUT_MS=1500")...)
+	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN", "ROCE_GATHER_TIMEOUT_MS=1500", "ROCE_GATHER_ALLREDUCE_MIN_BYTES=1K")...)
 	j.args = func(rank int) []string {
 		if rank == 1 {
 			return []string{"init", "gather:16:0", "allreduce:4", "stop"}
