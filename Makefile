@@ -91,8 +91,8 @@ $(OUT)/abort-nccl $(OUT)/gather-nccl: $(OUT)/%-nccl: tests/gpu/%_nccl.c $(NCCL_M
 # needs no CUDA toolkit (Debian's clang-14). PTX ISA 6.3 for compute_75 loads on every
 # CUDA 11 and later driver; the first line records the sources it came from.
 CLANG_CUDA ?= clang-14
-ONESHOT_SRC := kernels/oneshot.h kernels/oneshot_body.h kernels/oneshot.cu
-ONESHOT_CFLAGS := --cuda-device-only -nocudainc -nocudalib --cuda-gpu-arch=sm_75 -O3 -Wall -Wextra -Werror -S
+ONESHOT_SRC := kernels/oneshot.h kernels/oneshot_reduce.h kernels/oneshot_body.h kernels/oneshot.cu
+ONESHOT_CFLAGS := --cuda-device-only -nocudainc -nocudalib --cuda-gpu-arch=sm_75 -O3 -ffp-contract=off -Wall -Wextra -Werror -S
 # It also writes kernels/oneshot_sources.go, the same hash as a Go constant: go rebuilds the C of
 # a package when its own files change, not when a header of another package's does, and the
 # constant changes the kernels package's export data, so every package that includes the

@@ -1,4 +1,4 @@
-// The intercepted one-shot gather's kernel: one launch a gather, on the caller's stream,
+// The intercepted one-shot collectives' kernel (the gather and the all-reduce): one launch a call, on the caller's stream,
 // capturable in CUDA graphs (the sequence lives in device memory, never in the arguments).
 // The protocol is oneshot_body.h, shared with the host stand-in; this file gives it the
 // GPU's primitives. Built by clang's CUDA mode without the CUDA headers (`make kernels`),
@@ -9,6 +9,35 @@
 #define __shared__ __attribute__((shared))
 
 #include "oneshot.h"
+
+/* Single roundings that no compiler contracts into a fused multiply-add (PTX never fuses an
+ * instruction with an explicit rounding modifier): an all-reduce's avg is a multiply and an
+ * add, each rounded, as NCCL's pre-multiplied sum. */
+__device__ static inline float rg_fadd(float x, float y) {
+  float r;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+}
+__device__ static inline float rg_fmul(float x, float y) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+}
+__device__ static inline double rg_dadd(double x, double y) {
+  double r;
+  asm("add.rn.f64 %0, %1, %2;" : "=d"(r) : "d"(x), "d"(y));
+  return r;
+}
+__device__ static inline double rg_dmul(double x, double y) {
+  double r;
+  asm("mul.rn.f64 %0, %1, %2;" : "=d"(r) : "d"(x), "d"(y));
+  return r;
+}
+#define RG_OS_FADD(x, y) rg_fadd((x), (y))
+#define RG_OS_FMUL(x, y) rg_fmul((x), (y))
+#define RG_OS_DADD(x, y) rg_dadd((x), (y))
+#define RG_OS_DMUL(x, y) rg_dmul((x), (y))
+#include "oneshot_reduce.h"
 
 typedef struct {
   unsigned int x, y, z, w;
@@ -125,6 +154,59 @@ __device__ static inline __attribute__((always_inline)) void rg_block_copy(unsig
   for (rg_u64 b = head + words * 16 + t; b < n; b += nt) dst[b] = volatile_src ? rg_ld_cv_byte(src + b) : src[b];
 }
 
+// One element of esz bytes (1, 2, 4 or 8; the address is a multiple of it), the peer's
+// through the caches' bypass as rg_ld_cv.
+__device__ static inline rg_u64 rg_ld_elem(const unsigned char* p, unsigned int esz, int volatile_src) {
+  if (!volatile_src) {
+    switch (esz) {
+    case 1: return *p;
+    case 2: return *(const unsigned short*)p;
+    case 4: return *(const unsigned int*)p;
+    default: return *(const rg_u64*)p;
+    }
+  }
+  rg_u64 v;
+  unsigned int w;
+  unsigned short h;
+  switch (esz) {
+  case 1:
+    asm volatile("ld.global.cv.u8 %0, [%1];" : "=h"(h) : "l"(p));
+    return h & 0xff;
+  case 2:
+    asm volatile("ld.global.cv.u16 %0, [%1];" : "=h"(h) : "l"(p));
+    return h;
+  case 4:
+    asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(w) : "l"(p));
+    return w;
+  default:
+    asm volatile("ld.global.cv.u64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+  }
+}
+__device__ static inline void rg_st_elem(unsigned char* p, unsigned int esz, rg_u64 v) {
+  switch (esz) {
+  case 1: *p = (unsigned char)v; break;
+  case 2: *(unsigned short*)p = (unsigned short)v; break;
+  case 4: *(unsigned int*)p = (unsigned int)v; break;
+  default: *(rg_u64*)p = v;
+  }
+}
+
+// An all-reduce's combine with the whole block: thread t takes elements t, t + nthreads, ...
+// (neighbouring threads neighbouring elements: the warp's loads coalesce). Each element is
+// read and then written by the same thread, so dst may be own.
+__device__ static inline __attribute__((always_inline)) void rg_block_reduce(unsigned char* dst, const unsigned char* own,
+                                                                             const unsigned char* peer, rg_u64 n, rg_u32 rank,
+                                                                             rg_u32 op, rg_u32 dtype) {
+  const unsigned int t = rg_tid(), nt = rg_nthreads();
+  const unsigned int esz = rg_os_dtype_size(dtype);
+  const rg_u64 count = n / esz;
+  for (rg_u64 i = t; i < count; i += nt) {
+    const rg_u64 mine = rg_ld_elem(own + i * esz, esz, 0), theirs = rg_ld_elem(peer + i * esz, esz, 1);
+    rg_st_elem(dst + i * esz, esz, rank == 0 ? rg_os_reduce_elem(op, dtype, mine, theirs) : rg_os_reduce_elem(op, dtype, theirs, mine));
+  }
+}
+
 #define RG_OS_FN __device__
 /* Volatile: clang may move a load of a static __shared__ variable above a barrier, since
  * no call in this thread can write it; only another thread does. */
@@ -146,6 +228,7 @@ __device__ static inline __attribute__((always_inline)) void rg_block_copy(unsig
 #define rg_os_copy_out(dst, src, n) rg_block_copy((dst), (src), (n), 0)
 #define rg_os_copy_in(dst, src, n) rg_block_copy((dst), (src), (n), 1)
 #define rg_os_copy_dev(dst, src, n) rg_block_copy((dst), (src), (n), 1)
+#define rg_os_reduce(dst, own, peer, n, rank, op, dtype) rg_block_reduce((dst), (own), (peer), (n), (rank), (op), (dtype))
 
 #include "oneshot_body.h"
 

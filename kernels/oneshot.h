@@ -49,17 +49,21 @@ enum rg_os_status {
 };
 
 /* The collectives an announcement names (rg_os_coll). */
-enum rg_os_collective { RG_OS_ALLGATHER = 1 };
+enum rg_os_collective { RG_OS_ALLGATHER = 1, RG_OS_ALLREDUCE = 2 };
 
 /* An announcement's collective word: the collective, and for a reduction its op and datatype. */
 RG_OS_HD static inline rg_u64 rg_os_coll(rg_u32 collective, rg_u32 op, rg_u32 datatype) {
   return (rg_u64)collective | (rg_u64)(op & 0xff) << 8 | (rg_u64)(datatype & 0xff) << 16;
 }
 
+RG_OS_HD static inline rg_u32 rg_os_coll_kind(rg_u64 coll) { return (rg_u32)(coll & 0xff); }
+RG_OS_HD static inline rg_u32 rg_os_coll_op(rg_u64 coll) { return (rg_u32)(coll >> 8 & 0xff); }
+RG_OS_HD static inline rg_u32 rg_os_coll_dtype(rg_u64 coll) { return (rg_u32)(coll >> 16 & 0xff); }
+
 /* What a rank announces for a call, exactly: both ranks' must be equal. */
 typedef struct rg_os_announce {
   rg_u64 seq;
-  rg_u64 bytes;   /* bytes a rank */
+  rg_u64 bytes;   /* bytes a rank (a gather's shard, an all-reduce's whole buffer) */
   rg_u64 chunk;   /* chunk size */
   rg_u64 nchunks;
   rg_u64 coll;    /* rg_os_coll */
@@ -88,12 +92,15 @@ typedef struct rg_os_report {
   volatile rg_u64 t_staged;  /* the first chunk's doorbell rang */
   volatile rg_u64 t_arrived; /* the finishing block saw the last of its chunks from the peer */
   volatile rg_u64 t_end;
-  /* Since the engine started, the calls that wrote their rows and their bytes a rank: a
-   * reader that missed reports still counts every call. */
+  /* Since the engine started, the calls that wrote their output and their bytes a rank, per
+   * collective: a reader that missed reports still counts every call. */
   volatile rg_u64 total_gathers;
   volatile rg_u64 total_bytes;
+  volatile rg_u64 total_allreduces;
+  volatile rg_u64 total_allreduce_bytes;
+  volatile rg_u64 coll;  /* rg_os_coll of the call these fields describe */
   rg_os_failure failure; /* the engine's first failed call */
-  rg_u64 pad[(2 * RG_OS_LINE - 8 * 8 - sizeof(rg_os_failure)) / 8];
+  rg_u64 pad[(2 * RG_OS_LINE - 11 * 8 - sizeof(rg_os_failure)) / 8];
 } rg_os_report;
 
 typedef struct rg_os_line {
@@ -136,21 +143,23 @@ typedef struct rg_os_dev {
   rg_u64 t_staged;
   rg_u64 total_gathers; /* rg_os_report's */
   rg_u64 total_bytes;
+  rg_u64 total_allreduces;
+  rg_u64 total_allreduce_bytes;
   rg_os_announce peer_seen; /* the peer's announcement a block found wrong */
   rg_os_failure failure;    /* the engine's first failed call */
 } rg_os_dev;
 
 /* One launch's arguments, passed by value as the kernel's single parameter. */
 typedef struct rg_os_args {
-  const unsigned char* send; /* this rank's shard */
-  unsigned char* recv;       /* both rows: rank 0's, then rank 1's */
+  const unsigned char* send; /* this rank's shard (an all-reduce: its operand) */
+  unsigned char* recv;       /* both rows: rank 0's, then rank 1's (an all-reduce: op(x0, x1), bytes of it) */
   rg_u64 bytes;              /* bytes a rank, nonzero */
   rg_u64 chunk;              /* rg_os_chunk_bytes(bytes, min_chunk) */
   rg_u32 nchunks;
   rg_u32 rank; /* 0 or 1 */
   rg_u32 lanes;
   rg_u32 pad;
-  rg_u64 coll;      /* rg_os_coll of the call */
+  rg_u64 coll;      /* rg_os_coll of the call: the collective, and an all-reduce's op and datatype */
   rg_u64 call;      /* the host's number for the call, announced */
   rg_u64 launch_id; /* the stand-in's id of this launch (the kernel uses %gridid) */
   unsigned char* send_slots;       /* as the kernel addresses them: [2][slot_bytes] */

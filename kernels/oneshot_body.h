@@ -21,11 +21,17 @@
  *   RG_OS_LAUNCH_ID(a)            this launch's id: nonzero, below 2^63, shared by its blocks, unique among launches
  *   rg_os_copy_out(dst, src, n)   the block copies n bytes to the host (staging)
  *   rg_os_copy_in(dst, src, n)    the block copies n bytes the peer wrote into host memory (volatile loads)
- *   rg_os_copy_dev(dst, src, n)   the block copies n bytes within device memory */
+ *   rg_os_copy_dev(dst, src, n)   the block copies n bytes within device memory
+ *   rg_os_reduce(dst, own, peer, n, rank, op, dtype)
+ *                                 the block writes dst = op(x0, x1) element by element over n bytes
+ *                                 (oneshot_reduce.h), x0 rank 0's operand: own where rank is 0, else
+ *                                 peer (the peer's bytes: host memory the peer wrote, or device memory
+ *                                 other blocks wrote); dst may be own */
 #ifndef RG_KERNELS_ONESHOT_BODY_H
 #define RG_KERNELS_ONESHOT_BODY_H
 
 #include "oneshot.h"
+#include "oneshot_reduce.h"
 
 /* This launch's announcement of call seq. */
 RG_OS_FN static void rg_os_my_call(const rg_os_args* a, rg_u64 seq, rg_os_announce* out) {
@@ -201,7 +207,7 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
   }
 
   /* Wait for the peer's chunks; with several, each goes to scratch as it arrives, so that
-   * no row is written before all of them are here. */
+   * no output is written before all of them are here. */
   const rg_u64 deadline = RG_OS_NOW() + a->timeout_ns;
   int checked = 0;
   for (rg_u32 c = block; c < a->nchunks && failed == RG_OS_OK; c += nblocks) {
@@ -215,7 +221,8 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
     RG_OS_SYNC();
   }
 
-  /* The last block to finish writes the rows, or none if any block failed. */
+  /* The last block to finish writes the output (a gather's rows, an all-reduce's combine), or
+   * none if any block failed: a failed call leaves recv as it was (in place: the input). */
   if (RG_OS_LEADER) {
     arrived_at = RG_OS_NOW();
     if (nblocks == 1) {
@@ -230,7 +237,15 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
   RG_OS_SYNC();
   if (!last) return failed;
   const rg_u32 status = nblocks == 1 ? failed : *(volatile rg_u32*)&a->dev->failed;
-  if (status == RG_OS_OK) {
+  const int allreduce = rg_os_coll_kind(a->coll) == RG_OS_ALLREDUCE;
+  if (status == RG_OS_OK && allreduce) {
+    /* The peer's operand is whole: in the receive slot (one chunk, after this block's acquire
+     * of the flags) or in scratch, which every block wrote before its fence and arrival, and
+     * this, the last block, reads after its own fence (as the gather's copy from scratch).
+     * Rank 0's operand first on both ranks: the same bits. */
+    rg_os_reduce(a->recv, a->send, a->nchunks == 1 ? recv_slot : a->scratch, a->bytes, a->rank, rg_os_coll_op(a->coll),
+                 rg_os_coll_dtype(a->coll));
+  } else if (status == RG_OS_OK) {
     const rg_u32 peer = 1 - a->rank;
     unsigned char* peer_row = a->recv + peer * a->bytes;
     unsigned char* own_row = a->recv + a->rank * a->bytes;
@@ -245,7 +260,10 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
     rg_os_report* r = &a->ctrl->report[parity];
     rg_os_failure first;
     rg_os_load_failure(&a->dev->failure, &first);
-    if (status == RG_OS_OK) {
+    if (status == RG_OS_OK && allreduce) {
+      a->dev->total_allreduces += 1;
+      a->dev->total_allreduce_bytes += a->bytes;
+    } else if (status == RG_OS_OK) {
       a->dev->total_gathers += 1;
       a->dev->total_bytes += a->bytes;
     } else if (first.status == RG_OS_OK) { /* this engine's first failed call: every report from now on names it */
@@ -260,6 +278,9 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
     rg_os_store_failure(&r->failure, &first);
     r->total_gathers = a->dev->total_gathers;
     r->total_bytes = a->dev->total_bytes;
+    r->total_allreduces = a->dev->total_allreduces;
+    r->total_allreduce_bytes = a->dev->total_allreduce_bytes;
+    r->coll = a->coll;
     r->status = status;
     r->t_start = a->dev->t_start;
     r->t_staged = a->dev->t_staged;

@@ -19,13 +19,18 @@ type Config struct {
 	// resolves them against the fabric's defaults.
 	MinBytes, MaxBytes       uint64
 	MinBytesSet, MaxBytesSet bool
-	Fabric                   string // auto, verbs, tcp
-	HCAs                     string
-	GIDIndex                 int // -1: automatic
-	TCPIf                    string
-	SocketIf                 string // NCCL_SOCKET_IFNAME, consulted when TCPIf is empty
-	Timeout                  time.Duration
-	StatsPath                string // "", a path (with %p for the pid, %h for the host) or "stderr"
+	// AllReduceMinBytes and AllReduceMaxBytes are ROCE_GATHER_ALLREDUCE_MIN_BYTES and
+	// ROCE_GATHER_ALLREDUCE_MAX_BYTES, this rank's all-reduce floor and cap in bytes of
+	// the buffer, where Set says they were given; AllReduceWindow resolves them.
+	AllReduceMinBytes, AllReduceMaxBytes       uint64
+	AllReduceMinBytesSet, AllReduceMaxBytesSet bool
+	Fabric                                     string // auto, verbs, tcp
+	HCAs                                       string
+	GIDIndex                                   int // -1: automatic
+	TCPIf                                      string
+	SocketIf                                   string // NCCL_SOCKET_IFNAME, consulted when TCPIf is empty
+	Timeout                                    time.Duration
+	StatsPath                                  string // "", a path (with %p for the pid, %h for the host) or "stderr"
 	// TracePath is ROCE_GATHER_TRACE, the timeline's file ("" for none; %p and %h as in
 	// StatsPath); TraceEvery samples one call in that many (ROCE_GATHER_TRACE_EVERY), and
 	// TraceRecords is the ring's size (ROCE_GATHER_TRACE_RECORDS).
@@ -66,16 +71,23 @@ type FabricWindow struct {
 	MaxBytes uint64 // the cap ROCE_GATHER_MAX_BYTES replaces
 	// MinChunk is the smallest chunk of the intercepted gather ROCE_GATHER_CHUNK_BYTES replaces.
 	MinChunk uint64
+	// AllReduceMinBytes and AllReduceMaxBytes are the intercepted all-reduce's window, in
+	// bytes of the buffer (ROCE_GATHER_ALLREDUCE_MIN_BYTES and _MAX_BYTES replace them);
+	// AllReduceOff keeps the all-reduce off unless ROCE_GATHER_ALLREDUCE_MAX_BYTES is set.
+	AllReduceOff                         bool
+	AllReduceMinBytes, AllReduceMaxBytes uint64
 }
 
 // DefaultWindows holds each fabric's default window of the intercepted gather: the one
 // place to change them. docs/benchmarks.md has the measurements behind them.
 var DefaultWindows = map[string]FabricWindow{
-	// Unverified: no RDMA device has run it (docs/benchmarks.md).
-	"verbs": {MinBytes: 0, MaxBytes: 512 << 10, MinChunk: 64 << 10},
+	// Unverified: no RDMA device has run it (docs/benchmarks.md); the all-reduce's window
+	// neither.
+	"verbs": {MinBytes: 0, MaxBytes: 512 << 10, MinChunk: 64 << 10, AllReduceMinBytes: 0, AllReduceMaxBytes: 512 << 10},
 	// Over TCP a chunk costs a system call on each side, more than chunks save by
-	// overlapping: the largest chunks measured fastest (docs/benchmarks.md).
-	"tcp": {MinBytes: 0, MaxBytes: 256 << 10, MinChunk: 256 << 10},
+	// overlapping: the largest chunks measured fastest (docs/benchmarks.md). The all-reduce's
+	// window is the gather's until the testbed's calibration measures its own.
+	"tcp": {MinBytes: 0, MaxBytes: 256 << 10, MinChunk: 256 << 10, AllReduceMinBytes: 0, AllReduceMaxBytes: 256 << 10},
 }
 
 // Window is this rank's window of the intercepted gather on fabric: the floor and the
@@ -89,6 +101,21 @@ func (c Config) Window(fabric string) (floor, capBytes uint64, offByDefault bool
 	}
 	if c.MaxBytesSet {
 		capBytes, offByDefault = c.MaxBytes, false
+	}
+	return floor, capBytes, offByDefault
+}
+
+// AllReduceWindow is this rank's window of the intercepted all-reduce on fabric, in bytes
+// of the buffer, and whether the fabric's default keeps it off
+// (ROCE_GATHER_ALLREDUCE_MAX_BYTES unset where the fabric's default is off).
+func (c Config) AllReduceWindow(fabric string) (floor, capBytes uint64, offByDefault bool) {
+	d := DefaultWindows[fabric]
+	floor, capBytes, offByDefault = d.AllReduceMinBytes, d.AllReduceMaxBytes, d.AllReduceOff
+	if c.AllReduceMinBytesSet {
+		floor = c.AllReduceMinBytes
+	}
+	if c.AllReduceMaxBytesSet {
+		capBytes, offByDefault = c.AllReduceMaxBytes, false
 	}
 	return floor, capBytes, offByDefault
 }
@@ -210,6 +237,8 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 	flag("ROCE_GATHER_ENABLE", &c.Enable)
 	byteCount("ROCE_GATHER_MIN_BYTES", 0, "the fabric's default window", &c.MinBytes, &c.MinBytesSet)
 	byteCount("ROCE_GATHER_MAX_BYTES", 1, "the fabric's default window", &c.MaxBytes, &c.MaxBytesSet)
+	byteCount("ROCE_GATHER_ALLREDUCE_MIN_BYTES", 0, "the fabric's default all-reduce window", &c.AllReduceMinBytes, &c.AllReduceMinBytesSet)
+	byteCount("ROCE_GATHER_ALLREDUCE_MAX_BYTES", 1, "the fabric's default all-reduce window", &c.AllReduceMaxBytes, &c.AllReduceMaxBytesSet)
 	if v, ok := lookup(getenv, "ROCE_GATHER_FABRIC"); ok {
 		switch v {
 		case "auto", "verbs", "tcp":

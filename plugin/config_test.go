@@ -203,3 +203,34 @@ func TestProxyIdleTakesMillisecondsAndZeroMeansNever(t *testing.T) {
 	require.Len(t, warns, 1)
 	require.Equal(t, `ROCE_GATHER_PROXY_IDLE_MS="-5" is not a whole number of milliseconds from 0 to 3600000; using 100`, warns[0].String())
 }
+
+// The all-reduce's window: each fabric's default (the gather's caps, 256 KiB on tcp and
+// 512 KiB on verbs), replaced by ROCE_GATHER_ALLREDUCE_MIN_BYTES and _MAX_BYTES, which are
+// read and refused as the gather's variables are, and leave the gather's window alone.
+func TestAllReduceWindowDefaultsAndVariables(t *testing.T) {
+	c, warns := ParseConfig(env(nil))
+	require.Empty(t, warns)
+	floor, capBytes, off := c.AllReduceWindow("tcp")
+	require.Equal(t, [3]any{uint64(0), uint64(256 << 10), false}, [3]any{floor, capBytes, off})
+	floor, capBytes, off = c.AllReduceWindow("verbs")
+	require.Equal(t, [3]any{uint64(0), uint64(512 << 10), false}, [3]any{floor, capBytes, off})
+
+	c, warns = ParseConfig(env(map[string]string{"ROCE_GATHER_ALLREDUCE_MIN_BYTES": "4K", "ROCE_GATHER_ALLREDUCE_MAX_BYTES": "511K"}))
+	require.Empty(t, warns)
+	floor, capBytes, off = c.AllReduceWindow("tcp")
+	require.Equal(t, [3]any{uint64(4 << 10), uint64(511 << 10), false}, [3]any{floor, capBytes, off})
+	floor, capBytes, _ = c.Window("tcp")
+	require.Equal(t, [2]uint64{0, 256 << 10}, [2]uint64{floor, capBytes}, "the gather's window is its own")
+
+	for v, why := range map[string]string{"0": "is outside 1..67108864", "65M": "is outside 1..67108864", "lots": "is not a byte count"} {
+		c, warns = ParseConfig(env(map[string]string{"ROCE_GATHER_ALLREDUCE_MAX_BYTES": v}))
+		require.Len(t, warns, 1, v)
+		require.Contains(t, warns[0].String(), `ROCE_GATHER_ALLREDUCE_MAX_BYTES="`+v+`" `+why, v)
+		require.Contains(t, warns[0].String(), "using the fabric's default all-reduce window", v)
+		require.False(t, c.AllReduceMaxBytesSet)
+	}
+	c, warns = ParseConfig(env(map[string]string{"ROCE_GATHER_ALLREDUCE_MIN_BYTES": "65M"}))
+	require.Len(t, warns, 1)
+	require.Equal(t, `ROCE_GATHER_ALLREDUCE_MIN_BYTES="65M" is outside 0..67108864; using the fabric's default all-reduce window`, warns[0].String())
+	require.False(t, c.AllReduceMinBytesSet)
+}

@@ -68,12 +68,13 @@ static ncclResult_t wrap_AllGather(const void* sendbuff, void* recvbuff, size_t 
   return api->AllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream);
 }
 
-/* Counted and forwarded: the all-reduce engine comes later. */
 static ncclResult_t wrap_AllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
                                    ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   counted(RG_WRAP_AllReduce);
   const rg_nccl_api* api = rg_nccl();
   if (api == NULL || api->AllReduce == NULL) return unavailable(RG_WRAP_AllReduce, api);
+  ncclResult_t result;
+  if (rg_oneshot_allreduce(sendbuff, recvbuff, count, datatype, op, comm, stream, &result)) return result;
   return api->AllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream);
 }
 

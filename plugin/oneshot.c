@@ -12,6 +12,7 @@
 #include "../internal/cudadrv/cudadrv.h"
 #include "../internal/nlog/nlog.h"
 #include "../roce/gather/oneshot.h"
+#include "../kernels/oneshot_reduce.h"
 #include "gothread.h"
 #include "../roce/gather/stats.h"
 #include "_cgo_export.h"
@@ -29,6 +30,8 @@ typedef struct rg_icomm {
   rg_os_engine* engine;
   rg_os_kept kept; /* the engine's error, here so that it outlives the engine (zeroed: healthy) */
   uint64_t floor, cap;
+  int ar_on;                /* the all-reduce agreed too */
+  uint64_t ar_floor, ar_cap; /* its window, bytes of the buffer */
   int failed_result;
   _Atomic uint64_t group; /* the group (group_ids) whose end agrees it; 0: none */
   atomic_int said_deferred, said_error, said_crowded, said_unseen, said_probe;
@@ -209,6 +212,9 @@ static int settle(rg_icomm* c, cudaStream_t stream, int group_ended) {
   c->engine = a.engine;
   c->floor = a.floor;
   c->cap = a.cap;
+  c->ar_on = a.ar_on;
+  c->ar_floor = a.ar_floor;
+  c->ar_cap = a.ar_cap;
   c->failed_result = a.result;
   st = a.state;
 out:
@@ -236,7 +242,7 @@ int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncc
       return 1;
     }
     if (bytes != 0 && bytes >= c->floor && bytes <= c->cap) {
-      int r = rg_os_launch(e, sendbuff, recvbuff, bytes, (CUstream)stream);
+      int r = rg_os_launch(e, sendbuff, recvbuff, bytes, rg_os_coll(RG_OS_ALLGATHER, 0, 0), (CUstream)stream);
       if (r != CUDA_SUCCESS) {
         rg_os_fail(e, ncclUnhandledCudaError, 0, "launching the gather kernel: %s", rg_cuda_strerror(r));
         *result = ncclUnhandledCudaError;
@@ -252,6 +258,48 @@ int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncc
   }
   rg_stats_add(RG_STAT_OS_FORWARDED, 1);
   rg_stats_add(RG_STAT_OS_FORWARDED_BYTES, bytes);
+  return 0;
+}
+
+/* ncclAllReduce: the same communicator states as the gather's. A call of a class the engine
+ * takes (rg_os_reduce_taken), within the agreed all-reduce window, runs the one-shot path;
+ * every other goes to NCCL unchanged. */
+int rg_oneshot_allreduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
+                         ncclComm_t comm, cudaStream_t stream, ncclResult_t* result) {
+  const size_t esz = dtype_bytes(datatype);
+  if (comm == NULL || esz == 0 || count > UINT64_MAX / esz) return 0;
+  const uint64_t bytes = (uint64_t)count * esz;
+  rg_icomm* c = find(comm);
+  if (c == NULL && (c = adopt(comm, -1)) == NULL) return 0;
+  int st = atomic_load_explicit(&c->state, memory_order_acquire);
+  if (st == RG_IC_PENDING) st = settle(c, stream, 0);
+  if (st == RG_IC_ON) {
+    rg_os_engine* e = c->engine;
+    int err = rg_os_check_launch(e);
+    if (err != 0) {
+      if (!atomic_exchange(&c->said_error, 1))
+        RG_WARN("ncclAllReduce on communicator %p returns error %d: its one-shot path failed: %s", (void*)comm, err, c->kept.why);
+      *result = (ncclResult_t)err;
+      return 1;
+    }
+    if (c->ar_on && bytes != 0 && bytes >= c->ar_floor && bytes <= c->ar_cap &&
+        rg_os_reduce_taken((rg_u32)op, (rg_u32)datatype)) {
+      int r = rg_os_launch(e, sendbuff, recvbuff, bytes, rg_os_coll(RG_OS_ALLREDUCE, (rg_u32)op, (rg_u32)datatype), (CUstream)stream);
+      if (r != CUDA_SUCCESS) {
+        rg_os_fail(e, ncclUnhandledCudaError, 0, "launching the all-reduce kernel: %s", rg_cuda_strerror(r));
+        *result = ncclUnhandledCudaError;
+        return 1;
+      }
+      rg_stats_add(RG_STAT_AR_LAUNCH_BYTES, bytes);
+      *result = ncclSuccess;
+      return 1;
+    }
+  } else if (st == RG_IC_FAILED) {
+    *result = (ncclResult_t)c->failed_result;
+    return 1;
+  }
+  rg_stats_add(RG_STAT_AR_FORWARDED, 1);
+  rg_stats_add(RG_STAT_AR_FORWARDED_BYTES, bytes);
   return 0;
 }
 

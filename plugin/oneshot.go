@@ -93,8 +93,7 @@ func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, kept uns
 			if off {
 				prop = gather.OffProposal(gather.ReasonFabricDefault)
 				prop.Fabric = gather.FabricCode(tr.Kind())
-			} else if st, prop, err = gather.PrepareOneShot(tr, gather.OneShotConfig{MinBytes: floor, MaxBytes: capBytes,
-				MinChunk: cfg.ChunkFor(tr.Kind()), CommID: commID, Kept: kept}); err != nil {
+			} else if st, prop, err = gather.PrepareOneShot(tr, oneShotConfig(cfg, tr.Kind(), floor, capBytes, commID, kept)); err != nil {
 				nlog.Warnf("communicator 0x%x: this rank cannot offer the one-shot path: %v", commID, err)
 			}
 		}
@@ -171,10 +170,20 @@ func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, kept uns
 		if !e.Pinned() {
 			mem = "plain host memory"
 		}
-		nlog.Infof(nlog.Init|nlog.Coll, "one-shot gather on for communicator 0x%x, rank %d of 2 (peer %s): window %d to %d bytes a rank, "+
-			"chunks from %d bytes, %s fabric, %d lane(s), slots in %s, %s", commID, int(rank), e.Peer(), o.Floor, o.Cap, o.MinChunk,
-			o.Fabric, e.Lanes(), mem, where)
+		rest := fmt.Sprintf("chunks from %d bytes, %s fabric, %d lane(s), slots in %s, %s", o.MinChunk, o.Fabric, e.Lanes(), mem, where)
+		if o.AllReduceOn {
+			nlog.Infof(nlog.Init|nlog.Coll, "one-shot gather and all-reduce on for communicator 0x%x, rank %d of 2 (peer %s): "+
+				"gather window %d to %d bytes a rank, all-reduce window %d to %d bytes, %s", commID, int(rank), e.Peer(), o.Floor,
+				o.Cap, o.AllReduceFloor, o.AllReduceCap, rest)
+		} else {
+			nlog.Infof(nlog.Init|nlog.Coll, "one-shot gather on for communicator 0x%x, rank %d of 2 (peer %s): window %d to %d bytes a rank, "+
+				"%s; the one-shot all-reduce is off: %s, so its all-reduces take NCCL's path on both ranks", commID, int(rank), e.Peer(),
+				o.Floor, o.Cap, rest, o.AllReduceWhy)
+		}
 		out.state, out.engine, out.floor, out.cap = C.RG_IC_ON, e.C(), C.uint64_t(o.Floor), C.uint64_t(o.Cap)
+		if o.AllReduceOn {
+			out.ar_on, out.ar_floor, out.ar_cap = 1, C.uint64_t(o.AllReduceFloor), C.uint64_t(o.AllReduceCap)
+		}
 		return
 	}
 	if e != nil {
@@ -182,11 +191,22 @@ func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, kept uns
 	}
 	release()
 	if o.Config {
-		nlog.Infof(nlog.Init|nlog.Coll, "one-shot gather off for communicator 0x%x: %s; its gathers take NCCL's path on both ranks", commID, why)
+		nlog.Infof(nlog.Init|nlog.Coll, "one-shot gather off for communicator 0x%x: %s; its gathers and all-reduces take NCCL's path on both ranks", commID, why)
 	} else {
-		nlog.Warnf("one-shot gather off for communicator 0x%x: %s; its gathers take NCCL's path on both ranks", commID, why)
+		nlog.Warnf("one-shot gather off for communicator 0x%x: %s; its gathers and all-reduces take NCCL's path on both ranks", commID, why)
 	}
 	out.state = C.RG_IC_OFF
+}
+
+// oneShotConfig is this rank's offer on fabric: the gather's window (floor, capBytes) and the
+// all-reduce's (none where the fabric's default keeps it off and ROCE_GATHER_ALLREDUCE_MAX_BYTES
+// is unset).
+func oneShotConfig(cfg Config, fabric string, floor, capBytes, commID uint64, kept unsafe.Pointer) gather.OneShotConfig {
+	c := gather.OneShotConfig{MinBytes: floor, MaxBytes: capBytes, MinChunk: cfg.ChunkFor(fabric), CommID: commID, Kept: kept}
+	if arFloor, arCap, off := cfg.AllReduceWindow(fabric); !off {
+		c.AllReduceMinBytes, c.AllReduceMaxBytes = arFloor, arCap
+	}
+	return c
 }
 
 //export rgGoInterceptFirstComm

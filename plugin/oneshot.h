@@ -21,6 +21,9 @@ typedef struct rg_oneshot_agreed {
   uint64_t floor; /* the agreed window, bytes a rank */
   uint64_t cap;
   int result;     /* the ncclResult_t every gather returns, when RG_IC_FAILED */
+  int ar_on;      /* RG_IC_ON and the all-reduce agreed too */
+  uint64_t ar_floor; /* its window, bytes of the buffer */
+  uint64_t ar_cap;
 } rg_oneshot_agreed;
 
 /* One all-gather of n bytes a rank through NCCL's own pncclAllGather on comm, on a private

@@ -5,6 +5,9 @@
 /* 1: the one-shot path took the call and *result is what ncclAllGather returns; 0: forward it to NCCL. */
 int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm,
                          cudaStream_t stream, ncclResult_t* result);
+/* 1: the one-shot path took the all-reduce and *result is what ncclAllReduce returns; 0: forward it to NCCL. */
+int rg_oneshot_allreduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
+                         ncclComm_t comm, cudaStream_t stream, ncclResult_t* result);
 /* A communicator made through a wrapper; blocking is its config's blocking field (1 without a config). */
 void rg_oneshot_comm_created(ncclComm_t comm, int blocking, const char* how);
 /* Before NCCL's finalize, destroy or abort of comm; abort is 1 for ncclCommAbort (stop waits at once). */

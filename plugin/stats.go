@@ -49,6 +49,24 @@ type Stats struct {
 		MaxUs          float64 `json:"max_us"`
 		LatencyCalls   uint64  `json:"latency_calls"`
 	} `json:"intercepted"`
+	// The intercepted all-reduce, as the gather's: ncclAllReduce calls taken or handed to
+	// NCCL, the all-reduces its kernel finished (graph replays included) and their bytes
+	// (bytes of the buffer), its errors and the kernel's time. The proxy's naps are the
+	// process's, in "intercepted".
+	InterceptedAllReduce struct {
+		Launches       uint64  `json:"launches"`
+		LaunchBytes    uint64  `json:"launch_bytes"`
+		Forwarded      uint64  `json:"forwarded"`
+		ForwardedBytes uint64  `json:"forwarded_bytes"`
+		AllReduces     uint64  `json:"allreduces"`
+		Bytes          uint64  `json:"bytes"`
+		Errors         uint64  `json:"errors"`
+		P50us          float64 `json:"p50_us"`
+		P90us          float64 `json:"p90_us"`
+		P99us          float64 `json:"p99_us"`
+		MaxUs          float64 `json:"max_us"`
+		LatencyCalls   uint64  `json:"latency_calls"`
+	} `json:"intercepted_allreduce"`
 	// Interceptor is how calls reach the library's own NCCL functions (docs/interceptor.md)
 	// and how many calls reached each of them.
 	Interceptor struct {
@@ -96,6 +114,7 @@ func ReadStats() Stats {
 		*l.max = percentileMicros(hist[:], 1.0)
 	}
 	fill("intercepted", &g.os_lat)
+	fill("intercepted_allreduce", &g.ar_lat)
 	return s
 }
 
@@ -115,6 +134,8 @@ type latency struct {
 func (s *Stats) latencies() map[string]latency {
 	return map[string]latency{
 		"intercepted": {&s.Intercepted.P50us, &s.Intercepted.P90us, &s.Intercepted.P99us, &s.Intercepted.MaxUs, &s.Intercepted.LatencyCalls},
+		"intercepted_allreduce": {&s.InterceptedAllReduce.P50us, &s.InterceptedAllReduce.P90us, &s.InterceptedAllReduce.P99us,
+			&s.InterceptedAllReduce.MaxUs, &s.InterceptedAllReduce.LatencyCalls},
 	}
 }
 
@@ -174,6 +195,13 @@ var counterSlots = []struct {
 	{"intercepted", "errors", C.RG_STAT_OS_ERRORS, func(s *Stats) *uint64 { return &s.Intercepted.Errors }},
 	{"intercepted", "proxy_naps", C.RG_STAT_OS_NAPS, func(s *Stats) *uint64 { return &s.Intercepted.ProxyNaps }},
 	{"intercepted", "proxy_woke_to_work", C.RG_STAT_OS_WOKE, func(s *Stats) *uint64 { return &s.Intercepted.ProxyWoke }},
+	{"intercepted_allreduce", "launches", C.RG_STAT_AR_LAUNCHES, func(s *Stats) *uint64 { return &s.InterceptedAllReduce.Launches }},
+	{"intercepted_allreduce", "launch_bytes", C.RG_STAT_AR_LAUNCH_BYTES, func(s *Stats) *uint64 { return &s.InterceptedAllReduce.LaunchBytes }},
+	{"intercepted_allreduce", "forwarded", C.RG_STAT_AR_FORWARDED, func(s *Stats) *uint64 { return &s.InterceptedAllReduce.Forwarded }},
+	{"intercepted_allreduce", "forwarded_bytes", C.RG_STAT_AR_FORWARDED_BYTES, func(s *Stats) *uint64 { return &s.InterceptedAllReduce.ForwardedBytes }},
+	{"intercepted_allreduce", "allreduces", C.RG_STAT_AR_ALLREDUCES, func(s *Stats) *uint64 { return &s.InterceptedAllReduce.AllReduces }},
+	{"intercepted_allreduce", "bytes", C.RG_STAT_AR_BYTES, func(s *Stats) *uint64 { return &s.InterceptedAllReduce.Bytes }},
+	{"intercepted_allreduce", "errors", C.RG_STAT_AR_ERRORS, func(s *Stats) *uint64 { return &s.InterceptedAllReduce.Errors }},
 	{"interceptor", "ncclAllGather", C.RG_STAT_CALL_ALLGATHER, func(s *Stats) *uint64 { return &s.Interceptor.AllGather }},
 	{"interceptor", "ncclCommInitRank", C.RG_STAT_CALL_COMM_INIT_RANK, func(s *Stats) *uint64 { return &s.Interceptor.CommInitRank }},
 	{"interceptor", "ncclCommInitRankConfig", C.RG_STAT_CALL_COMM_INIT_RANK_CONFIG, func(s *Stats) *uint64 { return &s.Interceptor.CommInitRankConfig }},
@@ -195,6 +223,7 @@ var statsSections = []struct {
 	derived []string
 }{
 	{"intercepted", latencyKeys},
+	{"intercepted_allreduce", latencyKeys},
 	{"interceptor", []string{"way_in"}},
 }
 
@@ -369,7 +398,7 @@ func (sf *statsFile) refreshLocked() {
 		sf.show("interceptor.way_in", strconv.Quote(s.Interceptor.WayIn))
 		sf.wayIn = s.Interceptor.WayIn
 	}
-	covered := s.Intercepted.LatencyCalls
+	covered := s.Intercepted.LatencyCalls + s.InterceptedAllReduce.LatencyCalls
 	if sf.shown && covered == sf.covered {
 		return
 	}

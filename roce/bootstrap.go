@@ -23,8 +23,9 @@ import (
 // decision on every p2p link, whichever side dialed it, version 8 the intercepted gather's
 // proposal and links, version 9 the dialer's note of a dial it sent alone, before that
 // decision, version 10 the tcp fabric's one lane a connection (no pairing, no two-sided
-// sends) and its 24-byte frames.
-const ProtocolVersion = 10
+// sends) and its 24-byte frames, version 11 the all-reduce window in the intercepted
+// collectives' proposal (bytes 72 to 87) and the all-reduce in their announcements.
+const ProtocolVersion = 11
 
 // Every handle this library writes starts with its kind's magic (4 bytes), the protocol
 // version (2 bytes) and the purpose of the links it leads to (1 byte).

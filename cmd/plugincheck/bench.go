@@ -65,7 +65,8 @@ func floorTarget(fab string) (string, error) {
 	return hw.Devices[0], nil
 }
 
-var windowLine = regexp.MustCompile(`one-shot gather on for communicator 0x[0-9a-f]+, rank \d of 2 \(peer [^)]+\): window (\d+) to (\d+) bytes a rank`)
+var windowLine = regexp.MustCompile(`one-shot gather (?:and all-reduce )?on for communicator 0x[0-9a-f]+, rank \d of 2 \(peer [^)]+\): ` +
+	`(?:gather )?window (\d+) to (\d+) bytes a rank`)
 
 // agreedWindow is the window the rank logged, or off.
 func agreedWindow(r *rankResult) agreement {

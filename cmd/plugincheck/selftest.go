@@ -64,12 +64,13 @@ func (a agreement) pattern(rank int) *regexp.Regexp {
 		if a.chunk != 0 {
 			chunk = strconv.Itoa(a.chunk)
 		}
-		return regexp.MustCompile(fmt.Sprintf(`one-shot gather on for communicator 0x[0-9a-f]+, rank %d of 2 \(peer [^)]+\): `+
-			`window %d to %d bytes a rank, chunks from %s bytes, .*, the host stand-in of the kernel \(no CUDA driver\)`,
+		return regexp.MustCompile(fmt.Sprintf(`one-shot gather (?:and all-reduce )?on for communicator 0x[0-9a-f]+, rank %d of 2 \(peer [^)]+\): `+
+			`(?:gather )?window %d to %d bytes a rank, (?:all-reduce window \d+ to \d+ bytes, )?chunks from %s bytes, .*, `+
+			`the host stand-in of the kernel \(no CUDA driver\)`,
 			rank, a.floor, a.cap, chunk))
 	}
 	return regexp.MustCompile(`one-shot gather off for communicator 0x[0-9a-f]+: ` + regexp.QuoteMeta(a.why) +
-		`; its gathers take NCCL's path on both ranks`)
+		`; its gathers and all-reduces take NCCL's path on both ranks`)
 }
 
 func (a agreement) String() string {

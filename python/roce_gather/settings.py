@@ -152,6 +152,8 @@ SETTINGS = {
     "ROCE_GATHER_ENABLE": _flag,
     "ROCE_GATHER_MAX_BYTES": _window_bytes(1),
     "ROCE_GATHER_MIN_BYTES": _window_bytes(0),
+    "ROCE_GATHER_ALLREDUCE_MAX_BYTES": _window_bytes(1),
+    "ROCE_GATHER_ALLREDUCE_MIN_BYTES": _window_bytes(0),
     "ROCE_GATHER_FABRIC": _one_of("auto", "verbs", "tcp", why="is not auto, verbs or tcp"),
     "ROCE_GATHER_HCAS": _hcas,
     "ROCE_GATHER_GID_INDEX": _gid_index,

@@ -22,11 +22,15 @@ type Proposal struct {
 	Reason   uint8 // why the rank is off (Reason* constants)
 	Fabric   uint8 // 1 tcp, 2 verbs
 	Lanes    uint8
-	MinBytes uint64 // this rank's floor, bytes a rank
-	MaxBytes uint64 // this rank's cap
-	MinChunk uint64 // this rank's smallest chunk (ROCE_GATHER_CHUNK_BYTES)
-	Addr     roce.Addr
-	Token    roce.Token // the listener's secret; its first 8 bytes are also this rank's live-check word
+	MinBytes uint64 // this rank's floor of the gather, bytes a rank
+	MaxBytes uint64 // this rank's cap of the gather
+	// AllReduceMinBytes and AllReduceMaxBytes are its all-reduce window, bytes of the
+	// buffer; a cap of 0 offers no all-reduce.
+	AllReduceMinBytes uint64
+	AllReduceMaxBytes uint64
+	MinChunk          uint64 // this rank's smallest chunk (ROCE_GATHER_CHUNK_BYTES)
+	Addr              roce.Addr
+	Token             roce.Token // the listener's secret; its first 8 bytes are also this rank's live-check word
 }
 
 const (
@@ -40,7 +44,9 @@ const (
 	pOffMax       = 48
 	pOffMin       = 56
 	pOffChunk     = 64
-	pOffEnd       = 72 // bytes from here on, and byte 31, are zero
+	pOffARMin     = 72
+	pOffARMax     = 80
+	pOffEnd       = 88 // bytes from here on, and byte 31, are zero
 )
 
 // Reasons a rank brings its verdict "off".
@@ -123,6 +129,8 @@ func (p Proposal) Encode() []byte {
 	binary.LittleEndian.PutUint64(h[pOffMax:], p.MaxBytes)
 	binary.LittleEndian.PutUint64(h[pOffMin:], p.MinBytes)
 	binary.LittleEndian.PutUint64(h[pOffChunk:], p.MinChunk)
+	binary.LittleEndian.PutUint64(h[pOffARMin:], p.AllReduceMinBytes)
+	binary.LittleEndian.PutUint64(h[pOffARMax:], p.AllReduceMaxBytes)
 	return h
 }
 
@@ -159,6 +167,8 @@ func DecodeProposal(h []byte) (Proposal, error) {
 	p.MaxBytes = binary.LittleEndian.Uint64(h[pOffMax:])
 	p.MinBytes = binary.LittleEndian.Uint64(h[pOffMin:])
 	p.MinChunk = binary.LittleEndian.Uint64(h[pOffChunk:])
+	p.AllReduceMinBytes = binary.LittleEndian.Uint64(h[pOffARMin:])
+	p.AllReduceMaxBytes = binary.LittleEndian.Uint64(h[pOffARMax:])
 	if !p.On {
 		if _, ok := reasonText[p.Reason]; !ok {
 			return p, fmt.Errorf("verdict is off with unknown reason code %d", p.Reason)
@@ -194,14 +204,20 @@ type OneShotOutcome struct {
 	// The agreed window, bytes a rank: a gather takes the path when Floor <= bytes a rank
 	// <= Cap. Floor is the larger of the two floors, Cap the smaller of the two caps.
 	Floor, Cap uint64
-	MinChunk   uint64 // the larger of the two smallest chunks
-	Lanes      int
-	Fabric     string
-	Why        string // why the path is off
-	Config     bool   // off by configuration, not by a failure
-	Notes      []string
-	Peer       Proposal
-	PeerRank   int
+	// AllReduceOn: the all-reduce takes the path too (On, and its window is not empty), for
+	// buffers of AllReduceFloor to AllReduceCap bytes, agreed as the gather's window is;
+	// AllReduceWhy says why not.
+	AllReduceOn                  bool
+	AllReduceFloor, AllReduceCap uint64
+	AllReduceWhy                 string
+	MinChunk                     uint64 // the larger of the two smallest chunks
+	Lanes                        int
+	Fabric                       string
+	Why                          string // why the path is off
+	Config                       bool   // off by configuration, not by a failure
+	Notes                        []string
+	Peer                         Proposal
+	PeerRank                     int
 }
 
 // AgreeOneShot computes a communicator's outcome from both ranks' proposals. Every input
@@ -243,6 +259,25 @@ func AgreeOneShot(proposals [][]byte, rank int) OneShotOutcome {
 			out.Cap, ps[0].MaxBytes, ps[1].MaxBytes)
 		out.Floor, out.Cap = 0, 0
 		return out
+	}
+	out.AllReduceFloor = max(ps[0].AllReduceMinBytes, ps[1].AllReduceMinBytes)
+	out.AllReduceCap = min(ps[0].AllReduceMaxBytes, ps[1].AllReduceMaxBytes)
+	switch {
+	case ps[0].AllReduceMaxBytes == 0 || ps[1].AllReduceMaxBytes == 0:
+		r := 0
+		if ps[0].AllReduceMaxBytes != 0 {
+			r = 1
+		}
+		out.AllReduceWhy = fmt.Sprintf("rank %d offers no one-shot all-reduce", r)
+	case out.AllReduceFloor > out.AllReduceCap:
+		out.AllReduceWhy = fmt.Sprintf("the agreed all-reduce window is empty: floor %d (the larger of rank 0's %d and rank 1's %d) "+
+			"is above cap %d (the smaller of rank 0's %d and rank 1's %d)", out.AllReduceFloor, ps[0].AllReduceMinBytes,
+			ps[1].AllReduceMinBytes, out.AllReduceCap, ps[0].AllReduceMaxBytes, ps[1].AllReduceMaxBytes)
+	default:
+		out.AllReduceOn = true
+	}
+	if !out.AllReduceOn {
+		out.AllReduceFloor, out.AllReduceCap = 0, 0
 	}
 	out.Lanes = int(min(ps[0].Lanes, ps[1].Lanes))
 	out.MinChunk = max(ps[0].MinChunk, ps[1].MinChunk)

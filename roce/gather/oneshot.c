@@ -1,4 +1,4 @@
-/* The intercepted one-shot gather's hot path: the launch, and the proxy that plays the host
+/* The intercepted one-shot collectives' hot path (the gather and the all-reduce): the launch, and the proxy that plays the host
  * side of the NIC (oneshot.h). No call into Go, no allocation on either.
  *
  * Memory order (docs/roce-gather.md, "What orders each hand-off"): every word that hands
@@ -88,18 +88,26 @@ static void stop(rg_os_engine* e) {
 static void warn_failed(rg_os_engine* e, uint64_t seq) {
   /* The text is whole once the code shows: another thread may still be writing it. */
   if (atomic_load_explicit(&e->kept->code, memory_order_acquire) == 0 || atomic_exchange(&e->warned, 1)) return;
-  RG_WARN("one-shot gather of communicator 0x%llx with rank %d (%s) failed at sequence %llu: %s",
+  if (atomic_load(&e->fail_coll) == RG_OS_ALLREDUCE)
+    RG_WARN("one-shot all-reduce of communicator 0x%llx with rank %d (%s) failed at sequence %llu: %s",
+            (unsigned long long)e->comm_id, 1 - e->rank, e->peer, (unsigned long long)seq, e->kept->why);
+  else
+    RG_WARN("one-shot gather of communicator 0x%llx with rank %d (%s) failed at sequence %llu: %s",
           (unsigned long long)e->comm_id, 1 - e->rank, e->peer, (unsigned long long)seq, e->kept->why);
 }
 
-/* Raises the engine's error, naming call seq in the WARN (the first error wins). */
-static void vfail(rg_os_engine* e, uint64_t seq, int nccl_result, int quiet, const char* fmt, va_list ap) {
+/* Raises the engine's error, naming call seq in the WARN (the first error wins); coll is the
+ * collective of that call (enum rg_os_collective), 0 where it is not known: then the one
+ * launched last, whose section of the stats counts the error. */
+static void vfail(rg_os_engine* e, uint64_t seq, rg_u32 coll, int nccl_result, int quiet, const char* fmt, va_list ap) {
   int none = 0;
   if (!atomic_compare_exchange_strong(&e->kept->claimed, &none, 1)) return;
+  if (coll == 0) coll = (rg_u32)atomic_load(&e->last_coll);
+  atomic_store(&e->fail_coll, (int)coll);
   vsnprintf(e->kept->why, sizeof(e->kept->why), fmt, ap);
   atomic_store_explicit(&e->kept->code, nccl_result, memory_order_release); /* why is whole before the error shows */
   stop(e);
-  rg_stats_add(RG_STAT_OS_ERRORS, 1);
+  rg_stats_add(coll == RG_OS_ALLREDUCE ? RG_STAT_AR_ERRORS : RG_STAT_OS_ERRORS, 1);
   if (!quiet) warn_failed(e, seq);
 }
 
@@ -108,16 +116,18 @@ void rg_os_fail(rg_os_engine* e, int nccl_result, int quiet, const char* fmt, ..
   const uint64_t sent = atomic_load(&e->sent_seq), done = e->done_seq;
   va_list ap;
   va_start(ap, fmt);
-  vfail(e, (done < sent ? done : sent) + 1, nccl_result, quiet, fmt, ap);
+  vfail(e, (done < sent ? done : sent) + 1, 0, nccl_result, quiet, fmt, ap);
   va_end(ap);
 }
 
-/* rg_os_fail for a known call, seq (the thread that ran it may be ahead of the proxy). */
-static void fail_at(rg_os_engine* e, uint64_t seq, int nccl_result, const char* fmt, ...) __attribute__((format(printf, 4, 5)));
-static void fail_at(rg_os_engine* e, uint64_t seq, int nccl_result, const char* fmt, ...) {
+/* rg_os_fail for a known call, seq of collective coll (0: not known), as the thread that ran
+ * it may be ahead of the proxy. */
+static void fail_at(rg_os_engine* e, uint64_t seq, rg_u32 coll, int nccl_result, const char* fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static void fail_at(rg_os_engine* e, uint64_t seq, rg_u32 coll, int nccl_result, const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vfail(e, seq, nccl_result, 0, fmt, ap);
+  vfail(e, seq, coll, nccl_result, 0, fmt, ap);
   va_end(ap);
 }
 
@@ -237,15 +247,15 @@ void rg_os_engine_teardown(rg_os_engine* e) {
 
 /* ---- The launch ---- */
 
-/* The arguments of one call of bytes a rank. */
-static rg_os_args call_args(const rg_os_engine* e, const void* send, void* recv, uint64_t bytes, rg_u32* blocks) {
+/* The arguments of one call of bytes a rank, of collective word coll (rg_os_coll). */
+static rg_os_args call_args(const rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll, rg_u32* blocks) {
   rg_os_args a = e->base;
   a.send = send;
   a.recv = recv;
   a.bytes = bytes;
   a.chunk = rg_os_chunk_bytes(bytes, e->min_chunk);
   a.nchunks = rg_os_nchunks(bytes, a.chunk);
-  a.coll = rg_os_coll(RG_OS_ALLGATHER, 0, 0);
+  a.coll = coll;
   *blocks = a.nchunks < RG_OS_MAX_BLOCKS ? a.nchunks : RG_OS_MAX_BLOCKS;
   return a;
 }
@@ -299,10 +309,11 @@ static int run_standin(rg_os_engine* e, const rg_os_args* a, rg_u32 blocks, CUst
   return CUDA_SUCCESS;
 }
 
-int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, CUstream stream) {
+int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll, CUstream stream) {
   rg_u32 blocks;
-  rg_os_args a = call_args(e, send, recv, bytes, &blocks);
-  rg_stats_add(RG_STAT_OS_LAUNCHES, 1);
+  rg_os_args a = call_args(e, send, recv, bytes, coll, &blocks);
+  atomic_store(&e->last_coll, (int)rg_os_coll_kind(coll));
+  rg_stats_add(rg_os_coll_kind(coll) == RG_OS_ALLREDUCE ? RG_STAT_AR_LAUNCHES : RG_STAT_OS_LAUNCHES, 1);
   if (e->standin) {
     int status;
     return run_standin(e, &a, blocks, stream, &status);
@@ -340,10 +351,11 @@ int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, 
   return r;
 }
 
-int rg_os_host_run(rg_os_engine* e, const void* send, void* recv, uint64_t bytes) {
+int rg_os_host_run(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll) {
   if (!e->standin) return -1;
   rg_u32 blocks;
-  rg_os_args a = call_args(e, send, recv, bytes, &blocks);
+  rg_os_args a = call_args(e, send, recv, bytes, coll, &blocks);
+  atomic_store(&e->last_coll, (int)rg_os_coll_kind(coll));
   int status;
   run_standin(e, &a, blocks, NULL, &status);
   return status;
@@ -356,11 +368,12 @@ uint64_t rg_os_take_call(rg_os_engine* e) {
   return call;
 }
 
-int rg_os_host_submit(rg_os_engine* e, rg_os_hcall* c, const void* send, void* recv, uint64_t bytes, CUstream stream,
-                      int ordered, uint64_t call) {
+int rg_os_host_submit(rg_os_engine* e, rg_os_hcall* c, const void* send, void* recv, uint64_t bytes, uint64_t coll,
+                      CUstream stream, int ordered, uint64_t call) {
   if (!e->standin) return -1;
   memset(c, 0, sizeof(*c));
-  c->a = call_args(e, send, recv, bytes, &c->blocks);
+  c->a = call_args(e, send, recv, bytes, coll, &c->blocks);
+  atomic_store(&e->last_coll, (int)rg_os_coll_kind(coll));
   c->a.launch_id = atomic_fetch_add(&e->launch_ids, 1) + 1;
   c->a.call = call != 0 ? call : rg_os_take_call(e);
   return rg_os_hstream_queue(e, c, stream, ordered);
@@ -446,17 +459,20 @@ static int post_chunk(rg_os_engine* e, uint32_t parity, uint32_t c) {
   return RG_OK;
 }
 
-/* Brings the stats up to the kernel's totals in report r (newer ones only ever grow). */
+/* Adds to counter s what total holds beyond *counted (totals only ever grow). */
+static void count_total(enum rg_stat s, uint64_t total, uint64_t* counted) {
+  if (total > *counted) {
+    rg_stats_add(s, total - *counted);
+    *counted = total;
+  }
+}
+
+/* Brings the stats up to the kernel's totals in report r, each collective in its own. */
 static void count_totals(rg_os_engine* e, const rg_os_report* r) {
-  const uint64_t g = r->total_gathers, b = r->total_bytes;
-  if (g > e->counted_gathers) {
-    rg_stats_add(RG_STAT_OS_GATHERS, g - e->counted_gathers);
-    e->counted_gathers = g;
-  }
-  if (b > e->counted_bytes) {
-    rg_stats_add(RG_STAT_OS_BYTES, b - e->counted_bytes);
-    e->counted_bytes = b;
-  }
+  count_total(RG_STAT_OS_GATHERS, r->total_gathers, &e->counted_gathers);
+  count_total(RG_STAT_OS_BYTES, r->total_bytes, &e->counted_bytes);
+  count_total(RG_STAT_AR_ALLREDUCES, r->total_allreduces, &e->counted_allreduces);
+  count_total(RG_STAT_AR_BYTES, r->total_allreduce_bytes, &e->counted_allreduce_bytes);
 }
 
 static int peer_data_whole(const rg_os_engine* e, uint64_t seq, uint32_t nchunks);
@@ -464,7 +480,10 @@ static int peer_data_whole(const rg_os_engine* e, uint64_t seq, uint32_t nchunks
 static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r, uint64_t now) {
   (void)now;
   const uint64_t t0 = r->t_start, t2 = r->t_end;
-  if (t2 >= t0) rg_stats_os_latency(t2 - t0);
+  if (t2 >= t0 && rg_os_coll_kind(r->coll) == RG_OS_ALLREDUCE)
+    rg_stats_ar_latency(t2 - t0);
+  else if (t2 >= t0)
+    rg_stats_os_latency(t2 - t0);
   if (e->tr != NULL && e->tr->index == e->tr_index && e->tr_seq == seq) {
     /* The peer's flags, which the kernel saw, stay at this call until the peer's call after
      * the next one: where no sweep saw them before the report, this is the proxy's first sight. */
@@ -489,7 +508,7 @@ static void trace_begin(rg_os_engine* e, uint64_t seq, uint64_t bytes, uint64_t 
   e->tr->seq = seq;
   e->tr->bytes_per_rank = bytes;
   e->tr->rank = (uint32_t)e->rank;
-  e->tr->coll = RG_TRACE_ALLGATHER;
+  e->tr->coll = rg_os_coll_kind(e->post_ann.coll) == RG_OS_ALLREDUCE ? RG_TRACE_ALLREDUCE : RG_TRACE_ALLGATHER;
   e->tr->lanes = (uint32_t)e->link->nlanes;
   e->tr_nchunks = e->post_nchunks;
   e->tr->t[RG_T_OS_DOORBELL] = rg_now_ns();
@@ -557,12 +576,26 @@ static uint64_t peer_closed_word(const rg_os_engine* e) {
   return e->peer_closed != 0 ? e->peer_closed : load_acquire(&((const rg_os_ctrl*)e->region)->closed.word);
 }
 
+static const char* op_name(rg_u32 op) {
+  static const char* const names[] = {"ncclSum", "ncclProd", "ncclMax", "ncclMin", "ncclAvg"};
+  return op < sizeof(names) / sizeof(names[0]) ? names[op] : "a user-defined op";
+}
+
+static const char* dtype_name(rg_u32 t) {
+  static const char* const names[] = {"ncclInt8", "ncclUint8", "ncclInt32", "ncclUint32", "ncclInt64", "ncclUint64",
+                                      "ncclFloat16", "ncclFloat32", "ncclFloat64", "ncclBfloat16", "ncclFloat8e4m3",
+                                      "ncclFloat8e5m2"};
+  return t < sizeof(names) / sizeof(names[0]) ? names[t] : "an unknown datatype";
+}
+
 /* One call's announcement in words: "sequence 7, call 7: an all-gather of 4096 bytes a rank
- * in 1 chunk of 4096 bytes". */
+ * in 1 chunk of 4096 bytes", "... an all-reduce (ncclSum, ncclFloat32) of 4096 bytes a rank ...". */
 static void describe(const rg_os_announce* a, char* out, size_t n) {
   char what[96];
-  if ((a->coll & 0xff) == RG_OS_ALLGATHER)
+  if (rg_os_coll_kind(a->coll) == RG_OS_ALLGATHER)
     snprintf(what, sizeof(what), "an all-gather");
+  else if (rg_os_coll_kind(a->coll) == RG_OS_ALLREDUCE)
+    snprintf(what, sizeof(what), "an all-reduce (%s, %s)", op_name(rg_os_coll_op(a->coll)), dtype_name(rg_os_coll_dtype(a->coll)));
   else
     snprintf(what, sizeof(what), "collective %llu (op %llu, datatype %llu)", (unsigned long long)(a->coll & 0xff),
              (unsigned long long)(a->coll >> 8 & 0xff), (unsigned long long)(a->coll >> 16 & 0xff));
@@ -576,6 +609,8 @@ static void link_end_why(const rg_os_engine* e, rg_lane* lane, const char* what,
 /* Turns the engine's first failed call, as a report names it, into the engine's error. */
 static void raise_failure(rg_os_engine* e, const rg_os_failure* f) {
   const uint64_t seq = f->mine.seq;
+  const rg_u32 coll = rg_os_coll_kind(f->mine.coll);
+  const char* nothing = coll == RG_OS_ALLREDUCE ? "no output is written" : "no row is written";
   switch ((int)f->status) {
   case RG_OS_TIMED_OUT:
     /* The deadline races the link's own check (tcp: its silence watchdog, verbs: its probe):
@@ -584,10 +619,10 @@ static void raise_failure(rg_os_engine* e, const rg_os_failure* f) {
       if (rg_check(&e->link->lane[l], rg_now_ns()) != RG_OK) {
         char why[RG_OS_WHY_BYTES - 64];
         link_end_why(e, &e->link->lane[l], "the link failed", why, sizeof(why));
-        fail_at(e, seq, RESULT_REMOTE_ERROR, "%s", why);
+        fail_at(e, seq, coll, RESULT_REMOTE_ERROR, "%s", why);
         return;
       }
-    fail_at(e, seq, RESULT_REMOTE_ERROR, "the peer's data did not arrive within %llu ms",
+    fail_at(e, seq, coll, RESULT_REMOTE_ERROR, "the peer's data did not arrive within %llu ms",
             (unsigned long long)(e->timeout_ns / 1000000));
     break;
   case RG_OS_MISMATCH: {
@@ -595,21 +630,21 @@ static void raise_failure(rg_os_engine* e, const rg_os_failure* f) {
     describe(&f->mine, mine, sizeof(mine));
     describe(&f->peer, peer, sizeof(peer));
     if (e->rank == 0)
-      fail_at(e, seq, RESULT_INVALID_USAGE, "the ranks' calls differ: rank 0 (this rank) has %s; rank 1 announced %s; "
-              "no row is written", mine, peer);
+      fail_at(e, seq, coll, RESULT_INVALID_USAGE, "the ranks' calls differ: rank 0 (this rank) has %s; rank 1 announced %s; "
+              "%s", mine, peer, nothing);
     else
-      fail_at(e, seq, RESULT_INVALID_USAGE, "the ranks' calls differ: rank 0 announced %s; rank 1 (this rank) has %s; "
-              "no row is written", peer, mine);
+      fail_at(e, seq, coll, RESULT_INVALID_USAGE, "the ranks' calls differ: rank 0 announced %s; rank 1 (this rank) has %s; "
+              "%s", peer, mine, nothing);
     break;
   }
   case RG_OS_PEER_CLOSED: {
     char why[256];
     peer_closed_why(e, peer_closed_word(e), why, sizeof(why));
-    fail_at(e, seq, RESULT_REMOTE_ERROR, "the peer stopped: %s", why);
+    fail_at(e, seq, coll, RESULT_REMOTE_ERROR, "the peer stopped: %s", why);
     break;
   }
   case RG_OS_OVERLAP:
-    fail_at(e, seq, RESULT_INVALID_USAGE, "%s", overlap_why);
+    fail_at(e, seq, coll, RESULT_INVALID_USAGE, "%s", overlap_why);
     break;
   default:
     if (atomic_load_explicit(&e->ended, memory_order_acquire) && kept_code(e) == 0) {
@@ -620,10 +655,10 @@ static void raise_failure(rg_os_engine* e, const rg_os_failure* f) {
        * failed as surely as one whose own deadline fired first (the two race), and says so. */
       const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
       if (load_acquire(&ctrl->ready[seq & 1][0]) == seq)
-        fail_at(e, seq, RESULT_REMOTE_ERROR, "the peer's data did not arrive within %llu ms",
+        fail_at(e, seq, coll, RESULT_REMOTE_ERROR, "the peer's data did not arrive within %llu ms",
                 (unsigned long long)(e->timeout_ns / 1000000));
       else
-        fail_at(e, seq, RESULT_SYSTEM_ERROR, "ncclCommDestroy or ncclCommFinalize waited %llu ms for the calls in "
+        fail_at(e, seq, coll, RESULT_SYSTEM_ERROR, "ncclCommDestroy or ncclCommFinalize waited %llu ms for the calls in "
                 "flight, then stopped them: this one had not started, and wrote no row",
                 (unsigned long long)(e->timeout_ns / 1000000));
     } else {
@@ -822,7 +857,7 @@ static int step(rg_os_engine* e, uint64_t now) {
   /* The reports first: a call that ended is not in flight when the link's end is seen. */
   reports(e, now, &progress);
   if (load_acquire(&ctrl->overlap.word) != 0 && kept_code(e) == 0)
-    fail_at(e, e->done_seq + 1, RESULT_INVALID_USAGE, "%s", overlap_why);
+    fail_at(e, e->done_seq + 1, 0, RESULT_INVALID_USAGE, "%s", overlap_why);
   peer_closing(e);
   failed = kept_code(e) != 0 || atomic_load(&e->ended);
   /* A failed rank tells its peer, whose later calls then fail at once instead of at their

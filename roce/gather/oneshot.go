@@ -9,6 +9,7 @@ package gather
 #include <stdlib.h>
 #include <string.h>
 #include "oneshot.h"
+#include "../../kernels/oneshot_reduce.h"
 #include "pinned.h"
 
 static void rg_os_set_peer(rg_os_engine* e, const char* peer) {
@@ -17,9 +18,11 @@ static void rg_os_set_peer(rg_os_engine* e, const char* peer) {
 
 // A stream handle is a number here: CUDA's special handles (0x2, per thread) are no pointers.
 static int rg_os_host_submit_on(rg_os_engine* e, rg_os_hcall* c, const void* send, void* recv, uint64_t bytes,
-                                uintptr_t stream, int ordered, uint64_t call) {
-  return rg_os_host_submit(e, c, send, recv, bytes, (CUstream)stream, ordered, call);
+                                uint64_t coll, uintptr_t stream, int ordered, uint64_t call) {
+  return rg_os_host_submit(e, c, send, recv, bytes, coll, (CUstream)stream, ordered, call);
 }
+
+static uint64_t rg_os_coll_word(uint32_t collective, uint32_t op, uint32_t dtype) { return rg_os_coll(collective, op, dtype); }
 */
 import "C"
 
@@ -39,10 +42,14 @@ import (
 	"github.com/roce-gather/roce_gather/roce/fabric"
 )
 
-// OneShotConfig is this rank's configuration of the intercepted gather.
+// OneShotConfig is this rank's configuration of the intercepted collectives.
 type OneShotConfig struct {
-	// MinBytes and MaxBytes are this rank's window, bytes a rank: its floor and its cap.
+	// MinBytes and MaxBytes are this rank's window of the gather, bytes a rank: its floor
+	// and its cap.
 	MinBytes, MaxBytes uint64
+	// AllReduceMinBytes and AllReduceMaxBytes are its window of the all-reduce, bytes of the
+	// buffer; a cap of 0 offers no all-reduce.
+	AllReduceMinBytes, AllReduceMaxBytes uint64
 	// MinChunk is the smallest chunk this rank cuts a gather into (ROCE_GATHER_CHUNK_BYTES).
 	MinChunk uint64
 	// CommID names the communicator in log lines and the timeline.
@@ -82,7 +89,8 @@ func PrepareOneShot(t *roce.Transport, cfg OneShotConfig) (*Starter, Proposal, e
 	}
 	s.l = l
 	s.prop = Proposal{Version: roce.ProtocolVersion, On: true, Fabric: fabricCode(t.Kind()), Lanes: uint8(t.Device().Info().Lanes),
-		MinBytes: cfg.MinBytes, MaxBytes: cfg.MaxBytes, MinChunk: cfg.MinChunk, Addr: l.Addr(), Token: l.Token()}
+		MinBytes: cfg.MinBytes, MaxBytes: cfg.MaxBytes, AllReduceMinBytes: cfg.AllReduceMinBytes,
+		AllReduceMaxBytes: cfg.AllReduceMaxBytes, MinChunk: cfg.MinChunk, Addr: l.Addr(), Token: l.Token()}
 	return s, s.prop, nil
 }
 
@@ -218,11 +226,43 @@ func (e *Engine) GatherOnHost(send, recv []byte) error {
 	if len(send) == 0 || len(recv) != 2*len(send) {
 		return fmt.Errorf("a gather of %d bytes a rank needs %d bytes of rows, got %d", len(send), 2*len(send), len(recv))
 	}
-	st := C.rg_os_host_run(e.side.c, unsafe.Pointer(&send[0]), unsafe.Pointer(&recv[0]), C.uint64_t(len(send)))
+	st := C.rg_os_host_run(e.side.c, unsafe.Pointer(&send[0]), unsafe.Pointer(&recv[0]), C.uint64_t(len(send)),
+		C.rg_os_coll_word(C.RG_OS_ALLGATHER, 0, 0))
 	if st == -1 {
 		return errors.New("this engine runs the GPU kernel, not the host stand-in")
 	}
 	return e.statusErr(int(st))
+}
+
+// AllReduceOnHost runs one all-reduce of op and datatype (NCCL's numbers) over the
+// len(send) bytes of send through the host stand-in: recv gets op(rank 0's, rank 1's)
+// element by element. recv may be send itself (in place); a failed call leaves recv as it
+// was. The engine does not check that it takes the class (ReduceTaken): the interceptor does.
+func (e *Engine) AllReduceOnHost(send, recv []byte, op, datatype int) error {
+	if len(send) == 0 || len(recv) != len(send) {
+		return fmt.Errorf("an all-reduce of %d bytes needs %d bytes of output, got %d", len(send), len(send), len(recv))
+	}
+	st := C.rg_os_host_run(e.side.c, unsafe.Pointer(&send[0]), unsafe.Pointer(&recv[0]), C.uint64_t(len(send)),
+		C.rg_os_coll_word(C.RG_OS_ALLREDUCE, C.uint32_t(op), C.uint32_t(datatype)))
+	if st == -1 {
+		return errors.New("this engine runs the GPU kernel, not the host stand-in")
+	}
+	return e.statusErr(int(st))
+}
+
+// ReduceTaken says whether the intercepted all-reduce takes (op, datatype), NCCL's numbers:
+// the classes whose two-rank result it computes as NCCL does (kernels/oneshot_reduce.h).
+func ReduceTaken(op, datatype int) bool {
+	return op >= 0 && datatype >= 0 && C.rg_os_reduce_taken(C.rg_u32(op), C.rg_u32(datatype)) != 0
+}
+
+// hostCombine is the stand-in's combine alone: dst = op(x0, x1) element by element (tests).
+func hostCombine(dst, x0, x1 []byte, op, datatype int) {
+	if len(dst) == 0 {
+		return
+	}
+	C.rg_os_host_combine(unsafe.Pointer(&dst[0]), unsafe.Pointer(&x0[0]), unsafe.Pointer(&x1[0]), C.uint64_t(len(dst)),
+		C.uint32_t(op), C.uint32_t(datatype))
 }
 
 // statusErr is the error of a stand-in call that ended with status st (enum rg_os_status).
@@ -252,6 +292,7 @@ type hostCall struct {
 	send  unsafe.Pointer
 	recv  unsafe.Pointer
 	bytes int
+	out   int // bytes of recv
 }
 
 // hostStream names a stand-in stream as a CUstream handle does; perThreadStream is CUDA's
@@ -264,15 +305,25 @@ const perThreadStream hostStream = 2
 // it, as a kernel launch does (tests). Unless ordered, it waits for no call on another
 // stream and announces call (nonzero: the captured call's number), as a graph's replay.
 func (e *Engine) submitOnHost(send []byte, stream hostStream, ordered bool, call uint64) (*hostCall, error) {
-	h := &hostCall{e: e, bytes: len(send)}
+	return e.submitCollOnHost(send, uint64(C.rg_os_coll_word(C.RG_OS_ALLGATHER, 0, 0)), stream, ordered, call)
+}
+
+// submitCollOnHost is submitOnHost of a call of collective word coll (rg_os_coll); an
+// all-reduce's output is len(send) bytes.
+func (e *Engine) submitCollOnHost(send []byte, coll uint64, stream hostStream, ordered bool, call uint64) (*hostCall, error) {
+	out := 2 * len(send)
+	if uint32(coll&0xff) == C.RG_OS_ALLREDUCE {
+		out = len(send)
+	}
+	h := &hostCall{e: e, bytes: len(send), out: out}
 	h.c = (*C.rg_os_hcall)(C.calloc(1, C.sizeof_rg_os_hcall))
 	h.send = C.CBytes(send)
-	h.recv = C.CBytes(bytes.Repeat([]byte{0xee}, 2*len(send))) // what a failed call leaves
+	h.recv = C.CBytes(bytes.Repeat([]byte{0xee}, out)) // what a failed call leaves
 	o := C.int(0)
 	if ordered {
 		o = 1
 	}
-	if C.rg_os_host_submit_on(e.side.c, h.c, h.send, h.recv, C.uint64_t(len(send)), C.uintptr_t(stream), o,
+	if C.rg_os_host_submit_on(e.side.c, h.c, h.send, h.recv, C.uint64_t(len(send)), C.uint64_t(coll), C.uintptr_t(stream), o,
 		C.uint64_t(call)) != 0 {
 		h.free()
 		return nil, errors.New("the stand-in took no call: not a stand-in engine, its streams stopped, or too many streams")
@@ -284,7 +335,7 @@ func (e *Engine) submitOnHost(send []byte, stream hostStream, ordered bool, call
 // the call's error. After the engine's Close it says only the call's own status.
 func (h *hostCall) wait() ([]byte, error) {
 	st := int(C.rg_os_host_wait(h.e.side.c, h.c))
-	rows := C.GoBytes(h.recv, C.int(2*h.bytes))
+	rows := C.GoBytes(h.recv, C.int(h.out))
 	h.free()
 	return rows, h.e.statusErr(st)
 }
@@ -362,7 +413,7 @@ type osRegion struct {
 }
 
 func newOSSide(t *roce.Transport, out OneShotOutcome, rank int, cfg OneShotConfig) (*osSide, error) {
-	slot := SlotBytesFor(out.Cap)
+	slot := SlotBytesFor(max(out.Cap, out.AllReduceCap)) // a gather's shard, an all-reduce's whole buffer
 	n := ctrlBytes + 4*slot
 	s := &osSide{t: t, bytes: n}
 	s.region = C.rg_pinned_alloc(C.size_t(n), &s.pinned)

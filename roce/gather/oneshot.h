@@ -111,6 +111,7 @@ struct rg_os_engine {
   rg_os_announce post_ann; /* its announcement, as the kernel wrote it */
   uint32_t posted_nchunks; /* the chunks of the call posted last (post_seq - 1) */
   uint64_t counted_gathers, counted_bytes; /* what the stats hold of the reports' totals */
+  uint64_t counted_allreduces, counted_allreduce_bytes;
   uint64_t lane_sent[RG_MAX_LANES]; /* per lane, the newest call whose last write completed */
   atomic_uint_fast64_t sent_seq;    /* the newest call whose writes completed on every lane */
   uint64_t done_seq;     /* the newest call whose report was read */
@@ -130,6 +131,8 @@ struct rg_os_engine {
   atomic_int close_reason;  /* enum rg_os_closed that the closing word gives the peer */
   atomic_int stop_posting;  /* the abort word is up: the proxy posts no more of this rank's data */
   atomic_int warned;        /* the error's WARN is out */
+  atomic_int last_coll;     /* enum rg_os_collective of the call launched last */
+  atomic_int fail_coll;     /* and of the call the engine's error names (its WARN and stats section) */
   /* The link ended while no call was in flight (the peer may have destroyed its
    * communicator first): no error yet, but the next call fails with ended_why. ended is
    * stored (release) after ended_why is whole. */
@@ -151,10 +154,11 @@ void rg_os_engine_teardown(rg_os_engine* e);
  * after close would find the memory gone. */
 int rg_os_keeps_memory(const rg_os_engine* e);
 
-/* Runs one call: launches the kernel on stream (or runs the stand-in, waiting for it).
- * Returns 0, or a CUresult the caller reports; the engine's error is checked by the caller
- * first. */
-int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, CUstream stream);
+/* Runs one call of bytes a rank (a gather's shard, an all-reduce's buffer) and collective
+ * word coll (rg_os_coll): launches the kernel on stream (or runs the stand-in, waiting for
+ * it). Returns 0, or a CUresult the caller reports; the engine's error is checked by the
+ * caller first. */
+int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll, CUstream stream);
 
 /* How long the proxy spins without work before it naps between sweeps (UINT64_MAX: never). */
 void rg_os_proxy_set_idle(uint64_t ns);
@@ -183,13 +187,13 @@ int rg_os_probe(rg_os_engine* e, uint64_t value, uint64_t expect, uint64_t timeo
 
 /* One call through the stand-in on stream 0, for tests: returns its enum rg_os_status, -1
  * when the engine runs the kernel. */
-int rg_os_host_run(rg_os_engine* e, const void* send, void* recv, uint64_t bytes);
+int rg_os_host_run(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll);
 /* The stand-in's call c queued on stream without waiting for it, for tests. ordered 0 makes
  * it a graph's replay as far as ordering goes: it waits for no other stream, and call (if
  * nonzero) is the number it announces, the captured call's. 0, or -1 (not the stand-in, or
  * its streams stopped). */
-int rg_os_host_submit(rg_os_engine* e, rg_os_hcall* c, const void* send, void* recv, uint64_t bytes, CUstream stream,
-                      int ordered, uint64_t call);
+int rg_os_host_submit(rg_os_engine* e, rg_os_hcall* c, const void* send, void* recv, uint64_t bytes, uint64_t coll,
+                      CUstream stream, int ordered, uint64_t call);
 /* Waits for a submitted call; returns its status. */
 int rg_os_host_wait(rg_os_engine* e, rg_os_hcall* c);
 /* The next call number, as a capture takes it, for tests that stand in for a graph. */
@@ -200,6 +204,9 @@ int rg_os_error(rg_os_engine* e, char* why, int whylen);
 /* The host stand-in of the kernel (oneshot_host.c): runs the blocks of a, returns the
  * call's enum rg_os_status. */
 int rg_os_host_gather(const rg_os_args* a, rg_u32 nblocks);
+/* The stand-in's combine of an all-reduce (kernels/oneshot_reduce.h): dst = op(x0, x1) over
+ * n bytes of datatype dtype, x0 rank 0's operand; dst may be x0 or x1. For tests. */
+void rg_os_host_combine(void* dst, const void* x0, const void* x1, uint64_t n, uint32_t op, uint32_t dtype);
 /* The stand-in's streams (oneshot_host.c): queues c on stream; waits for every queued call
  * to end (0) or until deadline_ns (-1); stops their threads. */
 int rg_os_hstream_queue(rg_os_engine* e, rg_os_hcall* c, CUstream stream, int ordered);

@@ -8,6 +8,31 @@
 #include <string.h>
 #include <time.h>
 #include "oneshot.h"
+/* The combine's float operations are single roundings that no compiler fuses into a
+ * multiply-add (gcc contracts across statements by default, and cgo takes no
+ * -ffp-contract=off): each result goes through a volatile, so the next operation can only
+ * see the rounded value. */
+static inline float host_fadd(float x, float y) {
+  volatile float r = x + y;
+  return r;
+}
+static inline float host_fmul(float x, float y) {
+  volatile float r = x * y;
+  return r;
+}
+static inline double host_dadd(double x, double y) {
+  volatile double r = x + y;
+  return r;
+}
+static inline double host_dmul(double x, double y) {
+  volatile double r = x * y;
+  return r;
+}
+#define RG_OS_FADD(x, y) host_fadd((x), (y))
+#define RG_OS_FMUL(x, y) host_fmul((x), (y))
+#define RG_OS_DADD(x, y) host_dadd((x), (y))
+#define RG_OS_DMUL(x, y) host_dmul((x), (y))
+#include "../../kernels/oneshot_reduce.h"
 
 static inline rg_u64 host_load_acquire(const volatile rg_u64* p) {
   return __atomic_load_n((const rg_u64*)p, __ATOMIC_ACQUIRE);
@@ -29,6 +54,24 @@ static inline rg_u64 host_cas64(rg_u64* p, rg_u64 expect, rg_u64 v) {
 /* The peer's bytes are in place once the flag's acquire load saw them; a plain copy reads them. */
 static inline void host_copy(unsigned char* dst, const unsigned char* src, rg_u64 n) { memmove(dst, src, n); }
 
+/* An all-reduce's combine, one element after another (loads and stores through memcpy: the
+ * buffers are aligned to the element only). */
+static void host_reduce(unsigned char* dst, const unsigned char* own, const unsigned char* peer, rg_u64 n, rg_u32 rank,
+                        rg_u32 op, rg_u32 dtype) {
+  const rg_u32 esz = rg_os_dtype_size(dtype);
+  for (rg_u64 i = 0; i + esz <= n; i += esz) {
+    rg_u64 mine = 0, theirs = 0; /* little-endian: the element's bytes in the word's low bits */
+    memcpy(&mine, own + i, esz);
+    memcpy(&theirs, peer + i, esz);
+    const rg_u64 r = rank == 0 ? rg_os_reduce_elem(op, dtype, mine, theirs) : rg_os_reduce_elem(op, dtype, theirs, mine);
+    memcpy(dst + i, &r, esz);
+  }
+}
+
+void rg_os_host_combine(void* dst, const void* x0, const void* x1, uint64_t n, uint32_t op, uint32_t dtype) {
+  host_reduce(dst, x0, x1, n, 0, op, dtype);
+}
+
 #define RG_OS_FN
 #define RG_OS_SHARED
 #define RG_OS_LEADER 1
@@ -49,6 +92,7 @@ static inline void host_copy(unsigned char* dst, const unsigned char* src, rg_u6
 #define rg_os_copy_out(dst, src, n) host_copy((dst), (src), (n))
 #define rg_os_copy_in(dst, src, n) host_copy((dst), (src), (n))
 #define rg_os_copy_dev(dst, src, n) host_copy((dst), (src), (n))
+#define rg_os_reduce(dst, own, peer, n, rank, op, dtype) host_reduce((dst), (own), (peer), (n), (rank), (op), (dtype))
 
 #include "../../kernels/oneshot_body.h"
 

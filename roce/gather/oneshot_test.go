@@ -99,7 +99,7 @@ func osPairWith(t *testing.T, timeout time.Duration, cfgs [2]OneShotConfig, hook
 }
 
 func osConfig(capBytes uint64) OneShotConfig {
-	return OneShotConfig{MaxBytes: capBytes, MinChunk: 16 << 10, CommID: 0xC0FFEE}
+	return OneShotConfig{MaxBytes: capBytes, AllReduceMaxBytes: capBytes, MinChunk: 16 << 10, CommID: 0xC0FFEE}
 }
 
 // rowsCase is one gather as a rank issues it: where the shard and the rows lie in larger
@@ -273,7 +273,8 @@ func TestInterceptedGatherAgreesTheLargerSmallestChunk(t *testing.T) {
 func mustProposal(t *testing.T, cfg OneShotConfig) []byte {
 	t.Helper()
 	p := Proposal{Version: roce.ProtocolVersion, On: true, Fabric: 1, Lanes: 1, MinBytes: cfg.MinBytes, MaxBytes: cfg.MaxBytes,
-		MinChunk: cfg.MinChunk, Addr: roce.Addr{IP: []byte{127, 0, 0, 1}, Port: 1}}
+		AllReduceMinBytes: cfg.AllReduceMinBytes, AllReduceMaxBytes: cfg.AllReduceMaxBytes, MinChunk: cfg.MinChunk,
+		Addr: roce.Addr{IP: []byte{127, 0, 0, 1}, Port: 1}}
 	return p.Encode()
 }
 

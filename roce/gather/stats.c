@@ -6,6 +6,7 @@
 
 static _Atomic uint64_t counters[RG_STATS_N];
 static atomic_uint_fast64_t os_latency[RG_LAT_BUCKETS];
+static atomic_uint_fast64_t ar_latency[RG_LAT_BUCKETS];
 
 /* The attached file's mapping, and where each counter's slot is in it. */
 static _Atomic(char*) text;
@@ -23,6 +24,10 @@ static int bucket_of(uint64_t ns) {
 
 void rg_stats_os_latency(uint64_t ns) {
   atomic_fetch_add_explicit(&os_latency[bucket_of(ns)], 1, memory_order_relaxed);
+}
+
+void rg_stats_ar_latency(uint64_t ns) {
+  atomic_fetch_add_explicit(&ar_latency[bucket_of(ns)], 1, memory_order_relaxed);
 }
 
 /* A slot's text, and the words it is stored in. */
@@ -77,6 +82,7 @@ void rg_stats_add(enum rg_stat s, uint64_t d) {
 void rg_stats_read(rg_stats_snapshot* out) {
   for (int i = 0; i < RG_STATS_N; i++) out->v[i] = atomic_load(&counters[i]);
   for (int i = 0; i < RG_LAT_BUCKETS; i++) out->os_lat[i] = atomic_load(&os_latency[i]);
+  for (int i = 0; i < RG_LAT_BUCKETS; i++) out->ar_lat[i] = atomic_load(&ar_latency[i]);
 }
 
 /* A child of fork must not write into its parent's file. */

@@ -33,6 +33,14 @@ enum rg_stat {
   RG_STAT_OS_ERRORS,
   RG_STAT_OS_NAPS, /* times the proxy went to sleep after being idle */
   RG_STAT_OS_WOKE, /* times it found a gather in flight right after a nap */
+  /* The intercepted all-reduce, as the gather's (an all-reduce's bytes: its buffer's). */
+  RG_STAT_AR_LAUNCHES,
+  RG_STAT_AR_LAUNCH_BYTES,
+  RG_STAT_AR_FORWARDED, /* ncclAllReduce calls of communicators the interceptor knows, handed to NCCL */
+  RG_STAT_AR_FORWARDED_BYTES,
+  RG_STAT_AR_ALLREDUCES, /* one-shot all-reduces the kernel finished, graph replays included */
+  RG_STAT_AR_BYTES,
+  RG_STAT_AR_ERRORS,
   /* Calls that reached each of the interceptor's wrappers, in plugin/intercept.h's order. */
   RG_STAT_CALL_ALLGATHER,
   RG_STAT_CALL_COMM_INIT_RANK,
@@ -53,11 +61,14 @@ enum rg_stat {
 void rg_stats_add(enum rg_stat s, uint64_t d);
 /* The intercepted gather's kernel time, start to rows written. */
 void rg_stats_os_latency(uint64_t ns);
+/* The intercepted all-reduce's, start to its output written. */
+void rg_stats_ar_latency(uint64_t ns);
 
 /* The counters as plain numbers, for readers that cannot see atomics (cgo). */
 typedef struct rg_stats_snapshot {
   uint64_t v[RG_STATS_N];
   uint64_t os_lat[RG_LAT_BUCKETS];
+  uint64_t ar_lat[RG_LAT_BUCKETS];
 } rg_stats_snapshot;
 
 void rg_stats_read(rg_stats_snapshot* out);

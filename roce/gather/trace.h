@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 #define RG_TRACE_MAGIC 0x3145434152544752ull /* "RGTRACE1" */
-#define RG_TRACE_VERSION 3
+#define RG_TRACE_VERSION 4
 #define RG_TRACE_RECORD_BYTES 112
 
 /* The steps of one call as its proxy sees them. */
@@ -29,8 +29,9 @@ enum rg_stamp {
   RG_T_N
 };
 
-/* The collective a record is of. */
-enum rg_trace_coll { RG_TRACE_ALLGATHER = 0, RG_TRACE_ALLREDUCE = 1 };
+/* The collective a record is of: kernels/oneshot.h's enum rg_os_collective (version 4 on;
+ * version 3 had 0 and 1). */
+enum rg_trace_coll { RG_TRACE_ALLGATHER = 1, RG_TRACE_ALLREDUCE = 2 };
 
 typedef struct rg_trace_header {
   uint64_t magic;

@@ -27,7 +27,7 @@ func TestTraceAttachWritesAnEmptyRing(t *testing.T) {
 	t.Cleanup(DetachTrace)
 	h, recs, err := ReadTrace(path)
 	require.NoError(t, err)
-	require.Equal(t, TraceHeader{Version: 3, Capacity: 8, Begun: 0, Every: 3, PID: uint64(os.Getpid())}, h)
+	require.Equal(t, TraceHeader{Version: 4, Capacity: 8, Begun: 0, Every: 3, PID: uint64(os.Getpid())}, h)
 	require.Empty(t, recs)
 	st, err := os.Stat(path)
 	require.NoError(t, err)
@@ -56,7 +56,7 @@ func traceBytes(capacity uint64, recs map[uint64]func(p []byte)) []byte {
 	b := make([]byte, 64+capacity*112)
 	le := binary.LittleEndian
 	le.PutUint64(b[0:], 0x3145434152544752)
-	le.PutUint32(b[8:], 3)
+	le.PutUint32(b[8:], 4)
 	le.PutUint32(b[12:], 112)
 	le.PutUint64(b[16:], capacity)
 	le.PutUint32(b[48:], 4)
@@ -96,7 +96,7 @@ func TestParseTraceRefusesWhatIsNotATrace(t *testing.T) {
 	binary.LittleEndian.PutUint32(b[12:], 256)
 	binary.LittleEndian.PutUint32(b[48:], 18)
 	_, _, err = ParseTrace(b)
-	require.EqualError(t, err, "trace file version 2 with 256-byte records and 18 stamps; this library reads version 3, 112, 4")
+	require.EqualError(t, err, "trace file version 2 with 256-byte records and 18 stamps; this library reads version 4, 112, 4")
 	_, _, err = ParseTrace(traceBytes(2, nil)[:64+112])
 	require.EqualError(t, err, "a trace file of 2 records is 288 bytes, not 176")
 }
@@ -104,7 +104,7 @@ func TestParseTraceRefusesWhatIsNotATrace(t *testing.T) {
 // EncodeTrace writes what ParseTrace reads, each field at trace.h's offset and each record
 // in the slot of its index.
 func TestEncodeTraceIsReadBackFieldForField(t *testing.T) {
-	h := TraceHeader{Version: 3, Capacity: 3, Begun: 5, Every: 4, PID: 4242}
+	h := TraceHeader{Version: 4, Capacity: 3, Begun: 5, Every: 4, PID: 4242}
 	recs := []TraceRecord{
 		{Index: 4, CommID: 0xabc, Seq: 16, BytesPerRank: 16, Rank: 1, Coll: CollAllGather, Lanes: 2,
 			KStart: 1_000, KStaged: 3_000, KArrived: 9_000, KEnd: 12_000},
@@ -126,7 +126,7 @@ func TestEncodeTraceIsReadBackFieldForField(t *testing.T) {
 	require.Equal(t, uint64(700), le.Uint64(slot0[48+8*int(StampPosted):]))
 	require.Equal(t, uint64(9_000), le.Uint64(slot0[48+8*4+16:]), "k_arrived")
 	require.Equal(t, uint64(5), le.Uint64(b[64+112:]), "index 5 in slot 1")
-	require.Equal(t, uint32(1), le.Uint32(b[64+112+36:]), "an all-reduce")
+	require.Equal(t, uint32(2), le.Uint32(b[64+112+36:]), "an all-reduce: coll 2 (a gather is 1)")
 	require.Zero(t, le.Uint64(b[64+224:]), "slot 2 never written")
 
 	gotH, got, err := ParseTrace(b)

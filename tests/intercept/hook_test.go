@@ -24,7 +24,7 @@ func waysIn(f fixture) map[string][]string {
 var bindingSteps = []string{"init", "gather:1000:7", "group:16:0", "burst:64:0:5", "gather:4096:0", "allreduce:10", "destroy"}
 
 // checkBinding checks a run of bindingSteps: every gather on the one-shot path on both ranks,
-// the all-reduce counted and forwarded, NCCL hooked at its init.
+// the all-reduce (10 int32, a sum) on the one-shot all-reduce, NCCL hooked at its init.
 func checkBinding(t *testing.T, j *job, runs [2]run, want ...string) {
 	t.Helper()
 	report, log := j.bindReport(t), j.ncclLog(t)
@@ -40,7 +40,9 @@ func checkBinding(t *testing.T, j *job, runs [2]run, want ...string) {
 		counts, agreements := forwardedGathers(log, pid)
 		require.Empty(t, counts, "no gather went to NCCL")
 		require.Equal(t, 2, agreements)
-		require.Equal(t, 1, ncclCalls(log, pid, "A", "ncclAllReduce"))
+		require.Equal(t, 0, ncclCalls(log, pid, "A", "ncclAllReduce"), "the all-reduce took the one-shot path")
+		require.Equal(t, interceptedAllReduce{Launches: 1, LaunchBytes: 40, AllReduces: 1, Bytes: 40},
+			readInterceptedAllReduce(t, r.stats), "rank %d", r.rank)
 	}
 }
 

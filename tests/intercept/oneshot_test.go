@@ -81,7 +81,7 @@ func TestInterceptedGathersTakeThePathExactlyWithinTheWindow(t *testing.T) {
 		counts, agreements := forwardedGathers(log, r.pid(t))
 		require.Equal(t, forwarded, counts, "rank %d: what NCCL received", r.rank)
 		require.Equal(t, 2, agreements, "rank %d: the agreement's two exchanges", r.rank)
-		require.Contains(t, r.stderr, "one-shot gather on for communicator")
+		require.Contains(t, r.stderr, "one-shot gather and all-reduce on for communicator")
 		require.Contains(t, r.stderr, "window 100 to 65536 bytes a rank")
 	}
 }
@@ -118,7 +118,7 @@ func TestOneRankDisabledKeepsEveryGatherOnNCCLOnBoth(t *testing.T) {
 		require.Equal(t, 0, s.Launches, "rank %d", r.rank)
 		require.Equal(t, 2, s.Forwarded, "rank %d", r.rank)
 		require.Contains(t, r.stderr, "one-shot gather off for communicator")
-		require.Contains(t, r.stderr, "rank 1 is off: ROCE_GATHER_ENABLE=0; its gathers take NCCL's path on both ranks")
+		require.Contains(t, r.stderr, "rank 1 is off: ROCE_GATHER_ENABLE=0; its gathers and all-reduces take NCCL's path on both ranks")
 		counts, agreements := forwardedGathers(j.ncclLog(t), r.pid(t))
 		require.Equal(t, []int{16, 4096}, counts)
 		require.Equal(t, 2, agreements)
@@ -172,7 +172,8 @@ func failedGather(t *testing.T, r run, within time.Duration) {
 // once the other has its row: a gather can end on one rank before its own data has left.
 func TestPeerKilledMidGatherFailsTheGatherWithoutARow(t *testing.T) {
 	f := fixtures(t)
-	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN")...)
+	// The all-reduce's floor keeps its 16 bytes on NCCL's path.
+	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN", "ROCE_GATHER_ALLREDUCE_MIN_BYTES=1K")...)
 	j.args = func(rank int) []string {
 		if rank == 1 {
 			return []string{"init", "gather:16:0", "allreduce:4", "sleepms:300", "die"}
@@ -212,7 +213,7 @@ func TestPeerThatNeverJoinsTimesOutAtTheDeadline(t *testing.T) {
 // first gather's data has left, as in the killed peer's test.
 func TestSilentPeerFailsTheGatherWithinTheDeadline(t *testing.T) {
 	f := fixtures(t)
-	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN", "ROCE_GATHER_TIMEOUT_MS=1500")...)
+	j := newJob(t, f.caller, engineEnv(f, "NCCL_DEBUG=WARN", "ROCE_GATHER_TIMEOUT_MS=1500", "ROCE_GATHER_ALLREDUCE_MIN_BYTES=1K")...)
 	j.args = func(rank int) []string {
 		if rank == 1 {
 			return []string{"init", "gather:16:0", "allreduce:4", "stop"}

@@ -17,7 +17,8 @@
  *   that made the unique id (ncclGetUniqueId) listens on loopback, or on the IPv4 address
  *   FAKE_NCCL_ADDR names (two hosts), and puts the address in the id; the other connects. ncclAllGather is synchronous, byte for byte, for any count
  *   and datatype, in place or not; the stream is ignored. ncclAllReduce sums int32 and
- *   float32. ncclSend and ncclRecv go to this rank itself only.
+ *   float32; every other op and datatype it answers with the bytes of both ranks' buffers
+ *   XORed, a result no one-shot engine computes, so that a test sees NCCL produced it. ncclSend and ncclRecv go to this rank itself only.
  * - Groups defer their operations, as NCCL does: inside ncclGroupStart/End (per thread) a
  *   gather, an all-reduce, a send or a receive is queued, returns ncclSuccess at once and
  *   runs when the outermost group ends, in order (a self send meets the self receive of the
@@ -613,7 +614,7 @@ static ncclResult_t run_all_gather(const void* sendbuff, void* recvbuff, size_t 
 static ncclResult_t all_reduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   ncclResult_t r;
-  if (comm == NULL || op != ncclSum || (datatype != ncclInt32 && datatype != ncclFloat32))
+  if (comm == NULL || type_size(datatype) == 0)
     r = ncclInvalidArgument;
   else if (group_depth > 0)
     r = enqueue((queued_op){.kind = OP_ALLREDUCE, .send = sendbuff, .recv = recvbuff, .count = count, .type = datatype,
@@ -635,7 +636,10 @@ static ncclResult_t run_all_reduce(const void* sendbuff, void* recvbuff, size_t 
   {
     char* peer = malloc(bytes ? bytes : 1);
     if (comm->nranks == 2 && exchange(comm->link->fd, sendbuff, peer, bytes) != 0) r = ncclRemoteError;
-    for (size_t i = 0; r == ncclSuccess && i < count; i++) {
+    const int sum = op == ncclSum && (datatype == ncclInt32 || datatype == ncclFloat32);
+    for (size_t i = 0; r == ncclSuccess && !sum && i < bytes; i++)
+      ((char*)recvbuff)[i] = (char)(((const char*)sendbuff)[i] ^ (comm->nranks == 2 ? peer[i] : 0));
+    for (size_t i = 0; r == ncclSuccess && sum && i < count; i++) {
       if (datatype == ncclInt32)
         ((int32_t*)recvbuff)[i] = ((const int32_t*)sendbuff)[i] + (comm->nranks == 2 ? ((int32_t*)peer)[i] : 0);
       else

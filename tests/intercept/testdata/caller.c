@@ -19,7 +19,10 @@
  * (a gather inside an open groupstart is checked, and its line printed, at the groupend that
  * closes the group: NCCL runs it then),
  * prevgather:COUNT:TYPE and prevdestroy (on the communicator made before the current one),
- * group:COUNT:TYPE, groupstart, groupend, split:COLOR:KEY, asyncerr, allreduce:COUNT, finalize,
+ * group:COUNT:TYPE, groupstart, groupend, split:COLOR:KEY, asyncerr, allreduce:COUNT (int32 sums),
+ * allreduce:COUNT:TYPE:OP:EXPECT[:inplace] (EXPECT "ref": the result must be op(x0, x1) as this
+ * program computes it, for sum and max on int8, int32 and float32 and avg on float32; "xor":
+ * the stand-in NCCL's answer to what it does not model, both buffers XORed), finalize,
  * destroy, abort, abortafter:MS, destroyafter:MS and join (another thread aborts or destroys while the
  * next steps run), sleepms:MS, die (SIGKILL), stop (SIGSTOP), entry (the first bytes of the NCCL's own
  * pncclAllGather, CALLER_NCCL, where a jump there goes, the library's ncclAllGather, and NCCL's
@@ -352,6 +355,51 @@ static int signal_stack_step(caller_state* s, const char* step) {
   return 0;
 }
 
+/* Rank r's element i of an all-reduce operand: small integers, so that float sums are exact. */
+static int ar_value(int rank, size_t i) { return (int)((i * 7 + (size_t)rank * 13) % 97) - 40; }
+
+/* allreduce:COUNT:TYPE:OP:EXPECT[:inplace]: checks every element and prints how many differ. */
+static void allreduce_step(caller_state* s, size_t count, int type, int op, const char* expect, int inplace) {
+  const size_t esz = type == ncclInt32 || type == ncclFloat32 ? 4 : 1;
+  unsigned char* in = malloc(count * esz + 8);
+  unsigned char* res = inplace ? in : malloc(count * esz + 8);
+  unsigned char* x[2] = {malloc(count * esz + 8), malloc(count * esz + 8)};
+  for (int r = 0; r < 2; r++)
+    for (size_t i = 0; i < count; i++) {
+      const int v = ar_value(r, i);
+      if (esz == 1) x[r][i] = (unsigned char)(signed char)(v * 3);
+      else if (type == ncclInt32) ((int32_t*)x[r])[i] = v * 100000;
+      else ((float*)x[r])[i] = (float)v;
+    }
+  memcpy(in, x[s->rank], count * esz);
+  ncclResult_t r = ncclAllReduce(in, res, count, (ncclDataType_t)type, (ncclRedOp_t)op, s->comm, STREAM);
+  size_t bad = 0;
+  for (size_t i = 0; i < count && r == ncclSuccess; i++) {
+    if (strcmp(expect, "xor") == 0) {
+      for (size_t k = 0; k < esz; k++) bad += res[i * esz + k] != (x[0][i * esz + k] ^ x[1][i * esz + k]);
+      continue;
+    }
+    if (esz == 1) {
+      const signed char p = (signed char)x[0][i], q = (signed char)x[1][i];
+      const signed char want = op == ncclMax ? (p > q ? p : q) : (signed char)(unsigned char)((unsigned)p + (unsigned)q);
+      bad += (signed char)res[i] != want;
+    } else if (type == ncclInt32) {
+      const int32_t p = ((int32_t*)x[0])[i], q = ((int32_t*)x[1])[i];
+      bad += ((int32_t*)res)[i] != (op == ncclMax ? (p > q ? p : q) : p + q);
+    } else {
+      const float p = ((float*)x[0])[i], q = ((float*)x[1])[i];
+      const float want = op == ncclMax ? (p > q ? p : q) : op == ncclAvg ? p * 0.5f + q * 0.5f : p + q;
+      bad += ((float*)res)[i] != want;
+    }
+  }
+  out(s, "allreduce", r, "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"count\":%zu,\"datatype\":%d,\"op\":%d,\"wrong\":%zu",
+      (void*)in, (void*)res, count, type, op, bad);
+  free(x[0]);
+  free(x[1]);
+  if (!inplace) free(res);
+  free(in);
+}
+
 /* Runs one NCCL step; returns 1 if it knew the step. */
 static int nccl_step(caller_state* s, const char* step) {
   size_t count = 0;
@@ -434,6 +482,11 @@ static int nccl_step(caller_state* s, const char* step) {
     ncclResult_t e = (ncclResult_t)-1;
     ncclResult_t r = ncclCommGetAsyncError(s->comm, &e);
     out(s, step, r, "\"comm\":\"%p\",\"asyncError\":\"%p\",\"reported\":%d", (void*)s->comm, (void*)&e, (int)e);
+    return 1;
+  }
+  char expect[8] = "";
+  if (sscanf(step, "allreduce:%zu:%d:%d:%7[a-z]:%15s", &count, &a, &b, expect, kind) >= 4) {
+    allreduce_step(s, count, a, b, expect, strcmp(kind, "inplace") == 0);
     return 1;
   }
   if (sscanf(step, "allreduce:%zu", &count) == 1) {
