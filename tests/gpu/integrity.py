@@ -122,7 +122,9 @@ ABORTED_RX = WARN.format(peer=0) + r"the peer stopped: rank 0 \(\S+\) aborted it
 MISMATCH_RX = r"(?i)NCCL WARN NET/roce_gather : .*one-shot.*(differ|mismatch)"
 
 
-MARK_RX = re.compile(r"^rank [01]: case (\S+)$", re.M)
+# A case's name is letters, digits and dashes: a line another thread wrote may follow the
+# mark on its line (the testbed's rank 1 log had "rank 1: case abort[rank1]:[E1203 ...").
+MARK_RX = re.compile(r"^rank [01]: case ([a-z0-9-]+)", re.M)
 
 
 def case_logs(text):

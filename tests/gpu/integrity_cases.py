@@ -215,7 +215,10 @@ def main():
         ctx = Ctx(args, res)
         for name in args.params.get("cases") or integrity.ORDER:
             spec = integrity.CASES[name]
-            print(f"rank {args.rank}: case {name}", flush=True)
+            # One write, newline included: print() writes its end apart, and a line NCCL or
+            # PyTorch writes from another thread can land between the two.
+            sys.stdout.write(f"rank {args.rank}: case {name}\n")
+            sys.stdout.flush()
             RUNNERS[spec["kind"]](Case(ctx, name), spec)
         res.d["completed"] = True
     except Exception as e:

@@ -2372,6 +2372,9 @@ class IntegrityTest(unittest.TestCase):
     def test_case_logs(self):
         text = "start\nrank 1: case differ-size\nA\nrank 1: case overlap\nB\nC\n"
         self.assertEqual(integrity.case_logs(text), {"differ-size": "\nA\n", "overlap": "\nB\nC\n"})
+        # A line another thread wrote right after a mark, before its newline, leaves the mark found.
+        glued = "rank 1: case differ-size\nA\nrank 1: case abort[rank1]:[E1203 x] Stack trace\nWARN y\n"
+        self.assertEqual(integrity.case_logs(glued), {"differ-size": "\nA\n", "abort": "[rank1]:[E1203 x] Stack trace\nWARN y\n"})
 
     def test_step(self):
         res, logs = integrity_good()
