@@ -368,12 +368,13 @@ func TestAllReduceReferenceKnownValues(t *testing.T) {
 	require.Equal(t, w[:], refElem(opMin, dtInt64, w[:], []byte{0, 0, 0, 0, 0, 0, 0, 0}))
 }
 
-// The classes taken: every op but avg on every datatype up to bfloat16, avg on the float
-// types only; fp8, integer avg and user-defined ops go to NCCL.
+// The classes taken: every op but avg on every datatype up to bfloat16 but float64, avg on
+// float16, float32 and bfloat16 only; float64, fp8, integer avg and user-defined ops go to
+// NCCL (float64: NCCL's special values differed on the GPU testbed).
 func TestAllReduceTakesTheClassesWhoseResultIsNCCLs(t *testing.T) {
 	for op := 0; op < 8; op++ {
 		for dt := 0; dt < 14; dt++ {
-			want := dt <= dtBfloat16 && (op <= opMin || op == opAvg && (dt == dtFloat16 || dt == dtFloat32 || dt == dtFloat64 || dt == dtBfloat16))
+			want := dt <= dtBfloat16 && dt != dtFloat64 && (op <= opMin || op == opAvg && (dt == dtFloat16 || dt == dtFloat32 || dt == dtBfloat16))
 			require.Equal(t, want, ReduceTaken(op, dt), fmt.Sprintf("op %d, datatype %d", op, dt))
 		}
 	}
