@@ -160,7 +160,7 @@ func TestSelftestVerbs(t *testing.T) {
 	require.Regexp(t, `ok   rank 0  gather 524288 B \(524288 int8\) +intercepted, rows exact`, out)
 	require.Regexp(t, `ok   rank 1  gather 524289 B \(524289 int8\) +NCCL, rows exact`, out)
 	require.Regexp(t, `one-shot gather and all-reduce on for communicator 0x[0-9a-f]+, rank 0 of 2 \(peer [^)]+\): gather window 0 to 524288 bytes a rank, `+
-		`all-reduce window 0 to 524288 bytes, `+
+		`all-reduce window 0 to 65536 bytes, `+
 		`chunks from \d+ bytes, verbs fabric, 1 lane\(s\)`, out)
 }
 
@@ -226,7 +226,7 @@ func TestSelftestStripedOverTwoHCAs(t *testing.T) {
 	require.Equal(t, 0, code)
 	require.GreaterOrEqual(t, p, 200)
 	require.Regexp(t, `one-shot gather and all-reduce on for communicator 0x[0-9a-f]+, rank 1 of 2 \(peer [^)]+\): gather window 0 to 524288 bytes a rank, `+
-		`all-reduce window 0 to 524288 bytes, `+
+		`all-reduce window 0 to 65536 bytes, `+
 		`chunks from \d+ bytes, verbs fabric, 2 lane\(s\)`, out)
 	sent := []int{after[0] - before[0], after[1] - before[1]}
 	t.Logf("packets sent: %s %d, %s %d", twins[0], sent[0], twins[1], sent[1])
