@@ -223,8 +223,14 @@ out:
   return st;
 }
 
-int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm,
-                         cudaStream_t stream, ncclResult_t* result) {
+/* One call of collective coll (rg_os_coll) of bytes a rank: the same communicator states for
+ * both collectives; a call of a class the engine takes (class_taken, judged on the caller's
+ * op and datatype before rg_os_coll keeps their low bytes) within the collective's agreed
+ * window runs the one-shot path, every other goes to NCCL unchanged. */
+static int oneshot_call(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm,
+                        cudaStream_t stream, rg_u64 coll, int class_taken, ncclResult_t* result) {
+  const int allreduce = rg_os_coll_kind(coll) == RG_OS_ALLREDUCE;
+  const char* fn = allreduce ? "ncclAllReduce" : "ncclAllGather";
   const size_t esz = dtype_bytes(datatype);
   if (comm == NULL || esz == 0 || count > UINT64_MAX / esz) return 0;
   const uint64_t bytes = (uint64_t)count * esz;
@@ -237,18 +243,21 @@ int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncc
     int err = rg_os_check_launch(e);
     if (err != 0) {
       if (!atomic_exchange(&c->said_error, 1))
-        RG_WARN("ncclAllGather on communicator %p returns error %d: its one-shot path failed: %s", (void*)comm, err, c->kept.why);
+        RG_WARN("%s on communicator %p returns error %d: its one-shot path failed: %s", fn, (void*)comm, err, c->kept.why);
       *result = (ncclResult_t)err;
       return 1;
     }
-    if (bytes != 0 && bytes >= c->floor && bytes <= c->cap) {
-      int r = rg_os_launch(e, sendbuff, recvbuff, bytes, rg_os_coll(RG_OS_ALLGATHER, 0, 0), (CUstream)stream);
+    const int in_window = allreduce ? c->ar_on && bytes != 0 && bytes >= c->ar_floor && bytes <= c->ar_cap
+                                    : bytes != 0 && bytes >= c->floor && bytes <= c->cap;
+    if (in_window && class_taken) {
+      int r = rg_os_launch(e, sendbuff, recvbuff, bytes, coll, (CUstream)stream);
       if (r != CUDA_SUCCESS) {
-        rg_os_fail(e, ncclUnhandledCudaError, 0, "launching the gather kernel: %s", rg_cuda_strerror(r));
+        rg_os_fail(e, ncclUnhandledCudaError, 0, "launching the %s kernel: %s", allreduce ? "all-reduce" : "gather",
+                   rg_cuda_strerror(r));
         *result = ncclUnhandledCudaError;
         return 1;
       }
-      rg_stats_add(RG_STAT_OS_LAUNCH_BYTES, bytes);
+      rg_stats_add(allreduce ? RG_STAT_AR_LAUNCH_BYTES : RG_STAT_OS_LAUNCH_BYTES, bytes);
       *result = ncclSuccess;
       return 1;
     }
@@ -256,51 +265,23 @@ int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncc
     *result = (ncclResult_t)c->failed_result;
     return 1;
   }
-  rg_stats_add(RG_STAT_OS_FORWARDED, 1);
-  rg_stats_add(RG_STAT_OS_FORWARDED_BYTES, bytes);
+  rg_stats_add(allreduce ? RG_STAT_AR_FORWARDED : RG_STAT_OS_FORWARDED, 1);
+  rg_stats_add(allreduce ? RG_STAT_AR_FORWARDED_BYTES : RG_STAT_OS_FORWARDED_BYTES, bytes);
   return 0;
 }
 
-/* ncclAllReduce: the same communicator states as the gather's. A call of a class the engine
- * takes (rg_os_reduce_taken), within the agreed all-reduce window, runs the one-shot path;
- * every other goes to NCCL unchanged. */
+int rg_oneshot_allgather(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm,
+                         cudaStream_t stream, ncclResult_t* result) {
+  return oneshot_call(sendbuff, recvbuff, count, datatype, comm, stream, rg_os_coll(RG_OS_ALLGATHER, 0, 0), 1, result);
+}
+
+/* ncclAllReduce: a class the engine takes (rg_os_reduce_taken) within the agreed all-reduce
+ * window runs the one-shot path; every other goes to NCCL unchanged. */
 int rg_oneshot_allreduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
                          ncclComm_t comm, cudaStream_t stream, ncclResult_t* result) {
-  const size_t esz = dtype_bytes(datatype);
-  if (comm == NULL || esz == 0 || count > UINT64_MAX / esz) return 0;
-  const uint64_t bytes = (uint64_t)count * esz;
-  rg_icomm* c = find(comm);
-  if (c == NULL && (c = adopt(comm, -1)) == NULL) return 0;
-  int st = atomic_load_explicit(&c->state, memory_order_acquire);
-  if (st == RG_IC_PENDING) st = settle(c, stream, 0);
-  if (st == RG_IC_ON) {
-    rg_os_engine* e = c->engine;
-    int err = rg_os_check_launch(e);
-    if (err != 0) {
-      if (!atomic_exchange(&c->said_error, 1))
-        RG_WARN("ncclAllReduce on communicator %p returns error %d: its one-shot path failed: %s", (void*)comm, err, c->kept.why);
-      *result = (ncclResult_t)err;
-      return 1;
-    }
-    if (c->ar_on && bytes != 0 && bytes >= c->ar_floor && bytes <= c->ar_cap &&
-        rg_os_reduce_taken((rg_u32)op, (rg_u32)datatype)) {
-      int r = rg_os_launch(e, sendbuff, recvbuff, bytes, rg_os_coll(RG_OS_ALLREDUCE, (rg_u32)op, (rg_u32)datatype), (CUstream)stream);
-      if (r != CUDA_SUCCESS) {
-        rg_os_fail(e, ncclUnhandledCudaError, 0, "launching the all-reduce kernel: %s", rg_cuda_strerror(r));
-        *result = ncclUnhandledCudaError;
-        return 1;
-      }
-      rg_stats_add(RG_STAT_AR_LAUNCH_BYTES, bytes);
-      *result = ncclSuccess;
-      return 1;
-    }
-  } else if (st == RG_IC_FAILED) {
-    *result = (ncclResult_t)c->failed_result;
-    return 1;
-  }
-  rg_stats_add(RG_STAT_AR_FORWARDED, 1);
-  rg_stats_add(RG_STAT_AR_FORWARDED_BYTES, bytes);
-  return 0;
+  return oneshot_call(sendbuff, recvbuff, count, datatype, comm, stream,
+                      rg_os_coll(RG_OS_ALLREDUCE, (rg_u32)op, (rg_u32)datatype),
+                      rg_os_reduce_taken((rg_u32)op, (rg_u32)datatype), result);
 }
 
 /* The communicators group id marked and still pending, unmarked; up to max. Under table_mu,
