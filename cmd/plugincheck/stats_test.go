@@ -29,15 +29,26 @@ func statsRun(t *testing.T, end string, extra ...string) ([2]*rankResult, oneSho
 // requireCountsOfAnAbruptEnd holds the stats of a process that ended right after its last
 // gather to what it did: every decision and launch exactly. The completed gathers are the
 // proxy's count from the kernels' reports, which the last one's may not have reached before
-// the end: all of them, or all but the last (4096 bytes).
+// the end: all of them, or all but the last (4096 bytes). A gather ends once the peer's data
+// is here, which can be before its own has left; a peer that left at that moment took its
+// data with it, and this rank's last gather failed on the link's end (an error of the kernel,
+// which the launch's result cannot carry: the next call returns it), wrote no row and is
+// counted as the one error.
 func requireCountsOfAnAbruptEnd(t *testing.T, r *rankResult, want oneShotStats) {
 	t.Helper()
 	require.NoError(t, r.statsErr)
 	got := r.stats.OneShot
-	if got.Gathers == want.Gathers-1 {
+	gathers := r.steps("gather")
+	require.NotEmpty(t, gathers, "rank %d", r.rank)
+	if last := gathers[len(gathers)-1]; last.Rows != "exact" {
+		require.Equal(t, "untouched", last.Rows, "rank %d: a failed gather writes no row", r.rank)
+		require.Contains(t, r.stderr, "failed at sequence 4: the link failed", "rank %d", r.rank)
+		want.Errors = 1
+	}
+	if got.Gathers == want.Gathers-1 || want.Errors == 1 {
 		want.Gathers, want.Bytes = want.Gathers-1, want.Bytes-4096
 	}
-	require.Equal(t, want, got, "rank %d", r.rank)
+	require.Equal(t, want, got, "rank %d: %+v\n%s", r.rank, gathers, r.stderr)
 }
 
 // A process that leaves by _exit right after its last gather (as torch.multiprocessing
