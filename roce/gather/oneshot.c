@@ -101,7 +101,12 @@ static void warn_failed(rg_os_engine* e, uint64_t seq) {
  * launched last, whose section of the stats counts the error. */
 static void vfail(rg_os_engine* e, uint64_t seq, rg_u32 coll, int nccl_result, int quiet, const char* fmt, va_list ap) {
   int none = 0;
-  if (!atomic_compare_exchange_strong(&e->kept->claimed, &none, 1)) return;
+  if (!atomic_compare_exchange_strong(&e->kept->claimed, &none, 1)) {
+    /* Another thread won and is writing its text: its code shows within moments (it holds no
+     * lock and makes no call that waits), and the caller here then reads the error it lost to. */
+    while (kept_code(e) == 0) sched_yield();
+    return;
+  }
   if (coll == 0) coll = (rg_u32)atomic_load(&e->last_coll);
   atomic_store(&e->fail_coll, (int)coll);
   vsnprintf(e->kept->why, sizeof(e->kept->why), fmt, ap);

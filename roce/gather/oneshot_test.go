@@ -504,14 +504,16 @@ func TestInterceptedGatherPeerLeavingWhileIdleFailsTheNextGatherOnly(t *testing.
 	require.NoError(t, errs[0])
 	require.NoError(t, errs[1])
 	require.NoError(t, engines[1].Close(false))
-	time.Sleep(300 * time.Millisecond) // the proxy has seen the closing word by now
+	time.Sleep(300 * time.Millisecond) // long enough for the proxy to see the closing word, on an idle host
 	require.NoError(t, engines[0].Err(), "an idle peer's close is not the communicator's error")
 	c = newRowsCase(rand.New(rand.NewSource(8)), 1000, 0, 0, false)
 	start := time.Now()
 	err := engines[0].GatherOnHost(c.send(0), c.rows(0))
 	require.Error(t, err)
 	require.Less(t, time.Since(start), 2*time.Second)
-	require.Regexp(t, `^aborted: the peer stopped: rank 1 \(127\.0\.0\.1:\d+\) closed its communicator \(ncclCommDestroy or ncclCommFinalize\) after sequence 1$`, err.Error())
+	// aborted: the proxy saw the word first and ended the engine; the peer stopped: the call
+	// saw it first (a loaded host). Either way the cause is the peer's close.
+	require.Regexp(t, `^(aborted|the peer stopped): the peer stopped: rank 1 \(127\.0\.0\.1:\d+\) closed its communicator \(ncclCommDestroy or ncclCommFinalize\) after sequence 1$`, err.Error())
 	c.checkUntouched(t, 0)
 }
 
