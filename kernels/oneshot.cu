@@ -192,22 +192,69 @@ __device__ static inline void rg_st_elem(unsigned char* p, unsigned int esz, rg_
   }
 }
 
-// An all-reduce's combine with the whole block: thread t takes elements t, t + nthreads, ...
-// (neighbouring threads neighbouring elements: the warp's loads coalesce). Each element is
-// read and then written by the same thread, so dst may be own.
+// Loads 16 bytes at s, align bytes past a 16-byte boundary, with the widest loads that
+// alignment allows (rg_store16's mirror; an operand's address is a multiple of its element).
+__device__ static inline rg_v4 rg_load16(const unsigned char* s, unsigned int align) {
+  rg_v4 v;
+  if (align == 0) return *(const rg_v4*)s;
+  unsigned int w[4] = {0, 0, 0, 0};
+  if ((align & 3) == 0) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) w[k] = ((const unsigned int*)s)[k];
+  } else if ((align & 1) == 0) {
+#pragma unroll
+    for (int k = 0; k < 8; k++) w[k >> 1] |= (unsigned int)((const unsigned short*)s)[k] << (16 * (k & 1));
+  } else {
+#pragma unroll
+    for (int k = 0; k < 16; k++) w[k >> 2] |= (unsigned int)s[k] << (8 * (k & 3));
+  }
+  v.x = w[0], v.y = w[1], v.z = w[2], v.w = w[3];
+  return v;
+}
+
+// The 16 bytes of two operands combined, rank 0's first.
+__device__ static inline rg_v4 rg_reduce16(rg_v4 mine, rg_v4 theirs, unsigned int esz, rg_u32 rank, rg_u32 op, rg_u32 dtype) {
+  const rg_u64 lo = rg_os_reduce_word(((rg_u64)mine.y << 32) | mine.x, ((rg_u64)theirs.y << 32) | theirs.x, esz, rank, op, dtype);
+  const rg_u64 hi = rg_os_reduce_word(((rg_u64)mine.w << 32) | mine.z, ((rg_u64)theirs.w << 32) | theirs.z, esz, rank, op, dtype);
+  rg_v4 v;
+  v.x = (unsigned int)lo, v.y = (unsigned int)(lo >> 32), v.z = (unsigned int)hi, v.w = (unsigned int)(hi >> 32);
+  return v;
+}
+
+// An all-reduce's combine with the whole block. The peer's operand (the receive slot in host
+// memory, or scratch: both 16-byte aligned) is read 16 bytes a load around the caches, with
+// RG_UNROLL loads in flight a thread and every load issued before any store, as in
+// rg_block_copy: one element a load left one round trip to host memory for every few
+// elements. Each 16 bytes are read and then written by the same thread, so dst may be own.
 __device__ static inline __attribute__((always_inline)) void rg_block_reduce(unsigned char* dst, const unsigned char* own,
                                                                              const unsigned char* peer, rg_u64 n, rg_u32 rank,
                                                                              rg_u32 op, rg_u32 dtype) {
   const unsigned int t = rg_tid(), nt = rg_nthreads();
   const unsigned int esz = rg_os_dtype_size(dtype);
-  const rg_u64 count = n / esz;
-  for (rg_u64 i = t; i < count; i += nt) {
+  const unsigned int own_align = (unsigned int)((rg_u64)own & 15), dst_align = (unsigned int)((rg_u64)dst & 15);
+  const rg_u64 words = n / 16, stride = (rg_u64)nt * RG_UNROLL;
+  for (rg_u64 w = t; w < words; w += stride) {
+    rg_v4 theirs[RG_UNROLL], mine[RG_UNROLL];
+#pragma unroll
+    for (int k = 0; k < RG_UNROLL; k++) {
+      const rg_u64 at = (w + (rg_u64)k * nt) * 16;
+      if (w + (rg_u64)k * nt < words) theirs[k] = rg_ld_cv(peer + at), mine[k] = rg_load16(own + at, own_align);
+    }
+#pragma unroll
+    for (int k = 0; k < RG_UNROLL; k++) {
+      const rg_u64 at = (w + (rg_u64)k * nt) * 16;
+      if (w + (rg_u64)k * nt < words) rg_store16(dst + at, rg_reduce16(mine[k], theirs[k], esz, rank, op, dtype), dst_align);
+    }
+  }
+  // The last bytes short of 16, an element a thread.
+  for (rg_u64 i = words * 16 / esz + t; i < n / esz; i += nt) {
     const rg_u64 mine = rg_ld_elem(own + i * esz, esz, 0), theirs = rg_ld_elem(peer + i * esz, esz, 1);
     rg_st_elem(dst + i * esz, esz, rank == 0 ? rg_os_reduce_elem(op, dtype, mine, theirs) : rg_os_reduce_elem(op, dtype, theirs, mine));
   }
 }
 
-#define RG_OS_FN __device__
+/* The protocol inlined into the entry, as its arguments stay in parameter space. */
+#define RG_OS_FN __device__ __attribute__((always_inline))
 /* Volatile: clang may move a load of a static __shared__ variable above a barrier, since
  * no call in this thread can write it; only another thread does. */
 #define RG_OS_SHARED __shared__ volatile

@@ -274,4 +274,18 @@ RG_OS_RFN rg_u64 rg_os_reduce_elem(rg_u32 op, rg_u32 dtype, rg_u64 x0, rg_u64 x1
   }
 }
 
+/* Eight bytes of two operands combined element by element (esz bytes each, the first
+ * element in the low bits), rank 0's operand first: the kernel combines 16-byte loads and
+ * the host stand-in 8-byte words through this. Not inlined: one copy of the combine's code. */
+RG_OS_HD static __attribute__((noinline, unused)) rg_u64 rg_os_reduce_word(rg_u64 mine, rg_u64 theirs, rg_u32 esz, rg_u32 rank,
+                                                                          rg_u32 op, rg_u32 dtype) {
+  const rg_u64 mask = esz == 8 ? ~0ull : (1ull << (8 * esz)) - 1;
+  rg_u64 r = 0;
+  for (rg_u32 shift = 0; shift < 64; shift += 8 * esz) {
+    const rg_u64 a = (mine >> shift) & mask, b = (theirs >> shift) & mask;
+    r |= ((rank == 0 ? rg_os_reduce_elem(op, dtype, a, b) : rg_os_reduce_elem(op, dtype, b, a)) & mask) << shift;
+  }
+  return r;
+}
+
 #endif

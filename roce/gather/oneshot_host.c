@@ -54,13 +54,21 @@ static inline rg_u64 host_cas64(rg_u64* p, rg_u64 expect, rg_u64 v) {
 /* The peer's bytes are in place once the flag's acquire load saw them; a plain copy reads them. */
 static inline void host_copy(unsigned char* dst, const unsigned char* src, rg_u64 n) { memmove(dst, src, n); }
 
-/* An all-reduce's combine, one element after another (loads and stores through memcpy: the
- * buffers are aligned to the element only). */
+/* An all-reduce's combine, eight bytes at a time as the kernel's (loads and stores through
+ * memcpy: the buffers are aligned to the element only), then the last elements. */
 static void host_reduce(unsigned char* dst, const unsigned char* own, const unsigned char* peer, rg_u64 n, rg_u32 rank,
                         rg_u32 op, rg_u32 dtype) {
   const rg_u32 esz = rg_os_dtype_size(dtype);
-  for (rg_u64 i = 0; i + esz <= n; i += esz) {
-    rg_u64 mine = 0, theirs = 0; /* little-endian: the element's bytes in the word's low bits */
+  rg_u64 i = 0;
+  for (; i + 8 <= n; i += 8) {
+    rg_u64 mine, theirs; /* little-endian: the first element in the word's low bits */
+    memcpy(&mine, own + i, 8);
+    memcpy(&theirs, peer + i, 8);
+    const rg_u64 r = rg_os_reduce_word(mine, theirs, esz, rank, op, dtype);
+    memcpy(dst + i, &r, 8);
+  }
+  for (; i + esz <= n; i += esz) {
+    rg_u64 mine = 0, theirs = 0;
     memcpy(&mine, own + i, esz);
     memcpy(&theirs, peer + i, esz);
     const rg_u64 r = rank == 0 ? rg_os_reduce_elem(op, dtype, mine, theirs) : rg_os_reduce_elem(op, dtype, theirs, mine);
