@@ -8,9 +8,9 @@ computed element by element in rank order, for sum, prod, max, min and avg over 
 float16, bfloat16, float64, int8, uint8, int32 and int64 (avg on the float types). Those are the
 classes the library must take (REQUIRED), float64 aside: on random values NCCL's float64 bits
 are op(x0, x1), but on the special values (NaNs, signed zeros) they differed from the library's
-combine in every op (the testbed, 2026-12-03), so the library leaves float64 to NCCL. avg on
-the integer types, float64 and the fp8 types it takes only where it matches NCCL, so the
-testbed reads which it took (common.observe_classes).
+combine in every op (the testbed, 2026-12-03), so the library leaves float64 to NCCL
+(LEFT_TO_NCCL: its calls must be forwarded). avg on the integer types and the fp8 types it
+takes only where it matches NCCL, so the testbed reads which it took (common.observe_classes).
 """
 
 # NCCL's datatypes that torch offers (nccl.h: ncclDataType_t), in the matrix's order; the fp8
@@ -39,6 +39,10 @@ REQUIRED = frozenset([(op, d) for op in ("sum", "prod", "max", "min") for d in F
                      + [("avg", d) for d in FLOATS if d != "float64"])
 
 
+# The classes the library never takes (kernels/oneshot_reduce.h, rg_os_reduce_taken).
+LEFT_TO_NCCL = frozenset((op, "float64") for op in OPS)
+
+
 def cls(op, dtype):
     """A class's name, as the ledger and the stats' class blocks key it."""
     return f"{op}/{dtype}"
@@ -51,6 +55,10 @@ def split(name):
 
 def required(name):
     return split(name) in REQUIRED
+
+
+def left_to_nccl(name):
+    return split(name) in LEFT_TO_NCCL
 
 
 # ---- sizes ----------------------------------------------------------------------------------

@@ -331,10 +331,13 @@ AR_SECTION = "intercepted_allreduce"
 def allreduce_taken(observed=None):
     """taken(class) for allreduce_expectation: what the worker observed of the class (True: its
     in-window calls take the path, False: every call goes to NCCL), else True for a class the
-    library must take (arcases.REQUIRED), else None: unknown."""
+    library must take (arcases.REQUIRED), False for one it never takes (arcases.LEFT_TO_NCCL,
+    such as the samplers' float64 max), else None: unknown."""
     def taken(c):
         if observed and observed.get(c) is not None:
             return observed[c]
+        if arcases.left_to_nccl(c):
+            return False
         return True if arcases.required(c) else None
     return taken
 

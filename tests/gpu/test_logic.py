@@ -2667,6 +2667,15 @@ class AllReduceLedgerTest(unittest.TestCase):
         off = common.allreduce_expectation(L.n["allreduce"], None, taken)
         self.assertEqual((off["launches"], off["forwarded_min"]), (0, 12))
 
+    def test_float64_is_held_forwarded(self):
+        # The samplers' float64 max (bench.agree_max): a class the library never takes, not unknown.
+        L = ar_ledger((16, "max", "float64", 2, 2), (4096, "sum", "float32", 1, 1))
+        e = common.allreduce_expectation(L.n["allreduce"], self.W, common.allreduce_taken())
+        self.assertEqual((e["launches"], e["forwarded_min"], e["unknown"]), (1, 2, []))
+        self.assertEqual(common.allreduce_check(arstats(1, 1, 4096, 4096, forwarded=2, calls=3), L.n, self.W)[0], [])
+        self.assertIn("the difference is exactly the calls of max/float64: the library takes them",
+                      common.allreduce_check(arstats(3, 3, 4096 + 32, 4096 + 32, forwarded=0, calls=3), L.n, self.W)[0][0])
+
     def test_mismatches_say_why(self):
         L = ar_ledger((4096, "sum", "float32", 3, 3), (16, "sum", "bfloat16", 2, 2), (4096, "avg", "int32", 2, 2))
         taken = common.allreduce_taken({"avg/int32": False})
