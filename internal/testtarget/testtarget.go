@@ -24,6 +24,9 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"syscall"
+	"testing"
+	"time"
 )
 
 // CC is the target's C compiler and the words that come with it (RG_TEST_CC, else gcc).
@@ -46,16 +49,33 @@ func Exec() []string { return strings.Fields(os.Getenv("RG_TEST_EXEC")) }
 // Emulated says whether target programs are started through RG_TEST_EXEC.
 func Emulated() bool { return len(Exec()) > 0 }
 
-// Command starts a program built for the target (by CC or by make) as exec.Command does.
-func Command(program string, args ...string) *exec.Cmd {
-	return CommandContext(context.Background(), program, args...)
+// ChildLimit bounds every target program a test starts: a program that hangs (a rank waiting
+// for a peer that never comes, under an emulator that runs it twenty times slower) fails its own
+// test by name, with its output, instead of the whole package at go test's timeout.
+const ChildLimit = 150 * time.Second
+
+// Command starts a program built for the target (by CC or by make) as exec.Command does, under
+// ChildLimit and until t ends.
+func Command(t testing.TB, program string, args ...string) *exec.Cmd {
+	ctx, cancel := context.WithTimeout(context.Background(), ChildLimit)
+	t.Cleanup(cancel)
+	return CommandContext(ctx, program, args...)
 }
 
-// CommandContext is Command with a context that kills the program, as exec.CommandContext.
+// CommandContext is Command under ctx. When ctx ends, the program's process group is killed
+// (a shell's children are in it too, and would otherwise hold its pipes open), and Wait stops
+// waiting for the pipes' last bytes WaitDelay later.
 func CommandContext(ctx context.Context, program string, args ...string) *exec.Cmd {
 	words := append(Exec(), program)
-	return exec.CommandContext(ctx, words[0], append(words[1:], args...)...)
+	cmd := exec.CommandContext(ctx, words[0], append(words[1:], args...)...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
+	cmd.WaitDelay = 10 * time.Second
+	return cmd
 }
+
+// Killed says whether cmd, which has been waited for, ended by a signal (a deadline's kill among them).
+func Killed(cmd *exec.Cmd) bool { return cmd.ProcessState != nil && cmd.ProcessState.ExitCode() == -1 }
 
 // GOARCH is the target's architecture as Go names it (RG_TEST_GOARCH, else this binary's).
 func GOARCH() string {

@@ -4,7 +4,9 @@ import (
 	"context"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -16,7 +18,7 @@ func TestThisMachineIsTheTargetByDefault(t *testing.T) {
 	require.Equal(t, []string{"gcc"}, CC())
 	require.Equal(t, []string{"gcc", "-o", "x", "x.c"}, CCCommand("-o", "x", "x.c").Args)
 	require.False(t, Emulated())
-	require.Equal(t, []string{"/t/caller", "0", "id"}, Command("/t/caller", "0", "id").Args)
+	require.Equal(t, []string{"/t/caller", "0", "id"}, Command(t, "/t/caller", "0", "id").Args)
 	require.Equal(t, "/repo/build", BuildDir("/repo"))
 	require.Equal(t, runtime.GOARCH, GOARCH())
 }
@@ -38,4 +40,20 @@ func TestACrossTargetsCompilerStarterAndBuild(t *testing.T) {
 	require.NoError(t, err)
 	t.Setenv("RG_TEST_BUILD", "")
 	require.Equal(t, here, BuildDir("."))
+}
+
+// A deadline kills the program and the children it started: Wait returns although a child
+// still held the program's stdout.
+func TestADeadlineKillsTheProgramAndItsChildren(t *testing.T) {
+	t.Setenv("RG_TEST_EXEC", "")
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	cmd := CommandContext(ctx, "sh", "-c", "sleep 30 & echo started; wait")
+	var out strings.Builder
+	cmd.Stdout = &out
+	start := time.Now()
+	require.Error(t, cmd.Run())
+	require.Less(t, time.Since(start), 5*time.Second, "Wait waited for the child's pipe")
+	require.True(t, Killed(cmd))
+	require.Equal(t, "started\n", out.String())
 }

@@ -373,7 +373,7 @@ func TestPreloadIntoAProcessThatNeverLoadsNCCLSaysOneLine(t *testing.T) {
 	env := append(baseEnv(), "LD_PRELOAD="+f.lib, "ROCE_GATHER_BIND_REPORT="+report)
 	for _, args := range [][]string{{f.callerNoNCCL, "0", filepath.Join(dir, "id")}, {"sh", "-c", "echo $NCCL_NET_PLUGIN"}} {
 		t.Run(filepath.Base(args[0]), func(t *testing.T) {
-			cmd := testtarget.Command(args[0], args[1:]...)
+			cmd := testtarget.Command(t, args[0], args[1:]...)
 			if args[0] == "sh" {
 				if testtarget.Emulated() {
 					t.Skip("sh is this machine's program, into which the target's library cannot be preloaded; " +

@@ -20,7 +20,7 @@ import (
 func plugincheckIntercept(t *testing.T, env []string, script string) (string, string, int) {
 	t.Helper()
 	f := fixtures(t)
-	cmd := testtarget.Command(f.plugincheck, "intercept", "--", "sh", "-c", script)
+	cmd := testtarget.Command(t, f.plugincheck, "intercept", "--", "sh", "-c", script)
 	cmd.Env = env
 	var stdout, stderr strings.Builder
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
@@ -28,6 +28,8 @@ func plugincheckIntercept(t *testing.T, env []string, script string) (string, st
 	if _, ok := err.(*exec.ExitError); !ok {
 		require.NoError(t, err)
 	}
+	require.False(t, testtarget.Killed(cmd), "plugincheck was killed (at %s, the limit, unless something else did):\n%s\n%s",
+		testtarget.ChildLimit, stdout.String(), stderr.String())
 	return stdout.String(), stderr.String(), cmd.ProcessState.ExitCode()
 }
 

@@ -49,7 +49,7 @@ func newRelocator(t *testing.T) *relocator {
 			repo("plugin/relocate_x86.c"), repo("plugin/relocate_a64.c"))
 	})
 	require.NoError(t, toolErr)
-	cmd := testtarget.Command(toolPath)
+	cmd := testtarget.Command(t, toolPath)
 	in, err := cmd.StdinPipe()
 	require.NoError(t, err)
 	out, err := cmd.StdoutPipe()
