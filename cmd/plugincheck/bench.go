@@ -183,12 +183,10 @@ func benchRows(res [2]*rankResult) ([]benchRow, []string) {
 }
 
 func sizeName(b int) string {
-	switch {
-	case b >= 1<<10 && b%(1<<10) == 0:
+	if b >= 1<<10 && b%(1<<10) == 0 {
 		return fmt.Sprintf("%dKiB", b>>10)
-	default:
-		return fmt.Sprintf("%dB", b)
 	}
+	return fmt.Sprintf("%dB", b)
 }
 
 // runLoad runs the load step on both ranks and holds ROCE_GATHER_STATS to what each rank

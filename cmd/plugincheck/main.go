@@ -49,7 +49,7 @@ func main() {
 		code = cmdTrace(args)
 	case "intercept":
 		code = cmdIntercept(args)
-	case "help", "-h", "--help":
+	case "help":
 		fmt.Print(usage)
 	default:
 		fmt.Fprintf(os.Stderr, "plugincheck: unknown command %q\n\n%s", cmd, usage)
