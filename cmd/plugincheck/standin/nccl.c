@@ -188,7 +188,6 @@ typedef struct {
   uint32_t ip;   /* network order */
   uint16_t port; /* network order */
   uint16_t pad;
-  int32_t creator;
   uint64_t serial;
 } fake_id;
 _Static_assert(sizeof(fake_id) <= sizeof(ncclUniqueId), "the id fits NCCL's 128 bytes");
@@ -251,7 +250,7 @@ static ncclResult_t get_unique_id(ncclUniqueId* out) {
   pthread_mutex_unlock(&listen_mu);
   memset(out, 0, sizeof(*out));
   static uint64_t serial;
-  fake_id id = {.magic = ID_MAGIC, .ip = a.sin_addr.s_addr, .port = a.sin_port, .creator = getpid(), .serial = ++serial};
+  fake_id id = {.magic = ID_MAGIC, .ip = a.sin_addr.s_addr, .port = a.sin_port, .serial = ++serial};
   memcpy(out, &id, sizeof(id));
   record("ncclGetUniqueId", ncclSuccess, "\"uniqueId\":\"%p\",\"port\":%d", (void*)out, ntohs(a.sin_port));
   return ncclSuccess;
@@ -460,26 +459,17 @@ __attribute__((used)) static ncclResult_t comm_get_async_error(ncclComm_t comm, 
   return r;
 }
 
-static ncclResult_t comm_count(const ncclComm_t comm, int* count) {
-  if (comm == NULL || count == NULL) return ncclInvalidArgument;
-  *count = comm->nranks;
-  record("ncclCommCount", ncclSuccess, "\"comm\":\"%p\"", (void*)comm);
-  return ncclSuccess;
-}
-
-static ncclResult_t comm_user_rank(const ncclComm_t comm, int* rank) {
-  if (comm == NULL || rank == NULL) return ncclInvalidArgument;
-  *rank = comm->rank;
-  record("ncclCommUserRank", ncclSuccess, "\"comm\":\"%p\"", (void*)comm);
-  return ncclSuccess;
-}
-
-static ncclResult_t comm_cu_device(const ncclComm_t comm, int* device) {
-  if (comm == NULL || device == NULL) return ncclInvalidArgument;
-  *device = comm->cuda_dev;
-  record("ncclCommCuDevice", ncclSuccess, "\"comm\":\"%p\"", (void*)comm);
-  return ncclSuccess;
-}
+/* The communicator's queries: one field each. */
+#define COMM_QUERY(impl, fn, field)                                    \
+  static ncclResult_t impl(const ncclComm_t comm, int* out) {         \
+    if (comm == NULL || out == NULL) return ncclInvalidArgument;      \
+    *out = comm->field;                                               \
+    record(fn, ncclSuccess, "\"comm\":\"%p\"", (void*)comm);           \
+    return ncclSuccess;                                               \
+  }
+COMM_QUERY(comm_count, "ncclCommCount", nranks)
+COMM_QUERY(comm_user_rank, "ncclCommUserRank", rank)
+COMM_QUERY(comm_cu_device, "ncclCommCuDevice", cuda_dev)
 
 static size_t type_size(ncclDataType_t t) {
   switch ((int)t) {
@@ -630,23 +620,20 @@ static ncclResult_t all_reduce(const void* sendbuff, void* recvbuff, size_t coun
 
 static ncclResult_t run_all_reduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
                                    ncclRedOp_t op, ncclComm_t comm) {
-  (void)op;
   size_t bytes = count * type_size(datatype);
   ncclResult_t r = ncclSuccess;
-  {
-    char* peer = malloc(bytes ? bytes : 1);
-    if (comm->nranks == 2 && exchange(comm->link->fd, sendbuff, peer, bytes) != 0) r = ncclRemoteError;
-    const int sum = op == ncclSum && (datatype == ncclInt32 || datatype == ncclFloat32);
-    for (size_t i = 0; r == ncclSuccess && !sum && i < bytes; i++)
-      ((char*)recvbuff)[i] = (char)(((const char*)sendbuff)[i] ^ (comm->nranks == 2 ? peer[i] : 0));
-    for (size_t i = 0; r == ncclSuccess && sum && i < count; i++) {
-      if (datatype == ncclInt32)
-        ((int32_t*)recvbuff)[i] = ((const int32_t*)sendbuff)[i] + (comm->nranks == 2 ? ((int32_t*)peer)[i] : 0);
-      else
-        ((float*)recvbuff)[i] = ((const float*)sendbuff)[i] + (comm->nranks == 2 ? ((float*)peer)[i] : 0);
-    }
-    free(peer);
+  char* peer = malloc(bytes ? bytes : 1);
+  if (comm->nranks == 2 && exchange(comm->link->fd, sendbuff, peer, bytes) != 0) r = ncclRemoteError;
+  const int sum = op == ncclSum && (datatype == ncclInt32 || datatype == ncclFloat32);
+  for (size_t i = 0; r == ncclSuccess && !sum && i < bytes; i++)
+    ((char*)recvbuff)[i] = (char)(((const char*)sendbuff)[i] ^ (comm->nranks == 2 ? peer[i] : 0));
+  for (size_t i = 0; r == ncclSuccess && sum && i < count; i++) {
+    if (datatype == ncclInt32)
+      ((int32_t*)recvbuff)[i] = ((const int32_t*)sendbuff)[i] + (comm->nranks == 2 ? ((int32_t*)peer)[i] : 0);
+    else
+      ((float*)recvbuff)[i] = ((const float*)sendbuff)[i] + (comm->nranks == 2 ? ((float*)peer)[i] : 0);
   }
+  free(peer);
   return r;
 }
 
