@@ -178,19 +178,11 @@ func rankEnv(p paths, fabric, dir string, local bool) []string {
 		"ROCE_GATHER_MIN_BYTES", "ROCE_GATHER_MAX_BYTES", "ROCE_GATHER_CHUNK_BYTES", "ROCE_GATHER_TIMEOUT_MS",
 		"ROCE_GATHER_STATS", "ROCE_GATHER_TRACE", "ROCE_GATHER_TRACE_EVERY", "ROCE_GATHER_TRACE_RECORDS",
 		"FAKE_NCCL_LOG", "FAKE_NCCL_FORCE", "FAKE_NCCL_ASYNC_ERROR", "FAKE_NCCL_ADDR", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD"}
-	var env []string
-	tcpIf := false
-	for _, kv := range os.Environ() {
-		name, _, _ := strings.Cut(kv, "=")
-		keep := true
-		for _, o := range owned {
-			keep = keep && name != o
-		}
-		if keep {
-			env = append(env, kv)
-		}
-		tcpIf = tcpIf || name == "ROCE_GATHER_TCP_IF"
+	env := os.Environ()
+	for _, o := range owned {
+		env = withoutVar(env, o)
 	}
+	_, tcpIf := os.LookupEnv("ROCE_GATHER_TCP_IF")
 	env = append(env, "NCCL_NET_PLUGIN="+p.lib, "NCCL_DEBUG=INFO", "ROCE_GATHER_FABRIC="+fabric,
 		"ROCE_GATHER_STATS="+filepath.Join(dir, "stats.json"), "FAKE_NCCL_LOG="+filepath.Join(dir, "nccl.jsonl"),
 		// No GPU in the rank: the library runs the host stand-in of its kernel, over host memory.
@@ -199,19 +191,6 @@ func rankEnv(p paths, fabric, dir string, local bool) []string {
 		env = append(env, "ROCE_GATHER_TCP_IF=lo") // two processes on this host talk over loopback
 	}
 	return env
-}
-
-// peerLink carries a rank's exchange lines to the other rank: a local process's stdin, or
-// the control connection to the other host's plugincheck.
-type peerLink interface {
-	send(line string) error
-}
-
-type stdinLink struct{ w io.Writer }
-
-func (s stdinLink) send(line string) error {
-	_, err := io.WriteString(s.w, line+"\n")
-	return err
 }
 
 // rankProc is one running rank.
@@ -263,16 +242,17 @@ func startRank(p paths, rank int, spec rankSpec, env []string, dir string, echo 
 	return rp, nil
 }
 
-// pump reads the rank's stdout until it ends: its exchange lines go to the peer, its step
-// lines into the result. Returns the first error forwarding an exchange.
-func (rp *rankProc) pump(to peerLink) error {
+// pump reads the rank's stdout until it ends: its exchange lines go to the peer (to: a local
+// rank's stdin, or the control connection to the other host's plugincheck), its step lines
+// into the result. Returns the first error forwarding an exchange.
+func (rp *rankProc) pump(to io.Writer) error {
 	var ferr error
 	sc := bufio.NewScanner(rp.out)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
 		line := sc.Text()
 		if strings.HasPrefix(line, "XCHG ") {
-			if err := to.send(line); err != nil && ferr == nil {
+			if _, err := io.WriteString(to, line+"\n"); err != nil && ferr == nil {
 				ferr = fmt.Errorf("forwarding rank %d's exchange: %w", rp.res.rank, err)
 			}
 			continue
@@ -333,7 +313,7 @@ func runLocal(p paths, fabric string, specs [2]rankSpec, dir string, echo bool) 
 		wg.Add(1)
 		go func(r int) {
 			defer wg.Done()
-			errs[r] = procs[r].pump(stdinLink{procs[1-r].stdin})
+			errs[r] = procs[r].pump(procs[1-r].stdin)
 			// A rank that is gone ends its peer's exchanges, and its wait if it is a victim.
 			procs[1-r].stdin.Close()
 			procs[1-r].endIfVictim()
@@ -374,7 +354,7 @@ func runRemote(p paths, fabric string, rank int, spec rankSpec, c *control, dir 
 		rp.stdin.Close()
 		rp.endIfVictim()
 	}()
-	ferr := rp.pump(stdinLink{c.conn})
+	ferr := rp.pump(c.conn)
 	// This rank is done: the peer's exchanges with it end too.
 	if tc, ok := c.conn.(*net.TCPConn); ok {
 		tc.CloseWrite()
