@@ -15,6 +15,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/roce-gather/roce_gather/plugin"
 )
 
 // A run is two plugincheck-rank processes, one a rank, each an ordinary NCCL application over
@@ -92,25 +94,22 @@ func (r *rankResult) ended() bool {
 	return r.exit == nil && len(r.lines) > 0 && r.lines[len(r.lines)-1].Step == "end"
 }
 
-// The ROCE_GATHER_STATS sections plugincheck holds the runs to.
-const (
-	statsOneShot     = "intercepted" // the intercepted gather: what took the path, what NCCL got
-	statsInterceptor = "interceptor" // the calls the interceptor saw
-)
-
+// oneShotStats are the counters of the intercepted gather (plugin.Stats' "intercepted")
+// that plugincheck holds the runs to.
 type oneShotStats struct {
-	Launches       uint64 `json:"launches"`
-	LaunchBytes    uint64 `json:"launch_bytes"`
-	Forwarded      uint64 `json:"forwarded"`
-	ForwardedBytes uint64 `json:"forwarded_bytes"`
-	Gathers        uint64 `json:"gathers"`
-	Bytes          uint64 `json:"bytes"`
-	Errors         uint64 `json:"errors"`
+	Launches       uint64
+	LaunchBytes    uint64
+	Forwarded      uint64
+	ForwardedBytes uint64
+	Gathers        uint64
+	Bytes          uint64
+	Errors         uint64
 }
 
+// statsDoc is a rank's ROCE_GATHER_STATS file, as the library writes it.
 type statsDoc struct {
-	OneShot     oneShotStats
-	Interceptor map[string]any
+	plugin.Stats
+	OneShot oneShotStats
 }
 
 func readStats(path string) (statsDoc, error) {
@@ -118,27 +117,14 @@ func readStats(path string) (statsDoc, error) {
 	if err != nil {
 		return statsDoc{}, err
 	}
-	var doc map[string]json.RawMessage
-	if err := json.Unmarshal(raw, &doc); err != nil {
+	var s statsDoc
+	if err := json.Unmarshal(raw, &s.Stats); err != nil {
 		return statsDoc{}, fmt.Errorf("%s: %w", path, err)
 	}
-	var s statsDoc
-	for name, into := range map[string]any{statsOneShot: &s.OneShot, statsInterceptor: &s.Interceptor} {
-		sec, ok := doc[name]
-		if !ok {
-			return statsDoc{}, fmt.Errorf("%s has no %q section", path, name)
-		}
-		if err := json.Unmarshal(sec, into); err != nil {
-			return statsDoc{}, fmt.Errorf("%s, section %q: %w", path, name, err)
-		}
-	}
+	g := s.Intercepted
+	s.OneShot = oneShotStats{Launches: g.Launches, LaunchBytes: g.LaunchBytes, Forwarded: g.Forwarded,
+		ForwardedBytes: g.ForwardedBytes, Gathers: g.Gathers, Bytes: g.Bytes, Errors: g.Errors}
 	return s, nil
-}
-
-// interceptorCalls is how many times the interceptor saw fn.
-func (s statsDoc) interceptorCalls(fn string) int {
-	f, _ := s.Interceptor[fn].(float64)
-	return int(f)
 }
 
 // ncclCall is one line of the stand-in's record (FAKE_NCCL_LOG).

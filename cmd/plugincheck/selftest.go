@@ -234,7 +234,7 @@ func checkStats(c *checker, r *rankResult, want oneShotStats, gathers int) {
 		return
 	}
 	got := r.stats.OneShot
-	seen := r.stats.interceptorCalls("ncclAllGather")
+	seen := int(r.stats.Interceptor.AllGather)
 	c.check(r.rank, "stats", got == want && seen == gathers,
 		"%d launched (%d B), %d to NCCL (%d B), %d completed (%d B), %d errors; the interceptor saw %d ncclAllGather%s",
 		got.Launches, got.LaunchBytes, got.Forwarded, got.ForwardedBytes, got.Gathers, got.Bytes, got.Errors, seen,
