@@ -1,5 +1,6 @@
-/* The verbs floor: raw RDMA writes between the two ranks on the device the library's verbs
- * fabric opens, with nothing of the library in between. One RC queue pair a rank; each
+/* The verbs floor: raw RDMA writes between the two ranks on the first port of the device the
+ * library's verbs fabric opens, with the GID it routes with (plugincheck bench takes both
+ * from the library's own choice), with nothing of the library in between. One RC queue pair a rank; each
  * round both ranks write the round's message into the other's landing buffer and poll the
  * last byte of their own (perftest's ib_write_lat polls the same way). libibverbs is opened
  * at run time by the library's own code (roce/verbs/ibv.c), so the program still runs on
@@ -40,56 +41,18 @@ typedef struct floor_state {
 enum { DEPTH = 64, INLINE = 64 };
 #define PHASE_NS 30000000000ull /* longest wait for the peer in one round trip */
 
-/* The first HCA of the fabric device's name ("mlx5_0", "mlx5_0+mlx5_1", "mlx4_0:2"). */
-static void first_hca(const char* dev, char* name, size_t n, uint8_t* port) {
-  snprintf(name, n, "%s", dev);
-  name[strcspn(name, "+")] = '\0';
-  char* colon = strchr(name, ':');
-  *port = 1;
-  if (colon != NULL) {
-    *colon = '\0';
-    *port = (uint8_t)atoi(colon + 1);
-  }
-}
-
-/* The GID the plugin would route with (roce/verbs/gid.go): ROCE_GATHER_GID_INDEX, else the
- * first RoCE v2 entry of a routable IPv4 address, else of a link-local IPv4 one (169.254/16),
- * else of a routable IPv6 one, else of a link-local one (types from sysfs). */
-static int choose_gid(floor_state* s, char* why, size_t n) {
-  const char* env = getenv("ROCE_GATHER_GID_INDEX");
-  if (env != NULL && *env != '\0') return s->gid_index = atoi(env), 0;
-  int best[4] = {-1, -1, -1, -1};
-  for (int i = 0; i < s->pa.gid_tbl_len; i++) {
-    uint8_t g[16];
-    if (rg_ibv_query_gid(s->ctx, s->port, i, g) != 0) continue;
-    static const uint8_t zero[16];
-    if (memcmp(g, zero, 16) == 0) continue;
-    char path[160], type[32] = "";
-    snprintf(path, sizeof(path), "/sys/class/infiniband/%s/ports/%u/gid_attrs/types/%d", s->hca, s->port, i);
-    FILE* f = fopen(path, "r");
-    if (f != NULL) {
-      if (fgets(type, sizeof(type), f) == NULL) type[0] = '\0';
-      fclose(f);
-    }
-    if (strncmp(type, "RoCE v2", 7) != 0) continue;
-    int v4 = memcmp(g, zero, 10) == 0 && g[10] == 0xff && g[11] == 0xff;
-    int ll = g[0] == 0xfe && (g[1] & 0xc0) == 0x80;
-    int v4ll = v4 && g[12] == 169 && g[13] == 254;
-    int kind = v4 ? v4ll : ll ? 3 : 2;
-    if (best[kind] < 0) best[kind] = i;
-  }
-  for (int k = 0; k < 4; k++)
-    if (best[k] >= 0) return s->gid_index = best[k], 0;
-  snprintf(why, n, "%s:%u has no RoCE v2 GID", s->hca, s->port);
-  return -1;
-}
-
 static int setup(floor_state* s, const char* dev, char* why, size_t n) {
   if (rg_ibv_load() != 0) {
     snprintf(why, n, "%s", rg_ibv_error());
     return -1;
   }
-  first_hca(dev, s->hca, sizeof(s->hca), &s->port);
+  unsigned port = 0;
+  int gid = -1;
+  if (sscanf(dev, "%63[^:]:%u:%d", s->hca, &port, &gid) != 3) {
+    snprintf(why, n, "%s is not HCA:PORT:GID", dev);
+    return -1;
+  }
+  s->port = (uint8_t)port;
   int ndev = 0;
   struct ibv_device** list = rg_ibv_get_devices(&ndev);
   if (list == NULL) {
@@ -100,15 +63,15 @@ static int setup(floor_state* s, const char* dev, char* why, size_t n) {
     if (strcmp(rg_ibv_device_name(list[i]), s->hca) == 0) s->ctx = rg_ibv_open(list[i]);
   rg_ibv_free_devices(list);
   if (s->ctx == NULL) {
-    snprintf(why, n, "no RDMA device %s could be opened (fabric device %s)", s->hca, dev);
+    snprintf(why, n, "no RDMA device %s could be opened", s->hca);
     return -1;
   }
   if (rg_ibv_query_port(s->ctx, s->port, &s->pa) != 0) {
     snprintf(why, n, "ibv_query_port(%s, %u) failed", s->hca, s->port);
     return -1;
   }
-  s->gid_index = -1;
-  if (s->pa.link_layer == IBV_LINK_LAYER_ETHERNET && choose_gid(s, why, n) != 0) return -1;
+  /* RoCE routes with the GID; InfiniBand by LID. */
+  s->gid_index = s->pa.link_layer == IBV_LINK_LAYER_ETHERNET ? gid : -1;
   size_t len = floor_sizes[FLOOR_SIZES - 1];
   s->sbuf = aligned_alloc(4096, len);
   s->rbuf = aligned_alloc(4096, len);
