@@ -27,8 +27,8 @@
  *   (ncclInvalidUsage).
  * - Every call is appended to FAKE_NCCL_LOG as one JSON line: the function, its arguments
  *   (pointers as %p prints them), its result, and FAKE_NAME (which copy answered).
- * - FAKE_NCCL_FORCE="ncclCommFinalize=6,..." makes those functions return that result
- *   without doing anything; FAKE_NCCL_ASYNC_ERROR is what ncclCommGetAsyncError reports.
+ * - FAKE_NCCL_FORCE="ncclCommFinalize=6,..." makes ncclCommFinalize, ncclGroupStart or
+ *   ncclGroupEnd return that result without doing anything; FAKE_NCCL_ASYNC_ERROR is what ncclCommGetAsyncError reports.
  * Nothing here is NCCL's code; it models the facts the interceptor relies on. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -223,7 +223,6 @@ static int listener_for(uint16_t port) {
 }
 
 static ncclResult_t get_unique_id(ncclUniqueId* out) {
-  FORCED("ncclGetUniqueId", "\"uniqueId\":\"%p\"", (void*)out);
   if (out == NULL) return ncclInvalidArgument;
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   const char* addr = getenv("FAKE_NCCL_ADDR");
@@ -353,7 +352,6 @@ static ncclResult_t make_comm(ncclComm_t* out, int nranks, const ncclUniqueId* c
 }
 
 static ncclResult_t comm_init_rank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
-  FORCED("ncclCommInitRank", "\"comm\":\"%p\",\"nranks\":%d,\"rank\":%d", (void*)comm, nranks, rank);
   ncclResult_t r = make_comm(comm, nranks, &commId, rank);
   record("ncclCommInitRank", r, "\"comm\":\"%p\",\"nranks\":%d,\"rank\":%d,\"made\":\"%p\"", (void*)comm, nranks,
          rank, r == ncclSuccess ? (void*)*comm : NULL);
@@ -362,14 +360,8 @@ static ncclResult_t comm_init_rank(ncclComm_t* comm, int nranks, ncclUniqueId co
 
 static ncclResult_t comm_init_rank_config(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
                                           ncclConfig_t* config) {
-  FORCED("ncclCommInitRankConfig", "\"comm\":\"%p\",\"nranks\":%d,\"rank\":%d,\"config\":\"%p\"", (void*)comm,
-         nranks, rank, (void*)config);
-  if (config != NULL && config->magic != NCCL_API_MAGIC) {
-    record("ncclCommInitRankConfig", ncclInvalidArgument, "\"comm\":\"%p\",\"nranks\":%d,\"rank\":%d,\"config\":\"%p\"",
-           (void*)comm, nranks, rank, (void*)config);
-    return ncclInvalidArgument;
-  }
-  ncclResult_t r = make_comm(comm, nranks, &commId, rank);
+  ncclResult_t r = config != NULL && config->magic != NCCL_API_MAGIC ? ncclInvalidArgument
+                                                                     : make_comm(comm, nranks, &commId, rank);
   record("ncclCommInitRankConfig", r,
          "\"comm\":\"%p\",\"nranks\":%d,\"rank\":%d,\"config\":\"%p\",\"blocking\":%d,\"made\":\"%p\"", (void*)comm,
          nranks, rank, (void*)config, config ? config->blocking : 1, r == ncclSuccess ? (void*)*comm : NULL);
@@ -377,7 +369,6 @@ static ncclResult_t comm_init_rank_config(ncclComm_t* comm, int nranks, ncclUniq
 }
 
 static ncclResult_t comm_init_all(ncclComm_t* comms, int ndev, const int* devlist) {
-  FORCED("ncclCommInitAll", "\"comms\":\"%p\",\"ndev\":%d,\"devlist\":\"%p\"", (void*)comms, ndev, (void*)devlist);
   ncclResult_t r = ncclInvalidArgument;
   /* One device only: several would need one process to drive several ranks at once. */
   if (comms != NULL && ndev == 1) {
@@ -392,8 +383,6 @@ static ncclResult_t comm_init_all(ncclComm_t* comms, int ndev, const int* devlis
 }
 
 static ncclResult_t comm_split(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config) {
-  FORCED("ncclCommSplit", "\"comm\":\"%p\",\"color\":%d,\"key\":%d,\"newcomm\":\"%p\",\"config\":\"%p\"", (void*)comm,
-         color, key, (void*)newcomm, (void*)config);
   ncclResult_t r = ncclSuccess;
   if (comm == NULL || newcomm == NULL) r = ncclInvalidArgument;
   int mine[2] = {color, key}, peer[2] = {NCCL_SPLIT_NOCOLOR, 0};
@@ -436,21 +425,18 @@ static void free_comm(ncclComm_t comm) {
 }
 
 static ncclResult_t comm_destroy(ncclComm_t comm) {
-  FORCED("ncclCommDestroy", "\"comm\":\"%p\"", (void*)comm);
   if (comm != NULL) free_comm(comm);
   record("ncclCommDestroy", ncclSuccess, "\"comm\":\"%p\"", (void*)comm);
   return ncclSuccess;
 }
 
 __attribute__((used)) static ncclResult_t comm_abort(ncclComm_t comm) {
-  FORCED("ncclCommAbort", "\"comm\":\"%p\"", (void*)comm);
   if (comm != NULL) free_comm(comm);
   record("ncclCommAbort", ncclSuccess, "\"comm\":\"%p\"", (void*)comm);
   return ncclSuccess;
 }
 
 __attribute__((used)) static ncclResult_t comm_get_async_error(ncclComm_t comm, ncclResult_t* asyncError) {
-  FORCED("ncclCommGetAsyncError", "\"comm\":\"%p\",\"asyncError\":\"%p\"", (void*)comm, (void*)asyncError);
   ncclResult_t r = comm == NULL || asyncError == NULL ? ncclInvalidArgument : ncclSuccess;
   const char* e = getenv("FAKE_NCCL_ASYNC_ERROR");
   if (r == ncclSuccess) *asyncError = (ncclResult_t)(e && *e ? atoi(e) : ncclSuccess);
@@ -567,11 +553,6 @@ static ncclResult_t group_end(void) {
 
 static ncclResult_t all_gather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
                                ncclComm_t comm, cudaStream_t stream) {
-#define AG_ARGS                                                                                                     \
-  "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"sendcount\":%zu,\"datatype\":%d,\"comm\":\"%p\",\"stream\":\"%p\"," \
-  "\"deferred\":%d",                                                                                                \
-      sendbuff, (void*)recvbuff, sendcount, (int)datatype, (void*)comm, (void*)stream, group_depth > 0
-  FORCED("ncclAllGather", AG_ARGS);
   size_t bytes = sendcount * type_size(datatype);
   ncclResult_t r = ncclSuccess;
   if (comm == NULL || type_size(datatype) == 0 || (bytes > 0 && (sendbuff == NULL || recvbuff == NULL))) {
@@ -582,7 +563,10 @@ static ncclResult_t all_gather(const void* sendbuff, void* recvbuff, size_t send
   } else {
     r = run_all_gather(sendbuff, recvbuff, sendcount, datatype, comm);
   }
-  record("ncclAllGather", r, AG_ARGS);
+  record("ncclAllGather", r,
+         "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"sendcount\":%zu,\"datatype\":%d,\"comm\":\"%p\",\"stream\":"
+         "\"%p\",\"deferred\":%d",
+         sendbuff, (void*)recvbuff, sendcount, (int)datatype, (void*)comm, (void*)stream, group_depth > 0);
   return r;
 }
 
@@ -641,10 +625,6 @@ static ncclResult_t run_all_reduce(const void* sendbuff, void* recvbuff, size_t 
 static ncclResult_t p2p(enum op_kind kind, const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
                         int peer, ncclComm_t comm, cudaStream_t stream) {
   const char* fn = kind == OP_SEND ? "ncclSend" : "ncclRecv";
-#define P2P_ARGS "\"buff\":\"%p\",\"count\":%zu,\"datatype\":%d,\"peer\":%d,\"comm\":\"%p\",\"stream\":\"%p\",\"depth\":%d", \
-      kind == OP_SEND ? sendbuff : (const void*)recvbuff, count, (int)datatype, peer, (void*)comm, (void*)stream,     \
-      group_depth
-  FORCED(fn, P2P_ARGS);
   ncclResult_t r;
   if (comm == NULL || type_size(datatype) == 0 || peer < 0 || peer >= comm->nranks)
     r = ncclInvalidArgument;
@@ -655,7 +635,9 @@ static ncclResult_t p2p(enum op_kind kind, const void* sendbuff, void* recvbuff,
                      .comm = comm}) == 0 ? ncclSuccess : ncclSystemError;
   else
     r = ncclInvalidUsage; /* alone, it has nothing to meet */
-  record(fn, r, P2P_ARGS);
+  record(fn, r, "\"buff\":\"%p\",\"count\":%zu,\"datatype\":%d,\"peer\":%d,\"comm\":\"%p\",\"stream\":\"%p\",\"depth\":%d",
+         kind == OP_SEND ? sendbuff : (const void*)recvbuff, count, (int)datatype, peer, (void*)comm, (void*)stream,
+         group_depth);
   return r;
 }
 
