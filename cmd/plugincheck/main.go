@@ -91,6 +91,7 @@ func cmdABI(args []string) int {
 	cmd.Stderr = os.Stderr
 	raw, runErr := cmd.Output()
 	var checks []abiCheck
+	failed := 0
 	sc := bufio.NewScanner(strings.NewReader(string(raw)))
 	for sc.Scan() {
 		var c abiCheck
@@ -99,9 +100,6 @@ func cmdABI(args []string) int {
 			return 2
 		}
 		checks = append(checks, c)
-	}
-	failed := 0
-	for _, c := range checks {
 		if !c.OK {
 			failed++
 		}
