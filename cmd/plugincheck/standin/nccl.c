@@ -10,9 +10,10 @@
  *   -DFAKE_ODD_ENTRIES (x86-64) puts the entries of ncclCommFinalize and ncclCommAbort at 13
  *   and 15 bytes past a 16-byte boundary, where the hook's 5 bytes fit in no aligned word.
  * - Communicator init loads NCCL_NET_PLUGIN as NCCL does (dlopen RTLD_NOW|RTLD_LOCAL of the
- *   name as given, then libnccl-net-<name>.so; the first of ncclNetPlugin_v12..v8), calls its
- *   init and devices, and its finalize at destroy and abort: the plugin's init runs from
- *   inside this library, as it does from inside NCCL.
+ *   name as given, then libnccl-net-<name>.so; its ncclNetPlugin_v12, which roce_gather
+ *   exports, where NCCL would take the first of v12..v8), calls its init and devices, and its
+ *   finalize at destroy and abort: the plugin's init runs from inside this library, as it
+ *   does from inside NCCL.
  * - Two ranks in two processes exchange host memory over one TCP connection: the process
  *   that made the unique id (ncclGetUniqueId) listens on loopback, or on the IPv4 address
  *   FAKE_NCCL_ADDR names (two hosts), and puts the address in the id; the other connects. ncclAllGather is synchronous, byte for byte, for any count
@@ -118,8 +119,7 @@ static void logger(ncclDebugLogLevel level, unsigned long flags, const char* fil
 /* ---- the net plugin, loaded as NCCL loads it */
 
 static pthread_mutex_t plugin_mu = PTHREAD_MUTEX_INITIALIZER;
-static void* plugin_table;
-static int plugin_abi;
+static const ncclNet_v12_t* plugin_table;
 static int plugin_tried;
 
 static void load_plugin(void) {
@@ -137,38 +137,22 @@ static void load_plugin(void) {
     logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "NET/Plugin: could not load %s: %s", name, dlerror());
     return;
   }
-  for (int v = 12; v >= 8 && plugin_table == NULL; v--) {
-    char sym[32];
-    snprintf(sym, sizeof(sym), "ncclNetPlugin_v%d", v);
-    plugin_table = dlsym(lib, sym);
-    plugin_abi = v;
-  }
+  if ((plugin_table = dlsym(lib, "ncclNetPlugin_v12")) == NULL)
+    logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "NET/Plugin: %s has no ncclNetPlugin_v12", name);
 }
 
-/* Inits the plugin for one communicator; returns its context (v11, v12) or NULL. */
+/* Inits the plugin for one communicator; returns its context or NULL. */
 static void* init_plugin(uint64_t commId) {
   pthread_mutex_lock(&plugin_mu);
   load_plugin();
   void* ctx = NULL;
-  ncclResult_t r = ncclSuccess;
-  int ndev = -1;
-  static int process_init;
-  ncclNetCommConfig_v12_t cfg = {.trafficClass = -1};
-  if (plugin_abi == 12 && plugin_table) {
-    r = ((ncclNet_v12_t*)plugin_table)->init(&ctx, commId, &cfg, logger, NULL);
-    if (r == ncclSuccess) ((ncclNet_v12_t*)plugin_table)->devices(&ndev);
-  } else if (plugin_abi == 11 && plugin_table) {
-    r = ((ncclNet_v11_t*)plugin_table)->init(&ctx, commId, (ncclNetCommConfig_v11_t*)&cfg, logger, NULL);
-    if (r == ncclSuccess) ((ncclNet_v11_t*)plugin_table)->devices(&ndev);
-  } else if (plugin_table && !process_init) {
-    process_init = 1;
-    r = plugin_abi == 10 ? ((ncclNet_v10_t*)plugin_table)->init(logger, NULL)
-        : plugin_abi == 9 ? ((ncclNet_v9_t*)plugin_table)->init(logger)
-                          : ((ncclNet_v8_t*)plugin_table)->init(logger);
+  if (plugin_table) {
+    int ndev = -1;
+    ncclNetCommConfig_v12_t cfg = {.trafficClass = -1};
+    ncclResult_t r = plugin_table->init(&ctx, commId, &cfg, logger, NULL);
+    if (r == ncclSuccess) plugin_table->devices(&ndev);
+    logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "net plugin v12 init: %d, %d device(s)", r, ndev);
   }
-  if (plugin_table)
-    logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "net plugin v%d init: %d, %d device(s)", plugin_abi, r,
-           ndev);
   pthread_mutex_unlock(&plugin_mu);
   return ctx;
 }
@@ -176,8 +160,7 @@ static void* init_plugin(uint64_t commId) {
 static void finalize_plugin(void* ctx) {
   if (ctx == NULL) return;
   pthread_mutex_lock(&plugin_mu);
-  if (plugin_abi == 12) ((ncclNet_v12_t*)plugin_table)->finalize(ctx);
-  if (plugin_abi == 11) ((ncclNet_v11_t*)plugin_table)->finalize(ctx);
+  plugin_table->finalize(ctx);
   pthread_mutex_unlock(&plugin_mu);
 }
 
