@@ -20,7 +20,7 @@ typedef struct floor_peer {
   uint32_t qpn, psn, rkey;
   uint64_t addr; /* the landing buffer */
   uint16_t lid;
-  uint8_t link_layer, mtu;
+  uint8_t mtu;
   uint8_t gid[16];
   char why[120];
 } floor_peer;
@@ -240,7 +240,6 @@ int floor_verbs(const char* dev, floor_result* out) {
     me.rkey = s.rmr->rkey;
     me.addr = (uint64_t)(uintptr_t)s.rbuf;
     me.lid = s.pa.lid;
-    me.link_layer = s.pa.link_layer;
     me.mtu = (uint8_t)s.pa.active_mtu;
     if (s.gid_index >= 0) rg_ibv_query_gid(s.ctx, s.port, s.gid_index, me.gid);
   }
@@ -266,12 +265,9 @@ int floor_verbs(const char* dev, floor_result* out) {
     }
     unsigned mtu = 128u << (me.mtu < peer.mtu ? me.mtu : peer.mtu);
     if (ok) {
-      if (s.gid_index >= 0)
-        snprintf(out->how, sizeof(out->how), "RDMA writes on %s:%u GID %d, one RC queue pair, path MTU %u, "
-                 "both ways at once, last-byte polling", s.hca, s.port, s.gid_index, mtu);
-      else
-        snprintf(out->how, sizeof(out->how), "RDMA writes on %s:%u LID %u, one RC queue pair, path MTU %u, "
-                 "both ways at once, last-byte polling", s.hca, s.port, s.pa.lid, mtu);
+      snprintf(out->how, sizeof(out->how), "RDMA writes on %s:%u %s %d, one RC queue pair, path MTU %u, "
+               "both ways at once, last-byte polling", s.hca, s.port, s.gid_index >= 0 ? "GID" : "LID",
+               s.gid_index >= 0 ? s.gid_index : (int)s.pa.lid, mtu);
       rc = 0;
     } else {
       snprintf(out->how, sizeof(out->how), "verbs floor failed: %s", why);
