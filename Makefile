@@ -58,7 +58,9 @@ $(OUT)/plugincheck: $(GO_SOURCES) | need-build
 PC_C := cmd/plugincheck/driver
 PC_H := $(wildcard $(PC_C)/*.h) $(wildcard include/nccl/*.h)
 DRIVER_SRC := $(addprefix $(PC_C)/,driver.c abi.c lifecycle.c util.c)
-RANK_SRC := $(addprefix $(PC_C)/,rank.c bench.c load.c floor_tcp.c floor_verbs.c util.c)
+# The rank's verbs floor opens libibverbs through the library's own wrappers (roce/verbs/ibv.c).
+RANK_SRC := $(addprefix $(PC_C)/,rank.c bench.c load.c floor_tcp.c floor_verbs.c util.c) roce/verbs/ibv.c
+RANK_H := roce/verbs/ibv.h roce/fabric/fabric.h
 $(OUT)/plugincheck-driver: $(DRIVER_SRC) $(PC_H) | need-build
 	@mkdir -p $(@D)
 	$(CC) $(DRIVER_CFLAGS) -o $@ $(DRIVER_SRC) -ldl -lpthread
@@ -68,8 +70,8 @@ $(OUT)/libnccl-standin.so: cmd/plugincheck/standin/nccl.c $(wildcard include/ncc
 	@mkdir -p $(@D)
 	$(CC) $(DRIVER_CFLAGS) -shared -fPIC -DFAKE_NAME='"standin"' -Wl,-soname,libnccl-standin.so -o $@ $< -ldl -lpthread
 
-$(OUT)/plugincheck-rank: $(RANK_SRC) $(PC_H) $(OUT)/libnccl-standin.so | need-build
-	$(CC) $(DRIVER_CFLAGS) -o $@ $(RANK_SRC) -L$(OUT) -l:libnccl-standin.so -Wl,--enable-new-dtags,-rpath,'$$ORIGIN' \
+$(OUT)/plugincheck-rank: $(RANK_SRC) $(PC_H) $(RANK_H) $(OUT)/libnccl-standin.so | need-build
+	$(CC) $(DRIVER_CFLAGS) -Iroce/verbs -o $@ $(RANK_SRC) -L$(OUT) -l:libnccl-standin.so -Wl,--enable-new-dtags,-rpath,'$$ORIGIN' \
 		-ldl -lpthread
 
 # NCCL through its C API for tests/gpu and tests/nccl-versions: gathers with no framework

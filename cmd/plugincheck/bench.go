@@ -7,6 +7,7 @@ import (
 	"os"
 	"regexp"
 	"strconv"
+	"strings"
 
 	"github.com/roce-gather/roce_gather/plugin"
 	"github.com/roce-gather/roce_gather/roce/fabric"
@@ -44,7 +45,8 @@ func printBenchRows(rows []benchRow) {
 }
 
 // floorTarget is what the floor measures on: the interface the tcp fabric binds to, or the
-// device the verbs fabric opens, as the library would choose them from this environment.
+// first port of the device the verbs fabric opens ("HCA:PORT:GID", with the GID the library
+// routes with there), as the library would choose them from this environment.
 func floorTarget(fab string) (string, error) {
 	cfg, _ := plugin.ParseConfig(os.Getenv)
 	if fab == "tcp" {
@@ -62,7 +64,18 @@ func floorTarget(fab string) (string, error) {
 	if !hw.Usable || len(hw.Devices) == 0 {
 		return "", fmt.Errorf("the verbs fabric has no device here: %s", hw.Verdict)
 	}
-	return hw.Devices[0], nil
+	// The device's first HCA: "mlx5_0" of "mlx5_0+mlx5_1", port 2 of "mlx4_0:2".
+	first, _, _ := strings.Cut(hw.Devices[0], "+")
+	hca, port, _ := strings.Cut(first, ":")
+	if port == "" {
+		port = "1"
+	}
+	for _, p := range hw.Ports {
+		if p.Device == hca && strconv.Itoa(p.Port) == port {
+			return fmt.Sprintf("%s:%d:%d", hca, p.Port, p.ChosenGID), nil
+		}
+	}
+	return "", fmt.Errorf("the verbs fabric's device %s has no port %s:%s in the inventory", hw.Devices[0], hca, port)
 }
 
 var windowLine = regexp.MustCompile(`one-shot gather (?:and all-reduce )?on for communicator 0x[0-9a-f]+, rank \d of 2 \(peer [^)]+\): ` +
@@ -183,12 +196,10 @@ func benchRows(res [2]*rankResult) ([]benchRow, []string) {
 }
 
 func sizeName(b int) string {
-	switch {
-	case b >= 1<<10 && b%(1<<10) == 0:
+	if b >= 1<<10 && b%(1<<10) == 0 {
 		return fmt.Sprintf("%dKiB", b>>10)
-	default:
-		return fmt.Sprintf("%dB", b)
 	}
+	return fmt.Sprintf("%dB", b)
 }
 
 // runLoad runs the load step on both ranks and holds ROCE_GATHER_STATS to what each rank

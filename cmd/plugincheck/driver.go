@@ -28,22 +28,20 @@ func defaultPaths(lib, driver, rank string, withRank bool) (paths, error) {
 	dir := filepath.Dir(self)
 	prefix := filepath.Dir(dir)
 	libexec := filepath.Join(prefix, "libexec", "roce_gather")
-	if lib == "" {
-		if lib, err = firstExisting("--lib", filepath.Join(dir, "libroce_gather.so"), filepath.Join(prefix, "lib", "libroce_gather.so")); err != nil {
-			return paths{}, err
+	find := func(given *string, flag string, candidates ...string) {
+		if err == nil && *given == "" {
+			*given, err = firstExisting(flag, candidates...)
 		}
 	}
-	if driver == "" {
-		if driver, err = firstExisting("--driver", filepath.Join(dir, "plugincheck-driver"), filepath.Join(libexec, "plugincheck-driver")); err != nil {
-			return paths{}, err
-		}
+	find(&lib, "--lib", filepath.Join(dir, "libroce_gather.so"), filepath.Join(prefix, "lib", "libroce_gather.so"))
+	find(&driver, "--driver", filepath.Join(dir, "plugincheck-driver"), filepath.Join(libexec, "plugincheck-driver"))
+	if withRank {
+		find(&rank, "--rank", filepath.Join(dir, "plugincheck-rank"), filepath.Join(libexec, "plugincheck-rank"))
 	}
-	if rank == "" && withRank {
-		if rank, err = firstExisting("--rank", filepath.Join(dir, "plugincheck-rank"), filepath.Join(libexec, "plugincheck-rank")); err != nil {
-			return paths{}, err
-		}
+	if err == nil {
+		lib, err = filepath.Abs(lib)
 	}
-	if lib, err = filepath.Abs(lib); err != nil {
+	if err != nil {
 		return paths{}, err
 	}
 	check := []string{lib, driver}

@@ -60,20 +60,19 @@ func readBindReport(r io.Reader) ([]*bindProcess, error) {
 			byPID[e.PID] = p
 			procs = append(procs, p)
 		}
-		ev := e
-		switch e.Event {
+		switch e.Event { // e is this line's own: each iteration declares it anew
 		case "nccl":
-			p.nccl = &ev
+			p.nccl = &e
 		case "no_nccl":
 			p.noNCCL = true
 		case "way":
 			p.way = e.Way
 		case "hooked":
-			p.hooked = &ev
+			p.hooked = &e
 		case "refused":
-			p.refused = &ev
+			p.refused = &e
 		case "unreached":
-			p.unreached = append(p.unreached, ev)
+			p.unreached = append(p.unreached, e)
 		}
 	}
 	return procs, sc.Err()

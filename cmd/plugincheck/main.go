@@ -49,7 +49,7 @@ func main() {
 		code = cmdTrace(args)
 	case "intercept":
 		code = cmdIntercept(args)
-	case "help", "-h", "--help":
+	case "help":
 		fmt.Print(usage)
 	default:
 		fmt.Fprintf(os.Stderr, "plugincheck: unknown command %q\n\n%s", cmd, usage)
@@ -91,6 +91,7 @@ func cmdABI(args []string) int {
 	cmd.Stderr = os.Stderr
 	raw, runErr := cmd.Output()
 	var checks []abiCheck
+	failed := 0
 	sc := bufio.NewScanner(strings.NewReader(string(raw)))
 	for sc.Scan() {
 		var c abiCheck
@@ -99,9 +100,6 @@ func cmdABI(args []string) int {
 			return 2
 		}
 		checks = append(checks, c)
-	}
-	failed := 0
-	for _, c := range checks {
 		if !c.OK {
 			failed++
 		}

@@ -15,6 +15,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/roce-gather/roce_gather/plugin"
 )
 
 // A run is two plugincheck-rank processes, one a rank, each an ordinary NCCL application over
@@ -92,25 +94,22 @@ func (r *rankResult) ended() bool {
 	return r.exit == nil && len(r.lines) > 0 && r.lines[len(r.lines)-1].Step == "end"
 }
 
-// The ROCE_GATHER_STATS sections plugincheck holds the runs to.
-const (
-	statsOneShot     = "intercepted" // the intercepted gather: what took the path, what NCCL got
-	statsInterceptor = "interceptor" // the calls the interceptor saw
-)
-
+// oneShotStats are the counters of the intercepted gather (plugin.Stats' "intercepted")
+// that plugincheck holds the runs to.
 type oneShotStats struct {
-	Launches       uint64 `json:"launches"`
-	LaunchBytes    uint64 `json:"launch_bytes"`
-	Forwarded      uint64 `json:"forwarded"`
-	ForwardedBytes uint64 `json:"forwarded_bytes"`
-	Gathers        uint64 `json:"gathers"`
-	Bytes          uint64 `json:"bytes"`
-	Errors         uint64 `json:"errors"`
+	Launches       uint64
+	LaunchBytes    uint64
+	Forwarded      uint64
+	ForwardedBytes uint64
+	Gathers        uint64
+	Bytes          uint64
+	Errors         uint64
 }
 
+// statsDoc is a rank's ROCE_GATHER_STATS file, as the library writes it.
 type statsDoc struct {
-	OneShot     oneShotStats
-	Interceptor map[string]any
+	plugin.Stats
+	OneShot oneShotStats
 }
 
 func readStats(path string) (statsDoc, error) {
@@ -118,27 +117,14 @@ func readStats(path string) (statsDoc, error) {
 	if err != nil {
 		return statsDoc{}, err
 	}
-	var doc map[string]json.RawMessage
-	if err := json.Unmarshal(raw, &doc); err != nil {
+	var s statsDoc
+	if err := json.Unmarshal(raw, &s.Stats); err != nil {
 		return statsDoc{}, fmt.Errorf("%s: %w", path, err)
 	}
-	var s statsDoc
-	for name, into := range map[string]any{statsOneShot: &s.OneShot, statsInterceptor: &s.Interceptor} {
-		sec, ok := doc[name]
-		if !ok {
-			return statsDoc{}, fmt.Errorf("%s has no %q section", path, name)
-		}
-		if err := json.Unmarshal(sec, into); err != nil {
-			return statsDoc{}, fmt.Errorf("%s, section %q: %w", path, name, err)
-		}
-	}
+	g := s.Intercepted
+	s.OneShot = oneShotStats{Launches: g.Launches, LaunchBytes: g.LaunchBytes, Forwarded: g.Forwarded,
+		ForwardedBytes: g.ForwardedBytes, Gathers: g.Gathers, Bytes: g.Bytes, Errors: g.Errors}
 	return s, nil
-}
-
-// interceptorCalls is how many times the interceptor saw fn.
-func (s statsDoc) interceptorCalls(fn string) int {
-	f, _ := s.Interceptor[fn].(float64)
-	return int(f)
 }
 
 // ncclCall is one line of the stand-in's record (FAKE_NCCL_LOG).
@@ -178,19 +164,11 @@ func rankEnv(p paths, fabric, dir string, local bool) []string {
 		"ROCE_GATHER_MIN_BYTES", "ROCE_GATHER_MAX_BYTES", "ROCE_GATHER_CHUNK_BYTES", "ROCE_GATHER_TIMEOUT_MS",
 		"ROCE_GATHER_STATS", "ROCE_GATHER_TRACE", "ROCE_GATHER_TRACE_EVERY", "ROCE_GATHER_TRACE_RECORDS",
 		"FAKE_NCCL_LOG", "FAKE_NCCL_FORCE", "FAKE_NCCL_ASYNC_ERROR", "FAKE_NCCL_ADDR", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD"}
-	var env []string
-	tcpIf := false
-	for _, kv := range os.Environ() {
-		name, _, _ := strings.Cut(kv, "=")
-		keep := true
-		for _, o := range owned {
-			keep = keep && name != o
-		}
-		if keep {
-			env = append(env, kv)
-		}
-		tcpIf = tcpIf || name == "ROCE_GATHER_TCP_IF"
+	env := os.Environ()
+	for _, o := range owned {
+		env = withoutVar(env, o)
 	}
+	_, tcpIf := os.LookupEnv("ROCE_GATHER_TCP_IF")
 	env = append(env, "NCCL_NET_PLUGIN="+p.lib, "NCCL_DEBUG=INFO", "ROCE_GATHER_FABRIC="+fabric,
 		"ROCE_GATHER_STATS="+filepath.Join(dir, "stats.json"), "FAKE_NCCL_LOG="+filepath.Join(dir, "nccl.jsonl"),
 		// No GPU in the rank: the library runs the host stand-in of its kernel, over host memory.
@@ -199,19 +177,6 @@ func rankEnv(p paths, fabric, dir string, local bool) []string {
 		env = append(env, "ROCE_GATHER_TCP_IF=lo") // two processes on this host talk over loopback
 	}
 	return env
-}
-
-// peerLink carries a rank's exchange lines to the other rank: a local process's stdin, or
-// the control connection to the other host's plugincheck.
-type peerLink interface {
-	send(line string) error
-}
-
-type stdinLink struct{ w io.Writer }
-
-func (s stdinLink) send(line string) error {
-	_, err := io.WriteString(s.w, line+"\n")
-	return err
 }
 
 // rankProc is one running rank.
@@ -263,16 +228,17 @@ func startRank(p paths, rank int, spec rankSpec, env []string, dir string, echo 
 	return rp, nil
 }
 
-// pump reads the rank's stdout until it ends: its exchange lines go to the peer, its step
-// lines into the result. Returns the first error forwarding an exchange.
-func (rp *rankProc) pump(to peerLink) error {
+// pump reads the rank's stdout until it ends: its exchange lines go to the peer (to: a local
+// rank's stdin, or the control connection to the other host's plugincheck), its step lines
+// into the result. Returns the first error forwarding an exchange.
+func (rp *rankProc) pump(to io.Writer) error {
 	var ferr error
 	sc := bufio.NewScanner(rp.out)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
 		line := sc.Text()
 		if strings.HasPrefix(line, "XCHG ") {
-			if err := to.send(line); err != nil && ferr == nil {
+			if _, err := io.WriteString(to, line+"\n"); err != nil && ferr == nil {
 				ferr = fmt.Errorf("forwarding rank %d's exchange: %w", rp.res.rank, err)
 			}
 			continue
@@ -333,7 +299,7 @@ func runLocal(p paths, fabric string, specs [2]rankSpec, dir string, echo bool) 
 		wg.Add(1)
 		go func(r int) {
 			defer wg.Done()
-			errs[r] = procs[r].pump(stdinLink{procs[1-r].stdin})
+			errs[r] = procs[r].pump(procs[1-r].stdin)
 			// A rank that is gone ends its peer's exchanges, and its wait if it is a victim.
 			procs[1-r].stdin.Close()
 			procs[1-r].endIfVictim()
@@ -374,7 +340,7 @@ func runRemote(p paths, fabric string, rank int, spec rankSpec, c *control, dir 
 		rp.stdin.Close()
 		rp.endIfVictim()
 	}()
-	ferr := rp.pump(stdinLink{c.conn})
+	ferr := rp.pump(c.conn)
 	// This rank is done: the peer's exchanges with it end too.
 	if tc, ok := c.conn.(*net.TCPConn); ok {
 		tc.CloseWrite()

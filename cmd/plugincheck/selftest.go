@@ -234,19 +234,15 @@ func checkStats(c *checker, r *rankResult, want oneShotStats, gathers int) {
 		return
 	}
 	got := r.stats.OneShot
-	seen := r.stats.interceptorCalls("ncclAllGather")
-	c.check(r.rank, "stats", got == want && seen == gathers,
-		"%d launched (%d B), %d to NCCL (%d B), %d completed (%d B), %d errors; the interceptor saw %d ncclAllGather%s",
-		got.Launches, got.LaunchBytes, got.Forwarded, got.ForwardedBytes, got.Gathers, got.Bytes, got.Errors, seen,
-		statsWant(got, want, seen, gathers))
-}
-
-func statsWant(got, want oneShotStats, seen, gathers int) string {
-	if got == want && seen == gathers {
-		return ""
+	seen := int(r.stats.Interceptor.AllGather)
+	ok, expected := got == want && seen == gathers, ""
+	if !ok {
+		expected = fmt.Sprintf("; expected %d launched (%d B), %d to NCCL (%d B), %d completed (%d B), %d errors, %d ncclAllGather",
+			want.Launches, want.LaunchBytes, want.Forwarded, want.ForwardedBytes, want.Gathers, want.Bytes, want.Errors, gathers)
 	}
-	return fmt.Sprintf("; expected %d launched (%d B), %d to NCCL (%d B), %d completed (%d B), %d errors, %d ncclAllGather",
-		want.Launches, want.LaunchBytes, want.Forwarded, want.ForwardedBytes, want.Gathers, want.Bytes, want.Errors, gathers)
+	c.check(r.rank, "stats", ok,
+		"%d launched (%d B), %d to NCCL (%d B), %d completed (%d B), %d errors; the interceptor saw %d ncclAllGather%s",
+		got.Launches, got.LaunchBytes, got.Forwarded, got.ForwardedBytes, got.Gathers, got.Bytes, got.Errors, seen, expected)
 }
 
 func gatherStep(count, typ int, mode string) string {

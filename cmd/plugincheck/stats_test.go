@@ -60,8 +60,8 @@ func TestStatsFileIsExactAfterExitWithoutDestroy(t *testing.T) {
 		require.NoError(t, r.exit, "rank %d:\n%s", r.rank, r.stderr)
 		require.Equal(t, "exit", r.lines[len(r.lines)-1].Step)
 		requireCountsOfAnAbruptEnd(t, r, want)
-		require.Equal(t, 6, r.stats.interceptorCalls("ncclAllGather"))
-		require.Zero(t, r.stats.interceptorCalls("ncclCommDestroy"))
+		require.EqualValues(t, 6, r.stats.Interceptor.AllGather)
+		require.Zero(t, r.stats.Interceptor.CommDestroy)
 	}
 }
 
@@ -81,13 +81,13 @@ func TestStatsFileAfterDestroyCoversEveryGatherWithPercentiles(t *testing.T) {
 	for _, r := range res {
 		require.True(t, r.ended(), "rank %d:\n%s", r.rank, r.stderr)
 		require.Equal(t, want, r.stats.OneShot, "rank %d", r.rank)
-		require.Equal(t, 1, r.stats.interceptorCalls("ncclCommDestroy"))
+		require.EqualValues(t, 1, r.stats.Interceptor.CommDestroy)
 		raw, err := os.ReadFile(filepath.Join(r.dir, "stats.json"))
 		require.NoError(t, err)
 		var doc map[string]json.RawMessage
 		require.NoError(t, json.Unmarshal(raw, &doc))
 		var lat map[string]any
-		require.NoError(t, json.Unmarshal(doc[statsOneShot], &lat))
+		require.NoError(t, json.Unmarshal(doc["intercepted"], &lat))
 		require.Equal(t, float64(want.Launches), lat["latency_calls"], "rank %d", r.rank)
 		require.Greater(t, lat["p50_us"], 0.0)
 		require.GreaterOrEqual(t, lat["max_us"], lat["p50_us"])

@@ -1,11 +1,13 @@
 package main
 
 import (
+	"cmp"
 	"encoding/csv"
 	"flag"
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"sort"
 	"strconv"
 
@@ -159,15 +161,8 @@ func printTraceSummary(w io.Writer, recs []fileRecord, all bool) []gather.Coll {
 		}
 		groups[k] = append(groups[k], r)
 	}
-	sort.Slice(keys, func(i, j int) bool {
-		a, b := keys[i], keys[j]
-		if a.coll != b.coll {
-			return a.coll < b.coll
-		}
-		if a.bytes != b.bytes {
-			return a.bytes < b.bytes
-		}
-		return a.rank < b.rank
+	slices.SortFunc(keys, func(a, b traceGroup) int {
+		return cmp.Or(cmp.Compare(a.coll, b.coll), cmp.Compare(a.bytes, b.bytes), cmp.Compare(a.rank, b.rank))
 	})
 	var colls []gather.Coll
 	for _, k := range keys {

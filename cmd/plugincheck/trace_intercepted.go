@@ -3,8 +3,9 @@ package main
 import (
 	"fmt"
 	"io"
+	"maps"
 	"math"
-	"sort"
+	"slices"
 	"strings"
 	"unicode/utf8"
 
@@ -167,12 +168,7 @@ func pairIntercepted(recs []fileRecord) (interceptedPairing, error) {
 			continue // each link once, from its lower rank's stream
 		}
 		link := interceptedLink{streams: [2]*commStream{a, b}, offset: math.MaxInt64}
-		seqs := make([]uint64, 0, len(a.bySeq))
-		for seq := range a.bySeq {
-			seqs = append(seqs, seq)
-		}
-		sort.Slice(seqs, func(i, j int) bool { return seqs[i] < seqs[j] })
-		for _, seq := range seqs {
+		for _, seq := range slices.Sorted(maps.Keys(a.bySeq)) {
 			i := a.bySeq[seq]
 			j, ok := b.bySeq[seq]
 			if !ok {
@@ -244,8 +240,7 @@ func middle(v []float64) float64 {
 	if len(v) == 0 {
 		return math.NaN()
 	}
-	s := append([]float64(nil), v...)
-	sort.Float64s(s)
+	s := slices.Sorted(slices.Values(v))
 	n := len(s)
 	if n%2 == 1 {
 		return s[n/2]
@@ -255,8 +250,7 @@ func middle(v []float64) float64 {
 
 // percentile is the value at rank ⌊q·n⌋ (from 0) of the sorted values.
 func percentile(v []float64, q float64) float64 {
-	s := append([]float64(nil), v...)
-	sort.Float64s(s)
+	s := slices.Sorted(slices.Values(v))
 	return s[min(int(q*float64(len(s))), len(s)-1)]
 }
 
@@ -382,7 +376,7 @@ func printGatherTable(w io.Writer, coll gather.Coll, recs []fileRecord, p interc
 		}
 		bySize[b] = append(bySize[b], g)
 	}
-	sort.Slice(sizes, func(i, j int) bool { return sizes[i] < sizes[j] })
+	slices.Sort(sizes)
 
 	fmt.Fprintf(w, "\nmedians in microseconds (the middle value, or the mean of the two middle ones) over the %s with every\n"+
 		"stamp on both ranks; in each the late rank is the one whose kernel rang its doorbell second:\n", collName(coll, true))

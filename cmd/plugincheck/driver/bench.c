@@ -1,7 +1,7 @@
 /* step bench:FABRIC:TARGET: the intercepted gather's host-side round trip (the stand-in of
  * its kernel, the real proxy, the real fabric) at each of the floor's sizes, beside the
  * fabric's own floor measured first between the same two processes (floor.h). FABRIC is tcp
- * (TARGET: the interface) or verbs (TARGET: the device). Each size prints one line. */
+ * (TARGET: the interface) or verbs (TARGET: HCA:PORT:GID). Each size prints one line. */
 #include <stdio.h>
 #include <string.h>
 #include "floor.h"
@@ -21,7 +21,7 @@ int agreed_rounds(uint64_t warm_ns, int most) {
 int step_bench(ncclComm_t comm, const char* spec, uint8_t* send, uint8_t* recv) {
   char fabric[16] = "", target[128] = "";
   if (sscanf(spec, "%15[^:]:%127s", fabric, target) != 2 || (strcmp(fabric, "tcp") != 0 && strcmp(fabric, "verbs") != 0)) {
-    fprintf(stderr, "[rank %d] bench:%s: want bench:tcp:INTERFACE or bench:verbs:DEVICE\n", R.rank, spec);
+    fprintf(stderr, "[rank %d] bench:%s: want bench:tcp:INTERFACE or bench:verbs:HCA:PORT:GID\n", R.rank, spec);
     return -1;
   }
   floor_result fl;

@@ -34,8 +34,9 @@ typedef struct floor_result {
 /* Raw TCP between the ranks over interface iface: TCP_NODELAY, both ranks spin on
  * non-blocking sends and receives. */
 int floor_tcp(const char* iface, floor_result* out);
-/* Raw RDMA writes between the ranks on device dev (as plugincheck hw names it): one RC queue
- * pair, each rank polls the last byte of its landing buffer. */
+/* Raw RDMA writes between the ranks on port "HCA:PORT:GID" (plugincheck gives the verbs
+ * fabric's first port and the GID the library routes with there): one RC queue pair, each
+ * rank polls the last byte of its landing buffer. */
 int floor_verbs(const char* dev, floor_result* out);
 
 #endif

@@ -1,74 +1,18 @@
-/* The verbs floor: raw RDMA writes between the two ranks on the device the library's verbs
- * fabric opens, with nothing of the library in between. One RC queue pair a rank; each
+/* The verbs floor: raw RDMA writes between the two ranks on the first port of the device the
+ * library's verbs fabric opens, with the GID it routes with (plugincheck bench takes both
+ * from the library's own choice), with nothing of the library in between. One RC queue pair a rank; each
  * round both ranks write the round's message into the other's landing buffer and poll the
  * last byte of their own (perftest's ib_write_lat polls the same way). libibverbs is opened
- * at run time, as the library opens it, so the program still runs on hosts without rdma-core. */
+ * at run time by the library's own code (roce/verbs/ibv.c), so the program still runs on
+ * hosts without rdma-core. */
 #define _GNU_SOURCE
-#include <dlfcn.h>
 #include <errno.h>
-#include <infiniband/verbs.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 #include "floor.h"
+#include "ibv.h" /* roce/verbs: the library's own loader and wrappers of the verbs */
 #include "rank.h"
-
-/* Exported verbs, resolved from libibverbs.so.1 (ibv_post_send and ibv_poll_cq are static
- * inline in verbs.h and need no symbol). Fields avoid the ibv_ names, which verbs.h
- * redefines as macros. */
-static struct {
-  struct ibv_device** (*get_device_list)(int*);
-  void (*free_device_list)(struct ibv_device**);
-  const char* (*get_device_name)(struct ibv_device*);
-  struct ibv_context* (*open_device)(struct ibv_device*);
-  int (*close_device)(struct ibv_context*);
-  int (*query_port)(struct ibv_context*, uint8_t, struct _compat_ibv_port_attr*);
-  int (*query_gid)(struct ibv_context*, uint8_t, int, union ibv_gid*);
-  struct ibv_pd* (*alloc_pd)(struct ibv_context*);
-  int (*dealloc_pd)(struct ibv_pd*);
-  struct ibv_mr* (*reg_mr)(struct ibv_pd*, void*, size_t, int);
-  int (*dereg_mr)(struct ibv_mr*);
-  struct ibv_cq* (*create_cq)(struct ibv_context*, int, void*, struct ibv_comp_channel*, int);
-  int (*destroy_cq)(struct ibv_cq*);
-  struct ibv_qp* (*create_qp)(struct ibv_pd*, struct ibv_qp_init_attr*);
-  int (*modify_qp)(struct ibv_qp*, struct ibv_qp_attr*, int);
-  int (*destroy_qp)(struct ibv_qp*);
-  const char* (*wc_status_str)(enum ibv_wc_status);
-} V;
-
-static int load_verbs(char* why, size_t n) {
-  void* lib = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (lib == NULL) {
-    snprintf(why, n, "cannot load libibverbs.so.1: %s", dlerror());
-    return -1;
-  }
-#define SYM(field, name)                                                             \
-  if ((*(void**)&V.field = dlvsym(lib, name, "IBVERBS_1.1")) == NULL &&              \
-      (*(void**)&V.field = dlsym(lib, name)) == NULL) {                              \
-    snprintf(why, n, "libibverbs.so.1 has no %s", name);                             \
-    return -1;                                                                       \
-  }
-  SYM(get_device_list, "ibv_get_device_list");
-  SYM(free_device_list, "ibv_free_device_list");
-  SYM(get_device_name, "ibv_get_device_name");
-  SYM(open_device, "ibv_open_device");
-  SYM(close_device, "ibv_close_device");
-  SYM(query_port, "ibv_query_port");
-  SYM(query_gid, "ibv_query_gid");
-  SYM(alloc_pd, "ibv_alloc_pd");
-  SYM(dealloc_pd, "ibv_dealloc_pd");
-  SYM(reg_mr, "ibv_reg_mr");
-  SYM(dereg_mr, "ibv_dereg_mr");
-  SYM(create_cq, "ibv_create_cq");
-  SYM(destroy_cq, "ibv_destroy_cq");
-  SYM(create_qp, "ibv_create_qp");
-  SYM(modify_qp, "ibv_modify_qp");
-  SYM(destroy_qp, "ibv_destroy_qp");
-  SYM(wc_status_str, "ibv_wc_status_str");
-#undef SYM
-  return 0; /* the library stays loaded, as the plugin keeps it */
-}
 
 /* What a rank tells the other. */
 typedef struct floor_peer {
@@ -76,7 +20,7 @@ typedef struct floor_peer {
   uint32_t qpn, psn, rkey;
   uint64_t addr; /* the landing buffer */
   uint16_t lid;
-  uint8_t link_layer, mtu;
+  uint8_t mtu;
   uint8_t gid[16];
   char why[120];
 } floor_peer;
@@ -97,78 +41,37 @@ typedef struct floor_state {
 enum { DEPTH = 64, INLINE = 64 };
 #define PHASE_NS 30000000000ull /* longest wait for the peer in one round trip */
 
-/* The first HCA of the fabric device's name ("mlx5_0", "mlx5_0+mlx5_1", "mlx4_0:2"). */
-static void first_hca(const char* dev, char* name, size_t n, uint8_t* port) {
-  snprintf(name, n, "%s", dev);
-  name[strcspn(name, "+")] = '\0';
-  char* colon = strchr(name, ':');
-  *port = 1;
-  if (colon != NULL) {
-    *colon = '\0';
-    *port = (uint8_t)atoi(colon + 1);
-  }
-}
-
-/* The GID the plugin would route with (roce/verbs/gid.go): ROCE_GATHER_GID_INDEX, else the
- * first RoCE v2 entry of a routable IPv4 address, else of a link-local IPv4 one (169.254/16),
- * else of a routable IPv6 one, else of a link-local one (types from sysfs). */
-static int choose_gid(floor_state* s, char* why, size_t n) {
-  const char* env = getenv("ROCE_GATHER_GID_INDEX");
-  if (env != NULL && *env != '\0') return s->gid_index = atoi(env), 0;
-  int best[4] = {-1, -1, -1, -1};
-  for (int i = 0; i < s->pa.gid_tbl_len; i++) {
-    union ibv_gid g;
-    if (V.query_gid(s->ctx, s->port, i, &g) != 0) continue;
-    static const uint8_t zero[16];
-    if (memcmp(g.raw, zero, 16) == 0) continue;
-    char path[160], type[32] = "";
-    snprintf(path, sizeof(path), "/sys/class/infiniband/%s/ports/%u/gid_attrs/types/%d", s->hca, s->port, i);
-    FILE* f = fopen(path, "r");
-    if (f != NULL) {
-      if (fgets(type, sizeof(type), f) == NULL) type[0] = '\0';
-      fclose(f);
-    }
-    if (strncmp(type, "RoCE v2", 7) != 0) continue;
-    int v4 = memcmp(g.raw, zero, 10) == 0 && g.raw[10] == 0xff && g.raw[11] == 0xff;
-    int ll = g.raw[0] == 0xfe && (g.raw[1] & 0xc0) == 0x80;
-    int v4ll = v4 && g.raw[12] == 169 && g.raw[13] == 254;
-    int kind = v4 ? v4ll : ll ? 3 : 2;
-    if (best[kind] < 0) best[kind] = i;
-  }
-  for (int k = 0; k < 4; k++)
-    if (best[k] >= 0) return s->gid_index = best[k], 0;
-  snprintf(why, n, "%s:%u has no RoCE v2 GID", s->hca, s->port);
-  return -1;
-}
-
 static int setup(floor_state* s, const char* dev, char* why, size_t n) {
-  if (load_verbs(why, n) != 0) return -1;
-  first_hca(dev, s->hca, sizeof(s->hca), &s->port);
+  if (rg_ibv_load() != 0) {
+    snprintf(why, n, "%s", rg_ibv_error());
+    return -1;
+  }
+  unsigned port = 0;
+  int gid = -1;
+  if (sscanf(dev, "%63[^:]:%u:%d", s->hca, &port, &gid) != 3) {
+    snprintf(why, n, "%s is not HCA:PORT:GID", dev);
+    return -1;
+  }
+  s->port = (uint8_t)port;
   int ndev = 0;
-  struct ibv_device** list = V.get_device_list(&ndev);
+  struct ibv_device** list = rg_ibv_get_devices(&ndev);
   if (list == NULL) {
     snprintf(why, n, "ibv_get_device_list failed: %s", strerror(errno));
     return -1;
   }
   for (int i = 0; i < ndev && s->ctx == NULL; i++)
-    if (strcmp(V.get_device_name(list[i]), s->hca) == 0) s->ctx = V.open_device(list[i]);
-  V.free_device_list(list);
+    if (strcmp(rg_ibv_device_name(list[i]), s->hca) == 0) s->ctx = rg_ibv_open(list[i]);
+  rg_ibv_free_devices(list);
   if (s->ctx == NULL) {
-    snprintf(why, n, "no RDMA device %s could be opened (fabric device %s)", s->hca, dev);
+    snprintf(why, n, "no RDMA device %s could be opened", s->hca);
     return -1;
   }
-  /* The exported ibv_query_port fills the older, shorter struct; providers with the
-   * extended context answer with the whole one, as verbs.h's inline does. */
-  memset(&s->pa, 0, sizeof(s->pa));
-  struct verbs_context* vctx = verbs_get_ctx_op(s->ctx, query_port);
-  int qrc = vctx != NULL ? vctx->query_port(s->ctx, s->port, &s->pa, sizeof(s->pa))
-                         : V.query_port(s->ctx, s->port, (struct _compat_ibv_port_attr*)&s->pa);
-  if (qrc != 0) {
+  if (rg_ibv_query_port(s->ctx, s->port, &s->pa) != 0) {
     snprintf(why, n, "ibv_query_port(%s, %u) failed", s->hca, s->port);
     return -1;
   }
-  s->gid_index = -1;
-  if (s->pa.link_layer == IBV_LINK_LAYER_ETHERNET && choose_gid(s, why, n) != 0) return -1;
+  /* RoCE routes with the GID; InfiniBand by LID. */
+  s->gid_index = s->pa.link_layer == IBV_LINK_LAYER_ETHERNET ? gid : -1;
   size_t len = floor_sizes[FLOOR_SIZES - 1];
   s->sbuf = aligned_alloc(4096, len);
   s->rbuf = aligned_alloc(4096, len);
@@ -179,24 +82,25 @@ static int setup(floor_state* s, const char* dev, char* why, size_t n) {
   memset(s->sbuf, 0, len);
   memset(s->rbuf, 0, len);
   int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
-  if ((s->pd = V.alloc_pd(s->ctx)) == NULL || (s->smr = V.reg_mr(s->pd, s->sbuf, len, access)) == NULL ||
-      (s->rmr = V.reg_mr(s->pd, s->rbuf, len, access)) == NULL) {
+  if ((s->pd = rg_ibv_alloc_pd(s->ctx)) == NULL ||
+      (s->smr = rg_ibv_reg_mr(s->pd, (uint64_t)(uintptr_t)s->sbuf, len, access)) == NULL ||
+      (s->rmr = rg_ibv_reg_mr(s->pd, (uint64_t)(uintptr_t)s->rbuf, len, access)) == NULL) {
     snprintf(why, n, "protection domain or registration on %s failed: %s", s->hca, strerror(errno));
     return -1;
   }
-  if ((s->cq = V.create_cq(s->ctx, DEPTH, NULL, NULL, 0)) == NULL) {
+  if ((s->cq = rg_ibv_create_cq(s->ctx, DEPTH)) == NULL) {
     snprintf(why, n, "ibv_create_cq on %s failed: %s", s->hca, strerror(errno));
     return -1;
   }
   struct ibv_qp_init_attr ia = {.send_cq = s->cq, .recv_cq = s->cq, .qp_type = IBV_QPT_RC,
                                 .cap = {.max_send_wr = DEPTH, .max_recv_wr = 1, .max_send_sge = 1,
                                         .max_recv_sge = 1, .max_inline_data = INLINE}};
-  if ((s->qp = V.create_qp(s->pd, &ia)) == NULL) {
+  if ((s->qp = rg_ibv_create_qp(s->pd, &ia)) == NULL) {
     snprintf(why, n, "ibv_create_qp on %s failed: %s", s->hca, strerror(errno));
     return -1;
   }
   struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .port_num = s->port, .qp_access_flags = IBV_ACCESS_REMOTE_WRITE};
-  if (V.modify_qp(s->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) != 0) {
+  if (rg_ibv_modify_qp(s->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) != 0) {
     snprintf(why, n, "moving the queue pair on %s to INIT failed", s->hca);
     return -1;
   }
@@ -217,14 +121,14 @@ static int connect_qp(floor_state* s, const floor_peer* me, const floor_peer* pe
   }
   int mask = IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
              IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
-  if (V.modify_qp(s->qp, &a, mask) != 0) {
+  if (rg_ibv_modify_qp(s->qp, &a, mask) != 0) {
     snprintf(why, n, "moving the queue pair on %s to RTR failed", s->hca);
     return -1;
   }
   struct ibv_qp_attr r = {.qp_state = IBV_QPS_RTS, .sq_psn = me->psn, .timeout = 14, .retry_cnt = 6,
                           .rnr_retry = 7, .max_rd_atomic = 1};
   mask = IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC;
-  if (V.modify_qp(s->qp, &r, mask) != 0) {
+  if (rg_ibv_modify_qp(s->qp, &r, mask) != 0) {
     snprintf(why, n, "moving the queue pair on %s to RTS failed", s->hca);
     return -1;
   }
@@ -237,7 +141,7 @@ static int reap(floor_state* s, int* outstanding, char* why, size_t n) {
   int k = ibv_poll_cq(s->cq, 16, wc);
   for (int i = 0; i < k; i++)
     if (wc[i].status != IBV_WC_SUCCESS) {
-      snprintf(why, n, "an RDMA write on %s failed: %s", s->hca, V.wc_status_str(wc[i].status));
+      snprintf(why, n, "an RDMA write on %s failed: %s", s->hca, rg_ibv_wc_status_str(wc[i].status));
       return -1;
     }
   if (k < 0) {
@@ -311,12 +215,12 @@ static int exchange_rounds(floor_state* s, const floor_peer* peer, size_t size, 
 }
 
 static void teardown(floor_state* s) {
-  if (s->qp) V.destroy_qp(s->qp);
-  if (s->cq) V.destroy_cq(s->cq);
-  if (s->smr) V.dereg_mr(s->smr);
-  if (s->rmr) V.dereg_mr(s->rmr);
-  if (s->pd) V.dealloc_pd(s->pd);
-  if (s->ctx) V.close_device(s->ctx);
+  if (s->qp) rg_ibv_destroy_qp(s->qp);
+  if (s->cq) rg_ibv_destroy_cq(s->cq);
+  if (s->smr) rg_ibv_dereg_mr(s->smr);
+  if (s->rmr) rg_ibv_dereg_mr(s->rmr);
+  if (s->pd) rg_ibv_dealloc_pd(s->pd);
+  if (s->ctx) rg_ibv_close(s->ctx);
   free(s->sbuf);
   free(s->rbuf);
 }
@@ -336,12 +240,8 @@ int floor_verbs(const char* dev, floor_result* out) {
     me.rkey = s.rmr->rkey;
     me.addr = (uint64_t)(uintptr_t)s.rbuf;
     me.lid = s.pa.lid;
-    me.link_layer = s.pa.link_layer;
     me.mtu = (uint8_t)s.pa.active_mtu;
-    if (s.gid_index >= 0) {
-      union ibv_gid g;
-      if (V.query_gid(s.ctx, s.port, s.gid_index, &g) == 0) memcpy(me.gid, g.raw, 16);
-    }
+    if (s.gid_index >= 0) rg_ibv_query_gid(s.ctx, s.port, s.gid_index, me.gid);
   }
   snprintf(me.why, sizeof(me.why), "%s", why);
   int rc = -1;
@@ -365,12 +265,9 @@ int floor_verbs(const char* dev, floor_result* out) {
     }
     unsigned mtu = 128u << (me.mtu < peer.mtu ? me.mtu : peer.mtu);
     if (ok) {
-      if (s.gid_index >= 0)
-        snprintf(out->how, sizeof(out->how), "RDMA writes on %s:%u GID %d, one RC queue pair, path MTU %u, "
-                 "both ways at once, last-byte polling", s.hca, s.port, s.gid_index, mtu);
-      else
-        snprintf(out->how, sizeof(out->how), "RDMA writes on %s:%u LID %u, one RC queue pair, path MTU %u, "
-                 "both ways at once, last-byte polling", s.hca, s.port, s.pa.lid, mtu);
+      snprintf(out->how, sizeof(out->how), "RDMA writes on %s:%u %s %d, one RC queue pair, path MTU %u, "
+               "both ways at once, last-byte polling", s.hca, s.port, s.gid_index >= 0 ? "GID" : "LID",
+               s.gid_index >= 0 ? s.gid_index : (int)s.pa.lid, mtu);
       rc = 0;
     } else {
       snprintf(out->how, sizeof(out->how), "verbs floor failed: %s", why);

@@ -11,11 +11,10 @@
  *                             line says whether both rows came out exact, untouched, or wrong
  *   asyncerr                  ncclCommGetAsyncError
  *   barrier:TAG               waits for the peer's barrier of the same tag
- *   sleepms:MS                sleeps
  *   abortafter:MS, destroyafter:MS
  *                             another thread aborts or destroys the communicator after MS
  *                             while the next steps run; join waits for it and prints its line
- *   finalize, destroy, abort  the call on the communicator
+ *   destroy                   ncclCommDestroy
  *   victim                    says so and waits to be killed
  *   exit:_exit, exit:sigterm  leaves at once without closing anything
  *   bench:FABRIC:TARGET       the fabric's floor, then the gather at every bench size (bench.c)
@@ -260,17 +259,15 @@ static int step_join(void) {
   return 0;
 }
 
-static int step_close(const char* what) {
+static int step_destroy(void) {
   if (S.comm == NULL) {
-    fprintf(stderr, "[rank %d] %s: no communicator\n", R.rank, what);
+    fprintf(stderr, "[rank %d] destroy: no communicator\n", R.rank);
     return -1;
   }
   uint64_t t0 = now_ns();
-  ncclResult_t r = strcmp(what, "finalize") == 0 ? ncclCommFinalize(S.comm)
-                   : strcmp(what, "destroy") == 0 ? ncclCommDestroy(S.comm)
-                                                  : ncclCommAbort(S.comm);
-  if (strcmp(what, "finalize") != 0) S.comm = NULL;
-  out_line(what, "\"result\":%d,\"ms\":%.3f", (int)r, ms_since(t0));
+  ncclResult_t r = ncclCommDestroy(S.comm);
+  S.comm = NULL;
+  out_line("destroy", "\"result\":%d,\"ms\":%.3f", (int)r, ms_since(t0));
   return 0;
 }
 
@@ -305,18 +302,10 @@ static int step(const char* s) {
     out_line("barrier", "\"tag\":\"%s\",\"result\":%d", arg, r);
     return r;
   }
-  if (IS("sleepms")) {
-    usleep((useconds_t)atoi(arg) * 1000);
-    return 0;
-  }
   if (IS("abortafter")) return step_later(1, arg);
   if (IS("destroyafter")) return step_later(0, arg);
   if (IS("join")) return step_join();
-  if (IS("finalize") || IS("destroy") || IS("abort")) {
-    char what[16];
-    snprintf(what, sizeof(what), "%.*s", (int)nl, s);
-    return step_close(what);
-  }
+  if (IS("destroy")) return step_destroy();
   if (IS("victim")) {
     out_line("victim", NULL);
     alarm(120); /* a harness that forgot it: do not linger */

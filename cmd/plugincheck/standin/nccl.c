@@ -10,9 +10,10 @@
  *   -DFAKE_ODD_ENTRIES (x86-64) puts the entries of ncclCommFinalize and ncclCommAbort at 13
  *   and 15 bytes past a 16-byte boundary, where the hook's 5 bytes fit in no aligned word.
  * - Communicator init loads NCCL_NET_PLUGIN as NCCL does (dlopen RTLD_NOW|RTLD_LOCAL of the
- *   name as given, then libnccl-net-<name>.so; the first of ncclNetPlugin_v12..v8), calls its
- *   init and devices, and its finalize at destroy and abort: the plugin's init runs from
- *   inside this library, as it does from inside NCCL.
+ *   name as given, then libnccl-net-<name>.so; its ncclNetPlugin_v12, which roce_gather
+ *   exports, where NCCL would take the first of v12..v8), calls its init and devices, and its
+ *   finalize at destroy and abort: the plugin's init runs from inside this library, as it
+ *   does from inside NCCL.
  * - Two ranks in two processes exchange host memory over one TCP connection: the process
  *   that made the unique id (ncclGetUniqueId) listens on loopback, or on the IPv4 address
  *   FAKE_NCCL_ADDR names (two hosts), and puts the address in the id; the other connects. ncclAllGather is synchronous, byte for byte, for any count
@@ -27,8 +28,8 @@
  *   (ncclInvalidUsage).
  * - Every call is appended to FAKE_NCCL_LOG as one JSON line: the function, its arguments
  *   (pointers as %p prints them), its result, and FAKE_NAME (which copy answered).
- * - FAKE_NCCL_FORCE="ncclCommFinalize=6,..." makes those functions return that result
- *   without doing anything; FAKE_NCCL_ASYNC_ERROR is what ncclCommGetAsyncError reports.
+ * - FAKE_NCCL_FORCE="ncclCommFinalize=6,..." makes ncclCommFinalize, ncclGroupStart or
+ *   ncclGroupEnd return that result without doing anything; FAKE_NCCL_ASYNC_ERROR is what ncclCommGetAsyncError reports.
  * Nothing here is NCCL's code; it models the facts the interceptor relies on. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -118,8 +119,7 @@ static void logger(ncclDebugLogLevel level, unsigned long flags, const char* fil
 /* ---- the net plugin, loaded as NCCL loads it */
 
 static pthread_mutex_t plugin_mu = PTHREAD_MUTEX_INITIALIZER;
-static void* plugin_table;
-static int plugin_abi;
+static const ncclNet_v12_t* plugin_table;
 static int plugin_tried;
 
 static void load_plugin(void) {
@@ -137,38 +137,22 @@ static void load_plugin(void) {
     logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "NET/Plugin: could not load %s: %s", name, dlerror());
     return;
   }
-  for (int v = 12; v >= 8 && plugin_table == NULL; v--) {
-    char sym[32];
-    snprintf(sym, sizeof(sym), "ncclNetPlugin_v%d", v);
-    plugin_table = dlsym(lib, sym);
-    plugin_abi = v;
-  }
+  if ((plugin_table = dlsym(lib, "ncclNetPlugin_v12")) == NULL)
+    logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "NET/Plugin: %s has no ncclNetPlugin_v12", name);
 }
 
-/* Inits the plugin for one communicator; returns its context (v11, v12) or NULL. */
+/* Inits the plugin for one communicator; returns its context or NULL. */
 static void* init_plugin(uint64_t commId) {
   pthread_mutex_lock(&plugin_mu);
   load_plugin();
   void* ctx = NULL;
-  ncclResult_t r = ncclSuccess;
-  int ndev = -1;
-  static int process_init;
-  ncclNetCommConfig_v12_t cfg = {.trafficClass = -1};
-  if (plugin_abi == 12 && plugin_table) {
-    r = ((ncclNet_v12_t*)plugin_table)->init(&ctx, commId, &cfg, logger, NULL);
-    if (r == ncclSuccess) ((ncclNet_v12_t*)plugin_table)->devices(&ndev);
-  } else if (plugin_abi == 11 && plugin_table) {
-    r = ((ncclNet_v11_t*)plugin_table)->init(&ctx, commId, (ncclNetCommConfig_v11_t*)&cfg, logger, NULL);
-    if (r == ncclSuccess) ((ncclNet_v11_t*)plugin_table)->devices(&ndev);
-  } else if (plugin_table && !process_init) {
-    process_init = 1;
-    r = plugin_abi == 10 ? ((ncclNet_v10_t*)plugin_table)->init(logger, NULL)
-        : plugin_abi == 9 ? ((ncclNet_v9_t*)plugin_table)->init(logger)
-                          : ((ncclNet_v8_t*)plugin_table)->init(logger);
+  if (plugin_table) {
+    int ndev = -1;
+    ncclNetCommConfig_v12_t cfg = {.trafficClass = -1};
+    ncclResult_t r = plugin_table->init(&ctx, commId, &cfg, logger, NULL);
+    if (r == ncclSuccess) plugin_table->devices(&ndev);
+    logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "net plugin v12 init: %d, %d device(s)", r, ndev);
   }
-  if (plugin_table)
-    logger(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "net plugin v%d init: %d, %d device(s)", plugin_abi, r,
-           ndev);
   pthread_mutex_unlock(&plugin_mu);
   return ctx;
 }
@@ -176,8 +160,7 @@ static void* init_plugin(uint64_t commId) {
 static void finalize_plugin(void* ctx) {
   if (ctx == NULL) return;
   pthread_mutex_lock(&plugin_mu);
-  if (plugin_abi == 12) ((ncclNet_v12_t*)plugin_table)->finalize(ctx);
-  if (plugin_abi == 11) ((ncclNet_v11_t*)plugin_table)->finalize(ctx);
+  plugin_table->finalize(ctx);
   pthread_mutex_unlock(&plugin_mu);
 }
 
@@ -188,7 +171,6 @@ typedef struct {
   uint32_t ip;   /* network order */
   uint16_t port; /* network order */
   uint16_t pad;
-  int32_t creator;
   uint64_t serial;
 } fake_id;
 _Static_assert(sizeof(fake_id) <= sizeof(ncclUniqueId), "the id fits NCCL's 128 bytes");
@@ -224,7 +206,6 @@ static int listener_for(uint16_t port) {
 }
 
 static ncclResult_t get_unique_id(ncclUniqueId* out) {
-  FORCED("ncclGetUniqueId", "\"uniqueId\":\"%p\"", (void*)out);
   if (out == NULL) return ncclInvalidArgument;
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   const char* addr = getenv("FAKE_NCCL_ADDR");
@@ -251,7 +232,7 @@ static ncclResult_t get_unique_id(ncclUniqueId* out) {
   pthread_mutex_unlock(&listen_mu);
   memset(out, 0, sizeof(*out));
   static uint64_t serial;
-  fake_id id = {.magic = ID_MAGIC, .ip = a.sin_addr.s_addr, .port = a.sin_port, .creator = getpid(), .serial = ++serial};
+  fake_id id = {.magic = ID_MAGIC, .ip = a.sin_addr.s_addr, .port = a.sin_port, .serial = ++serial};
   memcpy(out, &id, sizeof(id));
   record("ncclGetUniqueId", ncclSuccess, "\"uniqueId\":\"%p\",\"port\":%d", (void*)out, ntohs(a.sin_port));
   return ncclSuccess;
@@ -354,7 +335,6 @@ static ncclResult_t make_comm(ncclComm_t* out, int nranks, const ncclUniqueId* c
 }
 
 static ncclResult_t comm_init_rank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
-  FORCED("ncclCommInitRank", "\"comm\":\"%p\",\"nranks\":%d,\"rank\":%d", (void*)comm, nranks, rank);
   ncclResult_t r = make_comm(comm, nranks, &commId, rank);
   record("ncclCommInitRank", r, "\"comm\":\"%p\",\"nranks\":%d,\"rank\":%d,\"made\":\"%p\"", (void*)comm, nranks,
          rank, r == ncclSuccess ? (void*)*comm : NULL);
@@ -363,14 +343,8 @@ static ncclResult_t comm_init_rank(ncclComm_t* comm, int nranks, ncclUniqueId co
 
 static ncclResult_t comm_init_rank_config(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
                                           ncclConfig_t* config) {
-  FORCED("ncclCommInitRankConfig", "\"comm\":\"%p\",\"nranks\":%d,\"rank\":%d,\"config\":\"%p\"", (void*)comm,
-         nranks, rank, (void*)config);
-  if (config != NULL && config->magic != NCCL_API_MAGIC) {
-    record("ncclCommInitRankConfig", ncclInvalidArgument, "\"comm\":\"%p\",\"nranks\":%d,\"rank\":%d,\"config\":\"%p\"",
-           (void*)comm, nranks, rank, (void*)config);
-    return ncclInvalidArgument;
-  }
-  ncclResult_t r = make_comm(comm, nranks, &commId, rank);
+  ncclResult_t r = config != NULL && config->magic != NCCL_API_MAGIC ? ncclInvalidArgument
+                                                                     : make_comm(comm, nranks, &commId, rank);
   record("ncclCommInitRankConfig", r,
          "\"comm\":\"%p\",\"nranks\":%d,\"rank\":%d,\"config\":\"%p\",\"blocking\":%d,\"made\":\"%p\"", (void*)comm,
          nranks, rank, (void*)config, config ? config->blocking : 1, r == ncclSuccess ? (void*)*comm : NULL);
@@ -378,7 +352,6 @@ static ncclResult_t comm_init_rank_config(ncclComm_t* comm, int nranks, ncclUniq
 }
 
 static ncclResult_t comm_init_all(ncclComm_t* comms, int ndev, const int* devlist) {
-  FORCED("ncclCommInitAll", "\"comms\":\"%p\",\"ndev\":%d,\"devlist\":\"%p\"", (void*)comms, ndev, (void*)devlist);
   ncclResult_t r = ncclInvalidArgument;
   /* One device only: several would need one process to drive several ranks at once. */
   if (comms != NULL && ndev == 1) {
@@ -393,8 +366,6 @@ static ncclResult_t comm_init_all(ncclComm_t* comms, int ndev, const int* devlis
 }
 
 static ncclResult_t comm_split(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config) {
-  FORCED("ncclCommSplit", "\"comm\":\"%p\",\"color\":%d,\"key\":%d,\"newcomm\":\"%p\",\"config\":\"%p\"", (void*)comm,
-         color, key, (void*)newcomm, (void*)config);
   ncclResult_t r = ncclSuccess;
   if (comm == NULL || newcomm == NULL) r = ncclInvalidArgument;
   int mine[2] = {color, key}, peer[2] = {NCCL_SPLIT_NOCOLOR, 0};
@@ -437,21 +408,18 @@ static void free_comm(ncclComm_t comm) {
 }
 
 static ncclResult_t comm_destroy(ncclComm_t comm) {
-  FORCED("ncclCommDestroy", "\"comm\":\"%p\"", (void*)comm);
   if (comm != NULL) free_comm(comm);
   record("ncclCommDestroy", ncclSuccess, "\"comm\":\"%p\"", (void*)comm);
   return ncclSuccess;
 }
 
 __attribute__((used)) static ncclResult_t comm_abort(ncclComm_t comm) {
-  FORCED("ncclCommAbort", "\"comm\":\"%p\"", (void*)comm);
   if (comm != NULL) free_comm(comm);
   record("ncclCommAbort", ncclSuccess, "\"comm\":\"%p\"", (void*)comm);
   return ncclSuccess;
 }
 
 __attribute__((used)) static ncclResult_t comm_get_async_error(ncclComm_t comm, ncclResult_t* asyncError) {
-  FORCED("ncclCommGetAsyncError", "\"comm\":\"%p\",\"asyncError\":\"%p\"", (void*)comm, (void*)asyncError);
   ncclResult_t r = comm == NULL || asyncError == NULL ? ncclInvalidArgument : ncclSuccess;
   const char* e = getenv("FAKE_NCCL_ASYNC_ERROR");
   if (r == ncclSuccess) *asyncError = (ncclResult_t)(e && *e ? atoi(e) : ncclSuccess);
@@ -460,26 +428,17 @@ __attribute__((used)) static ncclResult_t comm_get_async_error(ncclComm_t comm, 
   return r;
 }
 
-static ncclResult_t comm_count(const ncclComm_t comm, int* count) {
-  if (comm == NULL || count == NULL) return ncclInvalidArgument;
-  *count = comm->nranks;
-  record("ncclCommCount", ncclSuccess, "\"comm\":\"%p\"", (void*)comm);
-  return ncclSuccess;
-}
-
-static ncclResult_t comm_user_rank(const ncclComm_t comm, int* rank) {
-  if (comm == NULL || rank == NULL) return ncclInvalidArgument;
-  *rank = comm->rank;
-  record("ncclCommUserRank", ncclSuccess, "\"comm\":\"%p\"", (void*)comm);
-  return ncclSuccess;
-}
-
-static ncclResult_t comm_cu_device(const ncclComm_t comm, int* device) {
-  if (comm == NULL || device == NULL) return ncclInvalidArgument;
-  *device = comm->cuda_dev;
-  record("ncclCommCuDevice", ncclSuccess, "\"comm\":\"%p\"", (void*)comm);
-  return ncclSuccess;
-}
+/* The communicator's queries: one field each. */
+#define COMM_QUERY(impl, fn, field)                                    \
+  static ncclResult_t impl(const ncclComm_t comm, int* out) {         \
+    if (comm == NULL || out == NULL) return ncclInvalidArgument;      \
+    *out = comm->field;                                               \
+    record(fn, ncclSuccess, "\"comm\":\"%p\"", (void*)comm);           \
+    return ncclSuccess;                                               \
+  }
+COMM_QUERY(comm_count, "ncclCommCount", nranks)
+COMM_QUERY(comm_user_rank, "ncclCommUserRank", rank)
+COMM_QUERY(comm_cu_device, "ncclCommCuDevice", cuda_dev)
 
 static size_t type_size(ncclDataType_t t) {
   switch ((int)t) {
@@ -577,11 +536,6 @@ static ncclResult_t group_end(void) {
 
 static ncclResult_t all_gather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
                                ncclComm_t comm, cudaStream_t stream) {
-#define AG_ARGS                                                                                                     \
-  "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"sendcount\":%zu,\"datatype\":%d,\"comm\":\"%p\",\"stream\":\"%p\"," \
-  "\"deferred\":%d",                                                                                                \
-      sendbuff, (void*)recvbuff, sendcount, (int)datatype, (void*)comm, (void*)stream, group_depth > 0
-  FORCED("ncclAllGather", AG_ARGS);
   size_t bytes = sendcount * type_size(datatype);
   ncclResult_t r = ncclSuccess;
   if (comm == NULL || type_size(datatype) == 0 || (bytes > 0 && (sendbuff == NULL || recvbuff == NULL))) {
@@ -592,7 +546,10 @@ static ncclResult_t all_gather(const void* sendbuff, void* recvbuff, size_t send
   } else {
     r = run_all_gather(sendbuff, recvbuff, sendcount, datatype, comm);
   }
-  record("ncclAllGather", r, AG_ARGS);
+  record("ncclAllGather", r,
+         "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"sendcount\":%zu,\"datatype\":%d,\"comm\":\"%p\",\"stream\":"
+         "\"%p\",\"deferred\":%d",
+         sendbuff, (void*)recvbuff, sendcount, (int)datatype, (void*)comm, (void*)stream, group_depth > 0);
   return r;
 }
 
@@ -630,23 +587,20 @@ static ncclResult_t all_reduce(const void* sendbuff, void* recvbuff, size_t coun
 
 static ncclResult_t run_all_reduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
                                    ncclRedOp_t op, ncclComm_t comm) {
-  (void)op;
   size_t bytes = count * type_size(datatype);
   ncclResult_t r = ncclSuccess;
-  {
-    char* peer = malloc(bytes ? bytes : 1);
-    if (comm->nranks == 2 && exchange(comm->link->fd, sendbuff, peer, bytes) != 0) r = ncclRemoteError;
-    const int sum = op == ncclSum && (datatype == ncclInt32 || datatype == ncclFloat32);
-    for (size_t i = 0; r == ncclSuccess && !sum && i < bytes; i++)
-      ((char*)recvbuff)[i] = (char)(((const char*)sendbuff)[i] ^ (comm->nranks == 2 ? peer[i] : 0));
-    for (size_t i = 0; r == ncclSuccess && sum && i < count; i++) {
-      if (datatype == ncclInt32)
-        ((int32_t*)recvbuff)[i] = ((const int32_t*)sendbuff)[i] + (comm->nranks == 2 ? ((int32_t*)peer)[i] : 0);
-      else
-        ((float*)recvbuff)[i] = ((const float*)sendbuff)[i] + (comm->nranks == 2 ? ((float*)peer)[i] : 0);
-    }
-    free(peer);
+  char* peer = malloc(bytes ? bytes : 1);
+  if (comm->nranks == 2 && exchange(comm->link->fd, sendbuff, peer, bytes) != 0) r = ncclRemoteError;
+  const int sum = op == ncclSum && (datatype == ncclInt32 || datatype == ncclFloat32);
+  for (size_t i = 0; r == ncclSuccess && !sum && i < bytes; i++)
+    ((char*)recvbuff)[i] = (char)(((const char*)sendbuff)[i] ^ (comm->nranks == 2 ? peer[i] : 0));
+  for (size_t i = 0; r == ncclSuccess && sum && i < count; i++) {
+    if (datatype == ncclInt32)
+      ((int32_t*)recvbuff)[i] = ((const int32_t*)sendbuff)[i] + (comm->nranks == 2 ? ((int32_t*)peer)[i] : 0);
+    else
+      ((float*)recvbuff)[i] = ((const float*)sendbuff)[i] + (comm->nranks == 2 ? ((float*)peer)[i] : 0);
   }
+  free(peer);
   return r;
 }
 
@@ -654,10 +608,6 @@ static ncclResult_t run_all_reduce(const void* sendbuff, void* recvbuff, size_t 
 static ncclResult_t p2p(enum op_kind kind, const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
                         int peer, ncclComm_t comm, cudaStream_t stream) {
   const char* fn = kind == OP_SEND ? "ncclSend" : "ncclRecv";
-#define P2P_ARGS "\"buff\":\"%p\",\"count\":%zu,\"datatype\":%d,\"peer\":%d,\"comm\":\"%p\",\"stream\":\"%p\",\"depth\":%d", \
-      kind == OP_SEND ? sendbuff : (const void*)recvbuff, count, (int)datatype, peer, (void*)comm, (void*)stream,     \
-      group_depth
-  FORCED(fn, P2P_ARGS);
   ncclResult_t r;
   if (comm == NULL || type_size(datatype) == 0 || peer < 0 || peer >= comm->nranks)
     r = ncclInvalidArgument;
@@ -668,7 +618,9 @@ static ncclResult_t p2p(enum op_kind kind, const void* sendbuff, void* recvbuff,
                      .comm = comm}) == 0 ? ncclSuccess : ncclSystemError;
   else
     r = ncclInvalidUsage; /* alone, it has nothing to meet */
-  record(fn, r, P2P_ARGS);
+  record(fn, r, "\"buff\":\"%p\",\"count\":%zu,\"datatype\":%d,\"peer\":%d,\"comm\":\"%p\",\"stream\":\"%p\",\"depth\":%d",
+         kind == OP_SEND ? sendbuff : (const void*)recvbuff, count, (int)datatype, peer, (void*)comm, (void*)stream,
+         group_depth);
   return r;
 }
 
