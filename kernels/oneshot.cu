@@ -13,26 +13,16 @@
 /* Single roundings that no compiler contracts into a fused multiply-add (PTX never fuses an
  * instruction with an explicit rounding modifier): an all-reduce's avg is a multiply and an
  * add, each rounded, as NCCL's pre-multiplied sum. */
-__device__ static inline float rg_fadd(float x, float y) {
-  float r;
-  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
-  return r;
-}
-__device__ static inline float rg_fmul(float x, float y) {
-  float r;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
-  return r;
-}
-__device__ static inline double rg_dadd(double x, double y) {
-  double r;
-  asm("add.rn.f64 %0, %1, %2;" : "=d"(r) : "d"(x), "d"(y));
-  return r;
-}
-__device__ static inline double rg_dmul(double x, double y) {
-  double r;
-  asm("mul.rn.f64 %0, %1, %2;" : "=d"(r) : "d"(x), "d"(y));
-  return r;
-}
+#define RG_ROUNDED(name, T, c, ins)                    \
+  __device__ static inline T name(T x, T y) {          \
+    T r;                                               \
+    asm(ins " %0, %1, %2;" : "=" c(r) : c(x), c(y));   \
+    return r;                                          \
+  }
+RG_ROUNDED(rg_fadd, float, "f", "add.rn.f32")
+RG_ROUNDED(rg_fmul, float, "f", "mul.rn.f32")
+RG_ROUNDED(rg_dadd, double, "d", "add.rn.f64")
+RG_ROUNDED(rg_dmul, double, "d", "mul.rn.f64")
 #define RG_OS_FADD(x, y) rg_fadd((x), (y))
 #define RG_OS_FMUL(x, y) rg_fmul((x), (y))
 #define RG_OS_DADD(x, y) rg_dadd((x), (y))

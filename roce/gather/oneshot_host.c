@@ -12,26 +12,18 @@
  * multiply-add (gcc contracts across statements by default, and cgo takes no
  * -ffp-contract=off): each result goes through a volatile, so the next operation can only
  * see the rounded value. */
-static inline float host_fadd(float x, float y) {
-  volatile float r = x + y;
-  return r;
+static inline float host_float(float r) {
+  volatile float v = r;
+  return v;
 }
-static inline float host_fmul(float x, float y) {
-  volatile float r = x * y;
-  return r;
+static inline double host_double(double r) {
+  volatile double v = r;
+  return v;
 }
-static inline double host_dadd(double x, double y) {
-  volatile double r = x + y;
-  return r;
-}
-static inline double host_dmul(double x, double y) {
-  volatile double r = x * y;
-  return r;
-}
-#define RG_OS_FADD(x, y) host_fadd((x), (y))
-#define RG_OS_FMUL(x, y) host_fmul((x), (y))
-#define RG_OS_DADD(x, y) host_dadd((x), (y))
-#define RG_OS_DMUL(x, y) host_dmul((x), (y))
+#define RG_OS_FADD(x, y) host_float((x) + (y))
+#define RG_OS_FMUL(x, y) host_float((x) * (y))
+#define RG_OS_DADD(x, y) host_double((x) + (y))
+#define RG_OS_DMUL(x, y) host_double((x) * (y))
 #include "../../kernels/oneshot_reduce.h"
 
 static inline rg_u64 host_load_acquire(const volatile rg_u64* p) {
