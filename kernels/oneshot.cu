@@ -144,42 +144,15 @@ __device__ static inline __attribute__((always_inline)) void rg_block_copy(unsig
   for (rg_u64 b = head + words * 16 + t; b < n; b += nt) dst[b] = volatile_src ? rg_ld_cv_byte(src + b) : src[b];
 }
 
-// One element of esz bytes (1, 2, 4 or 8; the address is a multiple of it), the peer's
-// through the caches' bypass as rg_ld_cv.
+// One element of esz bytes, a byte a load, the peer's around the caches as rg_ld_cv (the
+// last bytes of an all-reduce short of 16 take this), and its store.
 __device__ static inline rg_u64 rg_ld_elem(const unsigned char* p, unsigned int esz, int volatile_src) {
-  if (!volatile_src) {
-    switch (esz) {
-    case 1: return *p;
-    case 2: return *(const unsigned short*)p;
-    case 4: return *(const unsigned int*)p;
-    default: return *(const rg_u64*)p;
-    }
-  }
-  rg_u64 v;
-  unsigned int w;
-  unsigned short h;
-  switch (esz) {
-  case 1:
-    asm volatile("ld.global.cv.u8 %0, [%1];" : "=h"(h) : "l"(p));
-    return h & 0xff;
-  case 2:
-    asm volatile("ld.global.cv.u16 %0, [%1];" : "=h"(h) : "l"(p));
-    return h;
-  case 4:
-    asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(w) : "l"(p));
-    return w;
-  default:
-    asm volatile("ld.global.cv.u64 %0, [%1];" : "=l"(v) : "l"(p));
-    return v;
-  }
+  rg_u64 v = 0;
+  for (unsigned int k = 0; k < esz; k++) v |= (rg_u64)(volatile_src ? rg_ld_cv_byte(p + k) : p[k]) << (8 * k);
+  return v;
 }
 __device__ static inline void rg_st_elem(unsigned char* p, unsigned int esz, rg_u64 v) {
-  switch (esz) {
-  case 1: *p = (unsigned char)v; break;
-  case 2: *(unsigned short*)p = (unsigned short)v; break;
-  case 4: *(unsigned int*)p = (unsigned int)v; break;
-  default: *(rg_u64*)p = v;
-  }
+  for (unsigned int k = 0; k < esz; k++) p[k] = (unsigned char)(v >> (8 * k));
 }
 
 // Loads 16 bytes at s, align bytes past a 16-byte boundary, with the widest loads that
