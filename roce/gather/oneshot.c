@@ -51,21 +51,6 @@ static rg_u32 threads_for(rg_u64 chunk) { return chunk <= 4096 ? 128 : 512; }
 static uint64_t load_acquire(const volatile uint64_t* p) { return __atomic_load_n((const uint64_t*)p, __ATOMIC_ACQUIRE); }
 static uint64_t load_relaxed(const volatile uint64_t* p) { return __atomic_load_n((const uint64_t*)p, __ATOMIC_RELAXED); }
 
-static void read_announce(const volatile rg_os_announce* src, rg_os_announce* out) {
-  out->seq = src->seq;
-  out->bytes = src->bytes;
-  out->chunk = src->chunk;
-  out->nchunks = src->nchunks;
-  out->coll = src->coll;
-  out->call = src->call;
-}
-
-static void read_failure(const volatile rg_os_failure* src, rg_os_failure* out) {
-  out->status = src->status;
-  read_announce(&src->mine, &out->mine);
-  read_announce(&src->peer, &out->peer);
-}
-
 /* ---- The kept error ---- */
 
 static int kept_code(const rg_os_engine* e) { return atomic_load_explicit(&e->kept->code, memory_order_acquire); }
@@ -685,7 +670,7 @@ static void reports(rg_os_engine* e, uint64_t now, int* progress) {
     const uint64_t got = load_acquire(&r->seq);
     if (got < seq) break;
     rg_os_failure f;
-    read_failure(&r->failure, &f);
+    rg_os_load_failure(&r->failure, &f);
     /* A mismatch waits until this rank's announcement of that call has left, so that the peer
      * finds the mismatch too: the kernel rang every doorbell before it waited. */
     if (f.status == RG_OS_MISMATCH && kept_code(e) == 0 && e->post_seq <= f.mine.seq && !atomic_load(&e->stop_posting) &&
@@ -816,7 +801,7 @@ static int step(rg_os_engine* e, uint64_t now) {
       atomic_thread_fence(memory_order_acquire); /* those reads before the post's stores (aarch64: dmb ishld) */
       if (kept_code(e) != 0) break;
       rg_os_announce m;
-      read_announce(&ctrl->mine[parity].a, &m); /* written before that doorbell */
+      rg_os_load_announce(&ctrl->mine[parity].a, &m); /* written before that doorbell */
       if (m.seq != e->post_seq || m.bytes == 0 || m.chunk == 0 || m.bytes > e->slot_bytes || m.nchunks == 0 ||
           m.nchunks > RG_OS_MAX_CHUNKS || m.nchunks != rg_os_nchunks(m.bytes, m.chunk)) {
         rg_os_fail(e, RESULT_SYSTEM_ERROR, 0, "the kernel announced sequence %llu (expected %llu) of %llu bytes in %llu "
