@@ -376,6 +376,12 @@ int rg_os_host_wait(rg_os_engine* e, rg_os_hcall* c) {
 }
 
 /* ---- The proxy ---- */
+/* A write on lane of len bytes at local into the peer's region at offset at. */
+static rg_wr peer_write(const rg_os_engine* e, const rg_lane* lane, const void* local, uint64_t len, uint64_t at, int flags) {
+  return (rg_wr){.op = RG_OP_WRITE, .local = local, .len = len, .remote = e->peer_region + at,
+                 .rkey = e->peer_rkey[lane->peer_hca], .flags = (uint8_t)flags};
+}
+
 
 static struct {
   pthread_mutex_t mu;
@@ -412,33 +418,15 @@ static int post_chunk(rg_os_engine* e, uint32_t parity, uint32_t c) {
     int signal = last_chunk || ++e->unsignaled[l] >= SIGNAL_EVERY;
     rg_wr w[3];
     int k = 0;
-    memset(w, 0, sizeof(w));
-    if (c == 0 && l == 0) {
-      w[k].op = RG_OP_WRITE;
-      w[k].local = &e->post_ann;
-      w[k].len = sizeof(e->post_ann);
-      w[k].remote = e->peer_region + offsetof(rg_os_ctrl, announce) + (uint64_t)parity * sizeof(rg_os_announce_line);
-      w[k].rkey = e->peer_rkey[lane->peer_hca];
-      w[k].flags = RG_WR_INLINE;
-      k++;
-    }
+    if (c == 0 && l == 0)
+      w[k++] = peer_write(e, lane, &e->post_ann, sizeof(e->post_ann),
+                          offsetof(rg_os_ctrl, announce) + (uint64_t)parity * sizeof(rg_os_announce_line), RG_WR_INLINE);
     if (len > 0) {
-      w[k].op = RG_OP_WRITE;
-      w[k].local = e->region + e->send_off + slot;
-      w[k].mr = e->region_mr;
-      w[k].len = len;
-      w[k].remote = e->peer_region + e->recv_off + slot;
-      w[k].rkey = e->peer_rkey[lane->peer_hca];
-      k++;
+      w[k] = peer_write(e, lane, e->region + e->send_off + slot, len, e->recv_off + slot, 0);
+      w[k++].mr = e->region_mr;
     }
-    w[k].op = RG_OP_WRITE;
-    w[k].local = &level;
-    w[k].len = sizeof(level);
-    w[k].remote = e->peer_region + peer_flag_at(parity, l);
-    w[k].rkey = e->peer_rkey[lane->peer_hca];
-    w[k].flags = RG_WR_INLINE | (signal ? RG_WR_SIGNALED : 0);
-    w[k].wr_id = e->post_seq << 1 | (uint64_t)last_chunk; /* a call's last write says it left whole */
-    k++;
+    w[k] = peer_write(e, lane, &level, sizeof(level), peer_flag_at(parity, l), RG_WR_INLINE | (signal ? RG_WR_SIGNALED : 0));
+    w[k++].wr_id = e->post_seq << 1 | (uint64_t)last_chunk; /* a call's last write says it left whole */
     int r = rg_post(lane, w, k);
     if (r != RG_OK) return r; /* a lane that took part of a chunk never refuses the rest: each lane is checked above */
     if (signal) {
@@ -700,14 +688,7 @@ static void say_closed(rg_os_engine* e, int reason, int wait) {
     e->said_closed = 1;
     uint64_t word = (e->post_seq - 1) << RG_OS_CLOSED_SHIFT | (uint64_t)reason;
     for (int l = 0; l < link->nlanes; l++) {
-      rg_wr w;
-      memset(&w, 0, sizeof(w));
-      w.op = RG_OP_WRITE;
-      w.local = &word;
-      w.len = sizeof(word);
-      w.remote = e->peer_region + offsetof(rg_os_ctrl, closed);
-      w.rkey = e->peer_rkey[link->lane[l].peer_hca];
-      w.flags = RG_WR_INLINE | RG_WR_SIGNALED;
+      rg_wr w = peer_write(e, &link->lane[l], &word, sizeof(word), offsetof(rg_os_ctrl, closed), RG_WR_INLINE | RG_WR_SIGNALED);
       w.wr_id = CLOSED_WR_ID;
       if (rg_post(&link->lane[l], &w, 1) == RG_OK) {
         e->closed_unsent++;
@@ -1094,14 +1075,7 @@ int rg_os_probe(rg_os_engine* e, uint64_t value, uint64_t expect, uint64_t timeo
   rg_link* link = e->link;
   rg_os_ctrl* ctrl = (rg_os_ctrl*)e->region;
   for (int l = 0; l < link->nlanes; l++) {
-    rg_wr w;
-    memset(&w, 0, sizeof(w));
-    w.op = RG_OP_WRITE;
-    w.local = &value;
-    w.len = sizeof(value);
-    w.remote = e->peer_region + offsetof(rg_os_ctrl, probe);
-    w.rkey = e->peer_rkey[link->lane[l].peer_hca];
-    w.flags = RG_WR_INLINE | RG_WR_SIGNALED;
+    rg_wr w = peer_write(e, &link->lane[l], &value, sizeof(value), offsetof(rg_os_ctrl, probe), RG_WR_INLINE | RG_WR_SIGNALED);
     w.wr_id = value;
     int r = rg_post(&link->lane[l], &w, 1);
     if (r != RG_OK) {
