@@ -237,8 +237,10 @@ void rg_os_engine_teardown(rg_os_engine* e) {
 
 /* ---- The launch ---- */
 
-/* The arguments of one call of bytes a rank, of collective word coll (rg_os_coll). */
-static rg_os_args call_args(const rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll, rg_u32* blocks) {
+/* The arguments of one call of bytes a rank, of collective word coll (rg_os_coll), the call
+ * launched last from now on. */
+static rg_os_args call_args(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll, rg_u32* blocks) {
+  atomic_store(&e->last_coll, (int)rg_os_coll_kind(coll));
   rg_os_args a = e->base;
   a.send = send;
   a.recv = recv;
@@ -276,37 +278,29 @@ static void await_error(rg_os_engine* e) {
   }
 }
 
-/* One call through the stand-in on stream, waited for; its status into *status. */
-static int run_standin(rg_os_engine* e, const rg_os_args* a, rg_u32 blocks, CUstream stream, int* status) {
+/* One call through the stand-in on stream, waited for; returns its status. */
+static int run_standin(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll, CUstream stream) {
   atomic_fetch_add(&e->standin_running, 1);
   rg_os_hcall c;
-  memset(&c, 0, sizeof(c));
-  c.a = *a;
-  c.blocks = blocks;
-  c.a.launch_id = atomic_fetch_add(&e->launch_ids, 1) + 1;
-  pthread_mutex_lock(&e->launch_mu);
-  c.a.call = ++e->calls;
-  pthread_mutex_unlock(&e->launch_mu);
-  *status = RG_OS_ABORTED; /* where the stand-in's streams are already stopped */
+  int status = RG_OS_ABORTED; /* where the stand-in's streams are already stopped */
   /* Closing or not, the body runs, as a kernel launched now would: a closing engine's calls
    * must ship nothing by the body's own checks. */
-  if (rg_os_hstream_queue(e, &c, stream, 1) == 0) {
+  if (rg_os_host_submit(e, &c, send, recv, bytes, coll, stream, 1, 0) == 0) {
     wait_hcall(&c);
-    *status = c.status;
+    status = c.status;
     if (c.status != RG_OS_OK) await_error(e);
   }
   atomic_fetch_sub(&e->standin_running, 1); /* the last touch of e: close may free it now */
-  return CUDA_SUCCESS;
+  return status;
 }
 
 int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll, CUstream stream) {
+  rg_stats_add(rg_os_coll_kind(coll) == RG_OS_ALLREDUCE ? RG_STAT_AR_LAUNCHES : RG_STAT_OS_LAUNCHES, 1);
   rg_u32 blocks;
   rg_os_args a = call_args(e, send, recv, bytes, coll, &blocks);
-  atomic_store(&e->last_coll, (int)rg_os_coll_kind(coll));
-  rg_stats_add(rg_os_coll_kind(coll) == RG_OS_ALLREDUCE ? RG_STAT_AR_LAUNCHES : RG_STAT_OS_LAUNCHES, 1);
   if (e->standin) {
-    int status;
-    return run_standin(e, &a, blocks, stream, &status);
+    run_standin(e, send, recv, bytes, coll, stream);
+    return CUDA_SUCCESS;
   }
   const rg_cuda_api* cu = rg_cuda();
   CUcontext cur = NULL;
@@ -342,13 +336,7 @@ int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, 
 }
 
 int rg_os_host_run(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll) {
-  if (!e->standin) return -1;
-  rg_u32 blocks;
-  rg_os_args a = call_args(e, send, recv, bytes, coll, &blocks);
-  atomic_store(&e->last_coll, (int)rg_os_coll_kind(coll));
-  int status;
-  run_standin(e, &a, blocks, NULL, &status);
-  return status;
+  return e->standin ? run_standin(e, send, recv, bytes, coll, NULL) : -1;
 }
 
 uint64_t rg_os_take_call(rg_os_engine* e) {
@@ -363,7 +351,6 @@ int rg_os_host_submit(rg_os_engine* e, rg_os_hcall* c, const void* send, void* r
   if (!e->standin) return -1;
   memset(c, 0, sizeof(*c));
   c->a = call_args(e, send, recv, bytes, coll, &c->blocks);
-  atomic_store(&e->last_coll, (int)rg_os_coll_kind(coll));
   c->a.launch_id = atomic_fetch_add(&e->launch_ids, 1) + 1;
   c->a.call = call != 0 ? call : rg_os_take_call(e);
   return rg_os_hstream_queue(e, c, stream, ordered);
@@ -376,12 +363,6 @@ int rg_os_host_wait(rg_os_engine* e, rg_os_hcall* c) {
 }
 
 /* ---- The proxy ---- */
-/* A write on lane of len bytes at local into the peer's region at offset at. */
-static rg_wr peer_write(const rg_os_engine* e, const rg_lane* lane, const void* local, uint64_t len, uint64_t at, int flags) {
-  return (rg_wr){.op = RG_OP_WRITE, .local = local, .len = len, .remote = e->peer_region + at,
-                 .rkey = e->peer_rkey[lane->peer_hca], .flags = (uint8_t)flags};
-}
-
 
 static struct {
   pthread_mutex_t mu;
@@ -393,6 +374,12 @@ static struct {
 
 static void stamp(rg_os_engine* e, int which) {
   if (e->tr != NULL && e->tr->index == e->tr_index && e->tr->t[which] == 0) e->tr->t[which] = rg_now_ns();
+}
+
+/* A write on lane of len bytes at local into the peer's region at offset at. */
+static rg_wr peer_write(const rg_os_engine* e, const rg_lane* lane, const void* local, uint64_t len, uint64_t at, int flags) {
+  return (rg_wr){.op = RG_OP_WRITE, .local = local, .len = len, .remote = e->peer_region + at,
+                 .rkey = e->peer_rkey[lane->peer_hca], .flags = (uint8_t)flags};
 }
 
 static uint64_t peer_flag_at(uint64_t parity, int lane) {
