@@ -38,8 +38,6 @@
 #define CLOSED_WR_ID (UINT64_MAX - 1)
 /* How long removing an engine waits for its closing word to leave. */
 #define CLOSED_WAIT_NS 500000000ull
-/* CUDA's CU_STREAM_PER_THREAD: one handle that names the calling thread's own stream. */
-#define PER_THREAD_STREAM ((CUstream)(uintptr_t)0x2)
 
 static const char* const overlap_why =
     "two launches of this communicator's one-shot calls ran on the device at once (a CUDA graph replayed on "
@@ -254,13 +252,17 @@ static rg_os_args call_args(rg_os_engine* e, const void* send, void* recv, uint6
 
 /* Whether stream, from this thread, is the stream of the last call issued outside a capture. */
 static int same_stream(const rg_os_engine* e, CUstream stream) {
-  return stream == e->last_stream && (stream != PER_THREAD_STREAM || pthread_equal(e->last_thread, pthread_self()));
+  return stream == e->last_stream && (stream != RG_OS_PER_THREAD_STREAM || pthread_equal(e->last_thread, pthread_self()));
+}
+
+static void sleep_ns(long ns) {
+  struct timespec ts = {0, ns};
+  nanosleep(&ts, NULL);
 }
 
 static void wait_hcall(rg_os_hcall* c) {
   while (!atomic_load_explicit(&c->done, memory_order_acquire)) {
-    struct timespec ts = {0, 20000};
-    nanosleep(&ts, NULL);
+    sleep_ns(20000);
   }
 }
 
@@ -273,8 +275,7 @@ static void await_error(rg_os_engine* e) {
       rg_os_check_launch(e);
       break;
     }
-    struct timespec ts = {0, 20000};
-    nanosleep(&ts, NULL);
+    sleep_ns(20000);
   }
 }
 
@@ -295,9 +296,9 @@ static int run_standin(rg_os_engine* e, const void* send, void* recv, uint64_t b
 }
 
 int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll, CUstream stream) {
-  rg_stats_add(rg_os_coll_kind(coll) == RG_OS_ALLREDUCE ? RG_STAT_AR_LAUNCHES : RG_STAT_OS_LAUNCHES, 1);
   rg_u32 blocks;
   rg_os_args a = call_args(e, send, recv, bytes, coll, &blocks);
+  rg_stats_add(rg_os_coll_kind(coll) == RG_OS_ALLREDUCE ? RG_STAT_AR_LAUNCHES : RG_STAT_OS_LAUNCHES, 1);
   if (e->standin) {
     run_standin(e, send, recv, bytes, coll, stream);
     return CUDA_SUCCESS;
@@ -375,12 +376,12 @@ static struct {
 static void stamp(rg_os_engine* e, int which) {
   if (e->tr != NULL && e->tr->index == e->tr_index && e->tr->t[which] == 0) e->tr->t[which] = rg_now_ns();
 }
-
 /* A write on lane of len bytes at local into the peer's region at offset at. */
 static rg_wr peer_write(const rg_os_engine* e, const rg_lane* lane, const void* local, uint64_t len, uint64_t at, int flags) {
   return (rg_wr){.op = RG_OP_WRITE, .local = local, .len = len, .remote = e->peer_region + at,
                  .rkey = e->peer_rkey[lane->peer_hca], .flags = (uint8_t)flags};
 }
+
 
 static uint64_t peer_flag_at(uint64_t parity, int lane) {
   return offsetof(rg_os_ctrl, flag) + (parity * RG_OS_MAX_LANES + (uint64_t)lane) * sizeof(rg_os_line);
@@ -886,11 +887,6 @@ static inline void relax(void) {
 #endif
 }
 
-static void nap(void) {
-  struct timespec ts = {0, NAP_NS};
-  nanosleep(&ts, NULL);
-}
-
 static void* proxy_main(void* arg) {
   (void)arg;
   uint64_t last_busy = rg_now_ns();
@@ -922,7 +918,7 @@ static void* proxy_main(void* arg) {
     } else if (now - last_busy > proxy.idle_ns) {
       if (!napping) rg_stats_add(RG_STAT_OS_NAPS, 1);
       napping = 1;
-      nap();
+      sleep_ns(NAP_NS);
     }
   }
   return NULL;
@@ -995,8 +991,7 @@ static int flush(rg_os_engine* e, uint64_t deadline) {
   const uint64_t last = last_rung(e);
   while (atomic_load(&e->sent_seq) < last) {
     if (kept_code(e) != 0 || atomic_load(&e->ended) || rg_now_ns() > deadline) return -1;
-    struct timespec ts = {0, 20000};
-    nanosleep(&ts, NULL);
+    sleep_ns(20000);
   }
   return 0;
 }
@@ -1048,8 +1043,7 @@ int rg_os_quiesce(rg_os_engine* e, int abort, uint64_t timeout_ns) {
       stopped = 1;
       deadline = rg_now_ns() + timeout_ns;
     }
-    struct timespec ts = {0, 100000};
-    nanosleep(&ts, NULL);
+    sleep_ns(100000);
   }
   if (pushed) cu->cuCtxPopCurrent(&cur);
   if (!ok) return -1;

@@ -104,9 +104,6 @@ int rg_os_host_gather(const rg_os_args* a, rg_u32 nblocks) {
 
 /* ---- The stand-in's streams ---- */
 
-/* CUDA's CU_STREAM_PER_THREAD: one handle that names the calling thread's own stream. */
-#define PER_THREAD_STREAM ((CUstream)(uintptr_t)0x2)
-
 static void* hstream_main(void* arg) {
   rg_os_hstream* s = arg;
   rg_os_engine* e = s->e;
@@ -141,7 +138,7 @@ int rg_os_hstream_queue(rg_os_engine* e, rg_os_hcall* c, CUstream stream, int or
     rg_os_hstream* s = &e->hstreams[i];
     if (!s->used) {
       if (free_slot < 0) free_slot = i;
-    } else if (s->handle == stream && (stream != PER_THREAD_STREAM || pthread_equal(s->thread, pthread_self()))) {
+    } else if (s->handle == stream && (stream != RG_OS_PER_THREAD_STREAM || pthread_equal(s->thread, pthread_self()))) {
       found = i;
     }
   }
@@ -191,11 +188,8 @@ int rg_os_hstream_drain(rg_os_engine* e, uint64_t deadline_ns) {
       pthread_mutex_unlock(&e->hmu);
       return -1;
     }
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    uint64_t until = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec + 10000000ull; /* a look every 10 ms at most */
-    ts.tv_sec = (time_t)(until / 1000000000ull);
-    ts.tv_nsec = (long)(until % 1000000000ull);
+    const uint64_t until = now + 10000000ull; /* a look every 10 ms at most (hcv's clock is CLOCK_MONOTONIC, as rg_now_ns) */
+    const struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
     pthread_cond_timedwait(&e->hcv, &e->hmu, &ts);
   }
   pthread_mutex_unlock(&e->hmu);
