@@ -441,10 +441,17 @@ static void count_totals(rg_os_engine* e, const rg_os_report* r) {
   count_total(RG_STAT_AR_BYTES, r->total_allreduce_bytes, &e->counted_allreduce_bytes);
 }
 
-static int peer_data_whole(const rg_os_engine* e, uint64_t seq, uint32_t nchunks);
+/* Whether every lane's flag shows chunks [0, nchunks) of call seq. */
+static int peer_data_whole(const rg_os_engine* e, uint64_t seq, uint32_t nchunks) {
+  const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
+  for (int l = 0; l < e->link->nlanes; l++) {
+    const uint64_t level = load_acquire(&ctrl->flag[seq & 1][l].word);
+    if (rg_os_level_seq(level) != seq || rg_os_level_chunks(level) < nchunks) return 0;
+  }
+  return 1;
+}
 
-static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r, uint64_t now) {
-  (void)now;
+static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r) {
   const uint64_t t0 = r->t_start, t2 = r->t_end;
   if (t2 >= t0 && rg_os_coll_kind(r->coll) == RG_OS_ALLREDUCE)
     rg_stats_ar_latency(t2 - t0);
@@ -463,8 +470,7 @@ static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r, uint64
 }
 
 /* Begins the timeline record of call seq, where the timeline samples it. */
-static void trace_begin(rg_os_engine* e, uint64_t seq, uint64_t bytes, uint64_t now) {
-  (void)now;
+static void trace_begin(rg_os_engine* e, uint64_t seq, uint64_t bytes) {
   rg_trace* t = e->trace;
   e->tr = NULL;
   if (t == NULL || seq % t->every != 0) return;
@@ -481,16 +487,6 @@ static void trace_begin(rg_os_engine* e, uint64_t seq, uint64_t bytes, uint64_t 
 }
 
 enum { STEP_IN_FLIGHT = 1, STEP_PROGRESS = 2 };
-
-/* Whether every lane's flag shows chunks [0, nchunks) of call seq. */
-static int peer_data_whole(const rg_os_engine* e, uint64_t seq, uint32_t nchunks) {
-  const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
-  for (int l = 0; l < e->link->nlanes; l++) {
-    const uint64_t level = load_acquire(&ctrl->flag[seq & 1][l].word);
-    if (rg_os_level_seq(level) != seq || rg_os_level_chunks(level) < nchunks) return 0;
-  }
-  return 1;
-}
 
 /* Whether a call this rank started still lacks some of the peer's data: the oldest one
  * not reported, if its doorbell was seen, until every lane's flag shows its last chunk. */
@@ -570,7 +566,17 @@ static void describe(const rg_os_announce* a, char* out, size_t n) {
            (unsigned long long)a->nchunks, a->nchunks == 1 ? "" : "s", (unsigned long long)a->chunk);
 }
 
-static void link_end_why(const rg_os_engine* e, rg_lane* lane, const char* what, char* why, size_t n);
+/* The cause a failed lane gives: the peer's closing word where it sent one. */
+static void link_end_why(const rg_os_engine* e, rg_lane* lane, const char* what, char* why, size_t n) {
+  const uint64_t word = peer_closed_word(e);
+  char closed[256];
+  if (word != 0) {
+    peer_closed_why(e, word, closed, sizeof(closed));
+    snprintf(why, n, "the peer stopped: %s", closed);
+  } else {
+    snprintf(why, n, "%s: %s", what, rg_why(lane));
+  }
+}
 
 /* Turns the engine's first failed call, as a report names it, into the engine's error. */
 static void raise_failure(rg_os_engine* e, const rg_os_failure* f) {
@@ -638,7 +644,7 @@ static void raise_failure(rg_os_engine* e, const rg_os_failure* f) {
 /* Reads the kernels' reports, in order: each finished call is counted once, and the first
  * failure any report names becomes the engine's error. A report overwritten two calls later
  * is skipped only after the newer one is read: it repeats the first failure. */
-static void reports(rg_os_engine* e, uint64_t now, int* progress) {
+static void reports(rg_os_engine* e, int* progress) {
   rg_os_ctrl* ctrl = (rg_os_ctrl*)e->region;
   for (;;) {
     const uint64_t seq = e->done_seq + 1;
@@ -660,7 +666,7 @@ static void reports(rg_os_engine* e, uint64_t now, int* progress) {
     if (got == seq && r->status == RG_OS_OK && e->post_seq <= seq && kept_code(e) == 0 && !atomic_load(&e->stop_posting))
       break;
     count_totals(e, r);
-    if (got == seq && r->status == RG_OS_OK) account(e, seq, r, now);
+    if (got == seq && r->status == RG_OS_OK) account(e, seq, r);
     if (f.status != RG_OS_OK) raise_failure(e, &f);
     e->done_seq = got;
     *progress = STEP_PROGRESS;
@@ -716,18 +722,6 @@ static void peer_closing(rg_os_engine* e) {
   }
 }
 
-/* The cause a failed lane gives: the peer's closing word where it sent one. */
-static void link_end_why(const rg_os_engine* e, rg_lane* lane, const char* what, char* why, size_t n) {
-  const uint64_t word = peer_closed_word(e);
-  char closed[256];
-  if (word != 0) {
-    peer_closed_why(e, word, closed, sizeof(closed));
-    snprintf(why, n, "the peer stopped: %s", closed);
-  } else {
-    snprintf(why, n, "%s: %s", what, rg_why(lane));
-  }
-}
-
 /* The link ended: quietly where nothing waits for it (the next call fails), else an error
  * now. A peer that said it stopped before it went is taken at its word: this rank's calls up
  * to the sequence it names complete on the data that came before the word, later ones fail
@@ -766,7 +760,7 @@ static int step(rg_os_engine* e, uint64_t now) {
        * the call after this one, cannot end before the peer has this call's data, which only
        * that post sends. So no report is overwritten unread, and the timeline's record of
        * the call before is still the current one when its report comes. */
-      reports(e, now, &progress);
+      reports(e, &progress);
       atomic_thread_fence(memory_order_acquire); /* those reads before the post's stores (aarch64: dmb ishld) */
       if (kept_code(e) != 0) break;
       rg_os_announce m;
@@ -784,7 +778,7 @@ static int step(rg_os_engine* e, uint64_t now) {
       e->post_chunk_bytes = m.chunk;
       e->post_nchunks = (uint32_t)m.nchunks;
       e->post_chunk = 0;
-      trace_begin(e, e->post_seq, e->post_bytes, now);
+      trace_begin(e, e->post_seq, e->post_bytes);
     } else if (load_acquire(&ctrl->ready[parity][e->post_chunk]) != e->post_seq) {
       break;
     }
@@ -814,7 +808,7 @@ static int step(rg_os_engine* e, uint64_t now) {
   }
 
   /* The reports first: a call that ended is not in flight when the link's end is seen. */
-  reports(e, now, &progress);
+  reports(e, &progress);
   if (load_acquire(&ctrl->overlap.word) != 0 && kept_code(e) == 0)
     fail_at(e, e->done_seq + 1, 0, RESULT_INVALID_USAGE, "%s", overlap_why);
   peer_closing(e);
@@ -962,7 +956,7 @@ void rg_os_proxy_remove(rg_os_engine* e) {
    * not: nothing is posted from here on. */
   int progress = 0;
   atomic_store(&e->stop_posting, 1);
-  reports(e, rg_now_ns(), &progress);
+  reports(e, &progress);
   if (!atomic_load(&e->ended)) say_closed(e, atomic_load(&e->close_reason), 1);
   int join = proxy.running && proxy.engines == NULL;
   if (join) proxy.stop = 1;
