@@ -453,10 +453,7 @@ static int peer_data_whole(const rg_os_engine* e, uint64_t seq, uint32_t nchunks
 
 static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r) {
   const uint64_t t0 = r->t_start, t2 = r->t_end;
-  if (t2 >= t0 && rg_os_coll_kind(r->coll) == RG_OS_ALLREDUCE)
-    rg_stats_ar_latency(t2 - t0);
-  else if (t2 >= t0)
-    rg_stats_os_latency(t2 - t0);
+  if (t2 >= t0) rg_stats_latency(rg_os_coll_kind(r->coll) == RG_OS_ALLREDUCE, t2 - t0);
   if (e->tr != NULL && e->tr->index == e->tr_index && e->tr_seq == seq) {
     /* The peer's flags, which the kernel saw, stay at this call until the peer's call after
      * the next one: where no sweep saw them before the report, this is the proxy's first sight. */
