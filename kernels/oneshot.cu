@@ -13,26 +13,16 @@
 /* Single roundings that no compiler contracts into a fused multiply-add (PTX never fuses an
  * instruction with an explicit rounding modifier): an all-reduce's avg is a multiply and an
  * add, each rounded, as NCCL's pre-multiplied sum. */
-__device__ static inline float rg_fadd(float x, float y) {
-  float r;
-  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
-  return r;
-}
-__device__ static inline float rg_fmul(float x, float y) {
-  float r;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
-  return r;
-}
-__device__ static inline double rg_dadd(double x, double y) {
-  double r;
-  asm("add.rn.f64 %0, %1, %2;" : "=d"(r) : "d"(x), "d"(y));
-  return r;
-}
-__device__ static inline double rg_dmul(double x, double y) {
-  double r;
-  asm("mul.rn.f64 %0, %1, %2;" : "=d"(r) : "d"(x), "d"(y));
-  return r;
-}
+#define RG_ROUNDED(name, T, c, ins)                    \
+  __device__ static inline T name(T x, T y) {          \
+    T r;                                               \
+    asm(ins " %0, %1, %2;" : "=" c(r) : c(x), c(y));   \
+    return r;                                          \
+  }
+RG_ROUNDED(rg_fadd, float, "f", "add.rn.f32")
+RG_ROUNDED(rg_fmul, float, "f", "mul.rn.f32")
+RG_ROUNDED(rg_dadd, double, "d", "add.rn.f64")
+RG_ROUNDED(rg_dmul, double, "d", "mul.rn.f64")
 #define RG_OS_FADD(x, y) rg_fadd((x), (y))
 #define RG_OS_FMUL(x, y) rg_fmul((x), (y))
 #define RG_OS_DADD(x, y) rg_dadd((x), (y))
@@ -154,42 +144,15 @@ __device__ static inline __attribute__((always_inline)) void rg_block_copy(unsig
   for (rg_u64 b = head + words * 16 + t; b < n; b += nt) dst[b] = volatile_src ? rg_ld_cv_byte(src + b) : src[b];
 }
 
-// One element of esz bytes (1, 2, 4 or 8; the address is a multiple of it), the peer's
-// through the caches' bypass as rg_ld_cv.
+// One element of esz bytes, a byte a load, the peer's around the caches as rg_ld_cv (the
+// last bytes of an all-reduce short of 16 take this), and its store.
 __device__ static inline rg_u64 rg_ld_elem(const unsigned char* p, unsigned int esz, int volatile_src) {
-  if (!volatile_src) {
-    switch (esz) {
-    case 1: return *p;
-    case 2: return *(const unsigned short*)p;
-    case 4: return *(const unsigned int*)p;
-    default: return *(const rg_u64*)p;
-    }
-  }
-  rg_u64 v;
-  unsigned int w;
-  unsigned short h;
-  switch (esz) {
-  case 1:
-    asm volatile("ld.global.cv.u8 %0, [%1];" : "=h"(h) : "l"(p));
-    return h & 0xff;
-  case 2:
-    asm volatile("ld.global.cv.u16 %0, [%1];" : "=h"(h) : "l"(p));
-    return h;
-  case 4:
-    asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(w) : "l"(p));
-    return w;
-  default:
-    asm volatile("ld.global.cv.u64 %0, [%1];" : "=l"(v) : "l"(p));
-    return v;
-  }
+  rg_u64 v = 0;
+  for (unsigned int k = 0; k < esz; k++) v |= (rg_u64)(volatile_src ? rg_ld_cv_byte(p + k) : p[k]) << (8 * k);
+  return v;
 }
 __device__ static inline void rg_st_elem(unsigned char* p, unsigned int esz, rg_u64 v) {
-  switch (esz) {
-  case 1: *p = (unsigned char)v; break;
-  case 2: *(unsigned short*)p = (unsigned short)v; break;
-  case 4: *(unsigned int*)p = (unsigned int)v; break;
-  default: *(rg_u64*)p = v;
-  }
+  for (unsigned int k = 0; k < esz; k++) p[k] = (unsigned char)(v >> (8 * k));
 }
 
 // Loads 16 bytes at s, align bytes past a 16-byte boundary, with the widest loads that

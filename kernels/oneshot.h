@@ -83,6 +83,23 @@ typedef struct rg_os_failure {
   rg_os_announce peer; /* what the peer announced, where the failure is a mismatch */
 } rg_os_failure;
 
+/* Reads an announcement, or a failure, that another side writes (oneshot_body.h stores them)
+ * into plain memory: the kernel's, the stand-in's and the proxy's reads. */
+RG_OS_HD static inline void rg_os_load_announce(const volatile rg_os_announce* src, rg_os_announce* out) {
+  out->seq = src->seq;
+  out->bytes = src->bytes;
+  out->chunk = src->chunk;
+  out->nchunks = src->nchunks;
+  out->coll = src->coll;
+  out->call = src->call;
+}
+
+RG_OS_HD static inline void rg_os_load_failure(const volatile rg_os_failure* src, rg_os_failure* out) {
+  rg_os_load_announce(&src->mine, &out->mine);
+  rg_os_load_announce(&src->peer, &out->peer);
+  out->status = src->status;
+}
+
 /* What the kernel tells the host about the call of one parity, written by the block that
  * finishes it; seq is stored last (a release), so a reader that sees seq sees the rest. */
 typedef struct rg_os_report {

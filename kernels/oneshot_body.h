@@ -43,15 +43,6 @@ RG_OS_FN static void rg_os_my_call(const rg_os_args* a, rg_u64 seq, rg_os_announ
   out->call = a->call;
 }
 
-RG_OS_FN static void rg_os_load_announce(const volatile rg_os_announce* src, rg_os_announce* out) {
-  out->seq = src->seq;
-  out->bytes = src->bytes;
-  out->chunk = src->chunk;
-  out->nchunks = src->nchunks;
-  out->coll = src->coll;
-  out->call = src->call;
-}
-
 RG_OS_FN static void rg_os_store_announce(volatile rg_os_announce* dst, const rg_os_announce* v) {
   dst->seq = v->seq;
   dst->bytes = v->bytes;
@@ -138,12 +129,6 @@ RG_OS_FN static void rg_os_store_failure(volatile rg_os_failure* dst, const rg_o
   rg_os_store_announce(&dst->mine, &v->mine);
   rg_os_store_announce(&dst->peer, &v->peer);
   dst->status = v->status;
-}
-
-RG_OS_FN static void rg_os_load_failure(const volatile rg_os_failure* src, rg_os_failure* out) {
-  rg_os_load_announce(&src->mine, &out->mine);
-  rg_os_load_announce(&src->peer, &out->peer);
-  out->status = src->status;
 }
 
 /* Runs block `block` of nblocks; returns the call's status in the block that finished it,

@@ -89,27 +89,6 @@ RG_OS_RFN rg_u64 rg_os_red_int(rg_u32 op, rg_u64 x0, rg_u64 x1, rg_u32 bits, int
 
 /* ---- Floats as bits ---- */
 
-RG_OS_RFN float rg_os_f32_of(rg_u32 u) {
-  union { rg_u32 u; float f; } v;
-  v.u = u;
-  return v.f;
-}
-RG_OS_RFN rg_u32 rg_os_bits_f32(float f) {
-  union { rg_u32 u; float f; } v;
-  v.f = f;
-  return v.u;
-}
-RG_OS_RFN double rg_os_f64_of(rg_u64 u) {
-  union { rg_u64 u; double f; } v;
-  v.u = u;
-  return v.f;
-}
-RG_OS_RFN rg_u64 rg_os_bits_f64(double f) {
-  union { rg_u64 u; double f; } v;
-  v.f = f;
-  return v.u;
-}
-
 #define RG_OS_NAN32 0x7fffffffu
 #define RG_OS_NAN64 0x7fffffffffffffffull
 #define RG_OS_NAN16 0x7fffu
@@ -165,30 +144,9 @@ RG_OS_RFN rg_u32 rg_os_f32_to_bf16(rg_u32 f) {
   return (f + 0x7fffu + ((f >> 16) & 1)) >> 16;
 }
 
-/* max and min of two values given as their order keys (sign-magnitude made monotonic):
- * a NaN gives the other operand, two NaNs the canonical NaN, and +0 is above -0. */
+/* A float's order key (sign-magnitude made monotonic, so +0 is above -0), for max and min. */
 RG_OS_RFN rg_u32 rg_os_key32(rg_u32 u) { return (u & 0x80000000u) ? ~u : u | 0x80000000u; }
 RG_OS_RFN rg_u64 rg_os_key64(rg_u64 u) { return (u & 0x8000000000000000ull) ? ~u : u | 0x8000000000000000ull; }
-
-RG_OS_RFN rg_u32 rg_os_minmax32(rg_u32 op, rg_u32 x0, rg_u32 x1) {
-  const int n0 = rg_os_isnan32(x0), n1 = rg_os_isnan32(x1);
-  if (n0 && n1) return RG_OS_NAN32;
-  if (n0) return x1;
-  if (n1) return x0;
-  const rg_u32 k0 = rg_os_key32(x0), k1 = rg_os_key32(x1);
-  if (op == RG_OS_MAX) return k0 >= k1 ? x0 : x1;
-  return k0 <= k1 ? x0 : x1;
-}
-
-RG_OS_RFN rg_u64 rg_os_minmax64(rg_u32 op, rg_u64 x0, rg_u64 x1) {
-  const int n0 = rg_os_isnan64(x0), n1 = rg_os_isnan64(x1);
-  if (n0 && n1) return RG_OS_NAN64;
-  if (n0) return x1;
-  if (n1) return x0;
-  const rg_u64 k0 = rg_os_key64(x0), k1 = rg_os_key64(x1);
-  if (op == RG_OS_MAX) return k0 >= k1 ? x0 : x1;
-  return k0 <= k1 ? x0 : x1;
-}
 
 /* The includer may give single-rounding float operations that no compiler fuses
  * (RG_OS_FADD, RG_OS_FMUL, RG_OS_DADD, RG_OS_DMUL); the plain operators otherwise. */
@@ -199,41 +157,54 @@ RG_OS_RFN rg_u64 rg_os_minmax64(rg_u32 op, rg_u64 x0, rg_u64 x1) {
 #define RG_OS_DMUL(x, y) ((x) * (y))
 #endif
 
-/* float32 op on bits; sum, prod and avg give the canonical NaN for any NaN result. */
-RG_OS_RFN rg_u32 rg_os_red_f32(rg_u32 op, rg_u32 x0, rg_u32 x1) {
-  if (op == RG_OS_MAX || op == RG_OS_MIN) return rg_os_minmax32(op, x0, x1);
-  const float a = rg_os_f32_of(x0), b = rg_os_f32_of(x1);
-  float r;
-  if (op == RG_OS_SUM)
-    r = RG_OS_FADD(a, b);
-  else if (op == RG_OS_PROD)
-    r = RG_OS_FMUL(a, b);
-  else
-    r = RG_OS_FADD(RG_OS_FMUL(a, 0.5f), RG_OS_FMUL(b, 0.5f));
-  const rg_u32 u = rg_os_bits_f32(r);
-  return rg_os_isnan32(u) ? RG_OS_NAN32 : u;
-}
+/* float32 (w 32) and float64 (w 64) ops on bits, with the includer's single roundings add and
+ * mul (half: 0.5 in the type): a value's float from its bits and back; max and min by the
+ * order keys, where a NaN gives the other operand and two NaNs the canonical NaN; sum, prod
+ * and avg, the canonical NaN for any NaN result. */
+#define RG_OS_FLOAT_OPS(w, T, F, nan, add, mul, half)                                  \
+  RG_OS_RFN F rg_os_f##w##_of(T u) {                                                    \
+    union { T u; F f; } v;                                                              \
+    v.u = u;                                                                            \
+    return v.f;                                                                         \
+  }                                                                                     \
+  RG_OS_RFN T rg_os_bits_f##w(F f) {                                                    \
+    union { T u; F f; } v;                                                              \
+    v.f = f;                                                                            \
+    return v.u;                                                                         \
+  }                                                                                     \
+  RG_OS_RFN T rg_os_minmax##w(rg_u32 op, T x0, T x1) {                                  \
+    const int n0 = rg_os_isnan##w(x0), n1 = rg_os_isnan##w(x1);                         \
+    if (n0 && n1) return nan;                                                           \
+    if (n0) return x1;                                                                  \
+    if (n1) return x0;                                                                  \
+    const T k0 = rg_os_key##w(x0), k1 = rg_os_key##w(x1);                               \
+    if (op == RG_OS_MAX) return k0 >= k1 ? x0 : x1;                                     \
+    return k0 <= k1 ? x0 : x1;                                                          \
+  }                                                                                     \
+  RG_OS_RFN T rg_os_red_f##w(rg_u32 op, T x0, T x1) {                                   \
+    if (op == RG_OS_MAX || op == RG_OS_MIN) return rg_os_minmax##w(op, x0, x1);         \
+    const F a = rg_os_f##w##_of(x0), b = rg_os_f##w##_of(x1);                           \
+    F r;                                                                                \
+    if (op == RG_OS_SUM)                                                                \
+      r = add(a, b);                                                                    \
+    else if (op == RG_OS_PROD)                                                          \
+      r = mul(a, b);                                                                    \
+    else                                                                                \
+      r = add(mul(a, half), mul(b, half));                                              \
+    const T u = rg_os_bits_f##w(r);                                                     \
+    return rg_os_isnan##w(u) ? nan : u;                                                 \
+  }
+RG_OS_FLOAT_OPS(32, rg_u32, float, RG_OS_NAN32, RG_OS_FADD, RG_OS_FMUL, 0.5f)
+RG_OS_FLOAT_OPS(64, rg_u64, double, RG_OS_NAN64, RG_OS_DADD, RG_OS_DMUL, 0.5)
 
-RG_OS_RFN rg_u64 rg_os_red_f64(rg_u32 op, rg_u64 x0, rg_u64 x1) {
-  if (op == RG_OS_MAX || op == RG_OS_MIN) return rg_os_minmax64(op, x0, x1);
-  const double a = rg_os_f64_of(x0), b = rg_os_f64_of(x1);
-  double r;
-  if (op == RG_OS_SUM)
-    r = RG_OS_DADD(a, b);
-  else if (op == RG_OS_PROD)
-    r = RG_OS_DMUL(a, b);
-  else
-    r = RG_OS_DADD(RG_OS_DMUL(a, 0.5), RG_OS_DMUL(b, 0.5));
-  const rg_u64 u = rg_os_bits_f64(r);
-  return rg_os_isnan64(u) ? RG_OS_NAN64 : u;
-}
-
-/* float16 and bfloat16 (bf 1): a sum or product through float32, rounded back to the type. */
+/* float16 and bfloat16 (bf 1) through float32: a sum or product rounded back to the type,
+ * max and min the operand they pick (two NaNs: the canonical NaN). */
 RG_OS_RFN rg_u32 rg_os_half_arith(rg_u32 op, rg_u32 x0, rg_u32 x1, int bf) {
   const rg_u32 f0 = bf ? rg_os_bf16_to_f32(x0) : rg_os_f16_to_f32(x0);
   const rg_u32 f1 = bf ? rg_os_bf16_to_f32(x1) : rg_os_f16_to_f32(x1);
   const rg_u32 r = rg_os_red_f32(op, f0, f1);
   if (rg_os_isnan32(r)) return RG_OS_NAN16;
+  if (op == RG_OS_MAX || op == RG_OS_MIN) return r == f0 ? x0 : x1;
   return bf ? rg_os_f32_to_bf16(r) : rg_os_f32_to_f16(r);
 }
 
@@ -242,15 +213,6 @@ RG_OS_RFN rg_u32 rg_os_half_arith(rg_u32 op, rg_u32 x0, rg_u32 x1, int bf) {
 RG_OS_RFN rg_u32 rg_os_red_half(rg_u32 op, rg_u32 x0, rg_u32 x1, int bf) {
   x0 &= 0xffffu;
   x1 &= 0xffffu;
-  if (op == RG_OS_MAX || op == RG_OS_MIN) {
-    const rg_u32 f0 = bf ? rg_os_bf16_to_f32(x0) : rg_os_f16_to_f32(x0);
-    const rg_u32 f1 = bf ? rg_os_bf16_to_f32(x1) : rg_os_f16_to_f32(x1);
-    const int n0 = rg_os_isnan32(f0), n1 = rg_os_isnan32(f1);
-    if (n0 && n1) return RG_OS_NAN16;
-    if (n0) return x1;
-    if (n1) return x0;
-    return rg_os_minmax32(op, f0, f1) == f0 ? x0 : x1;
-  }
   if (op == RG_OS_AVG) {
     const rg_u32 half = bf ? 0x3f00u : 0x3800u; /* 0.5 in the type */
     return rg_os_half_arith(RG_OS_SUM, rg_os_half_arith(RG_OS_PROD, x0, half, bf), rg_os_half_arith(RG_OS_PROD, x1, half, bf), bf);

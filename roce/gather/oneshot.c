@@ -38,8 +38,6 @@
 #define CLOSED_WR_ID (UINT64_MAX - 1)
 /* How long removing an engine waits for its closing word to leave. */
 #define CLOSED_WAIT_NS 500000000ull
-/* CUDA's CU_STREAM_PER_THREAD: one handle that names the calling thread's own stream. */
-#define PER_THREAD_STREAM ((CUstream)(uintptr_t)0x2)
 
 static const char* const overlap_why =
     "two launches of this communicator's one-shot calls ran on the device at once (a CUDA graph replayed on "
@@ -50,21 +48,6 @@ static rg_u32 threads_for(rg_u64 chunk) { return chunk <= 4096 ? 128 : 512; }
 
 static uint64_t load_acquire(const volatile uint64_t* p) { return __atomic_load_n((const uint64_t*)p, __ATOMIC_ACQUIRE); }
 static uint64_t load_relaxed(const volatile uint64_t* p) { return __atomic_load_n((const uint64_t*)p, __ATOMIC_RELAXED); }
-
-static void read_announce(const volatile rg_os_announce* src, rg_os_announce* out) {
-  out->seq = src->seq;
-  out->bytes = src->bytes;
-  out->chunk = src->chunk;
-  out->nchunks = src->nchunks;
-  out->coll = src->coll;
-  out->call = src->call;
-}
-
-static void read_failure(const volatile rg_os_failure* src, rg_os_failure* out) {
-  out->status = src->status;
-  read_announce(&src->mine, &out->mine);
-  read_announce(&src->peer, &out->peer);
-}
 
 /* ---- The kept error ---- */
 
@@ -252,8 +235,10 @@ void rg_os_engine_teardown(rg_os_engine* e) {
 
 /* ---- The launch ---- */
 
-/* The arguments of one call of bytes a rank, of collective word coll (rg_os_coll). */
-static rg_os_args call_args(const rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll, rg_u32* blocks) {
+/* The arguments of one call of bytes a rank, of collective word coll (rg_os_coll), the call
+ * launched last from now on. */
+static rg_os_args call_args(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll, rg_u32* blocks) {
+  atomic_store(&e->last_coll, (int)rg_os_coll_kind(coll));
   rg_os_args a = e->base;
   a.send = send;
   a.recv = recv;
@@ -267,13 +252,17 @@ static rg_os_args call_args(const rg_os_engine* e, const void* send, void* recv,
 
 /* Whether stream, from this thread, is the stream of the last call issued outside a capture. */
 static int same_stream(const rg_os_engine* e, CUstream stream) {
-  return stream == e->last_stream && (stream != PER_THREAD_STREAM || pthread_equal(e->last_thread, pthread_self()));
+  return stream == e->last_stream && (stream != RG_OS_PER_THREAD_STREAM || pthread_equal(e->last_thread, pthread_self()));
+}
+
+static void sleep_ns(long ns) {
+  struct timespec ts = {0, ns};
+  nanosleep(&ts, NULL);
 }
 
 static void wait_hcall(rg_os_hcall* c) {
   while (!atomic_load_explicit(&c->done, memory_order_acquire)) {
-    struct timespec ts = {0, 20000};
-    nanosleep(&ts, NULL);
+    sleep_ns(20000);
   }
 }
 
@@ -286,42 +275,33 @@ static void await_error(rg_os_engine* e) {
       rg_os_check_launch(e);
       break;
     }
-    struct timespec ts = {0, 20000};
-    nanosleep(&ts, NULL);
+    sleep_ns(20000);
   }
 }
 
-/* One call through the stand-in on stream, waited for; its status into *status. */
-static int run_standin(rg_os_engine* e, const rg_os_args* a, rg_u32 blocks, CUstream stream, int* status) {
+/* One call through the stand-in on stream, waited for; returns its status. */
+static int run_standin(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll, CUstream stream) {
   atomic_fetch_add(&e->standin_running, 1);
   rg_os_hcall c;
-  memset(&c, 0, sizeof(c));
-  c.a = *a;
-  c.blocks = blocks;
-  c.a.launch_id = atomic_fetch_add(&e->launch_ids, 1) + 1;
-  pthread_mutex_lock(&e->launch_mu);
-  c.a.call = ++e->calls;
-  pthread_mutex_unlock(&e->launch_mu);
-  *status = RG_OS_ABORTED; /* where the stand-in's streams are already stopped */
+  int status = RG_OS_ABORTED; /* where the stand-in's streams are already stopped */
   /* Closing or not, the body runs, as a kernel launched now would: a closing engine's calls
    * must ship nothing by the body's own checks. */
-  if (rg_os_hstream_queue(e, &c, stream, 1) == 0) {
+  if (rg_os_host_submit(e, &c, send, recv, bytes, coll, stream, 1, 0) == 0) {
     wait_hcall(&c);
-    *status = c.status;
+    status = c.status;
     if (c.status != RG_OS_OK) await_error(e);
   }
   atomic_fetch_sub(&e->standin_running, 1); /* the last touch of e: close may free it now */
-  return CUDA_SUCCESS;
+  return status;
 }
 
 int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll, CUstream stream) {
   rg_u32 blocks;
   rg_os_args a = call_args(e, send, recv, bytes, coll, &blocks);
-  atomic_store(&e->last_coll, (int)rg_os_coll_kind(coll));
   rg_stats_add(rg_os_coll_kind(coll) == RG_OS_ALLREDUCE ? RG_STAT_AR_LAUNCHES : RG_STAT_OS_LAUNCHES, 1);
   if (e->standin) {
-    int status;
-    return run_standin(e, &a, blocks, stream, &status);
+    run_standin(e, send, recv, bytes, coll, stream);
+    return CUDA_SUCCESS;
   }
   const rg_cuda_api* cu = rg_cuda();
   CUcontext cur = NULL;
@@ -357,13 +337,7 @@ int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, 
 }
 
 int rg_os_host_run(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, uint64_t coll) {
-  if (!e->standin) return -1;
-  rg_u32 blocks;
-  rg_os_args a = call_args(e, send, recv, bytes, coll, &blocks);
-  atomic_store(&e->last_coll, (int)rg_os_coll_kind(coll));
-  int status;
-  run_standin(e, &a, blocks, NULL, &status);
-  return status;
+  return e->standin ? run_standin(e, send, recv, bytes, coll, NULL) : -1;
 }
 
 uint64_t rg_os_take_call(rg_os_engine* e) {
@@ -378,7 +352,6 @@ int rg_os_host_submit(rg_os_engine* e, rg_os_hcall* c, const void* send, void* r
   if (!e->standin) return -1;
   memset(c, 0, sizeof(*c));
   c->a = call_args(e, send, recv, bytes, coll, &c->blocks);
-  atomic_store(&e->last_coll, (int)rg_os_coll_kind(coll));
   c->a.launch_id = atomic_fetch_add(&e->launch_ids, 1) + 1;
   c->a.call = call != 0 ? call : rg_os_take_call(e);
   return rg_os_hstream_queue(e, c, stream, ordered);
@@ -403,6 +376,12 @@ static struct {
 static void stamp(rg_os_engine* e, int which) {
   if (e->tr != NULL && e->tr->index == e->tr_index && e->tr->t[which] == 0) e->tr->t[which] = rg_now_ns();
 }
+/* A write on lane of len bytes at local into the peer's region at offset at. */
+static rg_wr peer_write(const rg_os_engine* e, const rg_lane* lane, const void* local, uint64_t len, uint64_t at, int flags) {
+  return (rg_wr){.op = RG_OP_WRITE, .local = local, .len = len, .remote = e->peer_region + at,
+                 .rkey = e->peer_rkey[lane->peer_hca], .flags = (uint8_t)flags};
+}
+
 
 static uint64_t peer_flag_at(uint64_t parity, int lane) {
   return offsetof(rg_os_ctrl, flag) + (parity * RG_OS_MAX_LANES + (uint64_t)lane) * sizeof(rg_os_line);
@@ -427,33 +406,15 @@ static int post_chunk(rg_os_engine* e, uint32_t parity, uint32_t c) {
     int signal = last_chunk || ++e->unsignaled[l] >= SIGNAL_EVERY;
     rg_wr w[3];
     int k = 0;
-    memset(w, 0, sizeof(w));
-    if (c == 0 && l == 0) {
-      w[k].op = RG_OP_WRITE;
-      w[k].local = &e->post_ann;
-      w[k].len = sizeof(e->post_ann);
-      w[k].remote = e->peer_region + offsetof(rg_os_ctrl, announce) + (uint64_t)parity * sizeof(rg_os_announce_line);
-      w[k].rkey = e->peer_rkey[lane->peer_hca];
-      w[k].flags = RG_WR_INLINE;
-      k++;
-    }
+    if (c == 0 && l == 0)
+      w[k++] = peer_write(e, lane, &e->post_ann, sizeof(e->post_ann),
+                          offsetof(rg_os_ctrl, announce) + (uint64_t)parity * sizeof(rg_os_announce_line), RG_WR_INLINE);
     if (len > 0) {
-      w[k].op = RG_OP_WRITE;
-      w[k].local = e->region + e->send_off + slot;
-      w[k].mr = e->region_mr;
-      w[k].len = len;
-      w[k].remote = e->peer_region + e->recv_off + slot;
-      w[k].rkey = e->peer_rkey[lane->peer_hca];
-      k++;
+      w[k] = peer_write(e, lane, e->region + e->send_off + slot, len, e->recv_off + slot, 0);
+      w[k++].mr = e->region_mr;
     }
-    w[k].op = RG_OP_WRITE;
-    w[k].local = &level;
-    w[k].len = sizeof(level);
-    w[k].remote = e->peer_region + peer_flag_at(parity, l);
-    w[k].rkey = e->peer_rkey[lane->peer_hca];
-    w[k].flags = RG_WR_INLINE | (signal ? RG_WR_SIGNALED : 0);
-    w[k].wr_id = e->post_seq << 1 | (uint64_t)last_chunk; /* a call's last write says it left whole */
-    k++;
+    w[k] = peer_write(e, lane, &level, sizeof(level), peer_flag_at(parity, l), RG_WR_INLINE | (signal ? RG_WR_SIGNALED : 0));
+    w[k++].wr_id = e->post_seq << 1 | (uint64_t)last_chunk; /* a call's last write says it left whole */
     int r = rg_post(lane, w, k);
     if (r != RG_OK) return r; /* a lane that took part of a chunk never refuses the rest: each lane is checked above */
     if (signal) {
@@ -480,15 +441,19 @@ static void count_totals(rg_os_engine* e, const rg_os_report* r) {
   count_total(RG_STAT_AR_BYTES, r->total_allreduce_bytes, &e->counted_allreduce_bytes);
 }
 
-static int peer_data_whole(const rg_os_engine* e, uint64_t seq, uint32_t nchunks);
+/* Whether every lane's flag shows chunks [0, nchunks) of call seq. */
+static int peer_data_whole(const rg_os_engine* e, uint64_t seq, uint32_t nchunks) {
+  const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
+  for (int l = 0; l < e->link->nlanes; l++) {
+    const uint64_t level = load_acquire(&ctrl->flag[seq & 1][l].word);
+    if (rg_os_level_seq(level) != seq || rg_os_level_chunks(level) < nchunks) return 0;
+  }
+  return 1;
+}
 
-static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r, uint64_t now) {
-  (void)now;
+static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r) {
   const uint64_t t0 = r->t_start, t2 = r->t_end;
-  if (t2 >= t0 && rg_os_coll_kind(r->coll) == RG_OS_ALLREDUCE)
-    rg_stats_ar_latency(t2 - t0);
-  else if (t2 >= t0)
-    rg_stats_os_latency(t2 - t0);
+  if (t2 >= t0) rg_stats_latency(rg_os_coll_kind(r->coll) == RG_OS_ALLREDUCE, t2 - t0);
   if (e->tr != NULL && e->tr->index == e->tr_index && e->tr_seq == seq) {
     /* The peer's flags, which the kernel saw, stay at this call until the peer's call after
      * the next one: where no sweep saw them before the report, this is the proxy's first sight. */
@@ -502,8 +467,7 @@ static void account(rg_os_engine* e, uint64_t seq, const rg_os_report* r, uint64
 }
 
 /* Begins the timeline record of call seq, where the timeline samples it. */
-static void trace_begin(rg_os_engine* e, uint64_t seq, uint64_t bytes, uint64_t now) {
-  (void)now;
+static void trace_begin(rg_os_engine* e, uint64_t seq, uint64_t bytes) {
   rg_trace* t = e->trace;
   e->tr = NULL;
   if (t == NULL || seq % t->every != 0) return;
@@ -520,16 +484,6 @@ static void trace_begin(rg_os_engine* e, uint64_t seq, uint64_t bytes, uint64_t 
 }
 
 enum { STEP_IN_FLIGHT = 1, STEP_PROGRESS = 2 };
-
-/* Whether every lane's flag shows chunks [0, nchunks) of call seq. */
-static int peer_data_whole(const rg_os_engine* e, uint64_t seq, uint32_t nchunks) {
-  const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
-  for (int l = 0; l < e->link->nlanes; l++) {
-    const uint64_t level = load_acquire(&ctrl->flag[seq & 1][l].word);
-    if (rg_os_level_seq(level) != seq || rg_os_level_chunks(level) < nchunks) return 0;
-  }
-  return 1;
-}
 
 /* Whether a call this rank started still lacks some of the peer's data: the oldest one
  * not reported, if its doorbell was seen, until every lane's flag shows its last chunk. */
@@ -609,7 +563,17 @@ static void describe(const rg_os_announce* a, char* out, size_t n) {
            (unsigned long long)a->nchunks, a->nchunks == 1 ? "" : "s", (unsigned long long)a->chunk);
 }
 
-static void link_end_why(const rg_os_engine* e, rg_lane* lane, const char* what, char* why, size_t n);
+/* The cause a failed lane gives: the peer's closing word where it sent one. */
+static void link_end_why(const rg_os_engine* e, rg_lane* lane, const char* what, char* why, size_t n) {
+  const uint64_t word = peer_closed_word(e);
+  char closed[256];
+  if (word != 0) {
+    peer_closed_why(e, word, closed, sizeof(closed));
+    snprintf(why, n, "the peer stopped: %s", closed);
+  } else {
+    snprintf(why, n, "%s: %s", what, rg_why(lane));
+  }
+}
 
 /* Turns the engine's first failed call, as a report names it, into the engine's error. */
 static void raise_failure(rg_os_engine* e, const rg_os_failure* f) {
@@ -677,7 +641,7 @@ static void raise_failure(rg_os_engine* e, const rg_os_failure* f) {
 /* Reads the kernels' reports, in order: each finished call is counted once, and the first
  * failure any report names becomes the engine's error. A report overwritten two calls later
  * is skipped only after the newer one is read: it repeats the first failure. */
-static void reports(rg_os_engine* e, uint64_t now, int* progress) {
+static void reports(rg_os_engine* e, int* progress) {
   rg_os_ctrl* ctrl = (rg_os_ctrl*)e->region;
   for (;;) {
     const uint64_t seq = e->done_seq + 1;
@@ -685,7 +649,7 @@ static void reports(rg_os_engine* e, uint64_t now, int* progress) {
     const uint64_t got = load_acquire(&r->seq);
     if (got < seq) break;
     rg_os_failure f;
-    read_failure(&r->failure, &f);
+    rg_os_load_failure(&r->failure, &f);
     /* A mismatch waits until this rank's announcement of that call has left, so that the peer
      * finds the mismatch too: the kernel rang every doorbell before it waited. */
     if (f.status == RG_OS_MISMATCH && kept_code(e) == 0 && e->post_seq <= f.mine.seq && !atomic_load(&e->stop_posting) &&
@@ -699,7 +663,7 @@ static void reports(rg_os_engine* e, uint64_t now, int* progress) {
     if (got == seq && r->status == RG_OS_OK && e->post_seq <= seq && kept_code(e) == 0 && !atomic_load(&e->stop_posting))
       break;
     count_totals(e, r);
-    if (got == seq && r->status == RG_OS_OK) account(e, seq, r, now);
+    if (got == seq && r->status == RG_OS_OK) account(e, seq, r);
     if (f.status != RG_OS_OK) raise_failure(e, &f);
     e->done_seq = got;
     *progress = STEP_PROGRESS;
@@ -715,14 +679,7 @@ static void say_closed(rg_os_engine* e, int reason, int wait) {
     e->said_closed = 1;
     uint64_t word = (e->post_seq - 1) << RG_OS_CLOSED_SHIFT | (uint64_t)reason;
     for (int l = 0; l < link->nlanes; l++) {
-      rg_wr w;
-      memset(&w, 0, sizeof(w));
-      w.op = RG_OP_WRITE;
-      w.local = &word;
-      w.len = sizeof(word);
-      w.remote = e->peer_region + offsetof(rg_os_ctrl, closed);
-      w.rkey = e->peer_rkey[link->lane[l].peer_hca];
-      w.flags = RG_WR_INLINE | RG_WR_SIGNALED;
+      rg_wr w = peer_write(e, &link->lane[l], &word, sizeof(word), offsetof(rg_os_ctrl, closed), RG_WR_INLINE | RG_WR_SIGNALED);
       w.wr_id = CLOSED_WR_ID;
       if (rg_post(&link->lane[l], &w, 1) == RG_OK) {
         e->closed_unsent++;
@@ -759,18 +716,6 @@ static void peer_closing(rg_os_engine* e) {
     peer_closed_why(e, e->peer_closed, why, sizeof(why));
     snprintf(ended, sizeof(ended), "the peer stopped: %s", why);
     end_quietly(e, ended);
-  }
-}
-
-/* The cause a failed lane gives: the peer's closing word where it sent one. */
-static void link_end_why(const rg_os_engine* e, rg_lane* lane, const char* what, char* why, size_t n) {
-  const uint64_t word = peer_closed_word(e);
-  char closed[256];
-  if (word != 0) {
-    peer_closed_why(e, word, closed, sizeof(closed));
-    snprintf(why, n, "the peer stopped: %s", closed);
-  } else {
-    snprintf(why, n, "%s: %s", what, rg_why(lane));
   }
 }
 
@@ -812,11 +757,11 @@ static int step(rg_os_engine* e, uint64_t now) {
        * the call after this one, cannot end before the peer has this call's data, which only
        * that post sends. So no report is overwritten unread, and the timeline's record of
        * the call before is still the current one when its report comes. */
-      reports(e, now, &progress);
+      reports(e, &progress);
       atomic_thread_fence(memory_order_acquire); /* those reads before the post's stores (aarch64: dmb ishld) */
       if (kept_code(e) != 0) break;
       rg_os_announce m;
-      read_announce(&ctrl->mine[parity].a, &m); /* written before that doorbell */
+      rg_os_load_announce(&ctrl->mine[parity].a, &m); /* written before that doorbell */
       if (m.seq != e->post_seq || m.bytes == 0 || m.chunk == 0 || m.bytes > e->slot_bytes || m.nchunks == 0 ||
           m.nchunks > RG_OS_MAX_CHUNKS || m.nchunks != rg_os_nchunks(m.bytes, m.chunk)) {
         rg_os_fail(e, RESULT_SYSTEM_ERROR, 0, "the kernel announced sequence %llu (expected %llu) of %llu bytes in %llu "
@@ -830,7 +775,7 @@ static int step(rg_os_engine* e, uint64_t now) {
       e->post_chunk_bytes = m.chunk;
       e->post_nchunks = (uint32_t)m.nchunks;
       e->post_chunk = 0;
-      trace_begin(e, e->post_seq, e->post_bytes, now);
+      trace_begin(e, e->post_seq, e->post_bytes);
     } else if (load_acquire(&ctrl->ready[parity][e->post_chunk]) != e->post_seq) {
       break;
     }
@@ -860,7 +805,7 @@ static int step(rg_os_engine* e, uint64_t now) {
   }
 
   /* The reports first: a call that ended is not in flight when the link's end is seen. */
-  reports(e, now, &progress);
+  reports(e, &progress);
   if (load_acquire(&ctrl->overlap.word) != 0 && kept_code(e) == 0)
     fail_at(e, e->done_seq + 1, 0, RESULT_INVALID_USAGE, "%s", overlap_why);
   peer_closing(e);
@@ -933,11 +878,6 @@ static inline void relax(void) {
 #endif
 }
 
-static void nap(void) {
-  struct timespec ts = {0, NAP_NS};
-  nanosleep(&ts, NULL);
-}
-
 static void* proxy_main(void* arg) {
   (void)arg;
   uint64_t last_busy = rg_now_ns();
@@ -969,7 +909,7 @@ static void* proxy_main(void* arg) {
     } else if (now - last_busy > proxy.idle_ns) {
       if (!napping) rg_stats_add(RG_STAT_OS_NAPS, 1);
       napping = 1;
-      nap();
+      sleep_ns(NAP_NS);
     }
   }
   return NULL;
@@ -1013,7 +953,7 @@ void rg_os_proxy_remove(rg_os_engine* e) {
    * not: nothing is posted from here on. */
   int progress = 0;
   atomic_store(&e->stop_posting, 1);
-  reports(e, rg_now_ns(), &progress);
+  reports(e, &progress);
   if (!atomic_load(&e->ended)) say_closed(e, atomic_load(&e->close_reason), 1);
   int join = proxy.running && proxy.engines == NULL;
   if (join) proxy.stop = 1;
@@ -1042,8 +982,7 @@ static int flush(rg_os_engine* e, uint64_t deadline) {
   const uint64_t last = last_rung(e);
   while (atomic_load(&e->sent_seq) < last) {
     if (kept_code(e) != 0 || atomic_load(&e->ended) || rg_now_ns() > deadline) return -1;
-    struct timespec ts = {0, 20000};
-    nanosleep(&ts, NULL);
+    sleep_ns(20000);
   }
   return 0;
 }
@@ -1095,8 +1034,7 @@ int rg_os_quiesce(rg_os_engine* e, int abort, uint64_t timeout_ns) {
       stopped = 1;
       deadline = rg_now_ns() + timeout_ns;
     }
-    struct timespec ts = {0, 100000};
-    nanosleep(&ts, NULL);
+    sleep_ns(100000);
   }
   if (pushed) cu->cuCtxPopCurrent(&cur);
   if (!ok) return -1;
@@ -1109,14 +1047,7 @@ int rg_os_probe(rg_os_engine* e, uint64_t value, uint64_t expect, uint64_t timeo
   rg_link* link = e->link;
   rg_os_ctrl* ctrl = (rg_os_ctrl*)e->region;
   for (int l = 0; l < link->nlanes; l++) {
-    rg_wr w;
-    memset(&w, 0, sizeof(w));
-    w.op = RG_OP_WRITE;
-    w.local = &value;
-    w.len = sizeof(value);
-    w.remote = e->peer_region + offsetof(rg_os_ctrl, probe);
-    w.rkey = e->peer_rkey[link->lane[l].peer_hca];
-    w.flags = RG_WR_INLINE | RG_WR_SIGNALED;
+    rg_wr w = peer_write(e, &link->lane[l], &value, sizeof(value), offsetof(rg_os_ctrl, probe), RG_WR_INLINE | RG_WR_SIGNALED);
     w.wr_id = value;
     int r = rg_post(&link->lane[l], &w, 1);
     if (r != RG_OK) {

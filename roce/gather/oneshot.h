@@ -34,6 +34,8 @@ int rg_os_kept_error(const rg_os_kept* k, char* why, int whylen);
 /* The host stand-in's streams: the calls queued on one stream run one after another on its
  * own thread, as kernels on a CUDA stream do (oneshot_host.c). */
 #define RG_OS_HSTREAMS 8
+/* CUDA's CU_STREAM_PER_THREAD: one handle that names the calling thread's own stream. */
+#define RG_OS_PER_THREAD_STREAM ((CUstream)(uintptr_t)0x2)
 typedef struct rg_os_hcall rg_os_hcall;
 struct rg_os_hcall {
   rg_os_args a;

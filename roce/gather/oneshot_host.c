@@ -12,26 +12,18 @@
  * multiply-add (gcc contracts across statements by default, and cgo takes no
  * -ffp-contract=off): each result goes through a volatile, so the next operation can only
  * see the rounded value. */
-static inline float host_fadd(float x, float y) {
-  volatile float r = x + y;
-  return r;
+static inline float host_float(float r) {
+  volatile float v = r;
+  return v;
 }
-static inline float host_fmul(float x, float y) {
-  volatile float r = x * y;
-  return r;
+static inline double host_double(double r) {
+  volatile double v = r;
+  return v;
 }
-static inline double host_dadd(double x, double y) {
-  volatile double r = x + y;
-  return r;
-}
-static inline double host_dmul(double x, double y) {
-  volatile double r = x * y;
-  return r;
-}
-#define RG_OS_FADD(x, y) host_fadd((x), (y))
-#define RG_OS_FMUL(x, y) host_fmul((x), (y))
-#define RG_OS_DADD(x, y) host_dadd((x), (y))
-#define RG_OS_DMUL(x, y) host_dmul((x), (y))
+#define RG_OS_FADD(x, y) host_float((x) + (y))
+#define RG_OS_FMUL(x, y) host_float((x) * (y))
+#define RG_OS_DADD(x, y) host_double((x) + (y))
+#define RG_OS_DMUL(x, y) host_double((x) * (y))
 #include "../../kernels/oneshot_reduce.h"
 
 static inline rg_u64 host_load_acquire(const volatile rg_u64* p) {
@@ -112,9 +104,6 @@ int rg_os_host_gather(const rg_os_args* a, rg_u32 nblocks) {
 
 /* ---- The stand-in's streams ---- */
 
-/* CUDA's CU_STREAM_PER_THREAD: one handle that names the calling thread's own stream. */
-#define PER_THREAD_STREAM ((CUstream)(uintptr_t)0x2)
-
 static void* hstream_main(void* arg) {
   rg_os_hstream* s = arg;
   rg_os_engine* e = s->e;
@@ -149,7 +138,7 @@ int rg_os_hstream_queue(rg_os_engine* e, rg_os_hcall* c, CUstream stream, int or
     rg_os_hstream* s = &e->hstreams[i];
     if (!s->used) {
       if (free_slot < 0) free_slot = i;
-    } else if (s->handle == stream && (stream != PER_THREAD_STREAM || pthread_equal(s->thread, pthread_self()))) {
+    } else if (s->handle == stream && (stream != RG_OS_PER_THREAD_STREAM || pthread_equal(s->thread, pthread_self()))) {
       found = i;
     }
   }
@@ -199,11 +188,8 @@ int rg_os_hstream_drain(rg_os_engine* e, uint64_t deadline_ns) {
       pthread_mutex_unlock(&e->hmu);
       return -1;
     }
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    uint64_t until = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec + 10000000ull; /* a look every 10 ms at most */
-    ts.tv_sec = (time_t)(until / 1000000000ull);
-    ts.tv_nsec = (long)(until % 1000000000ull);
+    const uint64_t until = now + 10000000ull; /* a look every 10 ms at most (hcv's clock is CLOCK_MONOTONIC, as rg_now_ns) */
+    const struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
     pthread_cond_timedwait(&e->hcv, &e->hmu, &ts);
   }
   pthread_mutex_unlock(&e->hmu);

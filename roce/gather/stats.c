@@ -22,12 +22,8 @@ static int bucket_of(uint64_t ns) {
   return b < RG_LAT_BUCKETS ? b : RG_LAT_BUCKETS - 1;
 }
 
-void rg_stats_os_latency(uint64_t ns) {
-  atomic_fetch_add_explicit(&os_latency[bucket_of(ns)], 1, memory_order_relaxed);
-}
-
-void rg_stats_ar_latency(uint64_t ns) {
-  atomic_fetch_add_explicit(&ar_latency[bucket_of(ns)], 1, memory_order_relaxed);
+void rg_stats_latency(int allreduce, uint64_t ns) {
+  atomic_fetch_add_explicit(&(allreduce ? ar_latency : os_latency)[bucket_of(ns)], 1, memory_order_relaxed);
 }
 
 /* A slot's text, and the words it is stored in. */

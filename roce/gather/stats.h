@@ -59,10 +59,9 @@ enum rg_stat {
 
 /* Adds d to counter s and shows its new value in the stats file, if one is attached. */
 void rg_stats_add(enum rg_stat s, uint64_t d);
-/* The intercepted gather's kernel time, start to rows written. */
-void rg_stats_os_latency(uint64_t ns);
-/* The intercepted all-reduce's, start to its output written. */
-void rg_stats_ar_latency(uint64_t ns);
+/* The kernel time of an intercepted gather (allreduce 0), start to rows written, or of an
+ * all-reduce (1), start to its output written. */
+void rg_stats_latency(int allreduce, uint64_t ns);
 
 /* The counters as plain numbers, for readers that cannot see atomics (cgo). */
 typedef struct rg_stats_snapshot {
