@@ -520,13 +520,6 @@ static int lane_poll_send(void* impl, rg_cqe* out, int max) {
   return k;
 }
 
-static int lane_poll_recv(void* impl, rg_cqe* out, int max) {
-  (void)out, (void)max;
-  rg_tcp_lane* l = impl;
-  progress(l);
-  return atomic_load(&l->dead) ? RG_ERR_DEAD : 0;
-}
-
 /* Bytes waiting in the socket mean the peer is talking and this side is not reading. */
 static int readable(rg_tcp_lane* l) {
   struct pollfd p = {.fd = l->fd, .events = POLLIN};
@@ -558,7 +551,6 @@ static const char* lane_why(void* impl) {
 const rg_lane_ops rg_tcp_lane_ops = {
     .post = lane_post,
     .poll_send = lane_poll_send,
-    .poll_recv = lane_poll_recv,
     .check = lane_check,
     .why = lane_why,
 };

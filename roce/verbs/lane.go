@@ -112,18 +112,10 @@ func (l goLane) post(wrs ...laneWR) int {
 	return int(C.rg_vlane_post(l.c, c, C.int(len(wrs))))
 }
 
-func (l goLane) pollSend(n int) ([]laneCQE, int) { return l.poll(n, true) }
-func (l goLane) pollRecv(n int) ([]laneCQE, int) { return l.poll(n, false) }
-
-func (l goLane) poll(n int, send bool) ([]laneCQE, int) {
+func (l goLane) pollSend(n int) ([]laneCQE, int) {
 	c := (*C.rg_cqe)(C.calloc(C.size_t(n), C.sizeof_rg_cqe))
 	defer C.free(unsafe.Pointer(c))
-	var rc C.int
-	if send {
-		rc = C.rg_vlane_poll_send(l.c, c, C.int(n))
-	} else {
-		rc = C.rg_vlane_poll_recv(l.c, c, C.int(n))
-	}
+	rc := C.rg_vlane_poll_send(l.c, c, C.int(n))
 	if rc < 0 {
 		return nil, int(rc)
 	}

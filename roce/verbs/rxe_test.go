@@ -208,7 +208,7 @@ func TestRxeGIDIndexIsHonouredAndAnAbsentOneRefused(t *testing.T) {
 	ok, why := postAndWait(t, linkLane(la, 0), laneWR{WRID: 1, Local: addr(src), MR: smr, Len: 4096, Remote: uint64(addr(dst)), RKey: dmr.RKey(0), Op: opWrite})
 	require.True(t, ok, why)
 	waitBytes(t, src, dst, "a write over GID 2 (::1)")
-	_, n := linkLane(lb, 0).pollRecv(1)
+	_, n := linkLane(lb, 0).pollSend(1)
 	require.Equal(t, 0, n, "the receiving lane lives and has nothing to report")
 
 	_, err := Open(Config{HCAs: dev, GIDIndex: 9, Timeout: time.Second})
