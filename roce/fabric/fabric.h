@@ -28,12 +28,12 @@ typedef struct rg_mr {
   uint32_t rkey[RG_MAX_HCAS];
 } rg_mr;
 
-enum rg_op { RG_OP_WRITE = 1 };
 enum rg_wr_flag { RG_WR_SIGNALED = 1, RG_WR_INLINE = 2 };
 
 /* Longest payload a lane copies at post time for RG_WR_INLINE. */
 #define RG_INLINE_MAX 64
 
+/* An RDMA write, the one operation the engine needs. */
 typedef struct rg_wr {
   uint64_t wr_id;
   const void* local; /* source of the write */
@@ -41,7 +41,6 @@ typedef struct rg_wr {
   uint64_t len;
   uint64_t remote; /* address in the peer's registered memory */
   uint32_t rkey;   /* the peer's key for this lane */
-  uint8_t op;
   uint8_t flags;
 } rg_wr;
 

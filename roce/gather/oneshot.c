@@ -429,7 +429,6 @@ static int post_chunk(rg_os_engine* e, uint32_t parity, uint32_t c) {
     int k = 0;
     memset(w, 0, sizeof(w));
     if (c == 0 && l == 0) {
-      w[k].op = RG_OP_WRITE;
       w[k].local = &e->post_ann;
       w[k].len = sizeof(e->post_ann);
       w[k].remote = e->peer_region + offsetof(rg_os_ctrl, announce) + (uint64_t)parity * sizeof(rg_os_announce_line);
@@ -438,7 +437,6 @@ static int post_chunk(rg_os_engine* e, uint32_t parity, uint32_t c) {
       k++;
     }
     if (len > 0) {
-      w[k].op = RG_OP_WRITE;
       w[k].local = e->region + e->send_off + slot;
       w[k].mr = e->region_mr;
       w[k].len = len;
@@ -446,7 +444,6 @@ static int post_chunk(rg_os_engine* e, uint32_t parity, uint32_t c) {
       w[k].rkey = e->peer_rkey[lane->peer_hca];
       k++;
     }
-    w[k].op = RG_OP_WRITE;
     w[k].local = &level;
     w[k].len = sizeof(level);
     w[k].remote = e->peer_region + peer_flag_at(parity, l);
@@ -717,7 +714,6 @@ static void say_closed(rg_os_engine* e, int reason, int wait) {
     for (int l = 0; l < link->nlanes; l++) {
       rg_wr w;
       memset(&w, 0, sizeof(w));
-      w.op = RG_OP_WRITE;
       w.local = &word;
       w.len = sizeof(word);
       w.remote = e->peer_region + offsetof(rg_os_ctrl, closed);
@@ -1106,7 +1102,6 @@ int rg_os_probe(rg_os_engine* e, uint64_t value, uint64_t expect, uint64_t timeo
   for (int l = 0; l < link->nlanes; l++) {
     rg_wr w;
     memset(&w, 0, sizeof(w));
-    w.op = RG_OP_WRITE;
     w.local = &value;
     w.len = sizeof(value);
     w.remote = e->peer_region + offsetof(rg_os_ctrl, probe);

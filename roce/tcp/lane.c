@@ -274,13 +274,12 @@ static void send_control(rg_tcp_lane* l, uint32_t fop) {
   if (atomic_load_explicit(&l->txq_tail, memory_order_relaxed) - atomic_load_explicit(&l->txq_head, memory_order_relaxed) >=
       TXQ_CAP)
     return;
-  rg_wr w = {.op = RG_OP_WRITE};
+  rg_wr w = {0};
   enqueue(l, fop, &w, 0, 0);
   push_queue(l);
 }
 
 static int validate(const rg_wr* w) {
-  if (w->op != RG_OP_WRITE) return RG_ERR_INVALID;
   if (w->len == 0) return RG_OK;
   if (w->local == NULL) return RG_ERR_INVALID;
   if (w->flags & RG_WR_INLINE) return w->len <= RG_INLINE_MAX ? RG_OK : RG_ERR_INVALID;

@@ -191,7 +191,6 @@ int rg_vlane_post(rg_vlane* l, const rg_wr* wrs, int n) {
     const rg_wr* w = &wrs[i];
     struct ibv_send_wr* s = &sw[i];
     memset(s, 0, sizeof(*s));
-    if (w->op != RG_OP_WRITE) return RG_ERR_INVALID;
     s->opcode = IBV_WR_RDMA_WRITE;
     if (w->len > UINT32_MAX) return RG_ERR_INVALID;
     sge[i] = (struct ibv_sge){.addr = (uint64_t)(uintptr_t)w->local, .length = (uint32_t)w->len};
