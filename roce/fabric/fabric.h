@@ -28,12 +28,12 @@ typedef struct rg_mr {
   uint32_t rkey[RG_MAX_HCAS];
 } rg_mr;
 
-enum rg_op { RG_OP_WRITE = 1 };
 enum rg_wr_flag { RG_WR_SIGNALED = 1, RG_WR_INLINE = 2 };
 
 /* Longest payload a lane copies at post time for RG_WR_INLINE. */
 #define RG_INLINE_MAX 64
 
+/* An RDMA write, the one operation the engine needs. */
 typedef struct rg_wr {
   uint64_t wr_id;
   const void* local; /* source of the write */
@@ -41,7 +41,6 @@ typedef struct rg_wr {
   uint64_t len;
   uint64_t remote; /* address in the peer's registered memory */
   uint32_t rkey;   /* the peer's key for this lane */
-  uint8_t op;
   uint8_t flags;
 } rg_wr;
 
@@ -60,10 +59,8 @@ enum rg_err {
 
 typedef struct rg_lane_ops {
   int (*post)(void* impl, const rg_wr* wrs, int n);
+  /* Also moves the lane's receiving side: tcp reads the peer's frames and places them here. */
   int (*poll_send)(void* impl, rg_cqe* out, int max);
-  /* Moves the lane's receiving side: tcp reads the peer's frames and places them here;
-   * verbs needs no receiver. No completions come of it: 0, or RG_ERR_DEAD. */
-  int (*poll_recv)(void* impl, rg_cqe* out, int max);
   /* Called while a caller waits on the lane; backends without their own liveness
    * check (verbs) probe the peer here. Returns 0 or RG_ERR_DEAD. */
   int (*check)(void* impl, uint64_t now_ns);
@@ -85,7 +82,6 @@ typedef struct rg_link {
 
 static inline int rg_post(rg_lane* l, const rg_wr* w, int n) { return l->ops->post(l->impl, w, n); }
 static inline int rg_poll_send(rg_lane* l, rg_cqe* c, int max) { return l->ops->poll_send(l->impl, c, max); }
-static inline int rg_poll_recv(rg_lane* l, rg_cqe* c, int max) { return l->ops->poll_recv(l->impl, c, max); }
 static inline int rg_check(rg_lane* l, uint64_t now) { return l->ops->check(l->impl, now); }
 static inline const char* rg_why(rg_lane* l) { return l->ops->why(l->impl); }
 

@@ -274,13 +274,12 @@ static void send_control(rg_tcp_lane* l, uint32_t fop) {
   if (atomic_load_explicit(&l->txq_tail, memory_order_relaxed) - atomic_load_explicit(&l->txq_head, memory_order_relaxed) >=
       TXQ_CAP)
     return;
-  rg_wr w = {.op = RG_OP_WRITE};
+  rg_wr w = {0};
   enqueue(l, fop, &w, 0, 0);
   push_queue(l);
 }
 
 static int validate(const rg_wr* w) {
-  if (w->op != RG_OP_WRITE) return RG_ERR_INVALID;
   if (w->len == 0) return RG_OK;
   if (w->local == NULL) return RG_ERR_INVALID;
   if (w->flags & RG_WR_INLINE) return w->len <= RG_INLINE_MAX ? RG_OK : RG_ERR_INVALID;
@@ -520,13 +519,6 @@ static int lane_poll_send(void* impl, rg_cqe* out, int max) {
   return k;
 }
 
-static int lane_poll_recv(void* impl, rg_cqe* out, int max) {
-  (void)out, (void)max;
-  rg_tcp_lane* l = impl;
-  progress(l);
-  return atomic_load(&l->dead) ? RG_ERR_DEAD : 0;
-}
-
 /* Bytes waiting in the socket mean the peer is talking and this side is not reading. */
 static int readable(rg_tcp_lane* l) {
   struct pollfd p = {.fd = l->fd, .events = POLLIN};
@@ -558,7 +550,6 @@ static const char* lane_why(void* impl) {
 const rg_lane_ops rg_tcp_lane_ops = {
     .post = lane_post,
     .poll_send = lane_poll_send,
-    .poll_recv = lane_poll_recv,
     .check = lane_check,
     .why = lane_why,
 };

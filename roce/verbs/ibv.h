@@ -69,7 +69,6 @@ extern const rg_lane_ops rg_vlane_ops;
 /* The lane operations, callable from Go (which cannot call through rg_vlane_ops). */
 int rg_vlane_post(rg_vlane* l, const rg_wr* wrs, int n);
 int rg_vlane_poll_send(rg_vlane* l, rg_cqe* out, int max);
-int rg_vlane_poll_recv(rg_vlane* l, rg_cqe* out, int max);
 int rg_vlane_check(rg_vlane* l, uint64_t now_ns);
 const char* rg_vlane_why(rg_vlane* l);
 

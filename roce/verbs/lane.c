@@ -191,7 +191,6 @@ int rg_vlane_post(rg_vlane* l, const rg_wr* wrs, int n) {
     const rg_wr* w = &wrs[i];
     struct ibv_send_wr* s = &sw[i];
     memset(s, 0, sizeof(*s));
-    if (w->op != RG_OP_WRITE) return RG_ERR_INVALID;
     s->opcode = IBV_WR_RDMA_WRITE;
     if (w->len > UINT32_MAX) return RG_ERR_INVALID;
     sge[i] = (struct ibv_sge){.addr = (uint64_t)(uintptr_t)w->local, .length = (uint32_t)w->len};
@@ -241,13 +240,6 @@ int rg_vlane_poll_send(rg_vlane* l, rg_cqe* out, int max) {
   int n = 0;
   while (n < max && l->done_head != l->done_tail) out[n++] = l->done[l->done_head++ % l->sq_depth];
   return n;
-}
-
-/* No receive is posted, so none completes; a failed queue pair shows on the send side. */
-int rg_vlane_poll_recv(rg_vlane* l, rg_cqe* out, int max) {
-  (void)out, (void)max;
-  if (l->dead) return RG_ERR_DEAD;
-  return reap_send(l) != 0 ? RG_ERR_DEAD : 0;
 }
 
 /* An 8-byte signaled write into the peer's probe word. RC executes it after every earlier
@@ -315,12 +307,11 @@ const char* rg_vlane_why(rg_vlane* l) { return l->dead ? l->why : "the lane is u
 
 static int op_post(void* impl, const rg_wr* wrs, int n) { return rg_vlane_post(impl, wrs, n); }
 static int op_poll_send(void* impl, rg_cqe* out, int max) { return rg_vlane_poll_send(impl, out, max); }
-static int op_poll_recv(void* impl, rg_cqe* out, int max) { return rg_vlane_poll_recv(impl, out, max); }
 static int op_check(void* impl, uint64_t now) { return rg_vlane_check(impl, now); }
 static const char* op_why(void* impl) { return rg_vlane_why(impl); }
 
 const rg_lane_ops rg_vlane_ops = {
-    .post = op_post, .poll_send = op_poll_send, .poll_recv = op_poll_recv, .check = op_check, .why = op_why};
+    .post = op_post, .poll_send = op_poll_send, .check = op_check, .why = op_why};
 
 /* ------------------------------------------------------------------ set-up */
 

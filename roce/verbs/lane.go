@@ -19,7 +19,6 @@ import (
 
 // Lane operation codes and results from fabric.h.
 const (
-	opWrite      = C.RG_OP_WRITE
 	wrSignaled   = C.RG_WR_SIGNALED
 	wrInline     = C.RG_WR_INLINE
 	inlineMax    = C.RG_INLINE_MAX
@@ -40,7 +39,6 @@ type laneWR struct {
 	Len    uint64
 	Remote uint64
 	RKey   uint32
-	Op     uint8
 	Flags  uint8
 }
 
@@ -97,7 +95,7 @@ func (l goLane) post(wrs ...laneWR) int {
 	}()
 	for i, w := range wrs {
 		cw[i] = C.rg_wr{wr_id: C.uint64_t(w.WRID), len: C.uint64_t(w.Len),
-			remote: C.uint64_t(w.Remote), rkey: C.uint32_t(w.RKey), op: C.uint8_t(w.Op), flags: C.uint8_t(w.Flags)}
+			remote: C.uint64_t(w.Remote), rkey: C.uint32_t(w.RKey), flags: C.uint8_t(w.Flags)}
 		if w.Data != nil {
 			b := C.CBytes(w.Data)
 			bufs = append(bufs, b)
@@ -112,18 +110,10 @@ func (l goLane) post(wrs ...laneWR) int {
 	return int(C.rg_vlane_post(l.c, c, C.int(len(wrs))))
 }
 
-func (l goLane) pollSend(n int) ([]laneCQE, int) { return l.poll(n, true) }
-func (l goLane) pollRecv(n int) ([]laneCQE, int) { return l.poll(n, false) }
-
-func (l goLane) poll(n int, send bool) ([]laneCQE, int) {
+func (l goLane) pollSend(n int) ([]laneCQE, int) {
 	c := (*C.rg_cqe)(C.calloc(C.size_t(n), C.sizeof_rg_cqe))
 	defer C.free(unsafe.Pointer(c))
-	var rc C.int
-	if send {
-		rc = C.rg_vlane_poll_send(l.c, c, C.int(n))
-	} else {
-		rc = C.rg_vlane_poll_recv(l.c, c, C.int(n))
-	}
+	rc := C.rg_vlane_poll_send(l.c, c, C.int(n))
 	if rc < 0 {
 		return nil, int(rc)
 	}

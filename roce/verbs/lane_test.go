@@ -41,10 +41,9 @@ func TestLanePostMapsWorkRequests(t *testing.T) {
 	l, nic, _ := newTestLane(t, 64)
 	mr := testMR(t)
 	rc := l.post(
-		laneWR{WRID: 1, Local: 0x10010, MR: mr, Len: 100, Remote: 0xa000, RKey: 0x55, Op: opWrite},
-		laneWR{WRID: 2, Data: []byte{1, 2, 3, 4, 5, 6, 7, 8}, Len: 8, Remote: 0xb000, RKey: 0x56,
-			Op: opWrite, Flags: wrSignaled | wrInline},
-		laneWR{WRID: 3, Local: 0x10020, MR: mr, Len: 1, Remote: 0xc000, RKey: 0x57, Op: opWrite, Flags: wrSignaled},
+		laneWR{WRID: 1, Local: 0x10010, MR: mr, Len: 100, Remote: 0xa000, RKey: 0x55},
+		laneWR{WRID: 2, Data: []byte{1, 2, 3, 4, 5, 6, 7, 8}, Len: 8, Remote: 0xb000, RKey: 0x56, Flags: wrSignaled | wrInline},
+		laneWR{WRID: 3, Local: 0x10020, MR: mr, Len: 1, Remote: 0xc000, RKey: 0x57, Flags: wrSignaled},
 	)
 	require.Equal(t, rgOK, rc)
 	s := nic.Sends()
@@ -76,7 +75,7 @@ func TestLanePostMapsWorkRequests(t *testing.T) {
 
 func TestLaneZeroLengthWriteCarriesNoScatterEntry(t *testing.T) {
 	l, nic, _ := newTestLane(t, 64)
-	require.Equal(t, rgOK, l.post(laneWR{WRID: 9, Len: 0, Remote: 0xb000, RKey: 1, Op: opWrite, Flags: wrSignaled}))
+	require.Equal(t, rgOK, l.post(laneWR{WRID: 9, Len: 0, Remote: 0xb000, RKey: 1, Flags: wrSignaled}))
 	require.Equal(t, 0, nic.Sends()[0].NumSGE)
 }
 
@@ -84,9 +83,9 @@ func TestLaneDeliversOnlySignaledCompletions(t *testing.T) {
 	l, nic, _ := newTestLane(t, 64)
 	mr := testMR(t)
 	for i := 0; i < 10; i++ {
-		require.Equal(t, rgOK, l.post(laneWR{WRID: uint64(100 + i), Local: 0x10000, MR: mr, Len: 64, Remote: 0xa000, RKey: 1, Op: opWrite}))
+		require.Equal(t, rgOK, l.post(laneWR{WRID: uint64(100 + i), Local: 0x10000, MR: mr, Len: 64, Remote: 0xa000, RKey: 1}))
 	}
-	require.Equal(t, rgOK, l.post(laneWR{WRID: 42, Local: 0x10000, MR: mr, Len: 64, Remote: 0xa000, RKey: 1, Op: opWrite, Flags: wrSignaled}))
+	require.Equal(t, rgOK, l.post(laneWR{WRID: 42, Local: 0x10000, MR: mr, Len: 64, Remote: 0xa000, RKey: 1, Flags: wrSignaled}))
 	nic.Complete(11)
 	got, n := l.pollSend(16)
 	require.Equal(t, 1, n)
@@ -99,7 +98,7 @@ func TestLaneSignalsInternallyToRetireSlots(t *testing.T) {
 	l, nic, _ := newTestLane(t, 64) // signals every 16th unsignaled request
 	posted := 0
 	for round := 0; round < 10; round++ {
-		for l.post(laneWR{Data: []byte{1}, Len: 1, Remote: 0xa000, RKey: 1, Op: opWrite, Flags: wrInline}) == rgOK {
+		for l.post(laneWR{Data: []byte{1}, Len: 1, Remote: 0xa000, RKey: 1, Flags: wrInline}) == rgOK {
 			posted++
 			require.Less(t, posted, 100000)
 		}
@@ -121,13 +120,13 @@ func TestLaneSignalsInternallyToRetireSlots(t *testing.T) {
 func TestLaneReportsFullWhenSendQueueHasNoRoom(t *testing.T) {
 	l, nic, _ := newTestLane(t, 64)
 	for i := 0; i < 64; i++ {
-		require.Equal(t, rgOK, l.post(laneWR{WRID: uint64(i + 1), Data: []byte{1}, Len: 1, Remote: 0xa000, RKey: 1, Op: opWrite, Flags: wrSignaled | wrInline}))
+		require.Equal(t, rgOK, l.post(laneWR{WRID: uint64(i + 1), Data: []byte{1}, Len: 1, Remote: 0xa000, RKey: 1, Flags: wrSignaled | wrInline}))
 	}
-	require.Equal(t, rgErrFull, l.post(laneWR{WRID: 65, Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrSignaled | wrInline}))
+	require.Equal(t, rgErrFull, l.post(laneWR{WRID: 65, Data: []byte{1}, Len: 1, Flags: wrSignaled | wrInline}))
 	require.Len(t, nic.Sends(), 64)
 
 	nic.Complete(1)
-	two := laneWR{WRID: 66, Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrSignaled | wrInline}
+	two := laneWR{WRID: 66, Data: []byte{1}, Len: 1, Flags: wrSignaled | wrInline}
 	require.Equal(t, rgErrFull, l.post(two), "a completion holds its slot until the caller takes it")
 	got, n := l.pollSend(16)
 	require.Equal(t, 1, n)
@@ -151,54 +150,49 @@ func TestLaneRejectsMalformedRequests(t *testing.T) {
 	l, nic, _ := newTestLane(t, 64)
 	mr := testMR(t)
 	for name, w := range map[string]laneWR{
-		"inline too long":   {Data: make([]byte, inlineMax+1), Len: inlineMax + 1, Op: opWrite, Flags: wrInline},
-		"no registration":   {Local: 0x10000, Len: 8, Op: opWrite},
-		"outside region":    {Local: 0x10ff8, MR: mr, Len: 16, Op: opWrite},
-		"before region":     {Local: 0xfff8, MR: mr, Len: 8, Op: opWrite},
-		"unknown operation": {Data: []byte{1}, Len: 1, Op: 9, Flags: wrInline},
-		"longer than 4 GiB": {Local: 0x10000, MR: mr, Len: 1 << 32, Op: opWrite},
+		"inline too long":   {Data: make([]byte, inlineMax+1), Len: inlineMax + 1, Flags: wrInline},
+		"no registration":   {Local: 0x10000, Len: 8},
+		"outside region":    {Local: 0x10ff8, MR: mr, Len: 16},
+		"before region":     {Local: 0xfff8, MR: mr, Len: 8},
+		"longer than 4 GiB": {Local: 0x10000, MR: mr, Len: 1 << 32},
 	} {
 		require.Equal(t, rgErrInvalid, l.post(w), name)
 	}
 	require.Equal(t, rgErrInvalid, l.post())
 	many := make([]laneWR, maxPost+1)
 	for i := range many {
-		many[i] = laneWR{Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrInline}
+		many[i] = laneWR{Data: []byte{1}, Len: 1, Flags: wrInline}
 	}
 	require.Equal(t, rgErrInvalid, l.post(many...))
 	require.Empty(t, nic.Sends())
 	require.Equal(t, "the lane is up", l.why())
 }
 
-// The engine posts no receive, so none ever completes: polling the receive side only
-// says whether the lane lives.
-func TestLanePostsNoReceiveAndPollingItReportsNothing(t *testing.T) {
-	l, nic, _ := newTestLane(t, 64)
+// The engine only writes: the lane posts no receive.
+func TestLanePostsNoReceive(t *testing.T) {
+	_, nic, _ := newTestLane(t, 64)
 	require.Equal(t, 0, nic.RecvsPosted())
-	got, n := l.pollRecv(16)
-	require.Equal(t, 0, n)
-	require.Empty(t, got)
 }
 
 func TestLaneErrorCompletionMakesLaneDead(t *testing.T) {
 	l, nic, _ := newTestLane(t, 64)
-	require.Equal(t, rgOK, l.post(laneWR{WRID: 1, Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrInline}))
-	require.Equal(t, rgOK, l.post(laneWR{WRID: 2, Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrSignaled | wrInline}))
+	require.Equal(t, rgOK, l.post(laneWR{WRID: 1, Data: []byte{1}, Len: 1, Flags: wrInline}))
+	require.Equal(t, rgOK, l.post(laneWR{WRID: 2, Data: []byte{1}, Len: 1, Flags: wrSignaled | wrInline}))
 	nic.Fail(fakenic.StatusRetryExceeded, 0x81)
 	_, n := l.pollSend(16)
 	require.Equal(t, rgErrDead, n)
 	require.Equal(t, "RDMA request to 10.0.0.2:5000 over fake0:1 (qp 0x1234) failed: transport retry counter exceeded "+
 		"(status 12, vendor error 0x81): the peer stopped answering (link down, cable cut, or its process died) "+
 		"(the request: a write of 1 byte to 0x0 with rkey 0x0)", l.why())
-	require.Equal(t, rgErrDead, l.post(laneWR{Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrInline}))
-	_, n = l.pollRecv(16)
+	require.Equal(t, rgErrDead, l.post(laneWR{Data: []byte{1}, Len: 1, Flags: wrInline}))
+	_, n = l.pollSend(16)
 	require.Equal(t, rgErrDead, n)
 	require.Equal(t, rgErrDead, l.check(fabric.NowNanos()))
 }
 
 func TestLaneRemoteAccessErrorNamesTheCause(t *testing.T) {
 	l, nic, _ := newTestLane(t, 64)
-	require.Equal(t, rgOK, l.post(laneWR{WRID: 1, Data: []byte{1}, Len: 1, Remote: 0x7f0000001000, RKey: 0x4d2, Op: opWrite, Flags: wrSignaled | wrInline}))
+	require.Equal(t, rgOK, l.post(laneWR{WRID: 1, Data: []byte{1}, Len: 1, Remote: 0x7f0000001000, RKey: 0x4d2, Flags: wrSignaled | wrInline}))
 	nic.Fail(fakenic.StatusRemoteAccess, 0)
 	_, n := l.pollSend(16)
 	require.Equal(t, rgErrDead, n)
@@ -213,7 +207,7 @@ func TestLaneFailedRequestIsNamedAmongThoseInFlight(t *testing.T) {
 	data := make([]byte, 48)
 	for i, flags := range []uint8{wrSignaled | wrInline, wrInline, wrInline, wrSignaled | wrInline} {
 		require.Equal(t, rgOK, l.post(laneWR{WRID: uint64(i + 1), Data: data[:8*(i+1)], Len: uint64(8 * (i + 1)),
-			Remote: 0x10000 + uint64(i)*0x100, RKey: 0x100 + uint32(i), Op: opWrite, Flags: flags}))
+			Remote: 0x10000 + uint64(i)*0x100, RKey: 0x100 + uint32(i), Flags: flags}))
 	}
 	require.Equal(t, 2, nic.Complete(2))
 	got, n := l.pollSend(16)
@@ -229,7 +223,7 @@ func TestLaneFailedRequestIsNamedAmongThoseInFlight(t *testing.T) {
 func TestLanePostFailureIsDead(t *testing.T) {
 	l, nic, _ := newTestLane(t, 64)
 	nic.FailPost(22)
-	require.Equal(t, rgErrDead, l.post(laneWR{Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrInline}))
+	require.Equal(t, rgErrDead, l.post(laneWR{Data: []byte{1}, Len: 1, Flags: wrInline}))
 	require.Equal(t, "ibv_post_send of 1 requests to 10.0.0.2:5000 over fake0:1 failed: Invalid argument (errno 22)", l.why())
 }
 
@@ -258,8 +252,8 @@ func TestLaneCheckProbesAfterQuarterTimeout(t *testing.T) {
 
 func TestLaneProbeDoesNotDisturbCallerCompletions(t *testing.T) {
 	l, nic, start := newTestLane(t, 64)
-	require.Equal(t, rgOK, l.post(laneWR{WRID: 7, Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrSignaled | wrInline}))
-	require.Equal(t, rgOK, l.post(laneWR{WRID: 8, Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrInline}))
+	require.Equal(t, rgOK, l.post(laneWR{WRID: 7, Data: []byte{1}, Len: 1, Flags: wrSignaled | wrInline}))
+	require.Equal(t, rgOK, l.post(laneWR{WRID: 8, Data: []byte{1}, Len: 1, Flags: wrInline}))
 	require.Equal(t, rgOK, l.check(start+uint64(testTimeout/2)))
 	require.Len(t, nic.Sends(), 3, "the probe follows the caller's requests")
 	nic.Complete(3)
@@ -295,7 +289,7 @@ func TestLaneProbeThatNeverCompletesMakesLaneDeadWithinTheTimeout(t *testing.T) 
 func TestLaneProbeBehindRequestsThatStillCompleteIsNotDeath(t *testing.T) {
 	l, nic, start := newTestLane(t, 64)
 	for i := 0; i < 3; i++ {
-		require.Equal(t, rgOK, l.post(laneWR{WRID: uint64(i + 1), Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrSignaled | wrInline}))
+		require.Equal(t, rgOK, l.post(laneWR{WRID: uint64(i + 1), Data: []byte{1}, Len: 1, Flags: wrSignaled | wrInline}))
 	}
 	time.Sleep(time.Duration(start+uint64(testTimeout/4)-fabric.NowNanos()) + time.Millisecond)
 	require.Equal(t, rgOK, l.check(fabric.NowNanos()))
@@ -310,21 +304,9 @@ func TestLaneProbeBehindRequestsThatStillCompleteIsNotDeath(t *testing.T) {
 	require.Contains(t, l.why(), "nor anything else for ")
 }
 
-// A request that fails shows on the receive side's poll too: its cause is the send's.
-func TestLaneFailedRequestIsSeenByAPollOfTheReceiveSide(t *testing.T) {
-	l, nic, _ := newTestLane(t, 64)
-	require.Equal(t, rgOK, l.post(laneWR{WRID: 1, Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrSignaled | wrInline}))
-	nic.Fail(fakenic.StatusRetryExceeded, 0)
-	_, n := l.pollRecv(16)
-	require.Equal(t, rgErrDead, n)
-	require.Equal(t, "RDMA request to 10.0.0.2:5000 over fake0:1 (qp 0x1234) failed: transport retry counter exceeded "+
-		"(status 12, vendor error 0x0): the peer stopped answering (link down, cable cut, or its process died) "+
-		"(the request: a write of 1 byte to 0x0 with rkey 0x0)", l.why())
-}
-
 func TestLaneFullQueueThatNeverCompletesMakesLaneDead(t *testing.T) {
 	l, nic, start := newTestLane(t, 64)
-	for l.post(laneWR{Data: []byte{1}, Len: 1, Op: opWrite, Flags: wrInline}) == rgOK {
+	for l.post(laneWR{Data: []byte{1}, Len: 1, Flags: wrInline}) == rgOK {
 	}
 	seen := start + uint64(testTimeout/2)
 	require.Equal(t, rgOK, l.check(seen))

@@ -205,10 +205,10 @@ func TestRxeGIDIndexIsHonouredAndAnAbsentOneRefused(t *testing.T) {
 	src, dst := rxeBuffer(t, 4096, 0), rxeBuffer(t, 4096, 0xee)
 	pattern(src, 2)
 	smr, dmr := register(t, a, src), register(t, b, dst)
-	ok, why := postAndWait(t, linkLane(la, 0), laneWR{WRID: 1, Local: addr(src), MR: smr, Len: 4096, Remote: uint64(addr(dst)), RKey: dmr.RKey(0), Op: opWrite})
+	ok, why := postAndWait(t, linkLane(la, 0), laneWR{WRID: 1, Local: addr(src), MR: smr, Len: 4096, Remote: uint64(addr(dst)), RKey: dmr.RKey(0)})
 	require.True(t, ok, why)
 	waitBytes(t, src, dst, "a write over GID 2 (::1)")
-	_, n := linkLane(lb, 0).pollRecv(1)
+	_, n := linkLane(lb, 0).pollSend(1)
 	require.Equal(t, 0, n, "the receiving lane lives and has nothing to report")
 
 	_, err := Open(Config{HCAs: dev, GIDIndex: 9, Timeout: time.Second})
@@ -243,7 +243,7 @@ func TestRxePathMTUIsTheSmallerOfTheTwoPorts(t *testing.T) {
 		pattern(src, 10+i)
 		smr, dmr := register(t, from, src), register(t, to, dst)
 		ok, why := postAndWait(t, linkLane(dir[0], 0), laneWR{WRID: uint64(i + 1), Local: addr(src), MR: smr, Len: n,
-			Remote: uint64(addr(dst)), RKey: dmr.RKey(0), Op: opWrite})
+			Remote: uint64(addr(dst)), RKey: dmr.RKey(0)})
 		require.True(t, ok, why)
 		waitBytes(t, src, dst, fmt.Sprintf("64 KiB from %s to %s", from.Info().Name, to.Info().Name))
 	}
@@ -275,7 +275,7 @@ func TestRxeWriteWithAWrongKeyOrOutsideTheRegionFailsAndChangesNothing(t *testin
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			la, _ := rxeLink(t, a, b, 1) // a failed request ends its queue pair
-			ok, why := postAndWait(t, linkLane(la, 0), laneWR{WRID: 7, Local: addr(src), MR: smr, Len: 256, Remote: c.remote, RKey: c.rkey, Op: opWrite})
+			ok, why := postAndWait(t, linkLane(la, 0), laneWR{WRID: 7, Local: addr(src), MR: smr, Len: 256, Remote: c.remote, RKey: c.rkey})
 			require.False(t, ok, "a write of 256 bytes to 0x%x with rkey 0x%x completed", c.remote, c.rkey)
 			require.Contains(t, why, "remote access error (status 10, vendor error 0x0): the peer refused the key or the address range")
 			requireSameBytes(t, untouched, mem, "the peer's memory after the refused write")
@@ -283,7 +283,7 @@ func TestRxeWriteWithAWrongKeyOrOutsideTheRegionFailsAndChangesNothing(t *testin
 	}
 	// The same write inside the region, with its key, lands there and nowhere else.
 	la, _ := rxeLink(t, a, b, 1)
-	ok, why := postAndWait(t, linkLane(la, 0), laneWR{WRID: 8, Local: addr(src), MR: smr, Len: 256, Remote: base + 1000, RKey: mr.RKey(0), Op: opWrite})
+	ok, why := postAndWait(t, linkLane(la, 0), laneWR{WRID: 8, Local: addr(src), MR: smr, Len: 256, Remote: base + 1000, RKey: mr.RKey(0)})
 	require.True(t, ok, why)
 	want := append([]byte{}, untouched...)
 	copy(want[page+1000:], src[:256])
@@ -307,7 +307,7 @@ func TestRxeTwoHCAsOfOneAdapterCarryOneLaneEach(t *testing.T) {
 	before := []int{sentPackets(t, twins[0]), sentPackets(t, twins[1])}
 	for i := 0; i < 2; i++ {
 		ok, why := postAndWait(t, linkLane(la, i), laneWR{WRID: uint64(i + 1), Local: addr(src) + uintptr(i*half), MR: smr, Len: half,
-			Remote: uint64(addr(dst)) + uint64(i*half), RKey: dmr.RKey(i), Op: opWrite})
+			Remote: uint64(addr(dst)) + uint64(i*half), RKey: dmr.RKey(i)})
 		require.True(t, ok, "lane %d: %s", i, why)
 	}
 	waitBytes(t, src, dst, "1 MiB striped over two lanes")
