@@ -123,7 +123,6 @@ static const char* const extra_names[] = {"ncclCommCount", "ncclCommUserRank", "
                                           "ncclSend", "ncclRecv"};
 #define N_API (RG_WRAP_N + sizeof(extra_names) / sizeof(extra_names[0]))
 _Static_assert(N_API * sizeof(void*) == offsetof(rg_nccl_api, path), "one name a field, in field order");
-_Static_assert(offsetof(rg_nccl_api, AllReduce) == RG_WRAP_AllReduce * sizeof(void*), "the wrapped ones first");
 
 static const char* api_name(size_t i) { return i < RG_WRAP_N ? rg_wrapped_names[i] : extra_names[i - RG_WRAP_N]; }
 
@@ -299,13 +298,9 @@ static int try_nccl(const char* name, uintptr_t base, const char* found_by, cons
   if (a.GetVersion != NULL && a.GetVersion(&a.version) != ncclSuccess) a.version = 0;
 
   /* Each wrapped function's entry: NCCL's ncclX, which its callers call (pncclX shares it). */
-  const char* names[2 * RG_WRAP_N];
-  char pnames[RG_WRAP_N][64];
-  for (int w = 0; w < RG_WRAP_N; w++) {
-    snprintf(pnames[w], sizeof(pnames[w]), "p%s", rg_wrapped_names[w]);
-    names[w] = rg_wrapped_names[w];
-    names[RG_WRAP_N + w] = pnames[w];
-  }
+#define NAMES(f) "nccl" #f,
+#define PNAMES(f) "pnccl" #f,
+  static const char* const names[2 * RG_WRAP_N] = {RG_WRAPPED(NAMES) RG_WRAPPED(PNAMES)};
   rg_objects t;
   int collected = rg_objects_collect(&t, names, 2 * RG_WRAP_N) == 0;
   const rg_obj* o = NULL;
