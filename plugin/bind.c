@@ -62,13 +62,21 @@ static void jkey(jline* j, const char* key) {
   jraw(j, ":");
 }
 
-static void jstart(jline* j, const char* event) {
+/* Starts the line of event, with the string fields given as key, value, ..., NULL. */
+static void jstart(jline* j, const char* event, ...) {
   j->n = 0;
   char pid[32];
   snprintf(pid, sizeof(pid), "{\"pid\":%d", (int)getpid());
   jraw(j, pid);
   jkey(j, "event");
   jstr(j, event);
+  va_list ap;
+  va_start(ap, event);
+  for (const char* key; (key = va_arg(ap, const char*)) != NULL;) {
+    jkey(j, key);
+    jstr(j, va_arg(ap, const char*));
+  }
+  va_end(ap);
 }
 
 static void jint(jline* j, const char* key, long v) {
@@ -156,9 +164,7 @@ static void set_way(enum way w) {
   int old = atomic_exchange(&g_way, (int)w);
   if (old == (int)w) return;
   jline j;
-  jstart(&j, "way");
-  jkey(&j, "way");
-  jstr(&j, way_names[w]);
+  jstart(&j, "way", "way", way_names[w], NULL);
   jend(&j);
 }
 
@@ -233,9 +239,7 @@ static void say_hook(const rg_nccl_api* a, const char* at, const rg_hook_fn* fns
   if (a->hooked) {
     const char* names[RG_WRAP_N];
     for (size_t k = 0; k < nf; k++) names[k] = fns[k].name;
-    jstart(&j, "hooked");
-    jkey(&j, "at");
-    jstr(&j, at);
+    jstart(&j, "hooked", "at", at, NULL);
     name_list(&j, "functions", names, nf, text, sizeof(text));
     jend(&j);
     RG_INFO(NCCL_INIT, LOG_PREFIX "hooked the entries of %s's %s: every caller of that NCCL reaches this library, "
@@ -244,15 +248,7 @@ static void say_hook(const rg_nccl_api* a, const char* at, const rg_hook_fn* fns
     return;
   }
   const char* fn = refusal->fn < nf ? fns[refusal->fn].name : "";
-  jstart(&j, "refused");
-  jkey(&j, "at");
-  jstr(&j, at);
-  jkey(&j, "function");
-  jstr(&j, fn);
-  jkey(&j, "bytes");
-  jstr(&j, refusal->bytes);
-  jkey(&j, "why");
-  jstr(&j, refusal->why);
+  jstart(&j, "refused", "at", at, "function", fn, "bytes", refusal->bytes, "why", refusal->why, NULL);
   jend(&j);
   RG_INFO(NCCL_INIT,
           LOG_PREFIX "not hooking %s's entries, none is patched: %s%s%s%s%s: %s; callers that took NCCL's addresses "
@@ -351,9 +347,7 @@ static int try_nccl(const char* name, uintptr_t base, const char* found_by, cons
     if (api_field(&a, i) == NULL) missing[nmissing++] = api_name(i);
   char text[512];
   jline j;
-  jstart(&j, "nccl");
-  jkey(&j, "path");
-  jstr(&j, a.path);
+  jstart(&j, "nccl", "path", a.path, NULL);
   jint(&j, "version", a.version);
   jkey(&j, "found_by");
   jstr(&j, found_by);
@@ -409,11 +403,7 @@ static void say_unreached(const char* object, const char* why) {
   if ((g_said_unreached[g_nsaid] = strdup(object)) == NULL) return;
   g_nsaid++;
   jline j;
-  jstart(&j, "unreached");
-  jkey(&j, "object");
-  jstr(&j, object);
-  jkey(&j, "why");
-  jstr(&j, why);
+  jstart(&j, "unreached", "object", object, "why", why, NULL);
   jend(&j);
   RG_INFO(NCCL_INIT, LOG_PREFIX "%s: %s; its callers are not reached and their calls go to it unchanged", object, why);
 }
@@ -455,7 +445,7 @@ static const rg_nccl_api* bind_now(const void* caller, const char* at) {
     if (!said_no_nccl) {
       said_no_nccl = 1;
       jline j;
-      jstart(&j, "no_nccl");
+      jstart(&j, "no_nccl", NULL);
       jend(&j);
       RG_INFO(NCCL_INIT, LOG_PREFIX "no loaded object defines pncclAllGather (NCCL's own name for "
                                     "ncclAllGather): nothing to forward to, nothing hooked");
