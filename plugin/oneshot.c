@@ -384,17 +384,8 @@ ncclResult_t rg_oneshot_async_error(ncclComm_t comm, ncclResult_t nccl_result) {
 static int exchange_cuda(const rg_nccl_api* nccl, ncclComm_t comm, int device, const void* mine, void* all, size_t n,
                          uint64_t timeout_ns, char* err, int errlen) {
   const rg_cuda_api* cu = rg_cuda();
-  CUcontext cur = NULL, ctx = NULL;
-  CUdevice dev = device;
-  int pushed = 0, retained = 0;
-  cu->cuCtxGetCurrent(&cur);
-  if (cur == NULL && device >= 0) {
-    /* NCCL's communicators live in the device's primary context, which PyTorch and JAX use. */
-    if (cu->cuDevicePrimaryCtxRetain(&ctx, dev) == CUDA_SUCCESS) {
-      retained = 1;
-      pushed = cu->cuCtxPushCurrent(ctx) == CUDA_SUCCESS;
-    }
-  }
+  rg_ctx_entered entered;
+  rg_ctx_enter(cu, device, &entered);
   CUdeviceptr buf = 0;
   CUstream s = NULL;
   int result = ncclUnhandledCudaError;
@@ -448,8 +439,7 @@ static int exchange_cuda(const rg_nccl_api* nccl, ncclComm_t comm, int device, c
 done:
   if (s != NULL && result == ncclSuccess) cu->cuStreamDestroy(s); /* a stream NCCL may still use stays */
   if (buf != 0 && result == ncclSuccess) cu->cuMemFree(buf);
-  if (pushed) cu->cuCtxPopCurrent(&cur);
-  if (retained) cu->cuDevicePrimaryCtxRelease(dev);
+  rg_ctx_leave(cu, &entered);
   return result;
 }
 
