@@ -2,6 +2,7 @@ package plugin
 
 import (
 	"fmt"
+	"math"
 	"sort"
 	"strconv"
 	"strings"
@@ -99,14 +100,7 @@ var DefaultWindows = map[string]FabricWindow{
 // (ROCE_GATHER_MAX_BYTES unset where the fabric's default is off).
 func (c Config) Window(fabric string) (floor, capBytes uint64, offByDefault bool) {
 	d := DefaultWindows[fabric]
-	floor, capBytes, offByDefault = d.MinBytes, d.MaxBytes, d.Off
-	if c.MinBytesSet {
-		floor = c.MinBytes
-	}
-	if c.MaxBytesSet {
-		capBytes, offByDefault = c.MaxBytes, false
-	}
-	return floor, capBytes, offByDefault
+	return overridden(d.MinBytes, d.MaxBytes, d.Off, c.MinBytes, c.MaxBytes, c.MinBytesSet, c.MaxBytesSet)
 }
 
 // AllReduceWindow is this rank's window of the intercepted all-reduce on fabric, in bytes
@@ -114,14 +108,20 @@ func (c Config) Window(fabric string) (floor, capBytes uint64, offByDefault bool
 // (ROCE_GATHER_ALLREDUCE_MAX_BYTES unset where the fabric's default is off).
 func (c Config) AllReduceWindow(fabric string) (floor, capBytes uint64, offByDefault bool) {
 	d := DefaultWindows[fabric]
-	floor, capBytes, offByDefault = d.AllReduceMinBytes, d.AllReduceMaxBytes, d.AllReduceOff
-	if c.AllReduceMinBytesSet {
-		floor = c.AllReduceMinBytes
+	return overridden(d.AllReduceMinBytes, d.AllReduceMaxBytes, d.AllReduceOff, c.AllReduceMinBytes, c.AllReduceMaxBytes,
+		c.AllReduceMinBytesSet, c.AllReduceMaxBytesSet)
+}
+
+// overridden is a default window with the floor and the cap the environment set: a set cap
+// turns a window that is off by default on.
+func overridden(floor, capBytes uint64, off bool, setFloor, setCap uint64, floorSet, capSet bool) (uint64, uint64, bool) {
+	if floorSet {
+		floor = setFloor
 	}
-	if c.AllReduceMaxBytesSet {
-		capBytes, offByDefault = c.AllReduceMaxBytes, false
+	if capSet {
+		return floor, setCap, false
 	}
-	return floor, capBytes, offByDefault
+	return floor, capBytes, off
 }
 
 // ChunkFor is this rank's smallest chunk of the intercepted gather on fabric.
@@ -188,16 +188,7 @@ func (c Config) describeWindow(fabric string) string {
 
 // ParseConfig reads the configuration through getenv and returns every refused value.
 func ParseConfig(getenv func(string) string) (Config, []Warning) {
-	c := Config{
-		Enable:   true,
-		Fabric:   "auto",
-		GIDIndex: -1,
-		Timeout:  DefaultTimeoutMS * time.Millisecond,
-
-		TraceEvery:   DefaultTraceEvery,
-		TraceRecords: DefaultTraceRecords,
-		ProxyIdle:    DefaultProxyIdleMS * time.Millisecond,
-	}
+	c := Config{Enable: true, Fabric: "auto", GIDIndex: -1, TraceEvery: DefaultTraceEvery, TraceRecords: DefaultTraceRecords}
 	var warns []Warning
 	for _, name := range sortedRetired() {
 		if v, ok := lookup(getenv, name); ok {
@@ -274,34 +265,30 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		}
 	}
 	c.SocketIf = strings.TrimSpace(getenv("NCCL_SOCKET_IFNAME"))
-	if v, ok := lookup(getenv, "ROCE_GATHER_TIMEOUT_MS"); ok {
-		n, err := strconv.ParseUint(v, 10, 32)
-		if err != nil || n == 0 {
-			refuse("ROCE_GATHER_TIMEOUT_MS", v, fmt.Sprint(DefaultTimeoutMS), "is not a positive number of milliseconds")
-		} else {
-			c.Timeout = time.Duration(n) * time.Millisecond
-		}
-	}
 	if v, ok := lookup(getenv, "ROCE_GATHER_STATS"); ok {
 		c.StatsPath = v
 	}
 	if v, ok := lookup(getenv, "ROCE_GATHER_TRACE"); ok {
 		c.TracePath = v
 	}
-	count := func(name string, hi uint64, dst *uint64) {
+	// whole reads a decimal whole number from lo to hi into dst, which holds its default.
+	whole := func(name string, lo, hi uint64, why string, dst *uint64) {
 		v, ok := lookup(getenv, name)
 		if !ok {
 			return
 		}
-		n, err := strconv.ParseUint(v, 10, 64)
-		if err != nil || n == 0 || n > hi {
-			refuse(name, v, fmt.Sprint(*dst), fmt.Sprintf("is not a whole number from 1 to %d", hi))
-			return
+		if n, err := strconv.ParseUint(v, 10, 64); err != nil || n < lo || n > hi {
+			refuse(name, v, fmt.Sprint(*dst), why)
+		} else {
+			*dst = n
 		}
-		*dst = n
 	}
-	count("ROCE_GATHER_TRACE_EVERY", 1<<32, &c.TraceEvery)
-	count("ROCE_GATHER_TRACE_RECORDS", MaxTraceRecords, &c.TraceRecords)
+	timeoutMS, idleMS := uint64(DefaultTimeoutMS), uint64(DefaultProxyIdleMS)
+	whole("ROCE_GATHER_TIMEOUT_MS", 1, math.MaxUint32, "is not a positive number of milliseconds", &timeoutMS)
+	c.Timeout = time.Duration(timeoutMS) * time.Millisecond
+	whole("ROCE_GATHER_TRACE_EVERY", 1, 1<<32, fmt.Sprintf("is not a whole number from 1 to %d", uint64(1<<32)), &c.TraceEvery)
+	whole("ROCE_GATHER_TRACE_RECORDS", 1, MaxTraceRecords, fmt.Sprintf("is not a whole number from 1 to %d", MaxTraceRecords),
+		&c.TraceRecords)
 	if v, ok := lookup(getenv, "ROCE_GATHER_CHUNK_BYTES"); ok {
 		n, err := ParseBytes(v)
 		switch {
@@ -314,14 +301,9 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 			c.ChunkBytes = n
 		}
 	}
-	if v, ok := lookup(getenv, "ROCE_GATHER_PROXY_IDLE_MS"); ok {
-		n, err := strconv.ParseUint(v, 10, 32)
-		if err != nil || n > MaxProxyIdleMS {
-			refuse("ROCE_GATHER_PROXY_IDLE_MS", v, fmt.Sprint(DefaultProxyIdleMS), fmt.Sprintf("is not a whole number of milliseconds from 0 to %d", MaxProxyIdleMS))
-		} else {
-			c.ProxyIdle = time.Duration(n) * time.Millisecond
-		}
-	}
+	whole("ROCE_GATHER_PROXY_IDLE_MS", 0, MaxProxyIdleMS,
+		fmt.Sprintf("is not a whole number of milliseconds from 0 to %d", MaxProxyIdleMS), &idleMS)
+	c.ProxyIdle = time.Duration(idleMS) * time.Millisecond
 	return c, warns
 }
 
