@@ -27,12 +27,10 @@ typedef struct rg_icomm {
   int nranks, rank, device;
   int blocking; /* 1, 0, or -1 when its creation went past the interceptor */
   atomic_int state;
-  rg_os_engine* engine;
   rg_os_kept kept; /* the engine's error, here so that it outlives the engine (zeroed: healthy) */
-  uint64_t floor, cap;
-  int ar_on;                /* the all-reduce agreed too */
-  uint64_t ar_floor, ar_cap; /* its window, bytes of the buffer */
-  int failed_result;
+  /* What the agreement answered: its engine (NULL once closed), the windows, and the result
+   * every call returns when the state is RG_IC_FAILED (set on close too). */
+  rg_oneshot_agreed agreed;
   _Atomic uint64_t group; /* the group (group_ids) whose end agrees it; 0: none */
   atomic_int said_deferred, said_error, said_crowded, said_unseen, said_probe;
   rg_probe_kept* probes; /* group probes NCCL deferred: freed after NCCL destroyed it */
@@ -205,18 +203,9 @@ static int settle(rg_icomm* c, cudaStream_t stream, int group_ended) {
   if (probe == RG_PROBE_FAILED && !atomic_exchange(&c->said_probe, 1))
     RG_WARN("communicator %p: the check for a NCCL group opened before this library hooked NCCL failed (%s); the "
             "ranks agree without it", (void*)c->comm, why);
-  rg_oneshot_agreed a;
-  memset(&a, 0, sizeof(a));
   rg_enter_go();
-  rgGoOneShotAgree(c->comm, c->rank, c->device, cu == NULL, &c->kept, &a);
-  c->engine = a.engine;
-  c->floor = a.floor;
-  c->cap = a.cap;
-  c->ar_on = a.ar_on;
-  c->ar_floor = a.ar_floor;
-  c->ar_cap = a.ar_cap;
-  c->failed_result = a.result;
-  st = a.state;
+  rgGoOneShotAgree(c->comm, c->rank, c->device, cu == NULL, &c->kept, &c->agreed);
+  st = c->agreed.state;
 out:
   atomic_store(&c->state, st);
   pthread_mutex_unlock(&c->mu);
@@ -239,7 +228,7 @@ static int oneshot_call(const void* sendbuff, void* recvbuff, size_t count, nccl
   int st = atomic_load_explicit(&c->state, memory_order_acquire);
   if (st == RG_IC_PENDING) st = settle(c, stream, 0);
   if (st == RG_IC_ON) {
-    rg_os_engine* e = c->engine;
+    rg_os_engine* e = c->agreed.engine;
     int err = rg_os_check_launch(e);
     if (err != 0) {
       if (!atomic_exchange(&c->said_error, 1))
@@ -247,8 +236,9 @@ static int oneshot_call(const void* sendbuff, void* recvbuff, size_t count, nccl
       *result = (ncclResult_t)err;
       return 1;
     }
-    const int in_window = allreduce ? c->ar_on && bytes != 0 && bytes >= c->ar_floor && bytes <= c->ar_cap
-                                    : bytes != 0 && bytes >= c->floor && bytes <= c->cap;
+    const rg_oneshot_agreed* a = &c->agreed;
+    const int in_window = allreduce ? a->ar_on && bytes != 0 && bytes >= a->ar_floor && bytes <= a->ar_cap
+                                    : bytes != 0 && bytes >= a->floor && bytes <= a->cap;
     if (in_window && class_taken) {
       int r = rg_os_launch(e, sendbuff, recvbuff, bytes, coll, (CUstream)stream);
       if (r != CUDA_SUCCESS) {
@@ -262,7 +252,7 @@ static int oneshot_call(const void* sendbuff, void* recvbuff, size_t count, nccl
       return 1;
     }
   } else if (st == RG_IC_FAILED) {
-    *result = (ncclResult_t)c->failed_result;
+    *result = (ncclResult_t)c->agreed.result;
     return 1;
   }
   rg_stats_add(allreduce ? RG_STAT_AR_FORWARDED : RG_STAT_OS_FORWARDED, 1);
@@ -326,14 +316,14 @@ void rg_oneshot_comm_closing(ncclComm_t comm, int abort) {
   atomic_store(&c->group, 0);
   /* A communicator being closed never agrees, at a group's end or later. */
   if (atomic_load(&c->state) == RG_IC_PENDING) atomic_store(&c->state, RG_IC_OFF);
-  if (atomic_load(&c->state) == RG_IC_ON && c->engine != NULL) {
+  if (atomic_load(&c->state) == RG_IC_ON && c->agreed.engine != NULL) {
     rg_enter_go();
-    rgGoOneShotClose(c->engine, abort);
+    rgGoOneShotClose(c->agreed.engine, abort);
     /* What the engine said stays the communicator's answer until NCCL forgets it: the kept
      * error is the communicator's, never the freed engine's. */
-    c->failed_result = rg_os_kept_error(&c->kept, NULL, 0);
-    c->engine = NULL;
-    atomic_store(&c->state, c->failed_result != 0 ? RG_IC_FAILED : RG_IC_OFF);
+    c->agreed.result = rg_os_kept_error(&c->kept, NULL, 0);
+    c->agreed.engine = NULL;
+    atomic_store(&c->state, c->agreed.result != 0 ? RG_IC_FAILED : RG_IC_OFF);
   }
   pthread_mutex_unlock(&c->mu);
 }
@@ -354,9 +344,9 @@ void rg_oneshot_comm_gone(ncclComm_t comm) {
   pthread_mutex_unlock(&table_mu);
   if (gone == NULL) return;
   pthread_mutex_lock(&gone->mu);
-  if (gone->engine != NULL) { /* destroyed without finalize or abort first */
+  if (gone->agreed.engine != NULL) { /* destroyed without finalize or abort first */
     rg_enter_go();
-    rgGoOneShotClose(gone->engine, 1);
+    rgGoOneShotClose(gone->agreed.engine, 1);
   }
   rg_probe_release(gone->probes); /* NCCL has let go of them with the communicator */
   pthread_mutex_unlock(&gone->mu);
@@ -374,7 +364,7 @@ ncclResult_t rg_oneshot_async_error(ncclComm_t comm, ncclResult_t nccl_result) {
     int err = rg_os_kept_error(&c->kept, NULL, 0);
     if (err != 0) return (ncclResult_t)err;
   } else if (st == RG_IC_FAILED) {
-    return (ncclResult_t)c->failed_result;
+    return (ncclResult_t)c->agreed.result;
   }
   return nccl_result;
 }
