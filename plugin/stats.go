@@ -472,8 +472,8 @@ func openStats(path string) {
 	stats.startRefresher()
 }
 
-// closeStats is finalize's part: the file is brought up to date (and stays attached, for
-// communicators made later), or written where none is attached.
+// closeStats is finalize's part and exit's: the file is brought up to date (and stays
+// attached, for communicators made later), or written where none is attached.
 func closeStats(path string) {
 	if stats.attached() {
 		stats.stopRefresher()
@@ -490,14 +490,7 @@ var atExitOnce sync.Once
 func armStatsAtExit() { atExitOnce.Do(func() { C.rg_register_at_exit() }) }
 
 //export rgGoAtExit
-func rgGoAtExit() {
-	path := state.config().StatsPath
-	if stats.attached() {
-		stats.refresh()
-		return
-	}
-	writeStats(path)
-}
+func rgGoAtExit() { closeStats(state.config().StatsPath) }
 
 // statsPath expands %p (pid) and %h (host name) so ranks sharing one environment write
 // one file each.
