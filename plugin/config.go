@@ -2,8 +2,9 @@ package plugin
 
 import (
 	"fmt"
+	"maps"
 	"math"
-	"sort"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -190,7 +191,8 @@ func (c Config) describeWindow(fabric string) string {
 func ParseConfig(getenv func(string) string) (Config, []Warning) {
 	c := Config{Enable: true, Fabric: "auto", GIDIndex: -1, TraceEvery: DefaultTraceEvery, TraceRecords: DefaultTraceRecords}
 	var warns []Warning
-	for _, name := range sortedRetired() {
+	// In name order, so that their WARNs come in one order.
+	for _, name := range slices.Sorted(maps.Keys(RetiredVariables)) {
 		if v, ok := lookup(getenv, name); ok {
 			warns = append(warns, Warning{Var: name, Value: v, Retired: RetiredVariables[name]})
 		}
@@ -305,16 +307,6 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		fmt.Sprintf("is not a whole number of milliseconds from 0 to %d", MaxProxyIdleMS), &idleMS)
 	c.ProxyIdle = time.Duration(idleMS) * time.Millisecond
 	return c, warns
-}
-
-// sortedRetired is RetiredVariables' names in order, so that their WARNs come in one order.
-func sortedRetired() []string {
-	names := make([]string, 0, len(RetiredVariables))
-	for n := range RetiredVariables {
-		names = append(names, n)
-	}
-	sort.Strings(names)
-	return names
 }
 
 // lookup returns a variable's trimmed value and whether it is set and non-empty.
