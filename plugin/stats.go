@@ -202,7 +202,7 @@ var counterSlots = []struct {
 }
 
 // statsSections are the document's sections in order, each with the values the Go side
-// computes (shown after its counters).
+// computes (shown after its counters; every section has some).
 var statsSections = []struct {
 	name    string
 	derived []string
@@ -246,18 +246,16 @@ func buildStatsLayout(s Stats) (statsLayout, error) {
 		}
 		b.WriteByte('\n')
 	}
-	slot := func(key, value string, last bool) uint32 {
-		start := b.Len()
-		fmt.Fprintf(&b, "    %q:", key)
-		for b.Len()-start < statsColumn {
-			b.WriteByte(' ')
-		}
-		at := uint32(b.Len())
-		comma := ","
+	comma := func(last bool) string {
 		if last {
-			comma = ""
+			return ""
 		}
-		line("%*s%s", int(C.RG_STAT_WIDTH), value, comma)
+		return ","
+	}
+	slot := func(key, value string, last bool) uint32 {
+		fmt.Fprintf(&b, "%-*s", statsColumn, fmt.Sprintf("    %q:", key))
+		at := uint32(b.Len())
+		line("%*s%s", int(C.RG_STAT_WIDTH), value, comma(last))
 		return at
 	}
 	line("{")
@@ -267,25 +265,15 @@ func buildStatsLayout(s Stats) (statsLayout, error) {
 	C.rg_stats_read(&snap)
 	for i, section := range statsSections {
 		line("  %q: {", section.name)
-		var keys []int
-		for j, c := range counterSlots {
-			if c.section == section.name {
-				keys = append(keys, j)
+		for _, c := range counterSlots {
+			if c.section == section.name { // never its last value: its derived ones follow
+				l.counters[c.stat] = C.uint32_t(slot(c.key, strconv.FormatUint(uint64(snap.v[c.stat]), 10), false))
 			}
-		}
-		for n, j := range keys {
-			c := counterSlots[j]
-			last := n == len(keys)-1 && len(section.derived) == 0
-			l.counters[c.stat] = C.uint32_t(slot(c.key, strconv.FormatUint(uint64(snap.v[c.stat]), 10), last))
 		}
 		for n, key := range section.derived {
 			l.derived[section.name+"."+key] = slot(key, derivedInitial(key), n == len(section.derived)-1)
 		}
-		if i < len(statsSections)-1 {
-			line("  },")
-		} else {
-			line("  }")
-		}
+		line("  }%s", comma(i == len(statsSections)-1))
 	}
 	line("}")
 	l.text = []byte(b.String())
