@@ -52,14 +52,23 @@ static size_t slot_of(ncclComm_t c) {
   return (size_t)(x >> 40) & (SLOTS - 1);
 }
 
-static rg_icomm* find(ncclComm_t c) {
+/* c's entry and, in *at, its slot; NULL when c has none. */
+static rg_icomm* find_at(ncclComm_t c, size_t* at) {
   size_t i = slot_of(c);
   for (size_t n = 0; n < SLOTS; n++, i = (i + 1) & (SLOTS - 1)) {
     rg_icomm* p = atomic_load_explicit(&table[i], memory_order_acquire);
     if (p == NULL) return NULL;
-    if (p != &tombstone && p->comm == c) return p;
+    if (p != &tombstone && p->comm == c) {
+      *at = i;
+      return p;
+    }
   }
   return NULL;
+}
+
+static rg_icomm* find(ncclComm_t c) {
+  size_t at;
+  return find_at(c, &at);
 }
 
 static size_t dtype_bytes(ncclDataType_t t) {
@@ -330,17 +339,9 @@ void rg_oneshot_comm_closing(ncclComm_t comm, int abort) {
 
 void rg_oneshot_comm_gone(ncclComm_t comm) {
   pthread_mutex_lock(&table_mu);
-  size_t i = slot_of(comm);
-  rg_icomm* gone = NULL;
-  for (size_t n = 0; n < SLOTS; n++, i = (i + 1) & (SLOTS - 1)) {
-    rg_icomm* p = atomic_load(&table[i]);
-    if (p == NULL) break;
-    if (p != &tombstone && p->comm == comm) {
-      atomic_store(&table[i], &tombstone);
-      gone = p;
-      break;
-    }
-  }
+  size_t at;
+  rg_icomm* gone = find_at(comm, &at);
+  if (gone != NULL) atomic_store(&table[at], &tombstone);
   pthread_mutex_unlock(&table_mu);
   if (gone == NULL) return;
   pthread_mutex_lock(&gone->mu);
