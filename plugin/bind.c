@@ -126,13 +126,15 @@ static void jend(jline* j) {
 
 /* ---------------------------------------------------------------- state */
 
-/* The fields of rg_nccl_api after the wrapped ones, by NCCL's name for them. */
-static const char* const extra_names[] = {"ncclCommCount", "ncclCommUserRank", "ncclCommCuDevice", "ncclGetVersion",
-                                          "ncclSend", "ncclRecv"};
-#define N_API (RG_WRAP_N + sizeof(extra_names) / sizeof(extra_names[0]))
+/* The functions of rg_nccl_api in field order, by NCCL's names for them (ncclX, pncclX); and
+ * the wrapped ones' names as the hook looks them up, ncclX then pncclX. */
+#define NAME(f) "nccl" #f,
+#define PNAME(f) "pnccl" #f,
+static const char* const api_names[] = {RG_WRAPPED(NAME) RG_API_OTHERS(NAME)};
+static const char* const api_pnames[] = {RG_WRAPPED(PNAME) RG_API_OTHERS(PNAME)};
+static const char* const hook_names[2 * RG_WRAP_N] = {RG_WRAPPED(NAME) RG_WRAPPED(PNAME)};
+#define N_API (sizeof(api_names) / sizeof(api_names[0]))
 _Static_assert(N_API * sizeof(void*) == offsetof(rg_nccl_api, path), "one name a field, in field order");
-
-static const char* api_name(size_t i) { return i < RG_WRAP_N ? rg_wrapped_names[i] : extra_names[i - RG_WRAP_N]; }
 
 static void* api_field(const rg_nccl_api* a, size_t i) {
   void* f;
@@ -277,11 +279,9 @@ static int try_nccl(const char* name, uintptr_t base, const char* found_by, cons
   memset(&a, 0, sizeof(a));
   uintptr_t own[N_API] = {0}, strong[N_API] = {0};
   for (size_t i = 0; i < N_API; i++) {
-    char pname[64];
-    snprintf(pname, sizeof(pname), "p%s", api_name(i));
-    void* f = dlsym(h, pname);
+    void* f = dlsym(h, api_pnames[i]);
     if (f != NULL && map_of(f) == self) strong[i] = (uintptr_t)f;
-    f = dlsym(h, api_name(i));
+    f = dlsym(h, api_names[i]);
     if (f != NULL && map_of(f) == self) own[i] = (uintptr_t)f;
     set_api_field(&a, i, strong[i] ? strong[i] : own[i]);
   }
@@ -294,11 +294,8 @@ static int try_nccl(const char* name, uintptr_t base, const char* found_by, cons
   if (a.GetVersion != NULL && a.GetVersion(&a.version) != ncclSuccess) a.version = 0;
 
   /* Each wrapped function's entry: NCCL's ncclX, which its callers call (pncclX shares it). */
-#define NAMES(f) "nccl" #f,
-#define PNAMES(f) "pnccl" #f,
-  static const char* const names[2 * RG_WRAP_N] = {RG_WRAPPED(NAMES) RG_WRAPPED(PNAMES)};
   rg_objects t;
-  int collected = rg_objects_collect(&t, names, 2 * RG_WRAP_N) == 0;
+  int collected = rg_objects_collect(&t, hook_names, 2 * RG_WRAP_N) == 0;
   const rg_obj* o = NULL;
   for (size_t i = 0; collected && i < t.n && o == NULL; i++)
     if (t.obj[i].base == base && !t.obj[i].bad_dynamic && t.obj[i].pnccl_def == (uintptr_t)ag) o = &t.obj[i];
@@ -344,7 +341,7 @@ static int try_nccl(const char* name, uintptr_t base, const char* found_by, cons
   const char* missing[N_API];
   size_t nmissing = 0;
   for (size_t i = 0; i < N_API; i++)
-    if (api_field(&a, i) == NULL) missing[nmissing++] = api_name(i);
+    if (api_field(&a, i) == NULL) missing[nmissing++] = api_names[i];
   char text[512];
   jline j;
   jstart(&j, "nccl", "path", a.path, NULL);
