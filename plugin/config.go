@@ -200,20 +200,6 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 	refuse := func(name, value, used, why string) {
 		warns = append(warns, Warning{Var: name, Value: value, Used: used, Why: why})
 	}
-	// flag reads a 0/1 variable into dst, which holds its default.
-	flag := func(name string, dst *bool) {
-		v, ok := lookup(getenv, name)
-		switch {
-		case !ok:
-		case v == "0" || v == "1":
-			*dst = v == "1"
-		case *dst:
-			refuse(name, v, "1", "is not 0 or 1")
-		default:
-			refuse(name, v, "0", "is not 0 or 1")
-		}
-	}
-
 	// byteCount reads a byte count from lo to MaxMaxBytes into dst, setting set.
 	byteCount := func(name string, lo uint64, used string, dst *uint64, set *bool) {
 		v, ok := lookup(getenv, name)
@@ -231,7 +217,11 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		}
 	}
 
-	flag("ROCE_GATHER_ENABLE", &c.Enable)
+	if v, ok := lookup(getenv, "ROCE_GATHER_ENABLE"); ok && v != "0" && v != "1" {
+		refuse("ROCE_GATHER_ENABLE", v, "1", "is not 0 or 1")
+	} else if ok {
+		c.Enable = v == "1"
+	}
 	byteCount("ROCE_GATHER_MIN_BYTES", 0, "the fabric's default window", &c.MinBytes, &c.MinBytesSet)
 	byteCount("ROCE_GATHER_MAX_BYTES", 1, "the fabric's default window", &c.MaxBytes, &c.MaxBytesSet)
 	byteCount("ROCE_GATHER_ALLREDUCE_MIN_BYTES", 0, "the fabric's default all-reduce window", &c.AllReduceMinBytes, &c.AllReduceMinBytesSet)
