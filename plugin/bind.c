@@ -172,16 +172,6 @@ static void set_way(enum way w) {
 
 /* ---------------------------------------------------------------- finding NCCL */
 
-static void* global_handle(void) {
-  static void* h;
-  void* g = __atomic_load_n(&h, __ATOMIC_ACQUIRE);
-  if (g == NULL) {
-    g = dlopen(NULL, RTLD_LAZY);
-    __atomic_store_n(&h, g, __ATOMIC_RELEASE);
-  }
-  return g;
-}
-
 /* The link map that holds addr, or NULL. */
 static struct link_map* map_of(const void* addr) {
   Dl_info info;
@@ -212,9 +202,10 @@ static const char* display_name(const char* name, char* buf, size_t size) {
   return buf;
 }
 
-/* Whether the process's global scope resolves ncclAllGather to this library (LD_PRELOAD). */
+/* Whether the process's global scope resolves ncclAllGather to this library (LD_PRELOAD).
+ * Asked once, by the thread that publishes NCCL; the main program's handle is never closed. */
 static int preempting(void) {
-  void* g = global_handle();
+  void* g = dlopen(NULL, RTLD_LAZY);
   void* f = g ? dlsym(g, "ncclAllGather") : NULL;
   dlerror();
   return f != NULL && f == rg_wrapper(RG_WRAP_AllGather);
