@@ -297,7 +297,7 @@ type statsFile struct {
 	warned  map[string]bool // paths that could not be attached, said once
 }
 
-var stats = &statsFile{}
+var stats = &statsFile{warned: map[string]bool{}}
 
 var errStatsInUse = errors.New("another process holds it (put %p in the path for one file a process)")
 
@@ -446,9 +446,6 @@ func openStats(path string) {
 	if err := stats.attach(statsPath(path)); err != nil {
 		stats.mu.Lock()
 		first := !stats.warned[path]
-		if stats.warned == nil {
-			stats.warned = map[string]bool{}
-		}
 		stats.warned[path] = true
 		stats.mu.Unlock()
 		if first {
