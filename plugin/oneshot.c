@@ -82,27 +82,7 @@ static size_t dtype_bytes(ncclDataType_t t) {
   }
 }
 
-static rg_icomm* insert(ncclComm_t comm, int nranks, int rank, int device, int blocking, int state);
-
-/* Tracks a non-blocking communicator without asking NCCL: its gathers take NCCL's path. */
-static rg_icomm* adopt_offline(ncclComm_t comm) {
-  rg_icomm* c = insert(comm, -1, -1, -1, 0, RG_IC_OFF);
-  if (c != NULL)
-    RG_INFO(NCCL_INIT | NCCL_COLL, "communicator %p is non-blocking: its gathers take NCCL's path on both ranks", (void*)comm);
-  return c;
-}
-
-/* Starts tracking comm, asking NCCL its size, rank and device. NULL when NCCL cannot say
- * (a communicator still initialising) or the table is full: the call then goes to NCCL. */
-static rg_icomm* adopt(ncclComm_t comm, int blocking) {
-  const rg_nccl_api* nccl = rg_nccl();
-  if (nccl == NULL || nccl->CommCount == NULL || nccl->CommUserRank == NULL) return NULL;
-  int nranks = 0, rank = 0, device = -1;
-  if (nccl->CommCount(comm, &nranks) != ncclSuccess || nccl->CommUserRank(comm, &rank) != ncclSuccess) return NULL;
-  if (nccl->CommCuDevice != NULL) nccl->CommCuDevice(comm, &device);
-  return insert(comm, nranks, rank, device, blocking, RG_IC_PENDING);
-}
-
+/* comm's entry, added in state where it has none; NULL when the table is full. */
 static rg_icomm* insert(ncclComm_t comm, int nranks, int rank, int device, int blocking, int state) {
   pthread_mutex_lock(&table_mu);
   rg_icomm* c = find(comm);
@@ -132,6 +112,25 @@ static rg_icomm* insert(ncclComm_t comm, int nranks, int rank, int device, int b
     rgGoInterceptFirstComm();
   }
   return c;
+}
+
+/* Tracks a non-blocking communicator without asking NCCL: its gathers take NCCL's path. */
+static rg_icomm* adopt_offline(ncclComm_t comm) {
+  rg_icomm* c = insert(comm, -1, -1, -1, 0, RG_IC_OFF);
+  if (c != NULL)
+    RG_INFO(NCCL_INIT | NCCL_COLL, "communicator %p is non-blocking: its gathers take NCCL's path on both ranks", (void*)comm);
+  return c;
+}
+
+/* Starts tracking comm, asking NCCL its size, rank and device. NULL when NCCL cannot say
+ * (a communicator still initialising) or the table is full: the call then goes to NCCL. */
+static rg_icomm* adopt(ncclComm_t comm, int blocking) {
+  const rg_nccl_api* nccl = rg_nccl();
+  if (nccl == NULL || nccl->CommCount == NULL || nccl->CommUserRank == NULL) return NULL;
+  int nranks = 0, rank = 0, device = -1;
+  if (nccl->CommCount(comm, &nranks) != ncclSuccess || nccl->CommUserRank(comm, &rank) != ncclSuccess) return NULL;
+  if (nccl->CommCuDevice != NULL) nccl->CommCuDevice(comm, &device);
+  return insert(comm, nranks, rank, device, blocking, RG_IC_PENDING);
 }
 
 void rg_oneshot_comm_created(ncclComm_t comm, int blocking, const char* how) {
