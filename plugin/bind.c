@@ -62,13 +62,21 @@ static void jkey(jline* j, const char* key) {
   jraw(j, ":");
 }
 
-static void jstart(jline* j, const char* event) {
+/* Starts the line of event, with the string fields given as key, value, ..., NULL. */
+static void jstart(jline* j, const char* event, ...) {
   j->n = 0;
   char pid[32];
   snprintf(pid, sizeof(pid), "{\"pid\":%d", (int)getpid());
   jraw(j, pid);
   jkey(j, "event");
   jstr(j, event);
+  va_list ap;
+  va_start(ap, event);
+  for (const char* key; (key = va_arg(ap, const char*)) != NULL;) {
+    jkey(j, key);
+    jstr(j, va_arg(ap, const char*));
+  }
+  va_end(ap);
 }
 
 static void jint(jline* j, const char* key, long v) {
@@ -118,14 +126,15 @@ static void jend(jline* j) {
 
 /* ---------------------------------------------------------------- state */
 
-/* The fields of rg_nccl_api after the wrapped ones, by NCCL's name for them. */
-static const char* const extra_names[] = {"ncclCommCount", "ncclCommUserRank", "ncclCommCuDevice", "ncclGetVersion",
-                                          "ncclSend", "ncclRecv"};
-#define N_API (RG_WRAP_N + sizeof(extra_names) / sizeof(extra_names[0]))
+/* The functions of rg_nccl_api in field order, by NCCL's names for them (ncclX, pncclX); and
+ * the wrapped ones' names as the hook looks them up, ncclX then pncclX. */
+#define NAME(f) "nccl" #f,
+#define PNAME(f) "pnccl" #f,
+static const char* const api_names[] = {RG_WRAPPED(NAME) RG_API_OTHERS(NAME)};
+static const char* const api_pnames[] = {RG_WRAPPED(PNAME) RG_API_OTHERS(PNAME)};
+static const char* const hook_names[2 * RG_WRAP_N] = {RG_WRAPPED(NAME) RG_WRAPPED(PNAME)};
+#define N_API (sizeof(api_names) / sizeof(api_names[0]))
 _Static_assert(N_API * sizeof(void*) == offsetof(rg_nccl_api, path), "one name a field, in field order");
-_Static_assert(offsetof(rg_nccl_api, AllReduce) == RG_WRAP_AllReduce * sizeof(void*), "the wrapped ones first");
-
-static const char* api_name(size_t i) { return i < RG_WRAP_N ? rg_wrapped_names[i] : extra_names[i - RG_WRAP_N]; }
 
 static void* api_field(const rg_nccl_api* a, size_t i) {
   void* f;
@@ -157,23 +166,11 @@ static void set_way(enum way w) {
   int old = atomic_exchange(&g_way, (int)w);
   if (old == (int)w) return;
   jline j;
-  jstart(&j, "way");
-  jkey(&j, "way");
-  jstr(&j, way_names[w]);
+  jstart(&j, "way", "way", way_names[w], NULL);
   jend(&j);
 }
 
 /* ---------------------------------------------------------------- finding NCCL */
-
-static void* global_handle(void) {
-  static void* h;
-  void* g = __atomic_load_n(&h, __ATOMIC_ACQUIRE);
-  if (g == NULL) {
-    g = dlopen(NULL, RTLD_LAZY);
-    __atomic_store_n(&h, g, __ATOMIC_RELEASE);
-  }
-  return g;
-}
 
 /* The link map that holds addr, or NULL. */
 static struct link_map* map_of(const void* addr) {
@@ -205,9 +202,10 @@ static const char* display_name(const char* name, char* buf, size_t size) {
   return buf;
 }
 
-/* Whether the process's global scope resolves ncclAllGather to this library (LD_PRELOAD). */
+/* Whether the process's global scope resolves ncclAllGather to this library (LD_PRELOAD).
+ * Asked once, by the thread that publishes NCCL; the main program's handle is never closed. */
 static int preempting(void) {
-  void* g = global_handle();
+  void* g = dlopen(NULL, RTLD_LAZY);
   void* f = g ? dlsym(g, "ncclAllGather") : NULL;
   dlerror();
   return f != NULL && f == rg_wrapper(RG_WRAP_AllGather);
@@ -234,9 +232,7 @@ static void say_hook(const rg_nccl_api* a, const char* at, const rg_hook_fn* fns
   if (a->hooked) {
     const char* names[RG_WRAP_N];
     for (size_t k = 0; k < nf; k++) names[k] = fns[k].name;
-    jstart(&j, "hooked");
-    jkey(&j, "at");
-    jstr(&j, at);
+    jstart(&j, "hooked", "at", at, NULL);
     name_list(&j, "functions", names, nf, text, sizeof(text));
     jend(&j);
     RG_INFO(NCCL_INIT, LOG_PREFIX "hooked the entries of %s's %s: every caller of that NCCL reaches this library, "
@@ -245,15 +241,7 @@ static void say_hook(const rg_nccl_api* a, const char* at, const rg_hook_fn* fns
     return;
   }
   const char* fn = refusal->fn < nf ? fns[refusal->fn].name : "";
-  jstart(&j, "refused");
-  jkey(&j, "at");
-  jstr(&j, at);
-  jkey(&j, "function");
-  jstr(&j, fn);
-  jkey(&j, "bytes");
-  jstr(&j, refusal->bytes);
-  jkey(&j, "why");
-  jstr(&j, refusal->why);
+  jstart(&j, "refused", "at", at, "function", fn, "bytes", refusal->bytes, "why", refusal->why, NULL);
   jend(&j);
   RG_INFO(NCCL_INIT,
           LOG_PREFIX "not hooking %s's entries, none is patched: %s%s%s%s%s: %s; callers that took NCCL's addresses "
@@ -282,11 +270,9 @@ static int try_nccl(const char* name, uintptr_t base, const char* found_by, cons
   memset(&a, 0, sizeof(a));
   uintptr_t own[N_API] = {0}, strong[N_API] = {0};
   for (size_t i = 0; i < N_API; i++) {
-    char pname[64];
-    snprintf(pname, sizeof(pname), "p%s", api_name(i));
-    void* f = dlsym(h, pname);
+    void* f = dlsym(h, api_pnames[i]);
     if (f != NULL && map_of(f) == self) strong[i] = (uintptr_t)f;
-    f = dlsym(h, api_name(i));
+    f = dlsym(h, api_names[i]);
     if (f != NULL && map_of(f) == self) own[i] = (uintptr_t)f;
     set_api_field(&a, i, strong[i] ? strong[i] : own[i]);
   }
@@ -299,15 +285,8 @@ static int try_nccl(const char* name, uintptr_t base, const char* found_by, cons
   if (a.GetVersion != NULL && a.GetVersion(&a.version) != ncclSuccess) a.version = 0;
 
   /* Each wrapped function's entry: NCCL's ncclX, which its callers call (pncclX shares it). */
-  const char* names[2 * RG_WRAP_N];
-  char pnames[RG_WRAP_N][64];
-  for (int w = 0; w < RG_WRAP_N; w++) {
-    snprintf(pnames[w], sizeof(pnames[w]), "p%s", rg_wrapped_names[w]);
-    names[w] = rg_wrapped_names[w];
-    names[RG_WRAP_N + w] = pnames[w];
-  }
   rg_objects t;
-  int collected = rg_objects_collect(&t, names, 2 * RG_WRAP_N) == 0;
+  int collected = rg_objects_collect(&t, hook_names, 2 * RG_WRAP_N) == 0;
   const rg_obj* o = NULL;
   for (size_t i = 0; collected && i < t.n && o == NULL; i++)
     if (t.obj[i].base == base && !t.obj[i].bad_dynamic && t.obj[i].pnccl_def == (uintptr_t)ag) o = &t.obj[i];
@@ -353,12 +332,10 @@ static int try_nccl(const char* name, uintptr_t base, const char* found_by, cons
   const char* missing[N_API];
   size_t nmissing = 0;
   for (size_t i = 0; i < N_API; i++)
-    if (api_field(&a, i) == NULL) missing[nmissing++] = api_name(i);
+    if (api_field(&a, i) == NULL) missing[nmissing++] = api_names[i];
   char text[512];
   jline j;
-  jstart(&j, "nccl");
-  jkey(&j, "path");
-  jstr(&j, a.path);
+  jstart(&j, "nccl", "path", a.path, NULL);
   jint(&j, "version", a.version);
   jkey(&j, "found_by");
   jstr(&j, found_by);
@@ -414,11 +391,7 @@ static void say_unreached(const char* object, const char* why) {
   if ((g_said_unreached[g_nsaid] = strdup(object)) == NULL) return;
   g_nsaid++;
   jline j;
-  jstart(&j, "unreached");
-  jkey(&j, "object");
-  jstr(&j, object);
-  jkey(&j, "why");
-  jstr(&j, why);
+  jstart(&j, "unreached", "object", object, "why", why, NULL);
   jend(&j);
   RG_INFO(NCCL_INIT, LOG_PREFIX "%s: %s; its callers are not reached and their calls go to it unchanged", object, why);
 }
@@ -460,7 +433,7 @@ static const rg_nccl_api* bind_now(const void* caller, const char* at) {
     if (!said_no_nccl) {
       said_no_nccl = 1;
       jline j;
-      jstart(&j, "no_nccl");
+      jstart(&j, "no_nccl", NULL);
       jend(&j);
       RG_INFO(NCCL_INIT, LOG_PREFIX "no loaded object defines pncclAllGather (NCCL's own name for "
                                     "ncclAllGather): nothing to forward to, nothing hooked");

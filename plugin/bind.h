@@ -5,30 +5,17 @@
 #define RG_BIND_H
 
 #include "../include/nccl/api.h"
+#include "intercept.h"
 
 /* NCCL's functions as the wrappers and the engine call them. The wrapped ones come first,
  * in enum rg_wrapped's order: NCCL's original code (the trampoline where the entry is
  * hooked, else NCCL's own definition, pncclX or ncclX); the others are NCCL's own pncclX.
  * NULL where that NCCL has no such function. */
+#define RG_API_OTHERS(X) X(CommCount) X(CommUserRank) X(CommCuDevice) X(GetVersion) X(Send) X(Recv)
+#define RG_API_FIELD(f) nccl##f##_fn f;
 typedef struct rg_nccl_api {
-  ncclAllGather_fn AllGather;
-  ncclCommInitRank_fn CommInitRank;
-  ncclCommInitRankConfig_fn CommInitRankConfig;
-  ncclCommInitAll_fn CommInitAll;
-  ncclCommSplit_fn CommSplit;
-  ncclCommFinalize_fn CommFinalize;
-  ncclCommDestroy_fn CommDestroy;
-  ncclCommAbort_fn CommAbort;
-  ncclCommGetAsyncError_fn CommGetAsyncError;
-  ncclGroupStart_fn GroupStart;
-  ncclGroupEnd_fn GroupEnd;
-  ncclAllReduce_fn AllReduce;
-  ncclCommCount_fn CommCount;
-  ncclCommUserRank_fn CommUserRank;
-  ncclCommCuDevice_fn CommCuDevice;
-  ncclGetVersion_fn GetVersion;
-  ncclSend_fn Send;
-  ncclRecv_fn Recv;
+  RG_WRAPPED(RG_API_FIELD)
+  RG_API_OTHERS(RG_API_FIELD)
   const char* path; /* the NCCL object, as the loader names it */
   int version;      /* its pncclGetVersion, 0 where it has none */
   int hooked;       /* its entries jump to the wrappers */

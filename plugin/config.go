@@ -2,7 +2,9 @@ package plugin
 
 import (
 	"fmt"
-	"sort"
+	"maps"
+	"math"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -99,14 +101,7 @@ var DefaultWindows = map[string]FabricWindow{
 // (ROCE_GATHER_MAX_BYTES unset where the fabric's default is off).
 func (c Config) Window(fabric string) (floor, capBytes uint64, offByDefault bool) {
 	d := DefaultWindows[fabric]
-	floor, capBytes, offByDefault = d.MinBytes, d.MaxBytes, d.Off
-	if c.MinBytesSet {
-		floor = c.MinBytes
-	}
-	if c.MaxBytesSet {
-		capBytes, offByDefault = c.MaxBytes, false
-	}
-	return floor, capBytes, offByDefault
+	return overridden(d.MinBytes, d.MaxBytes, d.Off, c.MinBytes, c.MaxBytes, c.MinBytesSet, c.MaxBytesSet)
 }
 
 // AllReduceWindow is this rank's window of the intercepted all-reduce on fabric, in bytes
@@ -114,14 +109,20 @@ func (c Config) Window(fabric string) (floor, capBytes uint64, offByDefault bool
 // (ROCE_GATHER_ALLREDUCE_MAX_BYTES unset where the fabric's default is off).
 func (c Config) AllReduceWindow(fabric string) (floor, capBytes uint64, offByDefault bool) {
 	d := DefaultWindows[fabric]
-	floor, capBytes, offByDefault = d.AllReduceMinBytes, d.AllReduceMaxBytes, d.AllReduceOff
-	if c.AllReduceMinBytesSet {
-		floor = c.AllReduceMinBytes
+	return overridden(d.AllReduceMinBytes, d.AllReduceMaxBytes, d.AllReduceOff, c.AllReduceMinBytes, c.AllReduceMaxBytes,
+		c.AllReduceMinBytesSet, c.AllReduceMaxBytesSet)
+}
+
+// overridden is a default window with the floor and the cap the environment set: a set cap
+// turns a window that is off by default on.
+func overridden(floor, capBytes uint64, off bool, setFloor, setCap uint64, floorSet, capSet bool) (uint64, uint64, bool) {
+	if floorSet {
+		floor = setFloor
 	}
-	if c.AllReduceMaxBytesSet {
-		capBytes, offByDefault = c.AllReduceMaxBytes, false
+	if capSet {
+		return floor, setCap, false
 	}
-	return floor, capBytes, offByDefault
+	return floor, capBytes, off
 }
 
 // ChunkFor is this rank's smallest chunk of the intercepted gather on fabric.
@@ -188,18 +189,10 @@ func (c Config) describeWindow(fabric string) string {
 
 // ParseConfig reads the configuration through getenv and returns every refused value.
 func ParseConfig(getenv func(string) string) (Config, []Warning) {
-	c := Config{
-		Enable:   true,
-		Fabric:   "auto",
-		GIDIndex: -1,
-		Timeout:  DefaultTimeoutMS * time.Millisecond,
-
-		TraceEvery:   DefaultTraceEvery,
-		TraceRecords: DefaultTraceRecords,
-		ProxyIdle:    DefaultProxyIdleMS * time.Millisecond,
-	}
+	c := Config{Enable: true, Fabric: "auto", GIDIndex: -1, TraceEvery: DefaultTraceEvery, TraceRecords: DefaultTraceRecords}
 	var warns []Warning
-	for _, name := range sortedRetired() {
+	// In name order, so that their WARNs come in one order.
+	for _, name := range slices.Sorted(maps.Keys(RetiredVariables)) {
 		if v, ok := lookup(getenv, name); ok {
 			warns = append(warns, Warning{Var: name, Value: v, Retired: RetiredVariables[name]})
 		}
@@ -207,20 +200,6 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 	refuse := func(name, value, used, why string) {
 		warns = append(warns, Warning{Var: name, Value: value, Used: used, Why: why})
 	}
-	// flag reads a 0/1 variable into dst, which holds its default.
-	flag := func(name string, dst *bool) {
-		v, ok := lookup(getenv, name)
-		switch {
-		case !ok:
-		case v == "0" || v == "1":
-			*dst = v == "1"
-		case *dst:
-			refuse(name, v, "1", "is not 0 or 1")
-		default:
-			refuse(name, v, "0", "is not 0 or 1")
-		}
-	}
-
 	// byteCount reads a byte count from lo to MaxMaxBytes into dst, setting set.
 	byteCount := func(name string, lo uint64, used string, dst *uint64, set *bool) {
 		v, ok := lookup(getenv, name)
@@ -238,7 +217,11 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		}
 	}
 
-	flag("ROCE_GATHER_ENABLE", &c.Enable)
+	if v, ok := lookup(getenv, "ROCE_GATHER_ENABLE"); ok && v != "0" && v != "1" {
+		refuse("ROCE_GATHER_ENABLE", v, "1", "is not 0 or 1")
+	} else if ok {
+		c.Enable = v == "1"
+	}
 	byteCount("ROCE_GATHER_MIN_BYTES", 0, "the fabric's default window", &c.MinBytes, &c.MinBytesSet)
 	byteCount("ROCE_GATHER_MAX_BYTES", 1, "the fabric's default window", &c.MaxBytes, &c.MaxBytesSet)
 	byteCount("ROCE_GATHER_ALLREDUCE_MIN_BYTES", 0, "the fabric's default all-reduce window", &c.AllReduceMinBytes, &c.AllReduceMinBytesSet)
@@ -274,34 +257,30 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 		}
 	}
 	c.SocketIf = strings.TrimSpace(getenv("NCCL_SOCKET_IFNAME"))
-	if v, ok := lookup(getenv, "ROCE_GATHER_TIMEOUT_MS"); ok {
-		n, err := strconv.ParseUint(v, 10, 32)
-		if err != nil || n == 0 {
-			refuse("ROCE_GATHER_TIMEOUT_MS", v, fmt.Sprint(DefaultTimeoutMS), "is not a positive number of milliseconds")
-		} else {
-			c.Timeout = time.Duration(n) * time.Millisecond
-		}
-	}
 	if v, ok := lookup(getenv, "ROCE_GATHER_STATS"); ok {
 		c.StatsPath = v
 	}
 	if v, ok := lookup(getenv, "ROCE_GATHER_TRACE"); ok {
 		c.TracePath = v
 	}
-	count := func(name string, hi uint64, dst *uint64) {
+	// whole reads a decimal whole number from lo to hi into dst, which holds its default.
+	whole := func(name string, lo, hi uint64, why string, dst *uint64) {
 		v, ok := lookup(getenv, name)
 		if !ok {
 			return
 		}
-		n, err := strconv.ParseUint(v, 10, 64)
-		if err != nil || n == 0 || n > hi {
-			refuse(name, v, fmt.Sprint(*dst), fmt.Sprintf("is not a whole number from 1 to %d", hi))
-			return
+		if n, err := strconv.ParseUint(v, 10, 64); err != nil || n < lo || n > hi {
+			refuse(name, v, fmt.Sprint(*dst), why)
+		} else {
+			*dst = n
 		}
-		*dst = n
 	}
-	count("ROCE_GATHER_TRACE_EVERY", 1<<32, &c.TraceEvery)
-	count("ROCE_GATHER_TRACE_RECORDS", MaxTraceRecords, &c.TraceRecords)
+	timeoutMS, idleMS := uint64(DefaultTimeoutMS), uint64(DefaultProxyIdleMS)
+	whole("ROCE_GATHER_TIMEOUT_MS", 1, math.MaxUint32, "is not a positive number of milliseconds", &timeoutMS)
+	c.Timeout = time.Duration(timeoutMS) * time.Millisecond
+	whole("ROCE_GATHER_TRACE_EVERY", 1, 1<<32, fmt.Sprintf("is not a whole number from 1 to %d", uint64(1<<32)), &c.TraceEvery)
+	whole("ROCE_GATHER_TRACE_RECORDS", 1, MaxTraceRecords, fmt.Sprintf("is not a whole number from 1 to %d", MaxTraceRecords),
+		&c.TraceRecords)
 	if v, ok := lookup(getenv, "ROCE_GATHER_CHUNK_BYTES"); ok {
 		n, err := ParseBytes(v)
 		switch {
@@ -314,25 +293,10 @@ func ParseConfig(getenv func(string) string) (Config, []Warning) {
 			c.ChunkBytes = n
 		}
 	}
-	if v, ok := lookup(getenv, "ROCE_GATHER_PROXY_IDLE_MS"); ok {
-		n, err := strconv.ParseUint(v, 10, 32)
-		if err != nil || n > MaxProxyIdleMS {
-			refuse("ROCE_GATHER_PROXY_IDLE_MS", v, fmt.Sprint(DefaultProxyIdleMS), fmt.Sprintf("is not a whole number of milliseconds from 0 to %d", MaxProxyIdleMS))
-		} else {
-			c.ProxyIdle = time.Duration(n) * time.Millisecond
-		}
-	}
+	whole("ROCE_GATHER_PROXY_IDLE_MS", 0, MaxProxyIdleMS,
+		fmt.Sprintf("is not a whole number of milliseconds from 0 to %d", MaxProxyIdleMS), &idleMS)
+	c.ProxyIdle = time.Duration(idleMS) * time.Millisecond
 	return c, warns
-}
-
-// sortedRetired is RetiredVariables' names in order, so that their WARNs come in one order.
-func sortedRetired() []string {
-	names := make([]string, 0, len(RetiredVariables))
-	for n := range RetiredVariables {
-		names = append(names, n)
-	}
-	sort.Strings(names)
-	return names
 }
 
 // lookup returns a variable's trimmed value and whether it is set and non-empty.

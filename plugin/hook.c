@@ -238,69 +238,58 @@ int rg_hook_install(const rg_obj* nccl, rg_hook_fn* fns, size_t n, rg_hook_refus
   const size_t pg = (size_t)sysconf(_SC_PAGESIZE);
   page pages[MAX_PAGES];
   size_t npages = 0, i = 0;
+  char* const why = refused->why;
+  char ignored[64]; /* why an undo failed: nothing more can be done about it */
+  const size_t whylen = sizeof(refused->why);
   site_write* writes = calloc(n ? n : 1, sizeof(*writes));
   memset(refused, 0, sizeof(*refused));
   if (writes == NULL) {
     refused->fn = SIZE_MAX;
-    rg_say(refused->why, sizeof(refused->why), "out of memory");
+    rg_say(why, whylen, "out of memory");
     return -1;
   }
-  int failed = 0;
-  for (i = 0; i < n && !failed; i++) {
+  for (i = 0; i < n; i++) {
     rg_hook_fn* f = &fns[i];
     f->trampoline = 0;
     rg_hex((const uint8_t*)f->entry, f->size < 16 ? f->size : 16, refused->bytes, sizeof(refused->bytes));
-    for (size_t j = 0; j < i && !failed; j++)
+    for (size_t j = 0; j < i; j++)
       if (fns[j].entry == f->entry) {
-        rg_say(refused->why, sizeof(refused->why), "it shares its address with %s", fns[j].name);
-        failed = 1;
+        rg_say(why, whylen, "it shares its address with %s", fns[j].name);
+        goto refuse;
       }
-    if (failed) break;
     uint8_t* slot = slot_for(pages, &npages, nccl, f->entry, pg);
     if (slot == NULL) {
-      rg_say(refused->why, sizeof(refused->why), "no page could be mapped within the jump's reach (±%llu MiB)",
-          (unsigned long long)(REACH >> 20));
-      failed = 1;
-      break;
+      rg_say(why, whylen, "no page could be mapped within the jump's reach (±%llu MiB)", (unsigned long long)(REACH >> 20));
+      goto refuse;
     }
-    if (build(f, slot, &writes[i], &f->trampoline, refused->why, sizeof(refused->why)) != 0) {
-      failed = 1;
-      break;
+    if (build(f, slot, &writes[i], &f->trampoline, why, whylen) != 0) goto refuse;
+  }
+  /* The pages become code before any entry jumps into them. */
+  for (size_t p = 0; p < npages; p++) {
+    flush((uintptr_t)pages[p].base, pg);
+    if (mprotect(pages[p].base, pg, PROT_READ | PROT_EXEC) != 0) {
+      rg_say(why, whylen, "mprotect of the stub page: %s", strerror(errno));
+      refused->bytes[0] = '\0';
+      i = SIZE_MAX;
+      goto refuse;
     }
   }
-  if (!failed) {
-    /* The pages become code before any entry jumps into them. */
-    for (size_t p = 0; p < npages && !failed; p++) {
-      flush((uintptr_t)pages[p].base, pg);
-      if (mprotect(pages[p].base, pg, PROT_READ | PROT_EXEC) != 0) {
-        rg_say(refused->why, sizeof(refused->why), "mprotect of the stub page: %s", strerror(errno));
-        refused->bytes[0] = '\0';
-        i = SIZE_MAX;
-        failed = 1;
-      }
-    }
-  }
-  if (!failed) {
-    for (i = 0; i < n; i++) {
-      rg_hex((const uint8_t*)fns[i].entry, fns[i].size < 16 ? fns[i].size : 16, refused->bytes, sizeof(refused->bytes));
-      int r = write_site(nccl, &writes[i], writes[i].patch, pg, refused->why, sizeof(refused->why));
-      writes[i].written = r != -1;
-      if (r != 0) {
-        failed = 1;
-        break;
-      }
-    }
-  }
-  if (failed) {
-    refused->fn = i;
-    char ignored[64];
-    for (size_t j = n; j-- > 0;)
-      if (writes[j].written) write_site(nccl, &writes[j], writes[j].orig, pg, ignored, sizeof(ignored));
-    for (size_t p = 0; p < npages; p++) munmap(pages[p].base, pg);
-    for (size_t j = 0; j < n; j++) fns[j].trampoline = 0;
+  for (i = 0; i < n; i++) {
+    rg_hex((const uint8_t*)fns[i].entry, fns[i].size < 16 ? fns[i].size : 16, refused->bytes, sizeof(refused->bytes));
+    int r = write_site(nccl, &writes[i], writes[i].patch, pg, why, whylen);
+    writes[i].written = r != -1;
+    if (r != 0) goto refuse;
   }
   free(writes);
-  return failed ? -1 : 0;
+  return 0;
+refuse:
+  refused->fn = i;
+  for (size_t j = n; j-- > 0;)
+    if (writes[j].written) write_site(nccl, &writes[j], writes[j].orig, pg, ignored, sizeof(ignored));
+  for (size_t p = 0; p < npages; p++) munmap(pages[p].base, pg);
+  for (size_t j = 0; j < n; j++) fns[j].trampoline = 0;
+  free(writes);
+  return -1;
 }
 
 #else /* !RG_HOOK_SUPPORTED */

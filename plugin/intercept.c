@@ -14,11 +14,8 @@
 #include "bind.h"
 #include "oneshot_hooks.h"
 
-const char* const rg_wrapped_names[RG_WRAP_N] = {
-    "ncclAllGather",   "ncclCommInitRank",  "ncclCommInitRankConfig", "ncclCommInitAll",
-    "ncclCommSplit",   "ncclCommFinalize",  "ncclCommDestroy",        "ncclCommAbort",
-    "ncclCommGetAsyncError", "ncclGroupStart", "ncclGroupEnd", "ncclAllReduce",
-};
+#define NAME(f) "nccl" #f,
+const char* const rg_wrapped_names[RG_WRAP_N] = {RG_WRAPPED(NAME)};
 _Static_assert(RG_STAT_CALL_ALL_REDUCE - RG_STAT_CALL_ALLGATHER + 1 == RG_WRAP_N, "one counter a wrapper");
 
 /* The calling thread's group depth (NCCL keeps its own the same way, per thread). The
@@ -56,13 +53,18 @@ static int blocking_of(const ncclConfig_t* config) {
   return blocking;
 }
 
+/* Every wrapper's start: count the call, and find NCCL's function f or return unavailable's
+ * answer. Declares api. */
+#define FORWARDING(f)                                   \
+  counted(RG_WRAP_##f);                                 \
+  const rg_nccl_api* api = rg_nccl();                   \
+  if (api == NULL || api->f == NULL) return unavailable(RG_WRAP_##f, api)
+
 static int made(ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; }
 
 static ncclResult_t wrap_AllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
                                    ncclComm_t comm, cudaStream_t stream) {
-  counted(RG_WRAP_AllGather);
-  const rg_nccl_api* api = rg_nccl();
-  if (api == NULL || api->AllGather == NULL) return unavailable(RG_WRAP_AllGather, api);
+  FORWARDING(AllGather);
   ncclResult_t result;
   if (rg_oneshot_allgather(sendbuff, recvbuff, sendcount, datatype, comm, stream, &result)) return result;
   return api->AllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream);
@@ -70,18 +72,14 @@ static ncclResult_t wrap_AllGather(const void* sendbuff, void* recvbuff, size_t 
 
 static ncclResult_t wrap_AllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
                                    ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
-  counted(RG_WRAP_AllReduce);
-  const rg_nccl_api* api = rg_nccl();
-  if (api == NULL || api->AllReduce == NULL) return unavailable(RG_WRAP_AllReduce, api);
+  FORWARDING(AllReduce);
   ncclResult_t result;
   if (rg_oneshot_allreduce(sendbuff, recvbuff, count, datatype, op, comm, stream, &result)) return result;
   return api->AllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream);
 }
 
 static ncclResult_t wrap_CommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
-  counted(RG_WRAP_CommInitRank);
-  const rg_nccl_api* api = rg_nccl();
-  if (api == NULL || api->CommInitRank == NULL) return unavailable(RG_WRAP_CommInitRank, api);
+  FORWARDING(CommInitRank);
   ncclResult_t r = api->CommInitRank(comm, nranks, commId, rank);
   if (made(r) && comm != NULL && *comm != NULL) rg_oneshot_comm_created(*comm, blocking_of(NULL), "ncclCommInitRank");
   return r;
@@ -89,9 +87,7 @@ static ncclResult_t wrap_CommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId
 
 static ncclResult_t wrap_CommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
                                             ncclConfig_t* config) {
-  counted(RG_WRAP_CommInitRankConfig);
-  const rg_nccl_api* api = rg_nccl();
-  if (api == NULL || api->CommInitRankConfig == NULL) return unavailable(RG_WRAP_CommInitRankConfig, api);
+  FORWARDING(CommInitRankConfig);
   ncclResult_t r = api->CommInitRankConfig(comm, nranks, commId, rank, config);
   if (made(r) && comm != NULL && *comm != NULL)
     rg_oneshot_comm_created(*comm, blocking_of(config), "ncclCommInitRankConfig");
@@ -99,9 +95,7 @@ static ncclResult_t wrap_CommInitRankConfig(ncclComm_t* comm, int nranks, ncclUn
 }
 
 static ncclResult_t wrap_CommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
-  counted(RG_WRAP_CommInitAll);
-  const rg_nccl_api* api = rg_nccl();
-  if (api == NULL || api->CommInitAll == NULL) return unavailable(RG_WRAP_CommInitAll, api);
+  FORWARDING(CommInitAll);
   ncclResult_t r = api->CommInitAll(comms, ndev, devlist);
   if (made(r) && comms != NULL)
     for (int i = 0; i < ndev; i++)
@@ -110,9 +104,7 @@ static ncclResult_t wrap_CommInitAll(ncclComm_t* comms, int ndev, const int* dev
 }
 
 static ncclResult_t wrap_CommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config) {
-  counted(RG_WRAP_CommSplit);
-  const rg_nccl_api* api = rg_nccl();
-  if (api == NULL || api->CommSplit == NULL) return unavailable(RG_WRAP_CommSplit, api);
+  FORWARDING(CommSplit);
   ncclResult_t r = api->CommSplit(comm, color, key, newcomm, config);
   if (made(r) && newcomm != NULL && *newcomm != NULL)
     rg_oneshot_comm_created(*newcomm, blocking_of(config), "ncclCommSplit");
@@ -120,17 +112,13 @@ static ncclResult_t wrap_CommSplit(ncclComm_t comm, int color, int key, ncclComm
 }
 
 static ncclResult_t wrap_CommFinalize(ncclComm_t comm) {
-  counted(RG_WRAP_CommFinalize);
-  const rg_nccl_api* api = rg_nccl();
-  if (api == NULL || api->CommFinalize == NULL) return unavailable(RG_WRAP_CommFinalize, api);
+  FORWARDING(CommFinalize);
   if (comm != NULL) rg_oneshot_comm_closing(comm, 0);
   return api->CommFinalize(comm);
 }
 
 static ncclResult_t wrap_CommDestroy(ncclComm_t comm) {
-  counted(RG_WRAP_CommDestroy);
-  const rg_nccl_api* api = rg_nccl();
-  if (api == NULL || api->CommDestroy == NULL) return unavailable(RG_WRAP_CommDestroy, api);
+  FORWARDING(CommDestroy);
   if (comm != NULL) rg_oneshot_comm_closing(comm, 0);
   ncclResult_t r = api->CommDestroy(comm);
   if (comm != NULL) rg_oneshot_comm_gone(comm);
@@ -138,9 +126,7 @@ static ncclResult_t wrap_CommDestroy(ncclComm_t comm) {
 }
 
 static ncclResult_t wrap_CommAbort(ncclComm_t comm) {
-  counted(RG_WRAP_CommAbort);
-  const rg_nccl_api* api = rg_nccl();
-  if (api == NULL || api->CommAbort == NULL) return unavailable(RG_WRAP_CommAbort, api);
+  FORWARDING(CommAbort);
   if (comm != NULL) rg_oneshot_comm_closing(comm, 1);
   ncclResult_t r = api->CommAbort(comm);
   if (comm != NULL) rg_oneshot_comm_gone(comm);
@@ -148,27 +134,21 @@ static ncclResult_t wrap_CommAbort(ncclComm_t comm) {
 }
 
 static ncclResult_t wrap_CommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
-  counted(RG_WRAP_CommGetAsyncError);
-  const rg_nccl_api* api = rg_nccl();
-  if (api == NULL || api->CommGetAsyncError == NULL) return unavailable(RG_WRAP_CommGetAsyncError, api);
+  FORWARDING(CommGetAsyncError);
   ncclResult_t r = api->CommGetAsyncError(comm, asyncError);
   if (r == ncclSuccess && asyncError != NULL) *asyncError = rg_oneshot_async_error(comm, *asyncError);
   return r;
 }
 
 static ncclResult_t wrap_GroupStart(void) {
-  counted(RG_WRAP_GroupStart);
-  const rg_nccl_api* api = rg_nccl();
-  if (api == NULL || api->GroupStart == NULL) return unavailable(RG_WRAP_GroupStart, api);
+  FORWARDING(GroupStart);
   ncclResult_t r = api->GroupStart();
   if (r == ncclSuccess) group_depth++;
   return r;
 }
 
 static ncclResult_t wrap_GroupEnd(void) {
-  counted(RG_WRAP_GroupEnd);
-  const rg_nccl_api* api = rg_nccl();
-  if (api == NULL || api->GroupEnd == NULL) return unavailable(RG_WRAP_GroupEnd, api);
+  FORWARDING(GroupEnd);
   ncclResult_t r = api->GroupEnd();
   /* NCCL leaves a group at any depth above 0, whatever the group's result. An end at depth 0
    * closes a group opened before the hook went in (or none: NCCL then refuses it). */
@@ -179,25 +159,11 @@ static ncclResult_t wrap_GroupEnd(void) {
 
 /* The exported names are aliases: inside this library the wrappers are reached by their
  * own (local) names, so a NCCL earlier in the global scope can never stand in for them. */
-#define EXPORT(f) extern __typeof(wrap_##f) nccl##f __attribute__((alias("wrap_" #f), visibility("default")))
-EXPORT(AllGather);
-EXPORT(CommInitRank);
-EXPORT(CommInitRankConfig);
-EXPORT(CommInitAll);
-EXPORT(CommSplit);
-EXPORT(CommFinalize);
-EXPORT(CommDestroy);
-EXPORT(CommAbort);
-EXPORT(CommGetAsyncError);
-EXPORT(GroupStart);
-EXPORT(GroupEnd);
-EXPORT(AllReduce);
+#define EXPORT(f) extern __typeof(wrap_##f) nccl##f __attribute__((alias("wrap_" #f), visibility("default")));
+RG_WRAPPED(EXPORT)
 
 void* rg_wrapper(enum rg_wrapped w) {
-  static void* const wrappers[RG_WRAP_N] = {
-      (void*)wrap_AllGather, (void*)wrap_CommInitRank, (void*)wrap_CommInitRankConfig, (void*)wrap_CommInitAll,
-      (void*)wrap_CommSplit, (void*)wrap_CommFinalize, (void*)wrap_CommDestroy,         (void*)wrap_CommAbort,
-      (void*)wrap_CommGetAsyncError, (void*)wrap_GroupStart, (void*)wrap_GroupEnd, (void*)wrap_AllReduce,
-  };
+#define WRAPPER(f) (void*)wrap_##f,
+  static void* const wrappers[RG_WRAP_N] = {RG_WRAPPED(WRAPPER)};
   return (unsigned)w < RG_WRAP_N ? wrappers[w] : NULL;
 }

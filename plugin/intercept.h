@@ -3,22 +3,14 @@
 #ifndef RG_INTERCEPT_H
 #define RG_INTERCEPT_H
 
-/* The wrapped functions, in one order everywhere (names, wrappers, stats counters). */
-enum rg_wrapped {
-  RG_WRAP_AllGather,
-  RG_WRAP_CommInitRank,
-  RG_WRAP_CommInitRankConfig,
-  RG_WRAP_CommInitAll,
-  RG_WRAP_CommSplit,
-  RG_WRAP_CommFinalize,
-  RG_WRAP_CommDestroy,
-  RG_WRAP_CommAbort,
-  RG_WRAP_CommGetAsyncError,
-  RG_WRAP_GroupStart,
-  RG_WRAP_GroupEnd,
-  RG_WRAP_AllReduce,
-  RG_WRAP_N
-};
+/* The wrapped functions, in one order everywhere (names, wrappers, stats counters, the
+ * first fields of rg_nccl_api): X(f) for each function ncclf. */
+#define RG_WRAPPED(X)                                                                                          \
+  X(AllGather) X(CommInitRank) X(CommInitRankConfig) X(CommInitAll) X(CommSplit) X(CommFinalize) X(CommDestroy) \
+  X(CommAbort) X(CommGetAsyncError) X(GroupStart) X(GroupEnd) X(AllReduce)
+
+#define RG_WRAP_ENUM(f) RG_WRAP_##f,
+enum rg_wrapped { RG_WRAPPED(RG_WRAP_ENUM) RG_WRAP_N };
 
 /* "ncclAllGather", ... in enum order. */
 extern const char* const rg_wrapped_names[RG_WRAP_N];

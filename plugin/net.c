@@ -27,13 +27,8 @@ static ncclResult_t init_ctx(const void* caller, void** ctx, ncclDebugLogger_t l
   rg_net_ctx* c = malloc(sizeof(*c));
   if (c == NULL) return ncclSystemError;
   c->magic = CTX_MAGIC;
-  ncclResult_t r = init(caller, log, abi);
-  if (r != ncclSuccess) {
-    free(c);
-    return r;
-  }
   *ctx = c;
-  return ncclSuccess;
+  return init(caller, log, abi); /* which cannot fail */
 }
 
 ncclResult_t rg_net_init_v8(ncclDebugLogger_t log) { return init(__builtin_return_address(0), log, 8); }

@@ -27,12 +27,10 @@ typedef struct rg_icomm {
   int nranks, rank, device;
   int blocking; /* 1, 0, or -1 when its creation went past the interceptor */
   atomic_int state;
-  rg_os_engine* engine;
   rg_os_kept kept; /* the engine's error, here so that it outlives the engine (zeroed: healthy) */
-  uint64_t floor, cap;
-  int ar_on;                /* the all-reduce agreed too */
-  uint64_t ar_floor, ar_cap; /* its window, bytes of the buffer */
-  int failed_result;
+  /* What the agreement answered: its engine (NULL once closed), the windows, and the result
+   * every call returns when the state is RG_IC_FAILED (set on close too). */
+  rg_oneshot_agreed agreed;
   _Atomic uint64_t group; /* the group (group_ids) whose end agrees it; 0: none */
   atomic_int said_deferred, said_error, said_crowded, said_unseen, said_probe;
   rg_probe_kept* probes; /* group probes NCCL deferred: freed after NCCL destroyed it */
@@ -54,14 +52,23 @@ static size_t slot_of(ncclComm_t c) {
   return (size_t)(x >> 40) & (SLOTS - 1);
 }
 
-static rg_icomm* find(ncclComm_t c) {
+/* c's entry and, in *at, its slot; NULL when c has none. */
+static rg_icomm* find_at(ncclComm_t c, size_t* at) {
   size_t i = slot_of(c);
   for (size_t n = 0; n < SLOTS; n++, i = (i + 1) & (SLOTS - 1)) {
     rg_icomm* p = atomic_load_explicit(&table[i], memory_order_acquire);
     if (p == NULL) return NULL;
-    if (p != &tombstone && p->comm == c) return p;
+    if (p != &tombstone && p->comm == c) {
+      *at = i;
+      return p;
+    }
   }
   return NULL;
+}
+
+static rg_icomm* find(ncclComm_t c) {
+  size_t at;
+  return find_at(c, &at);
 }
 
 static size_t dtype_bytes(ncclDataType_t t) {
@@ -75,27 +82,7 @@ static size_t dtype_bytes(ncclDataType_t t) {
   }
 }
 
-static rg_icomm* insert(ncclComm_t comm, int nranks, int rank, int device, int blocking, int state);
-
-/* Tracks a non-blocking communicator without asking NCCL: its gathers take NCCL's path. */
-static rg_icomm* adopt_offline(ncclComm_t comm) {
-  rg_icomm* c = insert(comm, -1, -1, -1, 0, RG_IC_OFF);
-  if (c != NULL)
-    RG_INFO(NCCL_INIT | NCCL_COLL, "communicator %p is non-blocking: its gathers take NCCL's path on both ranks", (void*)comm);
-  return c;
-}
-
-/* Starts tracking comm, asking NCCL its size, rank and device. NULL when NCCL cannot say
- * (a communicator still initialising) or the table is full: the call then goes to NCCL. */
-static rg_icomm* adopt(ncclComm_t comm, int blocking) {
-  const rg_nccl_api* nccl = rg_nccl();
-  if (nccl == NULL || nccl->CommCount == NULL || nccl->CommUserRank == NULL) return NULL;
-  int nranks = 0, rank = 0, device = -1;
-  if (nccl->CommCount(comm, &nranks) != ncclSuccess || nccl->CommUserRank(comm, &rank) != ncclSuccess) return NULL;
-  if (nccl->CommCuDevice != NULL) nccl->CommCuDevice(comm, &device);
-  return insert(comm, nranks, rank, device, blocking, RG_IC_PENDING);
-}
-
+/* comm's entry, added in state where it has none; NULL when the table is full. */
 static rg_icomm* insert(ncclComm_t comm, int nranks, int rank, int device, int blocking, int state) {
   pthread_mutex_lock(&table_mu);
   rg_icomm* c = find(comm);
@@ -125,6 +112,25 @@ static rg_icomm* insert(ncclComm_t comm, int nranks, int rank, int device, int b
     rgGoInterceptFirstComm();
   }
   return c;
+}
+
+/* Tracks a non-blocking communicator without asking NCCL: its gathers take NCCL's path. */
+static rg_icomm* adopt_offline(ncclComm_t comm) {
+  rg_icomm* c = insert(comm, -1, -1, -1, 0, RG_IC_OFF);
+  if (c != NULL)
+    RG_INFO(NCCL_INIT | NCCL_COLL, "communicator %p is non-blocking: its gathers take NCCL's path on both ranks", (void*)comm);
+  return c;
+}
+
+/* Starts tracking comm, asking NCCL its size, rank and device. NULL when NCCL cannot say
+ * (a communicator still initialising) or the table is full: the call then goes to NCCL. */
+static rg_icomm* adopt(ncclComm_t comm, int blocking) {
+  const rg_nccl_api* nccl = rg_nccl();
+  if (nccl == NULL || nccl->CommCount == NULL || nccl->CommUserRank == NULL) return NULL;
+  int nranks = 0, rank = 0, device = -1;
+  if (nccl->CommCount(comm, &nranks) != ncclSuccess || nccl->CommUserRank(comm, &rank) != ncclSuccess) return NULL;
+  if (nccl->CommCuDevice != NULL) nccl->CommCuDevice(comm, &device);
+  return insert(comm, nranks, rank, device, blocking, RG_IC_PENDING);
 }
 
 void rg_oneshot_comm_created(ncclComm_t comm, int blocking, const char* how) {
@@ -205,18 +211,9 @@ static int settle(rg_icomm* c, cudaStream_t stream, int group_ended) {
   if (probe == RG_PROBE_FAILED && !atomic_exchange(&c->said_probe, 1))
     RG_WARN("communicator %p: the check for a NCCL group opened before this library hooked NCCL failed (%s); the "
             "ranks agree without it", (void*)c->comm, why);
-  rg_oneshot_agreed a;
-  memset(&a, 0, sizeof(a));
   rg_enter_go();
-  rgGoOneShotAgree(c->comm, c->rank, c->device, cu == NULL, &c->kept, &a);
-  c->engine = a.engine;
-  c->floor = a.floor;
-  c->cap = a.cap;
-  c->ar_on = a.ar_on;
-  c->ar_floor = a.ar_floor;
-  c->ar_cap = a.ar_cap;
-  c->failed_result = a.result;
-  st = a.state;
+  rgGoOneShotAgree(c->comm, c->rank, c->device, cu == NULL, &c->kept, &c->agreed);
+  st = c->agreed.state;
 out:
   atomic_store(&c->state, st);
   pthread_mutex_unlock(&c->mu);
@@ -239,7 +236,7 @@ static int oneshot_call(const void* sendbuff, void* recvbuff, size_t count, nccl
   int st = atomic_load_explicit(&c->state, memory_order_acquire);
   if (st == RG_IC_PENDING) st = settle(c, stream, 0);
   if (st == RG_IC_ON) {
-    rg_os_engine* e = c->engine;
+    rg_os_engine* e = c->agreed.engine;
     int err = rg_os_check_launch(e);
     if (err != 0) {
       if (!atomic_exchange(&c->said_error, 1))
@@ -247,8 +244,9 @@ static int oneshot_call(const void* sendbuff, void* recvbuff, size_t count, nccl
       *result = (ncclResult_t)err;
       return 1;
     }
-    const int in_window = allreduce ? c->ar_on && bytes != 0 && bytes >= c->ar_floor && bytes <= c->ar_cap
-                                    : bytes != 0 && bytes >= c->floor && bytes <= c->cap;
+    const rg_oneshot_agreed* a = &c->agreed;
+    const int in_window = allreduce ? a->ar_on && bytes != 0 && bytes >= a->ar_floor && bytes <= a->ar_cap
+                                    : bytes != 0 && bytes >= a->floor && bytes <= a->cap;
     if (in_window && class_taken) {
       int r = rg_os_launch(e, sendbuff, recvbuff, bytes, coll, (CUstream)stream);
       if (r != CUDA_SUCCESS) {
@@ -262,7 +260,7 @@ static int oneshot_call(const void* sendbuff, void* recvbuff, size_t count, nccl
       return 1;
     }
   } else if (st == RG_IC_FAILED) {
-    *result = (ncclResult_t)c->failed_result;
+    *result = (ncclResult_t)c->agreed.result;
     return 1;
   }
   rg_stats_add(allreduce ? RG_STAT_AR_FORWARDED : RG_STAT_OS_FORWARDED, 1);
@@ -326,37 +324,29 @@ void rg_oneshot_comm_closing(ncclComm_t comm, int abort) {
   atomic_store(&c->group, 0);
   /* A communicator being closed never agrees, at a group's end or later. */
   if (atomic_load(&c->state) == RG_IC_PENDING) atomic_store(&c->state, RG_IC_OFF);
-  if (atomic_load(&c->state) == RG_IC_ON && c->engine != NULL) {
+  if (atomic_load(&c->state) == RG_IC_ON && c->agreed.engine != NULL) {
     rg_enter_go();
-    rgGoOneShotClose(c->engine, abort);
+    rgGoOneShotClose(c->agreed.engine, abort);
     /* What the engine said stays the communicator's answer until NCCL forgets it: the kept
      * error is the communicator's, never the freed engine's. */
-    c->failed_result = rg_os_kept_error(&c->kept, NULL, 0);
-    c->engine = NULL;
-    atomic_store(&c->state, c->failed_result != 0 ? RG_IC_FAILED : RG_IC_OFF);
+    c->agreed.result = rg_os_kept_error(&c->kept, NULL, 0);
+    c->agreed.engine = NULL;
+    atomic_store(&c->state, c->agreed.result != 0 ? RG_IC_FAILED : RG_IC_OFF);
   }
   pthread_mutex_unlock(&c->mu);
 }
 
 void rg_oneshot_comm_gone(ncclComm_t comm) {
   pthread_mutex_lock(&table_mu);
-  size_t i = slot_of(comm);
-  rg_icomm* gone = NULL;
-  for (size_t n = 0; n < SLOTS; n++, i = (i + 1) & (SLOTS - 1)) {
-    rg_icomm* p = atomic_load(&table[i]);
-    if (p == NULL) break;
-    if (p != &tombstone && p->comm == comm) {
-      atomic_store(&table[i], &tombstone);
-      gone = p;
-      break;
-    }
-  }
+  size_t at;
+  rg_icomm* gone = find_at(comm, &at);
+  if (gone != NULL) atomic_store(&table[at], &tombstone);
   pthread_mutex_unlock(&table_mu);
   if (gone == NULL) return;
   pthread_mutex_lock(&gone->mu);
-  if (gone->engine != NULL) { /* destroyed without finalize or abort first */
+  if (gone->agreed.engine != NULL) { /* destroyed without finalize or abort first */
     rg_enter_go();
-    rgGoOneShotClose(gone->engine, 1);
+    rgGoOneShotClose(gone->agreed.engine, 1);
   }
   rg_probe_release(gone->probes); /* NCCL has let go of them with the communicator */
   pthread_mutex_unlock(&gone->mu);
@@ -374,7 +364,7 @@ ncclResult_t rg_oneshot_async_error(ncclComm_t comm, ncclResult_t nccl_result) {
     int err = rg_os_kept_error(&c->kept, NULL, 0);
     if (err != 0) return (ncclResult_t)err;
   } else if (st == RG_IC_FAILED) {
-    return (ncclResult_t)c->failed_result;
+    return (ncclResult_t)c->agreed.result;
   }
   return nccl_result;
 }
@@ -384,17 +374,8 @@ ncclResult_t rg_oneshot_async_error(ncclComm_t comm, ncclResult_t nccl_result) {
 static int exchange_cuda(const rg_nccl_api* nccl, ncclComm_t comm, int device, const void* mine, void* all, size_t n,
                          uint64_t timeout_ns, char* err, int errlen) {
   const rg_cuda_api* cu = rg_cuda();
-  CUcontext cur = NULL, ctx = NULL;
-  CUdevice dev = device;
-  int pushed = 0, retained = 0;
-  cu->cuCtxGetCurrent(&cur);
-  if (cur == NULL && device >= 0) {
-    /* NCCL's communicators live in the device's primary context, which PyTorch and JAX use. */
-    if (cu->cuDevicePrimaryCtxRetain(&ctx, dev) == CUDA_SUCCESS) {
-      retained = 1;
-      pushed = cu->cuCtxPushCurrent(ctx) == CUDA_SUCCESS;
-    }
-  }
+  rg_ctx_entered entered;
+  rg_ctx_enter(cu, device, &entered);
   CUdeviceptr buf = 0;
   CUstream s = NULL;
   int result = ncclUnhandledCudaError;
@@ -448,8 +429,7 @@ static int exchange_cuda(const rg_nccl_api* nccl, ncclComm_t comm, int device, c
 done:
   if (s != NULL && result == ncclSuccess) cu->cuStreamDestroy(s); /* a stream NCCL may still use stays */
   if (buf != 0 && result == ncclSuccess) cu->cuMemFree(buf);
-  if (pushed) cu->cuCtxPopCurrent(&cur);
-  if (retained) cu->cuDevicePrimaryCtxRelease(dev);
+  rg_ctx_leave(cu, &entered);
   return result;
 }
 

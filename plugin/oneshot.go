@@ -13,6 +13,7 @@ package plugin
 import "C"
 
 import (
+	"bytes"
 	"fmt"
 	"sync"
 	"unsafe"
@@ -58,13 +59,7 @@ func confirmation(ready bool, why string) []byte {
 }
 
 func readConfirmation(b []byte) (bool, string) {
-	why := b[1:]
-	for i, c := range why {
-		if c == 0 {
-			why = why[:i]
-			break
-		}
-	}
+	why, _, _ := bytes.Cut(b[1:], []byte{0})
 	return b[0] == 1, string(why)
 }
 
@@ -140,13 +135,10 @@ func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, kept uns
 	}
 	ok0, why0 := readConfirmation(confirms[0])
 	ok1, why1 := readConfirmation(confirms[1])
-	if o.On && (!ok0 || !ok1) {
-		switch {
-		case !ok0:
-			why = "rank 0 is not ready: " + why0
-		default:
-			why = "rank 1 is not ready: " + why1
-		}
+	if o.On && !ok0 {
+		why = "rank 0 is not ready: " + why0
+	} else if o.On && !ok1 {
+		why = "rank 1 is not ready: " + why1
 	}
 	if e != nil && ok0 && ok1 {
 		if err = e.Start(); err != nil {

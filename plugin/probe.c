@@ -6,7 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include "../internal/cudadrv/cudadrv.h"
 #include "../roce/fabric/fabric.h"
 
 #define PROBE_BYTES 8
@@ -73,13 +72,9 @@ static int probe_cuda(const rg_nccl_api* nccl, ncclComm_t comm, int rank, int de
     return RG_PROBE_FAILED;
   }
   const rg_cuda_api* cu = rg_cuda();
-  CUcontext cur = NULL, ctx = NULL;
-  int pushed = 0, retained = 0, result = RG_PROBE_FAILED, used = 0;
-  cu->cuCtxGetCurrent(&cur);
-  if (cur == NULL && device >= 0 && cu->cuDevicePrimaryCtxRetain(&ctx, device) == CUDA_SUCCESS) {
-    retained = 1; /* NCCL's communicators live in the device's primary context */
-    pushed = cu->cuCtxPushCurrent(ctx) == CUDA_SUCCESS;
-  }
+  int result = RG_PROBE_FAILED, used = 0;
+  rg_ctx_entered entered;
+  rg_ctx_enter(cu, device, &entered);
   uint8_t want[PROBE_BYTES], got[PROBE_BYTES];
   pattern(want, rank);
   k->device = device;
@@ -124,8 +119,7 @@ done:
   } else {
     keep(kept, k); /* NCCL runs the deferred send/receive on them at the group's end */
   }
-  if (pushed) cu->cuCtxPopCurrent(&cur);
-  if (retained) cu->cuDevicePrimaryCtxRelease(device);
+  rg_ctx_leave(cu, &entered);
   return result;
 }
 
@@ -136,23 +130,33 @@ int rg_group_probe(const rg_nccl_api* nccl, ncclComm_t comm, int rank, int devic
   return standin ? probe_host(nccl, comm, rank, kept, why, whylen) : probe_cuda(nccl, comm, rank, device, kept, why, whylen);
 }
 
+void rg_ctx_enter(const rg_cuda_api* cu, int device, rg_ctx_entered* e) {
+  CUcontext cur = NULL, ctx = NULL;
+  *e = (rg_ctx_entered){.device = device};
+  cu->cuCtxGetCurrent(&cur);
+  if (cur == NULL && device >= 0 && cu->cuDevicePrimaryCtxRetain(&ctx, device) == CUDA_SUCCESS) {
+    e->retained = 1;
+    e->pushed = cu->cuCtxPushCurrent(ctx) == CUDA_SUCCESS;
+  }
+}
+
+void rg_ctx_leave(const rg_cuda_api* cu, const rg_ctx_entered* e) {
+  CUcontext popped;
+  if (e->pushed) cu->cuCtxPopCurrent(&popped);
+  if (e->retained) cu->cuDevicePrimaryCtxRelease(e->device);
+}
+
 void rg_probe_release(rg_probe_kept* kept) {
   const rg_cuda_api* cu = NULL;
   while (kept != NULL) {
     rg_probe_kept* next = kept->next;
     free(kept->host);
     if ((kept->dev != 0 || kept->stream != NULL) && (cu != NULL || (cu = rg_cuda()) != NULL)) {
-      CUcontext cur = NULL, ctx = NULL;
-      int pushed = 0, retained = 0;
-      cu->cuCtxGetCurrent(&cur);
-      if (cur == NULL && kept->device >= 0 && cu->cuDevicePrimaryCtxRetain(&ctx, kept->device) == CUDA_SUCCESS) {
-        retained = 1;
-        pushed = cu->cuCtxPushCurrent(ctx) == CUDA_SUCCESS;
-      }
+      rg_ctx_entered entered;
+      rg_ctx_enter(cu, kept->device, &entered);
       if (kept->stream != NULL) cu->cuStreamDestroy(kept->stream);
       if (kept->dev != 0) cu->cuMemFree(kept->dev);
-      if (pushed) cu->cuCtxPopCurrent(&cur);
-      if (retained) cu->cuDevicePrimaryCtxRelease(kept->device);
+      rg_ctx_leave(cu, &entered);
     }
     free(kept);
     kept = next;

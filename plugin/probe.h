@@ -9,6 +9,7 @@
 
 #include <stdint.h>
 #include "../include/nccl/api.h"
+#include "../internal/cudadrv/cudadrv.h"
 #include "bind.h"
 
 enum rg_probe_result {
@@ -27,6 +28,14 @@ typedef struct rg_probe_kept rg_probe_kept;
  * *kept. */
 int rg_group_probe(const rg_nccl_api* nccl, ncclComm_t comm, int rank, int device, int standin, rg_probe_kept** kept,
                    char* why, int whylen);
+
+/* The device's primary context, where NCCL's communicators live (and PyTorch and JAX work),
+ * made current on a thread that has no current context; rg_ctx_leave undoes it. */
+typedef struct rg_ctx_entered {
+  int device, retained, pushed;
+} rg_ctx_entered;
+void rg_ctx_enter(const rg_cuda_api* cu, int device, rg_ctx_entered* e);
+void rg_ctx_leave(const rg_cuda_api* cu, const rg_ctx_entered* e);
 
 /* Frees every probe on the list: after NCCL's destroy or abort of their communicator. */
 void rg_probe_release(rg_probe_kept* kept);

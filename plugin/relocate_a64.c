@@ -139,24 +139,15 @@ int rg_a64_relocate(uint32_t insn, uint64_t from, uint64_t to, uint32_t* out, si
     out[4] = (uint32_t)(target >> 32);
     return 5;
   }
-  /* b.cond */
-  if ((insn & 0xff000010u) == 0x54000000u) {
-    const uint64_t target = from + (uint64_t)(sfield(insn, 5, 19) << 2);
-    if ((insn & 0xf) >= 14) return rg_say(why, whylen, "b.al or b.nv 0x%08x", insn);
+  /* b.cond (its condition's low bit inverts it); cbz, cbnz, tbz, tbnz (bit 24 inverts them):
+   * the offset at bit 5, 19 bits wide (tbz, tbnz: 14). */
+  const int bcond = (insn & 0xff000010u) == 0x54000000u, cb_tb = (insn & 0x7c000000u) == 0x34000000u;
+  if (bcond || cb_tb) {
+    const int bits = cb_tb && (insn & 0x02000000u) ? 14 : 19;
+    const uint64_t target = from + (uint64_t)(sfield(insn, 5, bits) << 2);
+    if (bcond && (insn & 0xf) >= 14) return rg_say(why, whylen, "b.al or b.nv 0x%08x", insn);
     if (target == from) return rg_say(why, whylen, "a branch to itself");
-    return cond_branch(insn, to, target, 5, 19, 1, out, cap);
-  }
-  /* cbz, cbnz */
-  if ((insn & 0x7e000000u) == 0x34000000u) {
-    const uint64_t target = from + (uint64_t)(sfield(insn, 5, 19) << 2);
-    if (target == from) return rg_say(why, whylen, "a branch to itself");
-    return cond_branch(insn, to, target, 5, 19, 1u << 24, out, cap);
-  }
-  /* tbz, tbnz */
-  if ((insn & 0x7e000000u) == 0x36000000u) {
-    const uint64_t target = from + (uint64_t)(sfield(insn, 5, 14) << 2);
-    if (target == from) return rg_say(why, whylen, "a branch to itself");
-    return cond_branch(insn, to, target, 5, 14, 1u << 24, out, cap);
+    return cond_branch(insn, to, target, 5, bits, bcond ? 1 : 1u << 24, out, cap);
   }
   const uint32_t op0 = (insn >> 25) & 0xf;
   int copy = 0;

@@ -34,38 +34,30 @@ type Stats struct {
 	// and the gathers its kernel finished (graph replays included), with the kernel's time
 	// from its start to both rows written.
 	Intercepted struct {
-		Launches       uint64  `json:"launches"`
-		LaunchBytes    uint64  `json:"launch_bytes"`
-		Forwarded      uint64  `json:"forwarded"`
-		ForwardedBytes uint64  `json:"forwarded_bytes"`
-		Gathers        uint64  `json:"gathers"`
-		Bytes          uint64  `json:"bytes"`
-		Errors         uint64  `json:"errors"`
-		ProxyNaps      uint64  `json:"proxy_naps"`
-		ProxyWoke      uint64  `json:"proxy_woke_to_work"`
-		P50us          float64 `json:"p50_us"`
-		P90us          float64 `json:"p90_us"`
-		P99us          float64 `json:"p99_us"`
-		MaxUs          float64 `json:"max_us"`
-		LatencyCalls   uint64  `json:"latency_calls"`
+		Launches       uint64 `json:"launches"`
+		LaunchBytes    uint64 `json:"launch_bytes"`
+		Forwarded      uint64 `json:"forwarded"`
+		ForwardedBytes uint64 `json:"forwarded_bytes"`
+		Gathers        uint64 `json:"gathers"`
+		Bytes          uint64 `json:"bytes"`
+		Errors         uint64 `json:"errors"`
+		ProxyNaps      uint64 `json:"proxy_naps"`
+		ProxyWoke      uint64 `json:"proxy_woke_to_work"`
+		Latency
 	} `json:"intercepted"`
 	// The intercepted all-reduce, as the gather's: ncclAllReduce calls taken or handed to
 	// NCCL, the all-reduces its kernel finished (graph replays included) and their bytes
 	// (bytes of the buffer), its errors and the kernel's time. The proxy's naps are the
 	// process's, in "intercepted".
 	InterceptedAllReduce struct {
-		Launches       uint64  `json:"launches"`
-		LaunchBytes    uint64  `json:"launch_bytes"`
-		Forwarded      uint64  `json:"forwarded"`
-		ForwardedBytes uint64  `json:"forwarded_bytes"`
-		AllReduces     uint64  `json:"allreduces"`
-		Bytes          uint64  `json:"bytes"`
-		Errors         uint64  `json:"errors"`
-		P50us          float64 `json:"p50_us"`
-		P90us          float64 `json:"p90_us"`
-		P99us          float64 `json:"p99_us"`
-		MaxUs          float64 `json:"max_us"`
-		LatencyCalls   uint64  `json:"latency_calls"`
+		Launches       uint64 `json:"launches"`
+		LaunchBytes    uint64 `json:"launch_bytes"`
+		Forwarded      uint64 `json:"forwarded"`
+		ForwardedBytes uint64 `json:"forwarded_bytes"`
+		AllReduces     uint64 `json:"allreduces"`
+		Bytes          uint64 `json:"bytes"`
+		Errors         uint64 `json:"errors"`
+		Latency
 	} `json:"intercepted_allreduce"`
 	// Interceptor is how calls reach the library's own NCCL functions (docs/interceptor.md)
 	// and how many calls reached each of them.
@@ -88,6 +80,15 @@ type Stats struct {
 	} `json:"interceptor"`
 }
 
+// Latency is a section's kernel times: percentiles in microseconds, and the calls they cover.
+type Latency struct {
+	P50us        float64 `json:"p50_us"`
+	P90us        float64 `json:"p90_us"`
+	P99us        float64 `json:"p99_us"`
+	MaxUs        float64 `json:"max_us"`
+	LatencyCalls uint64  `json:"latency_calls"`
+}
+
 // ReadStats snapshots the counters.
 func ReadStats() Stats {
 	var g C.rg_stats_snapshot
@@ -100,21 +101,19 @@ func ReadStats() Stats {
 		*c.field(&s) = v(c.stat)
 	}
 	s.Interceptor.WayIn = C.GoString(C.rg_bind_way_in())
-	lat := s.latencies()
-	fill := func(section string, h *[C.RG_LAT_BUCKETS]C.uint64_t) {
+	fill := func(l *Latency, h *[C.RG_LAT_BUCKETS]C.uint64_t) {
 		var hist [C.RG_LAT_BUCKETS]uint64
-		l := lat[section]
 		for i := range hist {
 			hist[i] = uint64(h[i])
-			*l.calls += hist[i]
+			l.LatencyCalls += hist[i]
 		}
-		*l.p50 = percentileMicros(hist[:], 0.50)
-		*l.p90 = percentileMicros(hist[:], 0.90)
-		*l.p99 = percentileMicros(hist[:], 0.99)
-		*l.max = percentileMicros(hist[:], 1.0)
+		l.P50us = percentileMicros(hist[:], 0.50)
+		l.P90us = percentileMicros(hist[:], 0.90)
+		l.P99us = percentileMicros(hist[:], 0.99)
+		l.MaxUs = percentileMicros(hist[:], 1.0)
 	}
-	fill("intercepted", &g.os_lat)
-	fill("intercepted_allreduce", &g.ar_lat)
+	fill(&s.Intercepted.Latency, &g.os_lat)
+	fill(&s.InterceptedAllReduce.Latency, &g.ar_lat)
 	return s
 }
 
@@ -123,20 +122,6 @@ func ReadStats() Stats {
 func countForwarded(bytes uint64) {
 	C.rg_stats_add(C.RG_STAT_OS_FORWARDED, 1)
 	C.rg_stats_add(C.RG_STAT_OS_FORWARDED_BYTES, C.uint64_t(bytes))
-}
-
-// latency is one section's percentiles, as ReadStats fills them.
-type latency struct {
-	p50, p90, p99, max *float64
-	calls              *uint64
-}
-
-func (s *Stats) latencies() map[string]latency {
-	return map[string]latency{
-		"intercepted": {&s.Intercepted.P50us, &s.Intercepted.P90us, &s.Intercepted.P99us, &s.Intercepted.MaxUs, &s.Intercepted.LatencyCalls},
-		"intercepted_allreduce": {&s.InterceptedAllReduce.P50us, &s.InterceptedAllReduce.P90us, &s.InterceptedAllReduce.P99us,
-			&s.InterceptedAllReduce.MaxUs, &s.InterceptedAllReduce.LatencyCalls},
-	}
 }
 
 // bucketUpperNanos is the exclusive upper bound of latency bucket i (stats.c: quarter
@@ -217,7 +202,7 @@ var counterSlots = []struct {
 }
 
 // statsSections are the document's sections in order, each with the values the Go side
-// computes (shown after its counters).
+// computes (shown after its counters; every section has some).
 var statsSections = []struct {
 	name    string
 	derived []string
@@ -261,18 +246,16 @@ func buildStatsLayout(s Stats) (statsLayout, error) {
 		}
 		b.WriteByte('\n')
 	}
-	slot := func(key, value string, last bool) uint32 {
-		start := b.Len()
-		fmt.Fprintf(&b, "    %q:", key)
-		for b.Len()-start < statsColumn {
-			b.WriteByte(' ')
-		}
-		at := uint32(b.Len())
-		comma := ","
+	comma := func(last bool) string {
 		if last {
-			comma = ""
+			return ""
 		}
-		line("%*s%s", int(C.RG_STAT_WIDTH), value, comma)
+		return ","
+	}
+	slot := func(key, value string, last bool) uint32 {
+		fmt.Fprintf(&b, "%-*s", statsColumn, fmt.Sprintf("    %q:", key))
+		at := uint32(b.Len())
+		line("%*s%s", int(C.RG_STAT_WIDTH), value, comma(last))
 		return at
 	}
 	line("{")
@@ -282,25 +265,15 @@ func buildStatsLayout(s Stats) (statsLayout, error) {
 	C.rg_stats_read(&snap)
 	for i, section := range statsSections {
 		line("  %q: {", section.name)
-		var keys []int
-		for j, c := range counterSlots {
-			if c.section == section.name {
-				keys = append(keys, j)
+		for _, c := range counterSlots {
+			if c.section == section.name { // never its last value: its derived ones follow
+				l.counters[c.stat] = C.uint32_t(slot(c.key, strconv.FormatUint(uint64(snap.v[c.stat]), 10), false))
 			}
-		}
-		for n, j := range keys {
-			c := counterSlots[j]
-			last := n == len(keys)-1 && len(section.derived) == 0
-			l.counters[c.stat] = C.uint32_t(slot(c.key, strconv.FormatUint(uint64(snap.v[c.stat]), 10), last))
 		}
 		for n, key := range section.derived {
 			l.derived[section.name+"."+key] = slot(key, derivedInitial(key), n == len(section.derived)-1)
 		}
-		if i < len(statsSections)-1 {
-			line("  },")
-		} else {
-			line("  }")
-		}
+		line("  }%s", comma(i == len(statsSections)-1))
 	}
 	line("}")
 	l.text = []byte(b.String())
@@ -324,7 +297,7 @@ type statsFile struct {
 	warned  map[string]bool // paths that could not be attached, said once
 }
 
-var stats = &statsFile{}
+var stats = &statsFile{warned: map[string]bool{}}
 
 var errStatsInUse = errors.New("another process holds it (put %p in the path for one file a process)")
 
@@ -402,11 +375,11 @@ func (sf *statsFile) refreshLocked() {
 	if sf.shown && covered == sf.covered {
 		return
 	}
-	for section, l := range s.latencies() {
-		for key, v := range map[string]float64{"p50_us": *l.p50, "p90_us": *l.p90, "p99_us": *l.p99, "max_us": *l.max} {
+	for section, l := range map[string]Latency{"intercepted": s.Intercepted.Latency, "intercepted_allreduce": s.InterceptedAllReduce.Latency} {
+		for key, v := range map[string]float64{"p50_us": l.P50us, "p90_us": l.P90us, "p99_us": l.P99us, "max_us": l.MaxUs} {
 			sf.show(section+"."+key, strconv.FormatFloat(v, 'f', 2, 64))
 		}
-		sf.show(section+".latency_calls", strconv.FormatUint(*l.calls, 10))
+		sf.show(section+".latency_calls", strconv.FormatUint(l.LatencyCalls, 10))
 	}
 	sf.shown, sf.covered = true, covered
 }
@@ -473,9 +446,6 @@ func openStats(path string) {
 	if err := stats.attach(statsPath(path)); err != nil {
 		stats.mu.Lock()
 		first := !stats.warned[path]
-		if stats.warned == nil {
-			stats.warned = map[string]bool{}
-		}
 		stats.warned[path] = true
 		stats.mu.Unlock()
 		if first {
@@ -487,8 +457,8 @@ func openStats(path string) {
 	stats.startRefresher()
 }
 
-// closeStats is finalize's part: the file is brought up to date (and stays attached, for
-// communicators made later), or written where none is attached.
+// closeStats is finalize's part and exit's: the file is brought up to date (and stays
+// attached, for communicators made later), or written where none is attached.
 func closeStats(path string) {
 	if stats.attached() {
 		stats.stopRefresher()
@@ -505,14 +475,7 @@ var atExitOnce sync.Once
 func armStatsAtExit() { atExitOnce.Do(func() { C.rg_register_at_exit() }) }
 
 //export rgGoAtExit
-func rgGoAtExit() {
-	path := state.config().StatsPath
-	if stats.attached() {
-		stats.refresh()
-		return
-	}
-	writeStats(path)
-}
+func rgGoAtExit() { closeStats(state.config().StatsPath) }
 
 // statsPath expands %p (pid) and %h (host name) so ranks sharing one environment write
 // one file each.

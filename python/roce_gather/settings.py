@@ -30,12 +30,12 @@ def _atoi(text):
     return n if _INT64[0] <= n <= _INT64[1] else None
 
 
-def _parse_uint(text, bits):
-    """Go's strconv.ParseUint(text, 10, bits): decimal digits, no sign, else None."""
+def _parse_uint(text):
+    """Go's strconv.ParseUint(text, 10, 64): decimal digits, no sign, else None."""
     if not _DIGITS.match(text):
         return None
     n = int(text)
-    return n if n < 1 << bits else None
+    return n if n <= _UINT64_MAX else None
 
 
 _SUFFIXES = (("KIB", 1 << 10), ("MIB", 1 << 20), ("GIB", 1 << 30), ("KB", 1 << 10),
@@ -51,7 +51,7 @@ def parse_bytes(text):
         if t.endswith(suffix):
             t, mult = t[:-len(suffix)].strip(), m
             break
-    n = _parse_uint(t, 64)
+    n = _parse_uint(t)
     if n is None:
         return None, "want digits with an optional K, M or G suffix"
     if n > _UINT64_MAX // mult:
@@ -75,10 +75,6 @@ def _window_bytes(lowest):
             return "is outside %d..%d" % (lowest, MAX_WINDOW_BYTES)
         return None
     return rule
-
-
-def _one_of(*accepted, why):
-    return lambda v: None if v in accepted else why
 
 
 def _hcas(v):
@@ -108,9 +104,12 @@ def _interface(v):
     return "is not an interface name" if bad else None
 
 
-def _timeout_ms(v):
-    n = _parse_uint(v, 32)
-    return None if n else "is not a positive number of milliseconds"
+def _whole(lowest, highest, why):
+    """A decimal whole number from lowest to highest."""
+    def rule(v):
+        n = _parse_uint(v)
+        return None if n is not None and lowest <= n <= highest else why
+    return rule
 
 
 # gather.ChunkAlign and gather.MaxMinChunk: the intercepted gather's smallest chunk.
@@ -129,20 +128,6 @@ def _min_chunk(v):
     return None
 
 
-def _proxy_idle_ms(v):
-    n = _parse_uint(v, 32)
-    ok = n is not None and n <= MAX_PROXY_IDLE_MS
-    return None if ok else "is not a whole number of milliseconds from 0 to %d" % MAX_PROXY_IDLE_MS
-
-
-def _count(highest):
-    def rule(v):
-        n = _parse_uint(v, 64)
-        ok = n is not None and 1 <= n <= highest
-        return None if ok else "is not a whole number from 1 to %d" % highest
-    return rule
-
-
 def _any(v):
     return None
 
@@ -154,17 +139,18 @@ SETTINGS = {
     "ROCE_GATHER_MIN_BYTES": _window_bytes(0),
     "ROCE_GATHER_ALLREDUCE_MAX_BYTES": _window_bytes(1),
     "ROCE_GATHER_ALLREDUCE_MIN_BYTES": _window_bytes(0),
-    "ROCE_GATHER_FABRIC": _one_of("auto", "verbs", "tcp", why="is not auto, verbs or tcp"),
+    "ROCE_GATHER_FABRIC": lambda v: None if v in ("auto", "verbs", "tcp") else "is not auto, verbs or tcp",
     "ROCE_GATHER_HCAS": _hcas,
     "ROCE_GATHER_GID_INDEX": _gid_index,
     "ROCE_GATHER_TCP_IF": _interface,
-    "ROCE_GATHER_TIMEOUT_MS": _timeout_ms,
+    "ROCE_GATHER_TIMEOUT_MS": _whole(1, (1 << 32) - 1, "is not a positive number of milliseconds"),
     "ROCE_GATHER_TRACE": _any,
-    "ROCE_GATHER_TRACE_EVERY": _count(MAX_TRACE_EVERY),
-    "ROCE_GATHER_TRACE_RECORDS": _count(MAX_TRACE_RECORDS),
+    "ROCE_GATHER_TRACE_EVERY": _whole(1, MAX_TRACE_EVERY, "is not a whole number from 1 to %d" % MAX_TRACE_EVERY),
+    "ROCE_GATHER_TRACE_RECORDS": _whole(1, MAX_TRACE_RECORDS, "is not a whole number from 1 to %d" % MAX_TRACE_RECORDS),
     "ROCE_GATHER_STATS": _any,
     "ROCE_GATHER_CHUNK_BYTES": _min_chunk,
-    "ROCE_GATHER_PROXY_IDLE_MS": _proxy_idle_ms,
+    "ROCE_GATHER_PROXY_IDLE_MS": _whole(0, MAX_PROXY_IDLE_MS, "is not a whole number of milliseconds from 0 to %d"
+                                        % MAX_PROXY_IDLE_MS),
     # Read by the binding (plugin/bind.c), not plugin/config.go: a path, taken as given.
     "ROCE_GATHER_BIND_REPORT": _any,
 }
