@@ -71,12 +71,9 @@ static void stop(rg_os_engine* e) {
 static void warn_failed(rg_os_engine* e, uint64_t seq) {
   /* The text is whole once the code shows: another thread may still be writing it. */
   if (atomic_load_explicit(&e->kept->code, memory_order_acquire) == 0 || atomic_exchange(&e->warned, 1)) return;
-  if (atomic_load(&e->fail_coll) == RG_OS_ALLREDUCE)
-    RG_WARN("one-shot all-reduce of communicator 0x%llx with rank %d (%s) failed at sequence %llu: %s",
-            (unsigned long long)e->comm_id, 1 - e->rank, e->peer, (unsigned long long)seq, e->kept->why);
-  else
-    RG_WARN("one-shot gather of communicator 0x%llx with rank %d (%s) failed at sequence %llu: %s",
-          (unsigned long long)e->comm_id, 1 - e->rank, e->peer, (unsigned long long)seq, e->kept->why);
+  RG_WARN("one-shot %s of communicator 0x%llx with rank %d (%s) failed at sequence %llu: %s",
+          atomic_load(&e->fail_coll) == RG_OS_ALLREDUCE ? "all-reduce" : "gather", (unsigned long long)e->comm_id,
+          1 - e->rank, e->peer, (unsigned long long)seq, e->kept->why);
 }
 
 /* Raises the engine's error, naming call seq in the WARN (the first error wins); coll is the
@@ -143,11 +140,7 @@ void rg_os_engine_init(rg_os_engine* e, rg_os_kept* kept) {
   e->kept = kept != NULL ? kept : &e->own_kept;
   pthread_mutex_init(&e->launch_mu, NULL);
   pthread_mutex_init(&e->hmu, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&e->hcv, &ca);
-  pthread_condattr_destroy(&ca);
+  pthread_cond_init(&e->hcv, NULL);
   e->hlast = -1;
 }
 
@@ -213,6 +206,13 @@ int rg_os_engine_setup(rg_os_engine* e, int standin, char* err, int errlen) {
 
 int rg_os_keeps_memory(const rg_os_engine* e) { return e->captured_any; }
 
+/* Makes e's context current where another one is; 1 when it pushed it (pop it after). */
+static int push_ctx(const rg_cuda_api* cu, const rg_os_engine* e) {
+  CUcontext cur = NULL;
+  cu->cuCtxGetCurrent(&cur);
+  return cur != e->ctx && cu->cuCtxPushCurrent(e->ctx) == CUDA_SUCCESS;
+}
+
 void rg_os_engine_teardown(rg_os_engine* e) {
   if (e->standin) rg_os_hstream_stop(e);
   free(e->host_dev);
@@ -220,9 +220,7 @@ void rg_os_engine_teardown(rg_os_engine* e) {
   e->host_dev = e->host_scratch = NULL;
   const rg_cuda_api* cu = rg_cuda();
   if (cu == NULL || e->ctx == NULL) return;
-  CUcontext cur = NULL;
-  cu->cuCtxGetCurrent(&cur);
-  int pushed = cur != e->ctx && cu->cuCtxPushCurrent(e->ctx) == CUDA_SUCCESS;
+  const int pushed = push_ctx(cu, e);
   rg_os_kernel_unload(e->module);
   if (e->order != NULL) cu->cuEventDestroy(e->order);
   if (e->dev_mem != 0) cu->cuMemFree(e->dev_mem);
@@ -230,7 +228,7 @@ void rg_os_engine_teardown(rg_os_engine* e) {
   e->module = NULL;
   e->order = NULL;
   e->dev_mem = e->scratch_mem = 0;
-  if (pushed) cu->cuCtxPopCurrent(&cur);
+  if (pushed) cu->cuCtxPopCurrent(&(CUcontext){NULL});
 }
 
 /* ---- The launch ---- */
@@ -304,9 +302,7 @@ int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, 
     return CUDA_SUCCESS;
   }
   const rg_cuda_api* cu = rg_cuda();
-  CUcontext cur = NULL;
-  cu->cuCtxGetCurrent(&cur);
-  int pushed = cur != e->ctx && cu->cuCtxPushCurrent(e->ctx) == CUDA_SUCCESS;
+  const int pushed = push_ctx(cu, e);
   pthread_mutex_lock(&e->launch_mu);
   int capturing = 0;
   CUresult r = cu->cuStreamIsCapturing(stream, &capturing);
@@ -332,7 +328,7 @@ int rg_os_launch(rg_os_engine* e, const void* send, void* recv, uint64_t bytes, 
     }
   }
   pthread_mutex_unlock(&e->launch_mu);
-  if (pushed) cu->cuCtxPopCurrent(&cur);
+  if (pushed) cu->cuCtxPopCurrent(&(CUcontext){NULL});
   return r;
 }
 
@@ -357,8 +353,7 @@ int rg_os_host_submit(rg_os_engine* e, rg_os_hcall* c, const void* send, void* r
   return rg_os_hstream_queue(e, c, stream, ordered);
 }
 
-int rg_os_host_wait(rg_os_engine* e, rg_os_hcall* c) {
-  (void)e; /* the engine may be closed by now: only the call is read */
+int rg_os_host_wait(rg_os_hcall* c) {
   wait_hcall(c);
   return c->status;
 }
@@ -988,7 +983,7 @@ static int flush(rg_os_engine* e, uint64_t deadline) {
 static int all_ended(rg_os_engine* e, int* broken) {
   const rg_os_ctrl* ctrl = (const rg_os_ctrl*)e->region;
   if (e->standin) {
-    if (atomic_load(&e->standin_running) > 0 || rg_os_hstream_drain(e, 0) != 0) return 0;
+    if (atomic_load(&e->standin_running) > 0 || rg_os_hstream_busy(e)) return 0;
   } else if (e->ordered_any) {
     const rg_cuda_api* cu = rg_cuda();
     CUresult r = cu->cuEventQuery(e->order);
@@ -1009,12 +1004,7 @@ int rg_os_quiesce(rg_os_engine* e, int abort, uint64_t timeout_ns) {
   if (abort) stop(e);
   if (e->region == NULL) return 0;
   const rg_cuda_api* cu = rg_cuda();
-  CUcontext cur = NULL;
-  int pushed = 0;
-  if (!e->standin && e->ctx != NULL && cu != NULL) {
-    cu->cuCtxGetCurrent(&cur);
-    pushed = cur != e->ctx && cu->cuCtxPushCurrent(e->ctx) == CUDA_SUCCESS;
-  }
+  const int pushed = !e->standin && e->ctx != NULL && cu != NULL && push_ctx(cu, e);
   uint64_t deadline = rg_now_ns() + timeout_ns;
   int stopped = abort, broken = 0, ok = 0;
   for (;;) {
@@ -1031,7 +1021,7 @@ int rg_os_quiesce(rg_os_engine* e, int abort, uint64_t timeout_ns) {
     }
     sleep_ns(100000);
   }
-  if (pushed) cu->cuCtxPopCurrent(&cur);
+  if (pushed) cu->cuCtxPopCurrent(&(CUcontext){NULL});
   if (!ok) return -1;
   if (!stopped) flush(e, deadline);
   stop(e); /* a graph's replay after close ends at once, with no row */

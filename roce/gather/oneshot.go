@@ -199,11 +199,7 @@ func (s *Starter) nextLink() (*fabric.Link, error) {
 // stand-in where standin is set.
 func (e *Engine) SetUp(standin bool) error {
 	var errBuf [256]C.char
-	sd := C.int(0)
-	if standin {
-		sd = 1
-	}
-	if C.rg_os_engine_setup(e.side.c, sd, &errBuf[0], C.int(len(errBuf))) != 0 {
+	if C.rg_os_engine_setup(e.side.c, cBool(standin), &errBuf[0], C.int(len(errBuf))) != 0 {
 		return errors.New(C.GoString(&errBuf[0]))
 	}
 	return nil
@@ -226,12 +222,7 @@ func (e *Engine) GatherOnHost(send, recv []byte) error {
 	if len(send) == 0 || len(recv) != 2*len(send) {
 		return fmt.Errorf("a gather of %d bytes a rank needs %d bytes of rows, got %d", len(send), 2*len(send), len(recv))
 	}
-	st := C.rg_os_host_run(e.side.c, unsafe.Pointer(&send[0]), unsafe.Pointer(&recv[0]), C.uint64_t(len(send)),
-		C.rg_os_coll_word(C.RG_OS_ALLGATHER, 0, 0))
-	if st == -1 {
-		return errors.New("this engine runs the GPU kernel, not the host stand-in")
-	}
-	return e.statusErr(int(st))
+	return e.runOnHost(send, recv, C.rg_os_coll_word(C.RG_OS_ALLGATHER, 0, 0))
 }
 
 // AllReduceOnHost runs one all-reduce of op and datatype (NCCL's numbers) over the
@@ -242,8 +233,12 @@ func (e *Engine) AllReduceOnHost(send, recv []byte, op, datatype int) error {
 	if len(send) == 0 || len(recv) != len(send) {
 		return fmt.Errorf("an all-reduce of %d bytes needs %d bytes of output, got %d", len(send), len(send), len(recv))
 	}
-	st := C.rg_os_host_run(e.side.c, unsafe.Pointer(&send[0]), unsafe.Pointer(&recv[0]), C.uint64_t(len(send)),
-		C.rg_os_coll_word(C.RG_OS_ALLREDUCE, C.uint32_t(op), C.uint32_t(datatype)))
+	return e.runOnHost(send, recv, C.rg_os_coll_word(C.RG_OS_ALLREDUCE, C.uint32_t(op), C.uint32_t(datatype)))
+}
+
+// runOnHost runs one call of collective word coll through the host stand-in.
+func (e *Engine) runOnHost(send, recv []byte, coll C.uint64_t) error {
+	st := C.rg_os_host_run(e.side.c, unsafe.Pointer(&send[0]), unsafe.Pointer(&recv[0]), C.uint64_t(len(send)), coll)
 	if st == -1 {
 		return errors.New("this engine runs the GPU kernel, not the host stand-in")
 	}
@@ -319,12 +314,8 @@ func (e *Engine) submitCollOnHost(send []byte, coll uint64, stream hostStream, o
 	h.c = (*C.rg_os_hcall)(C.calloc(1, C.sizeof_rg_os_hcall))
 	h.send = C.CBytes(send)
 	h.recv = C.CBytes(bytes.Repeat([]byte{0xee}, out)) // what a failed call leaves
-	o := C.int(0)
-	if ordered {
-		o = 1
-	}
-	if C.rg_os_host_submit_on(e.side.c, h.c, h.send, h.recv, C.uint64_t(len(send)), C.uint64_t(coll), C.uintptr_t(stream), o,
-		C.uint64_t(call)) != 0 {
+	if C.rg_os_host_submit_on(e.side.c, h.c, h.send, h.recv, C.uint64_t(len(send)), C.uint64_t(coll), C.uintptr_t(stream),
+		cBool(ordered), C.uint64_t(call)) != 0 {
 		h.free()
 		return nil, errors.New("the stand-in took no call: not a stand-in engine, its streams stopped, or too many streams")
 	}
@@ -334,7 +325,7 @@ func (e *Engine) submitCollOnHost(send []byte, coll uint64, stream hostStream, o
 // wait returns the rows' buffer once the call ended (0xee where nothing was written) and
 // the call's error. After the engine's Close it says only the call's own status.
 func (h *hostCall) wait() ([]byte, error) {
-	st := int(C.rg_os_host_wait(h.e.side.c, h.c))
+	st := int(C.rg_os_host_wait(h.c))
 	rows := C.GoBytes(h.recv, C.int(h.out))
 	h.free()
 	return rows, h.e.statusErr(st)
@@ -366,11 +357,7 @@ func (e *Engine) Close(abort bool) error {
 	e.once.Do(func() {
 		e.closed.Store(true)
 		c := e.side.c
-		ab := C.int(0)
-		if abort {
-			ab = 1
-		}
-		quiet := C.rg_os_quiesce(c, ab, C.uint64_t(e.t.Timeout().Nanoseconds())) == 0
+		quiet := C.rg_os_quiesce(c, cBool(abort), C.uint64_t(e.t.Timeout().Nanoseconds())) == 0
 		if e.side.started {
 			C.rg_os_proxy_remove(c)
 		}
@@ -392,6 +379,13 @@ func (e *Engine) Close(abort bool) error {
 		err = errors.Join(err, e.side.Close())
 	})
 	return err
+}
+
+func cBool(b bool) C.int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // osSide owns the region and the C engine.
@@ -422,24 +416,22 @@ func newOSSide(t *roce.Transport, out OneShotOutcome, rank int, cfg OneShotConfi
 	}
 	mr, err := t.Device().Register(uintptr(s.region), n)
 	if err != nil {
-		C.rg_pinned_free(s.region, C.size_t(n), s.pinned)
+		C.rg_pinned_free(s.region, s.pinned)
 		return nil, fmt.Errorf("registering the region: %w", err)
 	}
 	s.mr = mr
 	c := (*C.rg_os_engine)(C.calloc(1, C.sizeof_rg_os_engine))
 	if c == nil {
 		t.Device().Deregister(mr)
-		C.rg_pinned_free(s.region, C.size_t(n), s.pinned)
+		C.rg_pinned_free(s.region, s.pinned)
 		return nil, errors.New("out of memory for an engine")
 	}
 	C.rg_os_engine_init(c, (*C.rg_os_kept)(cfg.Kept))
 	c.rank = C.int(rank)
-	c.floor, c.cap = C.uint64_t(out.Floor), C.uint64_t(out.Cap)
 	c.min_chunk = C.uint64_t(out.MinChunk)
 	c.timeout_ns = C.uint64_t(t.Timeout().Nanoseconds())
 	c.comm_id = C.uint64_t(cfg.CommID)
 	c.region = (*C.uchar)(s.region)
-	c.region_bytes = C.uint64_t(n)
 	c.region_mr = (*C.rg_mr)(mr.C())
 	c.slot_bytes = C.uint64_t(slot)
 	c.send_off = C.uint64_t(ctrlBytes)
@@ -499,7 +491,7 @@ func (s *osSide) Close() error {
 	var err error
 	s.once.Do(func() {
 		err = s.t.Device().Deregister(s.mr)
-		C.rg_pinned_free(s.region, C.size_t(s.bytes), s.pinned)
+		C.rg_pinned_free(s.region, s.pinned)
 		C.free(unsafe.Pointer(s.c))
 	})
 	return err

@@ -62,13 +62,11 @@ struct rg_os_engine {
   /* Set up once (oneshot.go) before the engine starts; read-only afterwards. */
   rg_link* link;
   int rank;                /* 0 or 1 */
-  uint64_t floor, cap;     /* the agreed window, bytes a rank */
   uint64_t min_chunk;      /* the agreed smallest chunk */
   uint64_t timeout_ns;
   uint64_t comm_id;        /* for log lines and the timeline */
   char peer[64];           /* the peer's address, for log lines */
   unsigned char* region;   /* this rank's region, host view: [ctrl][send 2][recv 2] */
-  uint64_t region_bytes;
   const rg_mr* region_mr;
   uint64_t slot_bytes;
   uint64_t send_off, recv_off;          /* where the slots are in a region */
@@ -196,8 +194,8 @@ int rg_os_host_run(rg_os_engine* e, const void* send, void* recv, uint64_t bytes
  * its streams stopped). */
 int rg_os_host_submit(rg_os_engine* e, rg_os_hcall* c, const void* send, void* recv, uint64_t bytes, uint64_t coll,
                       CUstream stream, int ordered, uint64_t call);
-/* Waits for a submitted call; returns its status. */
-int rg_os_host_wait(rg_os_engine* e, rg_os_hcall* c);
+/* Waits for a submitted call (its engine may be closed by now); returns its status. */
+int rg_os_host_wait(rg_os_hcall* c);
 /* The next call number, as a capture takes it, for tests that stand in for a graph. */
 uint64_t rg_os_take_call(rg_os_engine* e);
 /* The engine's error (an ncclResult_t, 0 while healthy) and why. */
@@ -209,10 +207,10 @@ int rg_os_host_gather(const rg_os_args* a, rg_u32 nblocks);
 /* The stand-in's combine of an all-reduce (kernels/oneshot_reduce.h): dst = op(x0, x1) over
  * n bytes of datatype dtype, x0 rank 0's operand; dst may be x0 or x1. For tests. */
 void rg_os_host_combine(void* dst, const void* x0, const void* x1, uint64_t n, uint32_t op, uint32_t dtype);
-/* The stand-in's streams (oneshot_host.c): queues c on stream; waits for every queued call
- * to end (0) or until deadline_ns (-1); stops their threads. */
+/* The stand-in's streams (oneshot_host.c): queues c on stream; whether a queued call has
+ * not ended; stops their threads. */
 int rg_os_hstream_queue(rg_os_engine* e, rg_os_hcall* c, CUstream stream, int ordered);
-int rg_os_hstream_drain(rg_os_engine* e, uint64_t deadline_ns);
+int rg_os_hstream_busy(rg_os_engine* e);
 void rg_os_hstream_stop(rg_os_engine* e);
 
 #endif

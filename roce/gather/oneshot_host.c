@@ -6,7 +6,6 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <string.h>
-#include <time.h>
 #include "oneshot.h"
 /* The combine's float operations are single roundings that no compiler fuses into a
  * multiply-add (gcc contracts across statements by default, and cgo takes no
@@ -177,23 +176,12 @@ int rg_os_hstream_queue(rg_os_engine* e, rg_os_hcall* c, CUstream stream, int or
   return 0;
 }
 
-int rg_os_hstream_drain(rg_os_engine* e, uint64_t deadline_ns) {
+int rg_os_hstream_busy(rg_os_engine* e) {
   pthread_mutex_lock(&e->hmu);
-  for (;;) {
-    int busy = 0;
-    for (int i = 0; i < RG_OS_HSTREAMS; i++) busy |= e->hstreams[i].used && (e->hstreams[i].head != NULL || e->hstreams[i].running);
-    if (!busy) break;
-    const uint64_t now = rg_now_ns();
-    if (now > deadline_ns) {
-      pthread_mutex_unlock(&e->hmu);
-      return -1;
-    }
-    const uint64_t until = now + 10000000ull; /* a look every 10 ms at most (hcv's clock is CLOCK_MONOTONIC, as rg_now_ns) */
-    const struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
-    pthread_cond_timedwait(&e->hcv, &e->hmu, &ts);
-  }
+  int busy = 0;
+  for (int i = 0; i < RG_OS_HSTREAMS; i++) busy |= e->hstreams[i].used && (e->hstreams[i].head != NULL || e->hstreams[i].running);
   pthread_mutex_unlock(&e->hmu);
-  return 0;
+  return busy;
 }
 
 void rg_os_hstream_stop(rg_os_engine* e) {

@@ -16,8 +16,7 @@ void* rg_pinned_alloc(size_t n, int* pinned) {
   return p;
 }
 
-void rg_pinned_free(void* p, size_t n, int pinned) {
-  (void)n;
+void rg_pinned_free(void* p, int pinned) {
   if (p == NULL) return;
   if (pinned)
     rg_cuda()->cuMemFreeHost(p);

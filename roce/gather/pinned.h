@@ -7,6 +7,6 @@
 
 /* Returns zeroed memory of n bytes, page-aligned; *pinned says which kind. NULL on failure. */
 void* rg_pinned_alloc(size_t n, int* pinned);
-void rg_pinned_free(void* p, size_t n, int pinned);
+void rg_pinned_free(void* p, int pinned);
 
 #endif
