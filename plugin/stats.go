@@ -10,7 +10,6 @@ import "C"
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 	"math"
 	"os"
@@ -230,11 +229,8 @@ type statsLayout struct {
 	derived  map[string]uint32
 }
 
-func buildStatsLayout(s Stats) (statsLayout, error) {
-	host, err := json.Marshal(s.Host)
-	if err != nil {
-		return statsLayout{}, err
-	}
+func buildStatsLayout(s Stats) statsLayout {
+	host, _ := json.Marshal(s.Host) // a string always marshals
 	l := statsLayout{derived: map[string]uint32{}}
 	var b strings.Builder
 	// Every line is padded to a whole number of slot words, and every slot starts at
@@ -277,7 +273,7 @@ func buildStatsLayout(s Stats) (statsLayout, error) {
 	}
 	line("}")
 	l.text = []byte(b.String())
-	return l, nil
+	return l
 }
 
 // statsColumn is where a slot starts in its line, past the longest key.
@@ -299,8 +295,6 @@ type statsFile struct {
 
 var stats = &statsFile{warned: map[string]bool{}}
 
-var errStatsInUse = errors.New("another process holds it (put %p in the path for one file a process)")
-
 // attach creates path, lays the document out in it and maps it; from then on every count
 // shows in it. A file attached before (another path) is left as it is.
 func (sf *statsFile) attach(path string) error {
@@ -310,28 +304,14 @@ func (sf *statsFile) attach(path string) error {
 		return nil
 	}
 	// One process a file: two mapping the same file would mix their counts.
-	f, err := lockedfile.Open(path)
-	if errors.Is(err, lockedfile.ErrInUse) {
-		return errStatsInUse
-	}
+	l := buildStatsLayout(ReadStats())
+	f, err := lockedfile.Create(path, l.text)
 	if err != nil {
 		return err
 	}
-	l, err := buildStatsLayout(ReadStats())
-	if err == nil {
-		err = f.Truncate(0)
-	}
-	if err == nil {
-		_, err = f.WriteAt(l.text, 0)
-	}
-	if err == nil {
-		if rc := C.rg_stats_attach(C.int(f.Fd()), C.size_t(len(l.text)), &l.counters[0]); rc != 0 {
-			err = fmt.Errorf("mapping it: %w", syscall.Errno(rc))
-		}
-	}
-	if err != nil {
+	if rc := C.rg_stats_attach(C.int(f.Fd()), C.size_t(len(l.text)), &l.counters[0]); rc != 0 {
 		f.Close()
-		return err
+		return fmt.Errorf("mapping it: %w", syscall.Errno(rc))
 	}
 	if sf.f != nil {
 		sf.f.Close() // its mapping stays, no longer written

@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/roce-gather/roce_gather/internal/lockedfile"
 )
 
 // keysOf is the shape of a JSON document: every key path, with its value's kind.
@@ -113,7 +115,7 @@ func TestStatsFileHeldByAnotherIsRefused(t *testing.T) {
 	defer f.Close()
 	require.NoError(t, syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB))
 	err = stats.attach(path)
-	require.ErrorIs(t, err, errStatsInUse)
+	require.ErrorIs(t, err, lockedfile.ErrInUse)
 	require.EqualError(t, err, "another process holds it (put %p in the path for one file a process)")
 	require.False(t, stats.attached())
 }

@@ -1,4 +1,4 @@
-// Package lockedfile opens a file that one process at a time may write: the stats and
+// Package lockedfile makes a file that one process at a time may write: the stats and
 // timeline files, which their writer maps and fills in place.
 package lockedfile
 
@@ -10,21 +10,25 @@ import (
 )
 
 // ErrInUse says another process holds the file.
-var ErrInUse = errors.New("another process holds it")
+var ErrInUse = errors.New("another process holds it (put %p in the path for one file a process)")
 
-// Open opens (creating) path for reading and writing, with an exclusive lock that lives as
-// long as the file stays open.
-func Open(path string) (*os.File, error) {
+// Create opens (creating) path for reading and writing, with an exclusive lock that lives
+// as long as the file stays open, and makes contents the whole file.
+func Create(path string, contents []byte) (*os.File, error) {
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
 	if err != nil {
 		return nil, err
 	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+	if err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); errors.Is(err, syscall.EWOULDBLOCK) {
+		err = ErrInUse
+	} else if err != nil {
+		err = fmt.Errorf("locking it: %w", err)
+	} else if err = f.Truncate(0); err == nil {
+		_, err = f.WriteAt(contents, 0)
+	}
+	if err != nil {
 		f.Close()
-		if errors.Is(err, syscall.EWOULDBLOCK) {
-			return nil, ErrInUse
-		}
-		return nil, fmt.Errorf("locking it: %w", err)
+		return nil, err
 	}
 	return f, nil
 }

@@ -111,35 +111,20 @@ func TraceBytes(capacity uint64) int64 { return int64(C.rg_trace_bytes(C.uint64_
 // traceFile keeps the open trace file: its lock must outlive every group that writes it.
 var traceFile *os.File
 
-// ErrTraceInUse says another process holds the trace file.
-var ErrTraceInUse = errors.New("another process holds it (put %p in the path for one file a process)")
-
 // AttachTrace makes path a trace file of capacity records and starts the timeline: engines
 // set up from then on sample every every-th call. Not to be called while one is set up.
 func AttachTrace(path string, capacity, every uint64) error {
 	if capacity == 0 || every == 0 {
 		return fmt.Errorf("a trace of %d records sampling 1 call in %d", capacity, every)
 	}
-	f, err := lockedfile.Open(path)
-	if errors.Is(err, lockedfile.ErrInUse) {
-		return ErrTraceInUse
-	}
-	if err != nil {
-		return err
-	}
 	// Written out in full, so that no record's first store faults in a page of the file.
-	n := TraceBytes(capacity)
-	if err = f.Truncate(0); err == nil {
-		_, err = f.WriteAt(make([]byte, n), 0)
-	}
-	if err == nil {
-		if rc := C.rg_trace_attach(C.int(f.Fd()), C.uint64_t(capacity), C.uint64_t(every), C.uint64_t(os.Getpid())); rc != 0 {
-			err = fmt.Errorf("mapping it: %w", syscall.Errno(rc))
-		}
-	}
+	f, err := lockedfile.Create(path, make([]byte, TraceBytes(capacity)))
 	if err != nil {
-		f.Close()
 		return err
+	}
+	if rc := C.rg_trace_attach(C.int(f.Fd()), C.uint64_t(capacity), C.uint64_t(every), C.uint64_t(os.Getpid())); rc != 0 {
+		f.Close()
+		return fmt.Errorf("mapping it: %w", syscall.Errno(rc))
 	}
 	if traceFile != nil {
 		traceFile.Close()

@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/roce-gather/roce_gather/internal/lockedfile"
 )
 
 // ParseTrace reads the file at the offsets trace.h gives its fields.
@@ -44,7 +46,7 @@ func TestTraceFileHeldByAnotherIsRefused(t *testing.T) {
 	defer f.Close()
 	// The same process's second open is another open file description: flock refuses it
 	// as it would another process.
-	require.ErrorIs(t, AttachTrace(path, 4, 1), ErrTraceInUse)
+	require.ErrorIs(t, AttachTrace(path, 4, 1), lockedfile.ErrInUse)
 }
 
 func TestTraceRejectsZeroCapacityOrSampling(t *testing.T) {
