@@ -29,17 +29,13 @@ var engines = struct {
 }{m: map[unsafe.Pointer]*gather.Engine{}}
 
 // exchange runs one all-gather of b through NCCL on comm and returns both ranks' bytes.
-func exchange(comm unsafe.Pointer, device int, standin bool, timeoutNs uint64, b []byte) ([][]byte, C.int, error) {
+func exchange(comm unsafe.Pointer, device int, standin C.int, timeoutNs uint64, b []byte) ([][]byte, C.int, error) {
 	mine := C.CBytes(b)
 	defer C.free(mine)
 	all := C.malloc(C.size_t(2 * len(b)))
 	defer C.free(all)
 	var errBuf [256]C.char
-	sd := C.int(0)
-	if standin {
-		sd = 1
-	}
-	r := C.rg_oneshot_exchange((C.ncclComm_t)(comm), C.int(device), mine, all, C.size_t(len(b)), sd, C.uint64_t(timeoutNs),
+	r := C.rg_oneshot_exchange((C.ncclComm_t)(comm), C.int(device), mine, all, C.size_t(len(b)), standin, C.uint64_t(timeoutNs),
 		&errBuf[0], C.int(len(errBuf)))
 	if r != rcSuccess {
 		return nil, r, fmt.Errorf("%s", C.GoString(&errBuf[0]))
@@ -93,7 +89,12 @@ func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, kept uns
 			}
 		}
 	}
+	var e *gather.Engine
+	// release gives back what this rank holds where the path does not go on.
 	release := func() {
+		if e != nil {
+			e.Close(true)
+		}
 		if st != nil {
 			st.Close()
 		}
@@ -103,14 +104,13 @@ func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, kept uns
 		}
 	}
 
-	all, r, err := exchange(comm, int(device), sd, timeoutNs, prop.Encode())
+	all, r, err := exchange(comm, int(device), standin, timeoutNs, prop.Encode())
 	if err != nil {
 		release()
 		fail(r, fmt.Errorf("exchanging the proposals through NCCL: %w", err))
 		return
 	}
 	o := gather.AgreeOneShot(all, int(rank))
-	var e *gather.Engine
 	why := o.Why
 	if o.On {
 		e, err = st.Connect(o, int(rank))
@@ -124,11 +124,8 @@ func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, kept uns
 			why = err.Error()
 		}
 	}
-	confirms, r, err := exchange(comm, int(device), sd, timeoutNs, confirmation(e != nil, why))
+	confirms, r, err := exchange(comm, int(device), standin, timeoutNs, confirmation(e != nil, why))
 	if err != nil {
-		if e != nil {
-			e.Close(true)
-		}
 		release()
 		fail(r, fmt.Errorf("exchanging the live checks' outcomes through NCCL: %w", err))
 		return
@@ -142,9 +139,7 @@ func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, kept uns
 	}
 	if e != nil && ok0 && ok1 {
 		if err = e.Start(); err != nil {
-			why = err.Error() // the peer is ready and will wait: fail loudly on both (the peer times out)
-			e.Close(true)
-			release()
+			release() // the peer is ready and will wait: fail loudly on both (the peer times out)
 			fail(C.int(rcSystemError), err)
 			return
 		}
@@ -177,9 +172,6 @@ func rgGoOneShotAgree(comm unsafe.Pointer, rank, device, standin C.int, kept uns
 			out.ar_on, out.ar_floor, out.ar_cap = 1, C.uint64_t(o.AllReduceFloor), C.uint64_t(o.AllReduceCap)
 		}
 		return
-	}
-	if e != nil {
-		e.Close(true)
 	}
 	release()
 	if o.Config {
