@@ -66,15 +66,18 @@ def _flag(v):
     return None if v in ("0", "1") else "is not 0 or 1"
 
 
-def _window_bytes(lowest):
+def _byte_count(takes, why):
+    """A byte count (parse_bytes) that takes(n) accepts, else why."""
     def rule(v):
-        n, why = parse_bytes(v)
-        if why:
-            return "is not a byte count (%s)" % why
-        if n < lowest or n > MAX_WINDOW_BYTES:
-            return "is outside %d..%d" % (lowest, MAX_WINDOW_BYTES)
-        return None
+        n, bad = parse_bytes(v)
+        if bad:
+            return "is not a byte count (%s)" % bad
+        return None if takes(n) else why
     return rule
+
+
+def _window_bytes(lowest):
+    return _byte_count(lambda n: lowest <= n <= MAX_WINDOW_BYTES, "is outside %d..%d" % (lowest, MAX_WINDOW_BYTES))
 
 
 def _hcas(v):
@@ -119,13 +122,8 @@ MAX_MIN_CHUNK = 16 << 20
 MAX_PROXY_IDLE_MS = 3600 * 1000
 
 
-def _min_chunk(v):
-    n, why = parse_bytes(v)
-    if why:
-        return "is not a byte count (%s)" % why
-    if n < CHUNK_ALIGN or n % CHUNK_ALIGN or n > MAX_MIN_CHUNK:
-        return "is not a multiple of %d bytes from %d to %d" % (CHUNK_ALIGN, CHUNK_ALIGN, MAX_MIN_CHUNK)
-    return None
+_min_chunk = _byte_count(lambda n: n % CHUNK_ALIGN == 0 and CHUNK_ALIGN <= n <= MAX_MIN_CHUNK,
+                         "is not a multiple of %d bytes from %d to %d" % (CHUNK_ALIGN, CHUNK_ALIGN, MAX_MIN_CHUNK))
 
 
 def _any(v):
