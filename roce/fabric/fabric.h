@@ -44,10 +44,9 @@ typedef struct rg_wr {
   uint8_t flags;
 } rg_wr;
 
+/* A signaled write's completion: it succeeded (a failed one kills the lane). */
 typedef struct rg_cqe {
   uint64_t wr_id; /* the work request's id */
-  uint64_t len;
-  int32_t status; /* 0, or an RG_ERR_ code */
 } rg_cqe;
 
 enum rg_err {

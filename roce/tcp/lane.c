@@ -162,8 +162,6 @@ static void push_send_completion(rg_tcp_lane* l, const rg_wr* w) {
   uint64_t tail = atomic_load_explicit(&l->scq_tail, memory_order_relaxed);
   rg_cqe* c = &l->scq[tail % SCQ_CAP];
   c->wr_id = w->wr_id;
-  c->len = w->len;
-  c->status = 0;
   atomic_store_explicit(&l->scq_tail, tail + 1, memory_order_release);
 }
 

@@ -42,11 +42,6 @@ type laneWR struct {
 	Flags  uint8
 }
 
-type laneCQE struct {
-	WRID, Len uint64
-	Status    int32
-}
-
 // goLane drives a C lane from Go, for tests; the hot path calls rg_vlane_ops from C.
 type goLane struct{ c *C.rg_vlane }
 
@@ -110,16 +105,17 @@ func (l goLane) post(wrs ...laneWR) int {
 	return int(C.rg_vlane_post(l.c, c, C.int(len(wrs))))
 }
 
-func (l goLane) pollSend(n int) ([]laneCQE, int) {
+// pollSend returns the ids of the completed requests, and their number or an RG_ERR_ code.
+func (l goLane) pollSend(n int) ([]uint64, int) {
 	c := (*C.rg_cqe)(C.calloc(C.size_t(n), C.sizeof_rg_cqe))
 	defer C.free(unsafe.Pointer(c))
 	rc := C.rg_vlane_poll_send(l.c, c, C.int(n))
 	if rc < 0 {
 		return nil, int(rc)
 	}
-	out := make([]laneCQE, int(rc))
+	out := make([]uint64, int(rc))
 	for i, e := range unsafe.Slice(c, int(rc)) {
-		out[i] = laneCQE{WRID: uint64(e.wr_id), Len: uint64(e.len), Status: int32(e.status)}
+		out[i] = uint64(e.wr_id)
 	}
 	return out, int(rc)
 }
