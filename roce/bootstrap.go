@@ -16,15 +16,8 @@ import (
 )
 
 // ProtocolVersion is the version of every handle and bootstrap message this library
-// writes. A peer on another version is refused with a message naming both. Version 3
-// added the gather handle's flag byte, version 4 its floor (ROCE_GATHER_MIN_BYTES),
-// version 5 its one-shot channels and chunk size, version 6 the tcp fabric's endpoint
-// description, channels on its connections and two-sided sends, version 7 the pairing
-// decision on every p2p link, whichever side dialed it, version 8 the intercepted gather's
-// proposal and links, version 9 the dialer's note of a dial it sent alone, before that
-// decision, version 10 the tcp fabric's one lane a connection (no pairing, no two-sided
-// sends) and its 24-byte frames, version 11 the all-reduce window in the intercepted
-// collectives' proposal (bytes 72 to 87) and the all-reduce in their announcements.
+// writes. A peer on another version is refused with a message naming both; any change to
+// what either side writes takes the next version.
 const ProtocolVersion = 11
 
 // Every handle this library writes starts with its kind's magic (4 bytes), the protocol

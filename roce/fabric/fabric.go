@@ -9,7 +9,6 @@ package fabric
 /*
 #cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter -Werror
 #include <stdlib.h>
-#include <string.h>
 #include "fabric.h"
 */
 import "C"
@@ -97,7 +96,6 @@ func (m *MR) Free() {
 type Lane struct {
 	Ops     unsafe.Pointer // *rg_lane_ops, static C data
 	Impl    unsafe.Pointer // backend C state
-	HCA     int
 	PeerHCA int
 }
 
@@ -120,12 +118,8 @@ func NewLink(peer string, lanes []Lane, closeFn func() error) (*Link, error) {
 	for i, l := range lanes {
 		c.lane[i].ops = (*C.rg_lane_ops)(l.Ops)
 		c.lane[i].impl = l.Impl
-		c.lane[i].hca = C.int(l.HCA)
 		c.lane[i].peer_hca = C.int(l.PeerHCA)
 	}
-	p := C.CString(peer)
-	C.strncpy(&c.peer[0], p, C.size_t(len(c.peer)-1))
-	C.free(unsafe.Pointer(p))
 	return &Link{c: c, peer: peer, closeFn: closeFn}, nil
 }
 

@@ -44,10 +44,9 @@ typedef struct rg_wr {
   uint8_t flags;
 } rg_wr;
 
+/* A signaled write's completion: it succeeded (a failed one kills the lane). */
 typedef struct rg_cqe {
   uint64_t wr_id; /* the work request's id */
-  uint64_t len;
-  int32_t status; /* 0, or an RG_ERR_ code */
 } rg_cqe;
 
 enum rg_err {
@@ -70,14 +69,12 @@ typedef struct rg_lane_ops {
 typedef struct rg_lane {
   const rg_lane_ops* ops;
   void* impl;
-  int hca;      /* local HCA index: selects lkey/rkey in rg_mr */
-  int peer_hca; /* the peer's HCA index on the far end of this lane */
+  int peer_hca; /* the peer's HCA index on the far end of this lane: selects its rkey */
 } rg_lane;
 
 typedef struct rg_link {
   int nlanes;
   rg_lane lane[RG_MAX_LANES];
-  char peer[64]; /* the peer's address, for log lines */
 } rg_link;
 
 static inline int rg_post(rg_lane* l, const rg_wr* w, int n) { return l->ops->post(l->impl, w, n); }

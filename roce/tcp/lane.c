@@ -1,9 +1,9 @@
 /* The tcp fabric's lanes: framed one-sided writes over one TCP socket each.
  *
- * No thread sits on the data path (DESIGN.md, "The hot path"). A write leaves from the
- * thread that posts it, with one non-blocking sendmsg; what the socket cannot take at
- * once is queued and pushed by later posts and polls. Incoming frames are read, checked
- * and placed by the thread that polls the lane. One helper thread per lane does only what
+ * No thread sits on the data path (DESIGN.md, "The hot path"). A write is queued and
+ * leaves from the thread that posts it, with non-blocking sendmsg; what the socket cannot
+ * take at once stays queued for later posts and polls to push. Incoming frames are read,
+ * checked and placed by the thread that polls the lane. One helper thread per lane does only what
  * must go on while nobody polls: heartbeats, noticing a silent peer, and reading and
  * pushing when no poll came for IDLE_NS.
  *
@@ -64,9 +64,8 @@ _Static_assert(sizeof(frame) == 24, "frame header is 24 bytes on the wire");
 
 typedef struct tx_item {
   rg_wr wr;
-  uint32_t fop;   /* frame op */
-  int completes;  /* a posted write: it yields a completion if signaled */
-  uint64_t sent;  /* bytes of header and payload already on the socket */
+  uint32_t fop;  /* frame op */
+  uint64_t sent; /* bytes of header and payload already on the socket */
   uint8_t data[RG_INLINE_MAX];
 } tx_item;
 
@@ -163,8 +162,6 @@ static void push_send_completion(rg_tcp_lane* l, const rg_wr* w) {
   uint64_t tail = atomic_load_explicit(&l->scq_tail, memory_order_relaxed);
   rg_cqe* c = &l->scq[tail % SCQ_CAP];
   c->wr_id = w->wr_id;
-  c->len = w->len;
-  c->status = 0;
   atomic_store_explicit(&l->scq_tail, tail + 1, memory_order_release);
 }
 
@@ -235,7 +232,7 @@ static int push_queue(rg_tcp_lane* l) {
         break;
       }
       left -= size;
-      if (it->completes) push_send_completion(l, &it->wr);
+      push_send_completion(l, &it->wr); /* a frame of the lane's own is never signaled */
       head++;
     }
     atomic_store_explicit(&l->txq_head, head, memory_order_relaxed);
@@ -256,13 +253,12 @@ static void tx_progress(rg_tcp_lane* l, int wait) {
   pthread_mutex_unlock(&l->tx_mu);
 }
 
-static void enqueue(rg_tcp_lane* l, uint32_t fop, const rg_wr* w, int completes, uint64_t sent) {
+static void enqueue(rg_tcp_lane* l, uint32_t fop, const rg_wr* w) {
   uint64_t tail = atomic_load_explicit(&l->txq_tail, memory_order_relaxed);
   tx_item* it = &l->txq[tail % TXQ_CAP];
   it->wr = *w;
   it->fop = fop;
-  it->completes = completes;
-  it->sent = sent;
+  it->sent = 0;
   if ((w->flags & RG_WR_INLINE) && w->len > 0) memcpy(it->data, w->local, w->len);
   atomic_store_explicit(&l->txq_tail, tail + 1, memory_order_relaxed);
 }
@@ -275,7 +271,7 @@ static void send_control(rg_tcp_lane* l, uint32_t fop) {
       TXQ_CAP)
     return;
   rg_wr w = {0};
-  enqueue(l, fop, &w, 0, 0);
+  enqueue(l, fop, &w);
   push_queue(l);
 }
 
@@ -287,27 +283,6 @@ static int validate(const rg_wr* w) {
   uint64_t a = (uint64_t)(uintptr_t)w->local;
   if (a < w->mr->addr || w->len > w->mr->len || a - w->mr->addr > w->mr->len - w->len) return RG_ERR_INVALID;
   return RG_OK;
-}
-
-/* Sends the batch now, nothing being queued ahead of it; returns how many work requests
- * went out whole, and in *partial the bytes sent of the next one, or -1 if failed. */
-static int send_now(rg_tcp_lane* l, const rg_wr* wrs, int n, uint64_t* partial) {
-  frame hdr[IOV_BATCH];
-  const void* payload[IOV_BATCH];
-  uint64_t len[IOV_BATCH];
-  if (n < 1 || n > IOV_BATCH) return 0;
-  for (int i = 0; i < n; i++) {
-    fill_frame(&hdr[i], F_WRITE, &wrs[i]);
-    payload[i] = wrs[i].local;
-    len[i] = wrs[i].len;
-  }
-  int64_t sent = send_frames(l, hdr, payload, len, n, 0);
-  if (sent < 0) return -1;
-  uint64_t left = (uint64_t)sent;
-  int whole = 0;
-  while (whole < n && left >= sizeof(frame) + len[whole]) left -= sizeof(frame) + len[whole++];
-  *partial = left;
-  return whole;
 }
 
 static int lane_post(void* impl, const rg_wr* wrs, int n) {
@@ -329,25 +304,10 @@ static int lane_post(void* impl, const rg_wr* wrs, int n) {
     return RG_ERR_FULL;
   }
   l->signaled_posted += (uint64_t)signaled;
-  int done = 0, full = 0;
-  uint64_t partial = 0;
-  if (head != tail) { /* frames queued ahead of these go first */
-    push_queue(l);
-    full = atomic_load_explicit(&l->txq_head, memory_order_relaxed) != tail;
-  }
-  if (!full && n <= IOV_BATCH) {
-    done = send_now(l, wrs, n, &partial);
-    if (done < 0) {
-      pthread_mutex_unlock(&l->tx_mu);
-      return RG_ERR_DEAD;
-    }
-    for (int i = 0; i < done; i++) push_send_completion(l, &wrs[i]);
-    full = done < n;
-  }
-  for (int i = done; i < n; i++) enqueue(l, F_WRITE, &wrs[i], 1, i == done ? partial : 0);
-  if (!full && done < n) push_queue(l); /* a batch longer than one sendmsg takes */
+  for (int i = 0; i < n; i++) enqueue(l, F_WRITE, &wrs[i]);
+  const int r = push_queue(l); /* behind the frames queued before these */
   pthread_mutex_unlock(&l->tx_mu);
-  return RG_OK;
+  return r < 0 ? RG_ERR_DEAD : RG_OK;
 }
 
 /* ------------------------------------------------------------------ receiving */

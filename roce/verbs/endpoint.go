@@ -147,7 +147,7 @@ func (e *endpoint) Start(conn *net.TCPConn) (*fabric.Link, error) {
 	lanes := make([]fabric.Lane, len(e.lanes))
 	for i, l := range e.lanes {
 		C.rg_vlane_start(l, cpeer, C.uint64_t(e.peer[i].ProbeAddr), C.uint32_t(e.peer[i].ProbeRKey), now)
-		lanes[i] = fabric.Lane{Ops: unsafe.Pointer(&C.rg_vlane_ops), Impl: unsafe.Pointer(l), HCA: e.hca[i], PeerHCA: int(e.peer[i].HCA)}
+		lanes[i] = fabric.Lane{Ops: unsafe.Pointer(&C.rg_vlane_ops), Impl: unsafe.Pointer(l), PeerHCA: int(e.peer[i].HCA)}
 	}
 	owned := append([]*C.rg_vlane(nil), e.lanes...)
 	var link *fabric.Link

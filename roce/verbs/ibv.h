@@ -66,12 +66,6 @@ uint32_t rg_vlane_qpn(rg_vlane* l);
 void rg_vlane_start(rg_vlane* l, const char* peer, uint64_t probe_addr, uint32_t probe_rkey, uint64_t now_ns);
 extern const rg_lane_ops rg_vlane_ops;
 
-/* The lane operations, callable from Go (which cannot call through rg_vlane_ops). */
-int rg_vlane_post(rg_vlane* l, const rg_wr* wrs, int n);
-int rg_vlane_poll_send(rg_vlane* l, rg_cqe* out, int max);
-int rg_vlane_check(rg_vlane* l, uint64_t now_ns);
-const char* rg_vlane_why(rg_vlane* l);
-
 /* Most work requests one post accepts. */
 #define RG_VLANE_MAX_POST 32
 

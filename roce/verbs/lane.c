@@ -175,7 +175,8 @@ static int reap_send(rg_vlane* l) {
   }
 }
 
-int rg_vlane_post(rg_vlane* l, const rg_wr* wrs, int n) {
+static int lane_post(void* impl, const rg_wr* wrs, int n) {
+  rg_vlane* l = impl;
   if (l->dead) return RG_ERR_DEAD;
   if (n <= 0 || n > RG_VLANE_MAX_POST) return RG_ERR_INVALID;
   if (room(l) < (uint32_t)n) {
@@ -234,7 +235,8 @@ int rg_vlane_post(rg_vlane* l, const rg_wr* wrs, int n) {
   return RG_OK;
 }
 
-int rg_vlane_poll_send(rg_vlane* l, rg_cqe* out, int max) {
+static int lane_poll_send(void* impl, rg_cqe* out, int max) {
+  rg_vlane* l = impl;
   if (l->dead) return RG_ERR_DEAD;
   if (reap_send(l) != 0) return RG_ERR_DEAD;
   int n = 0;
@@ -270,7 +272,8 @@ static int post_probe(rg_vlane* l, uint64_t now) {
   return 0;
 }
 
-int rg_vlane_check(rg_vlane* l, uint64_t now) {
+static int lane_check(void* impl, uint64_t now) {
+  rg_vlane* l = impl;
   if (l->dead) return RG_ERR_DEAD;
   if (!l->started) return RG_OK;
   if (reap_send(l) != 0) return RG_ERR_DEAD;
@@ -303,15 +306,12 @@ int rg_vlane_check(rg_vlane* l, uint64_t now) {
   return RG_OK;
 }
 
-const char* rg_vlane_why(rg_vlane* l) { return l->dead ? l->why : "the lane is up"; }
+static const char* lane_why(void* impl) {
+  const rg_vlane* l = impl;
+  return l->dead ? l->why : "the lane is up";
+}
 
-static int op_post(void* impl, const rg_wr* wrs, int n) { return rg_vlane_post(impl, wrs, n); }
-static int op_poll_send(void* impl, rg_cqe* out, int max) { return rg_vlane_poll_send(impl, out, max); }
-static int op_check(void* impl, uint64_t now) { return rg_vlane_check(impl, now); }
-static const char* op_why(void* impl) { return rg_vlane_why(impl); }
-
-const rg_lane_ops rg_vlane_ops = {
-    .post = op_post, .poll_send = op_poll_send, .check = op_check, .why = op_why};
+const rg_lane_ops rg_vlane_ops = {.post = lane_post, .poll_send = lane_poll_send, .check = lane_check, .why = lane_why};
 
 /* ------------------------------------------------------------------ set-up */
 

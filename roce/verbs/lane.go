@@ -42,12 +42,7 @@ type laneWR struct {
 	Flags  uint8
 }
 
-type laneCQE struct {
-	WRID, Len uint64
-	Status    int32
-}
-
-// goLane drives a C lane from Go, for tests; the hot path calls rg_vlane_ops from C.
+// goLane drives a C lane from Go, for tests, through rg_vlane_ops as the hot path does.
 type goLane struct{ c *C.rg_vlane }
 
 // wrapLane builds a lane around a queue pair and completion queue it does not own.
@@ -73,9 +68,13 @@ func (l goLane) qpState() (state, pathMTU int, err error) {
 	return int(a.qp_state), int(a.path_mtu), nil
 }
 
-func (l goLane) destroy()             { C.rg_vlane_destroy(l.c) }
-func (l goLane) why() string          { return C.GoString(C.rg_vlane_why(l.c)) }
-func (l goLane) check(now uint64) int { return int(C.rg_vlane_check(l.c, C.uint64_t(now))) }
+func (l goLane) destroy() { C.rg_vlane_destroy(l.c) }
+func (l goLane) lane() *C.rg_lane {
+	return &C.rg_lane{ops: &C.rg_vlane_ops, impl: unsafe.Pointer(l.c)}
+}
+
+func (l goLane) why() string          { return C.GoString(C.rg_why(l.lane())) }
+func (l goLane) check(now uint64) int { return int(C.rg_check(l.lane(), C.uint64_t(now))) }
 
 func (l goLane) start(peer string, probeAddr uint64, probeRKey uint32, now uint64) {
 	p := C.CString(peer)
@@ -107,19 +106,20 @@ func (l goLane) post(wrs ...laneWR) int {
 			cw[i].mr = (*C.rg_mr)(w.MR.C())
 		}
 	}
-	return int(C.rg_vlane_post(l.c, c, C.int(len(wrs))))
+	return int(C.rg_post(l.lane(), c, C.int(len(wrs))))
 }
 
-func (l goLane) pollSend(n int) ([]laneCQE, int) {
+// pollSend returns the ids of the completed requests, and their number or an RG_ERR_ code.
+func (l goLane) pollSend(n int) ([]uint64, int) {
 	c := (*C.rg_cqe)(C.calloc(C.size_t(n), C.sizeof_rg_cqe))
 	defer C.free(unsafe.Pointer(c))
-	rc := C.rg_vlane_poll_send(l.c, c, C.int(n))
+	rc := C.rg_poll_send(l.lane(), c, C.int(n))
 	if rc < 0 {
 		return nil, int(rc)
 	}
-	out := make([]laneCQE, int(rc))
+	out := make([]uint64, int(rc))
 	for i, e := range unsafe.Slice(c, int(rc)) {
-		out[i] = laneCQE{WRID: uint64(e.wr_id), Len: uint64(e.len), Status: int32(e.status)}
+		out[i] = uint64(e.wr_id)
 	}
 	return out, int(rc)
 }

@@ -124,7 +124,7 @@ func postAndWait(t *testing.T, l goLane, w laneWR) (ok bool, why string) {
 			return false, l.why()
 		}
 		if n > 0 {
-			require.Equal(t, w.WRID, got[0].WRID)
+			require.Equal(t, w.WRID, got[0])
 			return true, ""
 		}
 		if l.check(fabric.NowNanos()) != rgOK {

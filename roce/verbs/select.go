@@ -117,7 +117,7 @@ func selectPorts(ports []portInfo, sels []hcaSel, gidIndex int) ([]chosenPort, e
 			}
 		}
 		if len(matches[si]) == 0 {
-			return nil, fmt.Errorf("ROCE_GATHER_HCAS names %q, which matches no RDMA port (ports here: %s)", selLabel(s), portList(ports))
+			return nil, fmt.Errorf("ROCE_GATHER_HCAS names %q, which matches no RDMA port (ports here: %s)", s.label(), portList(ports))
 		}
 	}
 	var chosen []chosenPort
@@ -142,19 +142,14 @@ func selectPorts(ports []portInfo, sels []hcaSel, gidIndex int) ([]chosenPort, e
 	for si, s := range sels {
 		for _, i := range matches[si] {
 			if s.Port != 0 && bad[i] != nil {
-				return nil, fmt.Errorf("%w: ROCE_GATHER_HCAS names %s, which is not usable: %v", fabric.ErrUnavailable, selLabel(s), bad[i])
+				return nil, fmt.Errorf("%w: ROCE_GATHER_HCAS names %s, which is not usable: %v", fabric.ErrUnavailable, s.label(), bad[i])
 			}
 		}
 	}
 	return chosen, nil
 }
 
-func selLabel(s hcaSel) string {
-	if s.Port == 0 {
-		return s.Name
-	}
-	return fmt.Sprintf("%s:%d", s.Name, s.Port)
-}
+func (s hcaSel) label() string { return portInfo{Device: s.Name, Port: s.Port}.label() }
 
 func portList(ports []portInfo) string {
 	var s []string

@@ -161,14 +161,9 @@ func openGroup(cfg Config, g []chosenPort) (_ *Device, err error) {
 	if d.scratchM, err = d.Register(uintptr(d.scratch), scratchSize); err != nil {
 		return nil, err
 	}
-	d.info = describeDevice(g)
+	d.info = fabric.DeviceInfo{Name: groupName(g), Lanes: len(g), Detail: groupDetail(g) + ", " + groupSpeed(g) + ", slots in host memory"}
 	nlog.Infof(nlog.Init|nlog.Net, "verbs device %s: %s", d.info.Name, d.info.Detail)
 	return d, nil
-}
-
-// describeDevice says what the device is, for log lines and plugincheck.
-func describeDevice(g []chosenPort) fabric.DeviceInfo {
-	return fabric.DeviceInfo{Name: groupName(g), Lanes: len(g), Detail: groupDetail(g) + ", " + groupSpeed(g) + ", slots in host memory"}
 }
 
 func (d *Device) Info() fabric.DeviceInfo { return d.info }
@@ -182,27 +177,19 @@ func (d *Device) Register(addr uintptr, length uint64) (*fabric.MR, error) {
 	mr := fabric.NewMR(addr, length, len(d.hcas))
 	mrs := make([]*C.struct_ibv_mr, 0, len(d.hcas))
 	for i, h := range d.hcas {
-		m, err := regMR(h, addr, length)
-		if err != nil {
+		m, err := C.rg_ibv_reg_mr(h.pd, C.uint64_t(addr), C.uint64_t(length), mrAccess)
+		if m == nil {
 			for _, m := range mrs {
 				C.rg_ibv_dereg_mr(m)
 			}
 			mr.Free()
-			return nil, fmt.Errorf("HCA %d (%s): %w", i, h.label, err)
+			return nil, fmt.Errorf("HCA %d (%s): ibv_reg_mr(0x%x, %d bytes) failed: %s", i, h.label, addr, length, errnoText(err))
 		}
 		mrs = append(mrs, m)
 		mr.SetKeys(i, uint32(m.lkey), uint32(m.rkey))
 	}
 	mr.Impl = mrs
 	return mr, nil
-}
-
-func regMR(h *hca, addr uintptr, length uint64) (*C.struct_ibv_mr, error) {
-	m, err := C.rg_ibv_reg_mr(h.pd, C.uint64_t(addr), C.uint64_t(length), mrAccess)
-	if m == nil {
-		return nil, fmt.Errorf("ibv_reg_mr(0x%x, %d bytes) failed: %s", addr, length, errnoText(err))
-	}
-	return m, nil
 }
 
 func errnoText(err error) string {
