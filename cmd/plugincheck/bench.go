@@ -94,40 +94,22 @@ func agreedWindow(r *rankResult) agreement {
 
 func cmdBench(args []string) int {
 	fs := flag.NewFlagSet("bench", flag.ExitOnError)
-	lib, driver, rank := commonFlags(fs)
-	fab := fs.String("fabric", "tcp", "fabric: tcp or verbs")
 	load := fs.Int("load", 0, "instead: two communicators on two threads a rank, intercepted gathers for `SECONDS`, checked against the stats")
 	asJSON := fs.Bool("json", false, "print the rows as JSON")
-	verbose := fs.Bool("v", false, "show the ranks' log lines (NCCL_DEBUG=INFO) as they come")
-	fs.Parse(args)
-	if *fab != "tcp" && *fab != "verbs" {
-		fmt.Fprintf(os.Stderr, "plugincheck: --fabric=%s: tcp or verbs\n", *fab)
-		return 2
-	}
-	p, err := defaultPaths(*lib, *driver, *rank, true)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "plugincheck:", err)
-		return 2
+	p, fab, verbose, code := parseRankFlags(fs, args, "fabric: tcp or verbs")
+	if code != 0 {
+		return code
 	}
 	if *load > 0 {
-		return runLoad(p, *fab, *load, *verbose)
+		return runLoad(p, fab, *load, verbose)
 	}
-	target, err := floorTarget(*fab)
+	target, err := floorTarget(fab)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "plugincheck:", err)
-		return 1
+		return complain(1, err)
 	}
-	dir, err := os.MkdirTemp("", "plugincheck-bench-")
+	res, err := runBoth(p, fab, []string{"init", "bench:" + fab + ":" + target, "destroy"}, verbose)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "plugincheck:", err)
-		return 2
-	}
-	defer os.RemoveAll(dir)
-	steps := []string{"init", "bench:" + *fab + ":" + target, "destroy"}
-	res, err := runLocal(p, *fab, [2]rankSpec{{steps: steps}, {steps: steps}}, dir, *verbose)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "plugincheck:", err)
-		return 1
+		return complain(1, err)
 	}
 	rows, problems := benchRows(res)
 	for _, pr := range problems {
@@ -141,7 +123,7 @@ func cmdBench(args []string) int {
 			Fabric string     `json:"fabric"`
 			OK     bool       `json:"ok"`
 			Rows   []benchRow `json:"rows"`
-		}{*fab, ok, rows})
+		}{fab, ok, rows})
 	} else {
 		printBenchRows(rows)
 	}
@@ -149,6 +131,16 @@ func cmdBench(args []string) int {
 		return 1
 	}
 	return 0
+}
+
+// runBoth runs the same steps on both ranks here, in a temporary directory.
+func runBoth(p paths, fab string, steps []string, verbose bool) ([2]*rankResult, error) {
+	dir, err := os.MkdirTemp("", "plugincheck-bench-")
+	if err != nil {
+		return [2]*rankResult{}, err
+	}
+	defer os.RemoveAll(dir)
+	return runLocal(p, fab, [2]rankSpec{{steps: steps}, {steps: steps}}, dir, verbose)
 }
 
 // benchRows makes rank 0's rows and says what is wrong with the run: a rank that did not
@@ -205,18 +197,10 @@ func sizeName(b int) string {
 // runLoad runs the load step on both ranks and holds ROCE_GATHER_STATS to what each rank
 // counted: every gather it made took the path, every byte is counted, nothing failed.
 func runLoad(p paths, fab string, seconds int, verbose bool) int {
-	dir, err := os.MkdirTemp("", "plugincheck-load-")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "plugincheck:", err)
-		return 2
-	}
-	defer os.RemoveAll(dir)
 	fmt.Printf("two communicators on two threads a rank, %d s of intercepted gathers (%s fabric)\n", seconds, fab)
-	steps := []string{fmt.Sprintf("load:%d", seconds)}
-	res, err := runLocal(p, fab, [2]rankSpec{{steps: steps}, {steps: steps}}, dir, verbose)
+	res, err := runBoth(p, fab, []string{fmt.Sprintf("load:%d", seconds)}, verbose)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "plugincheck:", err)
-		return 1
+		return complain(1, err)
 	}
 	failed := 0
 	for _, r := range res {

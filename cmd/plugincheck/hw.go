@@ -23,13 +23,11 @@ func cmdHW(args []string) int {
 	if *asJSON {
 		b, err := hw.JSON()
 		if err != nil {
-			fmt.Fprintln(os.Stderr, "plugincheck:", err)
-			return 2
+			return complain(2, err)
 		}
 		os.Stdout.Write(append(b, '\n'))
 	} else if err := hw.WriteTable(os.Stdout); err != nil {
-		fmt.Fprintln(os.Stderr, "plugincheck:", err)
-		return 2
+		return complain(2, err)
 	}
 	if !hw.Usable {
 		return 1

@@ -65,6 +65,30 @@ func commonFlags(fs *flag.FlagSet) (lib, driver, rank *string) {
 	return
 }
 
+// parseRankFlags adds the flags of a command that runs ranks to fs, parses args and finds the
+// programs; code is 2 where the fabric or a program is wrong (said on stderr), else 0.
+func parseRankFlags(fs *flag.FlagSet, args []string, fabricUsage string) (p paths, fab string, verbose bool, code int) {
+	lib, driver, rank := commonFlags(fs)
+	fabFlag := fs.String("fabric", "tcp", fabricUsage)
+	v := fs.Bool("v", false, "show the ranks' log lines (NCCL_DEBUG=INFO) as they come")
+	fs.Parse(args)
+	if *fabFlag != "tcp" && *fabFlag != "verbs" {
+		fmt.Fprintf(os.Stderr, "plugincheck: --fabric=%s: tcp or verbs\n", *fabFlag)
+		return p, "", false, 2
+	}
+	p, err := defaultPaths(*lib, *driver, *rank, true)
+	if err != nil {
+		return p, "", false, complain(2, err)
+	}
+	return p, *fabFlag, *v, 0
+}
+
+// complain says err on stderr and returns code, the exit status it calls for.
+func complain(code int, err error) int {
+	fmt.Fprintln(os.Stderr, "plugincheck:", err)
+	return code
+}
+
 type abiCheck struct {
 	Table  string `json:"table"`
 	Check  string `json:"check"`
@@ -80,8 +104,7 @@ func cmdABI(args []string) int {
 	fs.Parse(args)
 	p, err := defaultPaths(*lib, *driver, *rank, false)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "plugincheck:", err)
-		return 2
+		return complain(2, err)
 	}
 	dargs := []string{"abi", p.lib}
 	if *verbose {

@@ -450,25 +450,15 @@ func faultScenarios(fabric string, cut func(*exec.Cmd), cutEnv [2][]string, cutW
 
 func cmdSelftest(args []string) int {
 	fs := flag.NewFlagSet("selftest", flag.ExitOnError)
-	lib, driver, rank := commonFlags(fs)
-	fab := fs.String("fabric", "tcp", "fabric to test: tcp or verbs")
 	peer := fs.String("peer", "", "run rank 1 here against `HOST:PORT`, where the other host runs plugincheck selftest --listen")
 	listen := fs.String("listen", "", "run rank 0 here and wait for the other host on `ADDR` (e.g. :7411)")
-	verbose := fs.Bool("v", false, "show the ranks' log lines (NCCL_DEBUG=INFO) as they come")
-	fs.Parse(args)
-	if *fab != "tcp" && *fab != "verbs" {
-		fmt.Fprintf(os.Stderr, "plugincheck: --fabric=%s: tcp or verbs\n", *fab)
-		return 2
+	p, fab, verbose, code := parseRankFlags(fs, args, "fabric to test: tcp or verbs")
+	if code != 0 {
+		return code
 	}
-	p, err := defaultPaths(*lib, *driver, *rank, true)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "plugincheck:", err)
-		return 2
-	}
-	runs := append(dataScenarios(*fab), faultScenarios(*fab, nil, [2][]string{}, [2][]string{})...)
+	runs := append(dataScenarios(fab), faultScenarios(fab, nil, [2][]string{}, [2][]string{})...)
 	c := &checker{}
-	err = runScenarios(p, *fab, runs, *peer, *listen, *verbose, c)
-	if err != nil {
+	if err := runScenarios(p, fab, runs, *peer, *listen, verbose, c); err != nil {
 		fmt.Fprintln(os.Stderr, "plugincheck:", err)
 		c.failed++
 	}

@@ -59,13 +59,11 @@ func cmdTrace(args []string) int {
 	}
 	pairing, err := pairIntercepted(recs)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "plugincheck:", err)
-		return 1
+		return complain(1, err)
 	}
 	if *asCSV {
 		if err := writeTraceCSV(os.Stdout, recs, pairing); err != nil {
-			fmt.Fprintln(os.Stderr, "plugincheck:", err)
-			return 1
+			return complain(1, err)
 		}
 		return 0
 	}

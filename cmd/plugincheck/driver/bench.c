@@ -2,6 +2,7 @@
  * its kernel, the real proxy, the real fabric) at each of the floor's sizes, beside the
  * fabric's own floor measured first between the same two processes (floor.h). FABRIC is tcp
  * (TARGET: the interface) or verbs (TARGET: HCA:PORT:GID). Each size prints one line. */
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include "floor.h"
@@ -16,6 +17,14 @@ int agreed_rounds(uint64_t warm_ns, int most) {
   if (mine < FLOOR_MIN_ROUNDS) mine = FLOOR_MIN_ROUNDS;
   if (exchange("rounds", &mine, &peer, sizeof(mine)) != 0) return -1;
   return R.rank == 0 ? mine : peer;
+}
+
+int floor_fail(char* why, size_t n, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(why, n, fmt, ap);
+  va_end(ap);
+  return -1;
 }
 
 int step_bench(ncclComm_t comm, const char* spec, uint8_t* send, uint8_t* recv) {

@@ -23,6 +23,9 @@ extern const int floor_rounds[FLOOR_SIZES];
  * the parent: both ranks call it at the same point). -1 when the exchange failed. */
 int agreed_rounds(uint64_t warm_ns, int most);
 
+/* Writes the reason of a failure to why (n bytes); returns -1. */
+int floor_fail(char* why, size_t n, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
+
 typedef struct floor_result {
   double round_us[FLOOR_SIZES]; /* one exchange of the size each way, per size */
   int rounds[FLOOR_SIZES];      /* the timed rounds of each size */

@@ -42,68 +42,48 @@ enum { DEPTH = 64, INLINE = 64 };
 #define PHASE_NS 30000000000ull /* longest wait for the peer in one round trip */
 
 static int setup(floor_state* s, const char* dev, char* why, size_t n) {
-  if (rg_ibv_load() != 0) {
-    snprintf(why, n, "%s", rg_ibv_error());
-    return -1;
-  }
+  if (rg_ibv_load() != 0)
+    return floor_fail(why, n, "%s", rg_ibv_error());
   unsigned port = 0;
   int gid = -1;
-  if (sscanf(dev, "%63[^:]:%u:%d", s->hca, &port, &gid) != 3) {
-    snprintf(why, n, "%s is not HCA:PORT:GID", dev);
-    return -1;
-  }
+  if (sscanf(dev, "%63[^:]:%u:%d", s->hca, &port, &gid) != 3)
+    return floor_fail(why, n, "%s is not HCA:PORT:GID", dev);
   s->port = (uint8_t)port;
   int ndev = 0;
   struct ibv_device** list = rg_ibv_get_devices(&ndev);
-  if (list == NULL) {
-    snprintf(why, n, "ibv_get_device_list failed: %s", strerror(errno));
-    return -1;
-  }
+  if (list == NULL)
+    return floor_fail(why, n, "ibv_get_device_list failed: %s", strerror(errno));
   for (int i = 0; i < ndev && s->ctx == NULL; i++)
     if (strcmp(rg_ibv_device_name(list[i]), s->hca) == 0) s->ctx = rg_ibv_open(list[i]);
   rg_ibv_free_devices(list);
-  if (s->ctx == NULL) {
-    snprintf(why, n, "no RDMA device %s could be opened", s->hca);
-    return -1;
-  }
-  if (rg_ibv_query_port(s->ctx, s->port, &s->pa) != 0) {
-    snprintf(why, n, "ibv_query_port(%s, %u) failed", s->hca, s->port);
-    return -1;
-  }
+  if (s->ctx == NULL)
+    return floor_fail(why, n, "no RDMA device %s could be opened", s->hca);
+  if (rg_ibv_query_port(s->ctx, s->port, &s->pa) != 0)
+    return floor_fail(why, n, "ibv_query_port(%s, %u) failed", s->hca, s->port);
   /* RoCE routes with the GID; InfiniBand by LID. */
   s->gid_index = s->pa.link_layer == IBV_LINK_LAYER_ETHERNET ? gid : -1;
   size_t len = floor_sizes[FLOOR_SIZES - 1];
   s->sbuf = aligned_alloc(4096, len);
   s->rbuf = aligned_alloc(4096, len);
-  if (s->sbuf == NULL || s->rbuf == NULL) {
-    snprintf(why, n, "allocating two buffers of %zu bytes", len);
-    return -1;
-  }
+  if (s->sbuf == NULL || s->rbuf == NULL)
+    return floor_fail(why, n, "allocating two buffers of %zu bytes", len);
   memset(s->sbuf, 0, len);
   memset(s->rbuf, 0, len);
   int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
   if ((s->pd = rg_ibv_alloc_pd(s->ctx)) == NULL ||
       (s->smr = rg_ibv_reg_mr(s->pd, (uint64_t)(uintptr_t)s->sbuf, len, access)) == NULL ||
-      (s->rmr = rg_ibv_reg_mr(s->pd, (uint64_t)(uintptr_t)s->rbuf, len, access)) == NULL) {
-    snprintf(why, n, "protection domain or registration on %s failed: %s", s->hca, strerror(errno));
-    return -1;
-  }
-  if ((s->cq = rg_ibv_create_cq(s->ctx, DEPTH)) == NULL) {
-    snprintf(why, n, "ibv_create_cq on %s failed: %s", s->hca, strerror(errno));
-    return -1;
-  }
+      (s->rmr = rg_ibv_reg_mr(s->pd, (uint64_t)(uintptr_t)s->rbuf, len, access)) == NULL)
+    return floor_fail(why, n, "protection domain or registration on %s failed: %s", s->hca, strerror(errno));
+  if ((s->cq = rg_ibv_create_cq(s->ctx, DEPTH)) == NULL)
+    return floor_fail(why, n, "ibv_create_cq on %s failed: %s", s->hca, strerror(errno));
   struct ibv_qp_init_attr ia = {.send_cq = s->cq, .recv_cq = s->cq, .qp_type = IBV_QPT_RC,
                                 .cap = {.max_send_wr = DEPTH, .max_recv_wr = 1, .max_send_sge = 1,
                                         .max_recv_sge = 1, .max_inline_data = INLINE}};
-  if ((s->qp = rg_ibv_create_qp(s->pd, &ia)) == NULL) {
-    snprintf(why, n, "ibv_create_qp on %s failed: %s", s->hca, strerror(errno));
-    return -1;
-  }
+  if ((s->qp = rg_ibv_create_qp(s->pd, &ia)) == NULL)
+    return floor_fail(why, n, "ibv_create_qp on %s failed: %s", s->hca, strerror(errno));
   struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .port_num = s->port, .qp_access_flags = IBV_ACCESS_REMOTE_WRITE};
-  if (rg_ibv_modify_qp(s->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) != 0) {
-    snprintf(why, n, "moving the queue pair on %s to INIT failed", s->hca);
-    return -1;
-  }
+  if (rg_ibv_modify_qp(s->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) != 0)
+    return floor_fail(why, n, "moving the queue pair on %s to INIT failed", s->hca);
   return 0;
 }
 
@@ -121,17 +101,13 @@ static int connect_qp(floor_state* s, const floor_peer* me, const floor_peer* pe
   }
   int mask = IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
              IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
-  if (rg_ibv_modify_qp(s->qp, &a, mask) != 0) {
-    snprintf(why, n, "moving the queue pair on %s to RTR failed", s->hca);
-    return -1;
-  }
+  if (rg_ibv_modify_qp(s->qp, &a, mask) != 0)
+    return floor_fail(why, n, "moving the queue pair on %s to RTR failed", s->hca);
   struct ibv_qp_attr r = {.qp_state = IBV_QPS_RTS, .sq_psn = me->psn, .timeout = 14, .retry_cnt = 6,
                           .rnr_retry = 7, .max_rd_atomic = 1};
   mask = IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC;
-  if (rg_ibv_modify_qp(s->qp, &r, mask) != 0) {
-    snprintf(why, n, "moving the queue pair on %s to RTS failed", s->hca);
-    return -1;
-  }
+  if (rg_ibv_modify_qp(s->qp, &r, mask) != 0)
+    return floor_fail(why, n, "moving the queue pair on %s to RTS failed", s->hca);
   return 0;
 }
 
@@ -140,14 +116,10 @@ static int reap(floor_state* s, int* outstanding, char* why, size_t n) {
   struct ibv_wc wc[16];
   int k = ibv_poll_cq(s->cq, 16, wc);
   for (int i = 0; i < k; i++)
-    if (wc[i].status != IBV_WC_SUCCESS) {
-      snprintf(why, n, "an RDMA write on %s failed: %s", s->hca, rg_ibv_wc_status_str(wc[i].status));
-      return -1;
-    }
-  if (k < 0) {
-    snprintf(why, n, "polling the completion queue of %s failed", s->hca);
-    return -1;
-  }
+    if (wc[i].status != IBV_WC_SUCCESS)
+      return floor_fail(why, n, "an RDMA write on %s failed: %s", s->hca, rg_ibv_wc_status_str(wc[i].status));
+  if (k < 0)
+    return floor_fail(why, n, "polling the completion queue of %s failed", s->hca);
   *outstanding -= k;
   return 0;
 }
@@ -179,10 +151,10 @@ static int one_round(floor_state* s, const floor_peer* peer, size_t size, uint8_
   s->sbuf[size - 1] = tag;
   while (*outstanding >= DEPTH / 2)
     if (reap(s, outstanding, why, n) != 0) return -1;
-  if (write_to_peer(s, peer, 0, size, outstanding) != 0) return snprintf(why, n, "ibv_post_send on %s failed", s->hca), -1;
+  if (write_to_peer(s, peer, 0, size, outstanding) != 0) return floor_fail(why, n, "ibv_post_send on %s failed", s->hca);
   while (*last != tag && *last != next_tag(tag)) {
     if (reap(s, outstanding, why, n) != 0) return -1;
-    if (now_ns() > deadline) return snprintf(why, n, "no %zu-byte write from the peer within 30 s", size), -1;
+    if (now_ns() > deadline) return floor_fail(why, n, "no %zu-byte write from the peer within 30 s", size);
   }
   return 0;
 }
@@ -191,16 +163,13 @@ static int exchange_rounds(floor_state* s, const floor_peer* peer, size_t size, 
                            char* why, size_t n) {
   int outstanding = 0, rc = 0;
   s->rbuf[size - 1] = 0;
-  if (barrier("floor-verbs-size") != 0) return snprintf(why, n, "the peer did not reach the %zu-byte rounds", size), -1;
+  if (barrier("floor-verbs-size") != 0) return floor_fail(why, n, "the peer did not reach the %zu-byte rounds", size);
   uint8_t tag = 0;
   uint64_t t0 = now_ns();
   for (int i = 0; i < FLOOR_WARM_ROUNDS && rc == 0; i++) rc = one_round(s, peer, size, tag = next_tag(tag), &outstanding, why, n);
   /* Both ranks reach the agreement, whatever failed, so neither waits for nothing. */
   *rounds = agreed_rounds(now_ns() - t0, most);
-  if (*rounds < 0 && rc == 0) {
-    snprintf(why, n, "the ranks could not agree the %zu-byte rounds", size);
-    rc = -1;
-  }
+  if (*rounds < 0 && rc == 0) rc = floor_fail(why, n, "the ranks could not agree the %zu-byte rounds", size);
   t0 = now_ns();
   for (int i = 0; i < *rounds && rc == 0; i++) rc = one_round(s, peer, size, tag = next_tag(tag), &outstanding, why, n);
   if (rc != 0) return -1;
@@ -208,7 +177,7 @@ static int exchange_rounds(floor_state* s, const floor_peer* peer, size_t size, 
   uint64_t deadline = now_ns() + PHASE_NS;
   while (outstanding > 0) {
     if (reap(s, &outstanding, why, n) != 0) return -1;
-    if (now_ns() > deadline) return snprintf(why, n, "the last %zu-byte writes did not complete within 30 s", size), -1;
+    if (now_ns() > deadline) return floor_fail(why, n, "the last %zu-byte writes did not complete within 30 s", size);
   }
   /* The peer's last write may still be landing: the next size starts from a barrier. */
   return 0;

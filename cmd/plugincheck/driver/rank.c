@@ -343,7 +343,6 @@ int main(int argc, char** argv) {
     return 2;
   }
   R.rank = atoi(argv[1]);
-  R.timeout_s = 60;
   S.max_bytes = arena_bytes(argc - 2, argv + 2);
   /* Never freed, so that no buffer of the library's can come from inside it. */
   size_t len = S.max_bytes + 64 + 2 * S.max_bytes + 64;

@@ -27,8 +27,7 @@ ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
 #define RANK_STREAM ((cudaStream_t)(uintptr_t)0x5157)
 
 typedef struct rank_env {
-  int rank;      /* 0 or 1 */
-  int timeout_s; /* the longest wait for the peer outside NCCL's calls */
+  int rank; /* 0 or 1 */
 } rank_env;
 extern rank_env R;
 

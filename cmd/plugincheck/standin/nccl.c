@@ -398,7 +398,41 @@ __attribute__((used)) static ncclResult_t comm_finalize(ncclComm_t comm) {
   return r;
 }
 
-static void drop_queued(ncclComm_t comm);
+/* ---- groups: operations queued until the outermost ncclGroupEnd */
+
+enum op_kind { OP_ALLGATHER, OP_ALLREDUCE, OP_SEND, OP_RECV };
+typedef struct queued_op {
+  enum op_kind kind;
+  const void* send;
+  void* recv;
+  size_t count;
+  ncclDataType_t type;
+  ncclRedOp_t redop;
+  int peer;
+  ncclComm_t comm;
+} queued_op;
+
+static __thread int group_depth;
+static __thread queued_op* queued;
+static __thread int nqueued, capqueued;
+
+static int enqueue(queued_op o) {
+  if (nqueued == capqueued) {
+    int cap = capqueued ? 2 * capqueued : 16;
+    queued_op* q = realloc(queued, (size_t)cap * sizeof(*q));
+    if (q == NULL) return -1;
+    queued = q, capqueued = cap;
+  }
+  queued[nqueued++] = o;
+  return 0;
+}
+
+static void drop_queued(ncclComm_t comm) {
+  int k = 0;
+  for (int i = 0; i < nqueued; i++)
+    if (queued[i].comm != comm) queued[k++] = queued[i];
+  nqueued = k;
+}
 
 static void free_comm(ncclComm_t comm) {
   drop_queued(comm); /* this thread's operations on it that a group still holds never run */
@@ -450,46 +484,75 @@ static size_t type_size(ncclDataType_t t) {
   }
 }
 
-/* ---- groups: operations queued until the outermost ncclGroupEnd */
-
-enum op_kind { OP_ALLGATHER, OP_ALLREDUCE, OP_SEND, OP_RECV };
-typedef struct queued_op {
-  enum op_kind kind;
-  const void* send;
-  void* recv;
-  size_t count;
-  ncclDataType_t type;
-  ncclRedOp_t redop;
-  int peer;
-  ncclComm_t comm;
-} queued_op;
-
-static __thread int group_depth;
-static __thread queued_op* queued;
-static __thread int nqueued, capqueued;
-
-static int enqueue(queued_op o) {
-  if (nqueued == capqueued) {
-    int cap = capqueued ? 2 * capqueued : 16;
-    queued_op* q = realloc(queued, (size_t)cap * sizeof(*q));
-    if (q == NULL) return -1;
-    queued = q, capqueued = cap;
-  }
-  queued[nqueued++] = o;
-  return 0;
-}
-
-static void drop_queued(ncclComm_t comm) {
-  int k = 0;
-  for (int i = 0; i < nqueued; i++)
-    if (queued[i].comm != comm) queued[k++] = queued[i];
-  nqueued = k;
-}
-
 static ncclResult_t run_all_gather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
-                                   ncclComm_t comm);
+                                   ncclComm_t comm) {
+  size_t bytes = sendcount * type_size(datatype);
+  ncclResult_t r = ncclSuccess;
+  if (comm->nranks == 2) {
+    char* peer_row = (char*)recvbuff + (size_t)(1 - comm->rank) * bytes;
+    uint64_t mine = bytes, theirs = 0;
+    if (exchange(comm->link->fd, &mine, &theirs, sizeof(mine)) != 0 || theirs != mine ||
+        exchange(comm->link->fd, sendbuff, peer_row, bytes) != 0)
+      r = ncclRemoteError;
+  }
+  if (r == ncclSuccess) memmove((char*)recvbuff + (size_t)comm->rank * bytes, sendbuff, bytes);
+  return r;
+}
+
+static ncclResult_t all_gather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
+                               ncclComm_t comm, cudaStream_t stream) {
+  size_t bytes = sendcount * type_size(datatype);
+  ncclResult_t r = ncclSuccess;
+  if (comm == NULL || type_size(datatype) == 0 || (bytes > 0 && (sendbuff == NULL || recvbuff == NULL))) {
+    r = ncclInvalidArgument;
+  } else if (group_depth > 0) {
+    r = enqueue((queued_op){.kind = OP_ALLGATHER, .send = sendbuff, .recv = recvbuff, .count = sendcount, .type = datatype,
+                     .comm = comm}) == 0 ? ncclSuccess : ncclSystemError;
+  } else {
+    r = run_all_gather(sendbuff, recvbuff, sendcount, datatype, comm);
+  }
+  record("ncclAllGather", r,
+         "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"sendcount\":%zu,\"datatype\":%d,\"comm\":\"%p\",\"stream\":"
+         "\"%p\",\"deferred\":%d",
+         sendbuff, (void*)recvbuff, sendcount, (int)datatype, (void*)comm, (void*)stream, group_depth > 0);
+  return r;
+}
+
 static ncclResult_t run_all_reduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
-                                   ncclRedOp_t op, ncclComm_t comm);
+                                   ncclRedOp_t op, ncclComm_t comm) {
+  size_t bytes = count * type_size(datatype);
+  ncclResult_t r = ncclSuccess;
+  char* peer = malloc(bytes ? bytes : 1);
+  if (comm->nranks == 2 && exchange(comm->link->fd, sendbuff, peer, bytes) != 0) r = ncclRemoteError;
+  const int sum = op == ncclSum && (datatype == ncclInt32 || datatype == ncclFloat32);
+  for (size_t i = 0; r == ncclSuccess && !sum && i < bytes; i++)
+    ((char*)recvbuff)[i] = (char)(((const char*)sendbuff)[i] ^ (comm->nranks == 2 ? peer[i] : 0));
+  for (size_t i = 0; r == ncclSuccess && sum && i < count; i++) {
+    if (datatype == ncclInt32)
+      ((int32_t*)recvbuff)[i] = ((const int32_t*)sendbuff)[i] + (comm->nranks == 2 ? ((int32_t*)peer)[i] : 0);
+    else
+      ((float*)recvbuff)[i] = ((const float*)sendbuff)[i] + (comm->nranks == 2 ? ((float*)peer)[i] : 0);
+  }
+  free(peer);
+  return r;
+}
+
+static ncclResult_t all_reduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
+                               ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  ncclResult_t r;
+  if (comm == NULL || type_size(datatype) == 0)
+    r = ncclInvalidArgument;
+  else if (group_depth > 0)
+    r = enqueue((queued_op){.kind = OP_ALLREDUCE, .send = sendbuff, .recv = recvbuff, .count = count, .type = datatype,
+                     .redop = op, .comm = comm}) == 0 ? ncclSuccess : ncclSystemError;
+  else
+    r = run_all_reduce(sendbuff, recvbuff, count, datatype, op, comm);
+  record("ncclAllReduce", r,
+         "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"count\":%zu,\"datatype\":%d,\"op\":%d,\"comm\":\"%p\",\"stream\":"
+         "\"%p\",\"deferred\":%d",
+         sendbuff, recvbuff, count, (int)datatype, (int)op, (void*)comm, (void*)stream, group_depth > 0);
+  return r;
+}
 
 /* Runs a group's operations: collectives in order, then each self send with the self
  * receive of the same rank in order. */
@@ -531,76 +594,6 @@ static ncclResult_t group_end(void) {
     r = run_group(queued, n);
   }
   record("ncclGroupEnd", r, "\"depth\":%d", group_depth);
-  return r;
-}
-
-static ncclResult_t all_gather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
-                               ncclComm_t comm, cudaStream_t stream) {
-  size_t bytes = sendcount * type_size(datatype);
-  ncclResult_t r = ncclSuccess;
-  if (comm == NULL || type_size(datatype) == 0 || (bytes > 0 && (sendbuff == NULL || recvbuff == NULL))) {
-    r = ncclInvalidArgument;
-  } else if (group_depth > 0) {
-    r = enqueue((queued_op){.kind = OP_ALLGATHER, .send = sendbuff, .recv = recvbuff, .count = sendcount, .type = datatype,
-                     .comm = comm}) == 0 ? ncclSuccess : ncclSystemError;
-  } else {
-    r = run_all_gather(sendbuff, recvbuff, sendcount, datatype, comm);
-  }
-  record("ncclAllGather", r,
-         "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"sendcount\":%zu,\"datatype\":%d,\"comm\":\"%p\",\"stream\":"
-         "\"%p\",\"deferred\":%d",
-         sendbuff, (void*)recvbuff, sendcount, (int)datatype, (void*)comm, (void*)stream, group_depth > 0);
-  return r;
-}
-
-static ncclResult_t run_all_gather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
-                                   ncclComm_t comm) {
-  size_t bytes = sendcount * type_size(datatype);
-  ncclResult_t r = ncclSuccess;
-  if (comm->nranks == 2) {
-    char* peer_row = (char*)recvbuff + (size_t)(1 - comm->rank) * bytes;
-    uint64_t mine = bytes, theirs = 0;
-    if (exchange(comm->link->fd, &mine, &theirs, sizeof(mine)) != 0 || theirs != mine ||
-        exchange(comm->link->fd, sendbuff, peer_row, bytes) != 0)
-      r = ncclRemoteError;
-  }
-  if (r == ncclSuccess) memmove((char*)recvbuff + (size_t)comm->rank * bytes, sendbuff, bytes);
-  return r;
-}
-
-static ncclResult_t all_reduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
-                               ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
-  ncclResult_t r;
-  if (comm == NULL || type_size(datatype) == 0)
-    r = ncclInvalidArgument;
-  else if (group_depth > 0)
-    r = enqueue((queued_op){.kind = OP_ALLREDUCE, .send = sendbuff, .recv = recvbuff, .count = count, .type = datatype,
-                     .redop = op, .comm = comm}) == 0 ? ncclSuccess : ncclSystemError;
-  else
-    r = run_all_reduce(sendbuff, recvbuff, count, datatype, op, comm);
-  record("ncclAllReduce", r,
-         "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"count\":%zu,\"datatype\":%d,\"op\":%d,\"comm\":\"%p\",\"stream\":"
-         "\"%p\",\"deferred\":%d",
-         sendbuff, recvbuff, count, (int)datatype, (int)op, (void*)comm, (void*)stream, group_depth > 0);
-  return r;
-}
-
-static ncclResult_t run_all_reduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
-                                   ncclRedOp_t op, ncclComm_t comm) {
-  size_t bytes = count * type_size(datatype);
-  ncclResult_t r = ncclSuccess;
-  char* peer = malloc(bytes ? bytes : 1);
-  if (comm->nranks == 2 && exchange(comm->link->fd, sendbuff, peer, bytes) != 0) r = ncclRemoteError;
-  const int sum = op == ncclSum && (datatype == ncclInt32 || datatype == ncclFloat32);
-  for (size_t i = 0; r == ncclSuccess && !sum && i < bytes; i++)
-    ((char*)recvbuff)[i] = (char)(((const char*)sendbuff)[i] ^ (comm->nranks == 2 ? peer[i] : 0));
-  for (size_t i = 0; r == ncclSuccess && sum && i < count; i++) {
-    if (datatype == ncclInt32)
-      ((int32_t*)recvbuff)[i] = ((const int32_t*)sendbuff)[i] + (comm->nranks == 2 ? ((int32_t*)peer)[i] : 0);
-    else
-      ((float*)recvbuff)[i] = ((const float*)sendbuff)[i] + (comm->nranks == 2 ? ((float*)peer)[i] : 0);
-  }
-  free(peer);
   return r;
 }
 
