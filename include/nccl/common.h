@@ -51,6 +51,18 @@ typedef enum {
   ncclBfloat16 = 9,
 } ncclDataType_t;
 
+/* The bytes of one element of type t (10 and 11: the fp8 types of NCCL 2.24 and later); 0
+ * for a type this header does not know. */
+static inline size_t rg_nccl_type_bytes(int t) {
+  switch (t) {
+  case ncclInt8: case ncclUint8: case 10: case 11: return 1;
+  case ncclFloat16: case ncclBfloat16: return 2;
+  case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
+  case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
+  default: return 0;
+  }
+}
+
 typedef enum {
   ncclSum = 0,
   ncclProd = 1,

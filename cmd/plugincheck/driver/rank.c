@@ -144,16 +144,6 @@ uint64_t shard_seed(uint64_t k, uint64_t n, int r) { return k << 40 | n << 1 | (
 
 /* ---- the steps */
 
-static size_t type_size(int t) {
-  switch (t) {
-  case ncclInt8: case ncclUint8: case 10: case 11: return 1; /* 10, 11: the fp8 types */
-  case ncclFloat16: case ncclBfloat16: return 2;
-  case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
-  case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
-  default: return 0;
-  }
-}
-
 /* What a step sees between calls: the communicator, its gathers so far, the buffers. */
 static struct {
   ncclComm_t comm;
@@ -172,14 +162,14 @@ static int step_gather(const char* arg) {
   size_t count = 0;
   int type = -1, used = 0;
   char mode[16] = "";
-  if (sscanf(arg, "%zu:%d%n", &count, &type, &used) != 2 || type_size(type) == 0 ||
+  if (sscanf(arg, "%zu:%d%n", &count, &type, &used) != 2 || rg_nccl_type_bytes(type) == 0 ||
       (arg[used] != '\0' && (sscanf(arg + used, ":%15s", mode) != 1 ||
                              (strcmp(mode, "inplace") != 0 && strcmp(mode, "misaligned") != 0)))) {
     fprintf(stderr, "[rank %d] gather:%s: want gather:COUNT:TYPE[:inplace|:misaligned] with a NCCL type 0-11\n",
             R.rank, arg);
     return -1;
   }
-  const size_t bytes = count * type_size(type);
+  const size_t bytes = count * rg_nccl_type_bytes(type);
   if (bytes > S.max_bytes) {
     fprintf(stderr, "[rank %d] gather:%s: %zu bytes a rank is more than the arena's %zu\n", R.rank, arg, bytes,
             S.max_bytes);
@@ -329,7 +319,7 @@ static size_t arena_bytes(int n, char** steps) {
   for (int i = 0; i < n; i++) {
     size_t count = 0, b = 0;
     int type = 0;
-    if (sscanf(steps[i], "gather:%zu:%d", &count, &type) == 2) b = count * type_size(type);
+    if (sscanf(steps[i], "gather:%zu:%d", &count, &type) == 2) b = count * rg_nccl_type_bytes(type);
     if (strncmp(steps[i], "bench:", 6) == 0) b = bench_max_bytes();
     if (strncmp(steps[i], "load:", 5) == 0) b = load_max_bytes();
     if (b > most) most = b;

@@ -474,19 +474,9 @@ COMM_QUERY(comm_count, "ncclCommCount", nranks)
 COMM_QUERY(comm_user_rank, "ncclCommUserRank", rank)
 COMM_QUERY(comm_cu_device, "ncclCommCuDevice", cuda_dev)
 
-static size_t type_size(ncclDataType_t t) {
-  switch ((int)t) {
-  case ncclInt8: case ncclUint8: case 10: case 11: return 1; /* 10, 11: the fp8 types */
-  case ncclFloat16: case ncclBfloat16: return 2;
-  case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
-  case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
-  default: return 0;
-  }
-}
-
 static ncclResult_t run_all_gather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
                                    ncclComm_t comm) {
-  size_t bytes = sendcount * type_size(datatype);
+  size_t bytes = sendcount * rg_nccl_type_bytes(datatype);
   ncclResult_t r = ncclSuccess;
   if (comm->nranks == 2) {
     char* peer_row = (char*)recvbuff + (size_t)(1 - comm->rank) * bytes;
@@ -501,9 +491,9 @@ static ncclResult_t run_all_gather(const void* sendbuff, void* recvbuff, size_t 
 
 static ncclResult_t all_gather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
                                ncclComm_t comm, cudaStream_t stream) {
-  size_t bytes = sendcount * type_size(datatype);
+  size_t bytes = sendcount * rg_nccl_type_bytes(datatype);
   ncclResult_t r = ncclSuccess;
-  if (comm == NULL || type_size(datatype) == 0 || (bytes > 0 && (sendbuff == NULL || recvbuff == NULL))) {
+  if (comm == NULL || rg_nccl_type_bytes(datatype) == 0 || (bytes > 0 && (sendbuff == NULL || recvbuff == NULL))) {
     r = ncclInvalidArgument;
   } else if (group_depth > 0) {
     r = enqueue((queued_op){.kind = OP_ALLGATHER, .send = sendbuff, .recv = recvbuff, .count = sendcount, .type = datatype,
@@ -520,7 +510,7 @@ static ncclResult_t all_gather(const void* sendbuff, void* recvbuff, size_t send
 
 static ncclResult_t run_all_reduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
                                    ncclRedOp_t op, ncclComm_t comm) {
-  size_t bytes = count * type_size(datatype);
+  size_t bytes = count * rg_nccl_type_bytes(datatype);
   ncclResult_t r = ncclSuccess;
   char* peer = malloc(bytes ? bytes : 1);
   if (comm->nranks == 2 && exchange(comm->link->fd, sendbuff, peer, bytes) != 0) r = ncclRemoteError;
@@ -540,7 +530,7 @@ static ncclResult_t run_all_reduce(const void* sendbuff, void* recvbuff, size_t 
 static ncclResult_t all_reduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   ncclResult_t r;
-  if (comm == NULL || type_size(datatype) == 0)
+  if (comm == NULL || rg_nccl_type_bytes(datatype) == 0)
     r = ncclInvalidArgument;
   else if (group_depth > 0)
     r = enqueue((queued_op){.kind = OP_ALLREDUCE, .send = sendbuff, .recv = recvbuff, .count = count, .type = datatype,
@@ -569,7 +559,7 @@ static ncclResult_t run_group(queued_op* ops, int n) {
       if (next_recv == n || ops[next_recv].count != o->count || ops[next_recv].type != o->type) {
         r = ncclInvalidUsage; /* a send with no receive to meet it */
       } else {
-        memcpy(ops[next_recv].recv, o->send, o->count * type_size(o->type));
+        memcpy(ops[next_recv].recv, o->send, o->count * rg_nccl_type_bytes(o->type));
         next_recv++;
       }
     }
@@ -602,7 +592,7 @@ static ncclResult_t p2p(enum op_kind kind, const void* sendbuff, void* recvbuff,
                         int peer, ncclComm_t comm, cudaStream_t stream) {
   const char* fn = kind == OP_SEND ? "ncclSend" : "ncclRecv";
   ncclResult_t r;
-  if (comm == NULL || type_size(datatype) == 0 || peer < 0 || peer >= comm->nranks)
+  if (comm == NULL || rg_nccl_type_bytes(datatype) == 0 || peer < 0 || peer >= comm->nranks)
     r = ncclInvalidArgument;
   else if (peer != comm->rank)
     r = ncclInvalidUsage; /* not modelled */
