@@ -89,7 +89,7 @@ func runFault(t *testing.T, name string, runs []scenario) (string, [2]*rankResul
 	return "", [2]*rankResult{}
 }
 
-func faults() []scenario { return faultScenarios(testFabric(), nil, [2][]string{}, [2][]string{}) }
+func faults() []scenario { return faultScenarios(testFabric()) }
 
 // A peer killed with SIGKILL while this rank waits in a gather: the gather fails well before
 // its deadline without writing a row, one WARN names the peer, the sequence and the cause,
@@ -125,7 +125,7 @@ func TestFaultDestroyInFlightReturnsWithinTwiceTheDeadline(t *testing.T) {
 // no RST. The gather fails within its deadline and a few seconds, without a row, and says so.
 func TestFaultLinkCutInAGather(t *testing.T) {
 	p := cutPair(t)
-	_, res := runFault(t, "a link cut in a gather", faultScenarios(testFabric(), p.cut, p.env, p.wrap))
+	_, res := runFault(t, "a link cut in a gather", []scenario{peerLost(testFabric(), "a link cut in a gather", p.cut, `.+`, p.env, p.wrap)})
 	// No FIN tells a tcp lane; its silence watchdog (half the timeout) finds the cut before the
 	// gather's deadline, and where both hold the link's cause is said. A verbs lane may find the
 	// cut by its probe's retries (on emulated soft-RoCE it does not, in time).

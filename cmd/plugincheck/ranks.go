@@ -70,7 +70,6 @@ type rankResult struct {
 	lines    []stepLine
 	stderr   string
 	exit     error // cmd.Wait's
-	victim   bool  // it said victim, and was then killed
 	dir      string
 	stats    statsDoc
 	statsErr error
@@ -250,7 +249,6 @@ func (rp *rankProc) pump(to io.Writer) error {
 		}
 		rp.res.lines = append(rp.res.lines, l)
 		if l.Step == "victim" {
-			rp.res.victim = true
 			rp.said.Store(true)
 			act := rp.spec.onVictim
 			if act == nil {
@@ -264,7 +262,7 @@ func (rp *rankProc) pump(to io.Writer) error {
 
 // finish collects the rank once its output ended: its exit, its log, its stats, its record.
 func (rp *rankProc) finish() {
-	if rp.res.victim {
+	if rp.said.Load() {
 		rp.cmd.Process.Kill() // a cut link leaves it waiting
 	}
 	rp.res.exit = rp.cmd.Wait()

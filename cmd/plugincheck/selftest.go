@@ -363,48 +363,54 @@ func closedAfter(c *checker, r *rankResult, what string, maxMS float64) {
 // peerJudged judges the rank whose fault the other lives through: it was killed as planned,
 // or it ran what it was given.
 func peerJudged(c *checker, r *rankResult) {
-	switch {
-	case r.victim:
+	if r.steps("victim") != nil {
 		c.check(r.rank, "victim", killedBySignal(r.exit, syscall.SIGKILL), "killed after it stopped, as planned (%v)", r.exit)
-	default:
+	} else {
 		ranAll(c, r)
 	}
 }
 
-// faultScenarios are a peer killed in a gather, one that never joins, and an abort and a
-// destroy while a gather waits. cut, where given, cuts rank 1's link instead of killing it.
-func faultScenarios(fabric string, cut func(*exec.Cmd), cutEnv [2][]string, cutWrap [2][]string) []scenario {
+// peerLost is rank 1 lost while rank 0 waits in its second gather: lose kills rank 1 or
+// cuts its link (extra and wrap: each rank's environment and wrapper for the cut) once it
+// stops there; cause is what rank 0's WARN says.
+func peerLost(fabric, name string, lose func(*exec.Cmd), cause string, extra, wrap [2][]string) scenario {
 	T := faultTimeoutMS(fabric)
-	timeout := func(ms int) string { return fmt.Sprintf("ROCE_GATHER_TIMEOUT_MS=%d", ms) }
-	env := func(ms int, more []string) []string { return append([]string{timeout(ms)}, more...) }
-	killed := func(name string, onVictim func(*exec.Cmd), cause string, extra [2][]string, wrap [2][]string) scenario {
-		return scenario{name: name,
-			ranks: [2]rankSpec{
-				{env: env(T, extra[0]), wrap: wrap[0], steps: []string{"init", "gather:16:0", "barrier:first", "gather:4096:0", "asyncerr", "gather:16:0", "destroy"}},
-				{env: env(T, extra[1]), wrap: wrap[1], steps: []string{"init", "gather:16:0", "barrier:first", "victim"}, onVictim: onVictim}},
-			judge: func(c *checker, r *rankResult) {
-				if r.rank == 1 {
-					peerJudged(c, r)
-					return
-				}
-				if !ranAll(c, r) {
-					return
-				}
-				g := r.steps("gather")
-				failedGather(c, r, g[1], 0, float64(T)+3000)
-				warnsOnce(c, r, 2, cause)
-				failedAfter(c, r, 2)
-				closedAfter(c, r, "destroy", 5000)
-			}}
+	// The loss waits until the survivor is inside its gather, as far as a loaded machine lets it.
+	onVictim := func(cmd *exec.Cmd) { sleepMS(300); lose(cmd) }
+	env := func(more []string) []string {
+		return append([]string{fmt.Sprintf("ROCE_GATHER_TIMEOUT_MS=%d", T)}, more...)
 	}
-	// The kill waits until the survivor is inside its gather, as far as a loaded machine lets it.
-	kill := func(cmd *exec.Cmd) { sleepMS(300); cmd.Process.Kill() }
-	out := []scenario{
-		killed("a peer killed in a gather", kill, `(the link to the peer ended before this gather: )?the link failed`, [2][]string{}, [2][]string{}),
+	return scenario{name: name,
+		ranks: [2]rankSpec{
+			{env: env(extra[0]), wrap: wrap[0], steps: []string{"init", "gather:16:0", "barrier:first", "gather:4096:0", "asyncerr", "gather:16:0", "destroy"}},
+			{env: env(extra[1]), wrap: wrap[1], steps: []string{"init", "gather:16:0", "barrier:first", "victim"}, onVictim: onVictim}},
+		judge: func(c *checker, r *rankResult) {
+			if r.rank == 1 {
+				peerJudged(c, r)
+				return
+			}
+			if !ranAll(c, r) {
+				return
+			}
+			g := r.steps("gather")
+			failedGather(c, r, g[1], 0, float64(T)+3000)
+			warnsOnce(c, r, 2, cause)
+			failedAfter(c, r, 2)
+			closedAfter(c, r, "destroy", 5000)
+		}}
+}
+
+// faultScenarios are a peer killed in a gather, one that never joins, and an abort and a
+// destroy while a gather waits.
+func faultScenarios(fabric string) []scenario {
+	T := faultTimeoutMS(fabric)
+	env := func(ms int) []string { return []string{fmt.Sprintf("ROCE_GATHER_TIMEOUT_MS=%d", ms)} }
+	return []scenario{
+		peerLost(fabric, "a peer killed in a gather", func(cmd *exec.Cmd) { cmd.Process.Kill() }, `(the link to the peer ended before this gather: )?the link failed`, [2][]string{}, [2][]string{}),
 		{name: fmt.Sprintf("a peer that never joins a gather (ROCE_GATHER_TIMEOUT_MS=%d)", T),
 			ranks: [2]rankSpec{
-				{env: env(T, nil), steps: []string{"init", "gather:16:0", "gather:4096:0", "asyncerr", "gather:16:0", "barrier:stalled", "destroy"}},
-				{env: env(T, nil), steps: []string{"init", "gather:16:0", "barrier:stalled", "destroy"}}},
+				{env: env(T), steps: []string{"init", "gather:16:0", "gather:4096:0", "asyncerr", "gather:16:0", "barrier:stalled", "destroy"}},
+				{env: env(T), steps: []string{"init", "gather:16:0", "barrier:stalled", "destroy"}}},
 			judge: func(c *checker, r *rankResult) {
 				if r.rank == 1 || !ranAll(c, r) {
 					return
@@ -416,8 +422,8 @@ func faultScenarios(fabric string, cut func(*exec.Cmd), cutEnv [2][]string, cutW
 		{name: "ncclCommAbort while a gather waits",
 			ranks: [2]rankSpec{
 				// A deadline far off: the abort, not the deadline, must end the wait.
-				{env: env(10*T, nil), steps: []string{"init", "gather:16:0", "abortafter:300", "gather:4096:0", "join", "barrier:done"}},
-				{env: env(10*T, nil), steps: []string{"init", "gather:16:0", "barrier:done", "destroy"}}},
+				{env: env(10 * T), steps: []string{"init", "gather:16:0", "abortafter:300", "gather:4096:0", "join", "barrier:done"}},
+				{env: env(10 * T), steps: []string{"init", "gather:16:0", "barrier:done", "destroy"}}},
 			judge: func(c *checker, r *rankResult) {
 				if r.rank == 1 || !ranAll(c, r) {
 					return
@@ -429,8 +435,8 @@ func faultScenarios(fabric string, cut func(*exec.Cmd), cutEnv [2][]string, cutW
 			}},
 		{name: fmt.Sprintf("ncclCommDestroy while a gather waits (ROCE_GATHER_TIMEOUT_MS=%d)", T),
 			ranks: [2]rankSpec{
-				{env: env(T, nil), steps: []string{"init", "gather:16:0", "destroyafter:200", "gather:4096:0", "join", "barrier:done"}},
-				{env: env(T, nil), steps: []string{"init", "gather:16:0", "barrier:done", "destroy"}}},
+				{env: env(T), steps: []string{"init", "gather:16:0", "destroyafter:200", "gather:4096:0", "join", "barrier:done"}},
+				{env: env(T), steps: []string{"init", "gather:16:0", "barrier:done", "destroy"}}},
 			judge: func(c *checker, r *rankResult) {
 				if r.rank == 1 || !ranAll(c, r) {
 					return
@@ -441,11 +447,6 @@ func faultScenarios(fabric string, cut func(*exec.Cmd), cutEnv [2][]string, cutW
 				closedAfter(c, r, "destroy", float64(2*T)+5000)
 			}},
 	}
-	if cut != nil {
-		delayed := func(cmd *exec.Cmd) { sleepMS(300); cut(cmd) }
-		out = append(out, killed("a link cut in a gather", delayed, `.+`, cutEnv, cutWrap))
-	}
-	return out
 }
 
 func cmdSelftest(args []string) int {
@@ -456,7 +457,7 @@ func cmdSelftest(args []string) int {
 	if code != 0 {
 		return code
 	}
-	runs := append(dataScenarios(fab), faultScenarios(fab, nil, [2][]string{}, [2][]string{})...)
+	runs := append(dataScenarios(fab), faultScenarios(fab)...)
 	c := &checker{}
 	if err := runScenarios(p, fab, runs, *peer, *listen, verbose, c); err != nil {
 		fmt.Fprintln(os.Stderr, "plugincheck:", err)
