@@ -288,18 +288,16 @@ var interceptedParts = []struct {
 	}},
 }
 
-// collNames are each collective's name in the tables, one call and several.
-var collNames = map[gather.Coll][2]string{gather.CollAllGather: {"gather", "gathers"}, gather.CollAllReduce: {"all-reduce", "all-reduces"}}
-
+// collName is a collective's name in the tables, of one call or (plural) several.
 func collName(c gather.Coll, plural bool) string {
-	n, ok := collNames[c]
+	n, ok := map[gather.Coll]string{gather.CollAllGather: "gather", gather.CollAllReduce: "all-reduce"}[c]
 	if !ok {
 		return c.String()
 	}
 	if plural {
-		return n[1]
+		return n + "s"
 	}
-	return n[0]
+	return n
 }
 
 func printInterceptedSummary(w io.Writer, coll gather.Coll, groups map[traceGroup][]fileRecord, keys []traceGroup) {
