@@ -489,25 +489,6 @@ static ncclResult_t run_all_gather(const void* sendbuff, void* recvbuff, size_t 
   return r;
 }
 
-static ncclResult_t all_gather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
-                               ncclComm_t comm, cudaStream_t stream) {
-  size_t bytes = sendcount * rg_nccl_type_bytes(datatype);
-  ncclResult_t r = ncclSuccess;
-  if (comm == NULL || rg_nccl_type_bytes(datatype) == 0 || (bytes > 0 && (sendbuff == NULL || recvbuff == NULL))) {
-    r = ncclInvalidArgument;
-  } else if (group_depth > 0) {
-    r = enqueue((queued_op){.kind = OP_ALLGATHER, .send = sendbuff, .recv = recvbuff, .count = sendcount, .type = datatype,
-                     .comm = comm}) == 0 ? ncclSuccess : ncclSystemError;
-  } else {
-    r = run_all_gather(sendbuff, recvbuff, sendcount, datatype, comm);
-  }
-  record("ncclAllGather", r,
-         "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"sendcount\":%zu,\"datatype\":%d,\"comm\":\"%p\",\"stream\":"
-         "\"%p\",\"deferred\":%d",
-         sendbuff, (void*)recvbuff, sendcount, (int)datatype, (void*)comm, (void*)stream, group_depth > 0);
-  return r;
-}
-
 static ncclResult_t run_all_reduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
                                    ncclRedOp_t op, ncclComm_t comm) {
   size_t bytes = count * rg_nccl_type_bytes(datatype);
@@ -524,23 +505,6 @@ static ncclResult_t run_all_reduce(const void* sendbuff, void* recvbuff, size_t 
       ((float*)recvbuff)[i] = ((const float*)sendbuff)[i] + (comm->nranks == 2 ? ((float*)peer)[i] : 0);
   }
   free(peer);
-  return r;
-}
-
-static ncclResult_t all_reduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
-                               ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
-  ncclResult_t r;
-  if (comm == NULL || rg_nccl_type_bytes(datatype) == 0)
-    r = ncclInvalidArgument;
-  else if (group_depth > 0)
-    r = enqueue((queued_op){.kind = OP_ALLREDUCE, .send = sendbuff, .recv = recvbuff, .count = count, .type = datatype,
-                     .redop = op, .comm = comm}) == 0 ? ncclSuccess : ncclSystemError;
-  else
-    r = run_all_reduce(sendbuff, recvbuff, count, datatype, op, comm);
-  record("ncclAllReduce", r,
-         "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"count\":%zu,\"datatype\":%d,\"op\":%d,\"comm\":\"%p\",\"stream\":"
-         "\"%p\",\"deferred\":%d",
-         sendbuff, recvbuff, count, (int)datatype, (int)op, (void*)comm, (void*)stream, group_depth > 0);
   return r;
 }
 
@@ -566,6 +530,43 @@ static ncclResult_t run_group(queued_op* ops, int n) {
     if (first == ncclSuccess) first = r;
   }
   return first;
+}
+
+/* An operation queued inside a group, or else run at once as a group of its own. */
+static ncclResult_t submit(queued_op o) {
+  if (group_depth > 0) return enqueue(o) == 0 ? ncclSuccess : ncclSystemError;
+  return run_group(&o, 1);
+}
+
+static ncclResult_t all_gather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
+                               ncclComm_t comm, cudaStream_t stream) {
+  size_t bytes = sendcount * rg_nccl_type_bytes(datatype);
+  ncclResult_t r = ncclSuccess;
+  if (comm == NULL || rg_nccl_type_bytes(datatype) == 0 || (bytes > 0 && (sendbuff == NULL || recvbuff == NULL)))
+    r = ncclInvalidArgument;
+  else
+    r = submit((queued_op){.kind = OP_ALLGATHER, .send = sendbuff, .recv = recvbuff, .count = sendcount, .type = datatype,
+                           .comm = comm});
+  record("ncclAllGather", r,
+         "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"sendcount\":%zu,\"datatype\":%d,\"comm\":\"%p\",\"stream\":"
+         "\"%p\",\"deferred\":%d",
+         sendbuff, (void*)recvbuff, sendcount, (int)datatype, (void*)comm, (void*)stream, group_depth > 0);
+  return r;
+}
+
+static ncclResult_t all_reduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
+                               ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  ncclResult_t r;
+  if (comm == NULL || rg_nccl_type_bytes(datatype) == 0)
+    r = ncclInvalidArgument;
+  else
+    r = submit((queued_op){.kind = OP_ALLREDUCE, .send = sendbuff, .recv = recvbuff, .count = count, .type = datatype,
+                           .redop = op, .comm = comm});
+  record("ncclAllReduce", r,
+         "\"sendbuff\":\"%p\",\"recvbuff\":\"%p\",\"count\":%zu,\"datatype\":%d,\"op\":%d,\"comm\":\"%p\",\"stream\":"
+         "\"%p\",\"deferred\":%d",
+         sendbuff, recvbuff, count, (int)datatype, (int)op, (void*)comm, (void*)stream, group_depth > 0);
+  return r;
 }
 
 static ncclResult_t group_start(void) {
@@ -594,13 +595,11 @@ static ncclResult_t p2p(enum op_kind kind, const void* sendbuff, void* recvbuff,
   ncclResult_t r;
   if (comm == NULL || rg_nccl_type_bytes(datatype) == 0 || peer < 0 || peer >= comm->nranks)
     r = ncclInvalidArgument;
-  else if (peer != comm->rank)
-    r = ncclInvalidUsage; /* not modelled */
-  else if (group_depth > 0)
-    r = enqueue((queued_op){.kind = kind, .send = sendbuff, .recv = recvbuff, .count = count, .type = datatype, .peer = peer,
-                     .comm = comm}) == 0 ? ncclSuccess : ncclSystemError;
+  else if (peer != comm->rank || group_depth == 0)
+    r = ncclInvalidUsage; /* another rank's: not modelled; alone, it has nothing to meet */
   else
-    r = ncclInvalidUsage; /* alone, it has nothing to meet */
+    r = submit((queued_op){.kind = kind, .send = sendbuff, .recv = recvbuff, .count = count, .type = datatype, .peer = peer,
+                           .comm = comm});
   record(fn, r, "\"buff\":\"%p\",\"count\":%zu,\"datatype\":%d,\"peer\":%d,\"comm\":\"%p\",\"stream\":\"%p\",\"depth\":%d",
          kind == OP_SEND ? sendbuff : (const void*)recvbuff, count, (int)datatype, peer, (void*)comm, (void*)stream,
          group_depth);
