@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"slices"
 	"sort"
@@ -151,15 +152,11 @@ type traceGroup struct {
 // group's median call (or of every call); it returns the collectives found, in order.
 func printTraceSummary(w io.Writer, recs []fileRecord, all bool) []gather.Coll {
 	groups := map[traceGroup][]fileRecord{}
-	var keys []traceGroup
 	for _, r := range recs {
 		k := traceGroup{r.Rank, r.Coll, r.BytesPerRank}
-		if groups[k] == nil {
-			keys = append(keys, k)
-		}
 		groups[k] = append(groups[k], r)
 	}
-	slices.SortFunc(keys, func(a, b traceGroup) int {
+	keys := slices.SortedFunc(maps.Keys(groups), func(a, b traceGroup) int {
 		return cmp.Or(cmp.Compare(a.coll, b.coll), cmp.Compare(a.bytes, b.bytes), cmp.Compare(a.rank, b.rank))
 	})
 	var colls []gather.Coll

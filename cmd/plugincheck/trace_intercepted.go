@@ -354,27 +354,18 @@ func printPairing(w io.Writer, p interceptedPairing) {
 // printGatherTable prints one call of coll across both ranks, per size: the medians of
 // gatherSpans, then the hand-offs split by the clocks' estimated offset.
 func printGatherTable(w io.Writer, coll gather.Coll, recs []fileRecord, p interceptedPairing) {
-	var pairs []gatherPair
+	bySize := map[uint64][]gatherPair{}
 	for _, g := range p.gather {
-		if recs[g.late].Coll == coll {
-			pairs = append(pairs, g)
+		if l := recs[g.late]; l.Coll == coll {
+			bySize[l.BytesPerRank] = append(bySize[l.BytesPerRank], g)
 		}
 	}
 	fmt.Fprintf(w, "\none intercepted %s across both ranks:\n", collName(coll, false))
-	if len(pairs) == 0 {
+	if len(bySize) == 0 {
 		fmt.Fprintf(w, "no %s with every stamp on both ranks: nothing to line up\n", collName(coll, false))
 		return
 	}
-	bySize := map[uint64][]gatherPair{}
-	var sizes []uint64
-	for _, g := range pairs {
-		b := recs[g.late].BytesPerRank
-		if bySize[b] == nil {
-			sizes = append(sizes, b)
-		}
-		bySize[b] = append(bySize[b], g)
-	}
-	slices.Sort(sizes)
+	sizes := slices.Sorted(maps.Keys(bySize))
 
 	fmt.Fprintf(w, "\nmedians in microseconds (the middle value, or the mean of the two middle ones) over the %s with every\n"+
 		"stamp on both ranks; in each the late rank is the one whose kernel rang its doorbell second:\n", collName(coll, true))
