@@ -250,11 +250,9 @@ func (rp *rankProc) pump(to io.Writer) error {
 		rp.res.lines = append(rp.res.lines, l)
 		if l.Step == "victim" {
 			rp.said.Store(true)
-			act := rp.spec.onVictim
-			if act == nil {
-				act = func(c *exec.Cmd) { c.Process.Kill() }
+			if rp.spec.onVictim != nil {
+				go rp.spec.onVictim(rp.cmd)
 			}
-			go act(rp.cmd)
 		}
 	}
 	return ferr
@@ -262,9 +260,7 @@ func (rp *rankProc) pump(to io.Writer) error {
 
 // finish collects the rank once its output ended: its exit, its log, its stats, its record.
 func (rp *rankProc) finish() {
-	if rp.said.Load() {
-		rp.cmd.Process.Kill() // a cut link leaves it waiting
-	}
+	rp.endIfVictim() // a cut link leaves it waiting
 	rp.res.exit = rp.cmd.Wait()
 	rp.errMu.Lock()
 	rp.res.stderr = rp.errb.String()
