@@ -52,13 +52,10 @@ int step_bench(ncclComm_t comm, const char* spec, uint8_t* send, uint8_t* recv) 
     }
     double us = (double)(now_ns() - t0) / rounds / 1e3;
     int exact = check_pattern(recv, size, shard_seed(7, size, 0)) < 0 && check_pattern(recv + size, size, shard_seed(7, size, 1)) < 0;
-    char how[400], quoted[900];
-    if (have_floor)
-      snprintf(how, sizeof(how), "%d gathers after %d to warm up, the caller's time of each; floor: %d rounds of %s", rounds,
-               FLOOR_WARM_ROUNDS, fl.rounds[i], fl.how);
-    else
-      snprintf(how, sizeof(how), "%d gathers after %d to warm up, the caller's time of each; floor: %s", rounds,
-               FLOOR_WARM_ROUNDS, fl.how[0] ? fl.how : "not measured");
+    char how[400], quoted[900], floor_rounds_of[32] = "";
+    if (have_floor) snprintf(floor_rounds_of, sizeof(floor_rounds_of), "%d rounds of ", fl.rounds[i]);
+    snprintf(how, sizeof(how), "%d gathers after %d to warm up, the caller's time of each; floor: %s%s", rounds,
+             FLOOR_WARM_ROUNDS, floor_rounds_of, fl.how[0] ? fl.how : "not measured");
     out_line("bench", "\"bytes\":%zu,\"gathers\":%d,\"result\":%d,\"rows\":\"%s\",\"us\":%.4f,\"floor_us\":%.4f,\"how\":%s",
              size, FLOOR_WARM_ROUNDS + rounds, result, exact ? "exact" : "wrong", us, have_floor ? fl.round_us[i] : 0.0,
              json_quote(quoted, sizeof(quoted), how));
