@@ -252,11 +252,6 @@ static int poll_one(struct pollfd* p) {
   }
 }
 
-static int wait_fd(int fd, short events) {
-  struct pollfd p = {fd, events, 0};
-  return poll_one(&p) == 1 ? 0 : -1;
-}
-
 /* Sends out and receives in, n bytes each way, at the same time (no deadlock on large n). */
 static int exchange(int fd, const void* out, void* in, size_t n) {
   size_t sent = 0, got = 0;
@@ -281,7 +276,8 @@ static link_t* connect_ranks(const fake_id* id) {
   int fd = -1;
   int lfd = listener_for(id->port);
   if (lfd >= 0) {
-    if (wait_fd(lfd, POLLIN) != 0) return NULL;
+    struct pollfd p = {lfd, POLLIN, 0};
+    if (poll_one(&p) != 1) return NULL;
     fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
   } else {
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = id->ip, .sin_port = id->port};
@@ -434,24 +430,20 @@ static void drop_queued(ncclComm_t comm) {
   nqueued = k;
 }
 
-static void free_comm(ncclComm_t comm) {
-  drop_queued(comm); /* this thread's operations on it that a group still holds never run */
-  finalize_plugin(comm->netctx);
-  release(comm->link);
-  free(comm);
-}
-
-static ncclResult_t comm_destroy(ncclComm_t comm) {
-  if (comm != NULL) free_comm(comm);
-  record("ncclCommDestroy", ncclSuccess, "\"comm\":\"%p\"", (void*)comm);
+/* ncclCommDestroy and ncclCommAbort (fn) alike: the communicator goes at once. */
+static ncclResult_t free_comm(const char* fn, ncclComm_t comm) {
+  if (comm != NULL) {
+    drop_queued(comm); /* this thread's operations on it that a group still holds never run */
+    finalize_plugin(comm->netctx);
+    release(comm->link);
+    free(comm);
+  }
+  record(fn, ncclSuccess, "\"comm\":\"%p\"", (void*)comm);
   return ncclSuccess;
 }
 
-__attribute__((used)) static ncclResult_t comm_abort(ncclComm_t comm) {
-  if (comm != NULL) free_comm(comm);
-  record("ncclCommAbort", ncclSuccess, "\"comm\":\"%p\"", (void*)comm);
-  return ncclSuccess;
-}
+static ncclResult_t comm_destroy(ncclComm_t comm) { return free_comm("ncclCommDestroy", comm); }
+__attribute__((used)) static ncclResult_t comm_abort(ncclComm_t comm) { return free_comm("ncclCommAbort", comm); }
 
 __attribute__((used)) static ncclResult_t comm_get_async_error(ncclComm_t comm, ncclResult_t* asyncError) {
   ncclResult_t r = comm == NULL || asyncError == NULL ? ncclInvalidArgument : ncclSuccess;
