@@ -202,7 +202,7 @@ int floor_verbs(const char* dev, floor_result* out) {
   memset(&me, 0, sizeof(me));
   char why[sizeof(me.why)] = "";
   /* Both ranks reach every exchange, whatever failed: the peer must not wait for nothing. */
-  me.ok = setup(&s, dev, why, sizeof(why)) == 0;
+  me.ok = setup(&s, dev, me.why, sizeof(me.why)) == 0;
   if (me.ok) {
     me.qpn = s.qp->qp_num;
     me.psn = (uint32_t)(now_ns() & 0xffffff);
@@ -212,7 +212,6 @@ int floor_verbs(const char* dev, floor_result* out) {
     me.mtu = (uint8_t)s.pa.active_mtu;
     if (s.gid_index >= 0) rg_ibv_query_gid(s.ctx, s.port, s.gid_index, me.gid);
   }
-  snprintf(me.why, sizeof(me.why), "%s", why);
   int rc = -1;
   if (exchange("floor-verbs", &me, &peer, sizeof(peer)) != 0) {
     snprintf(out->how, sizeof(out->how), "verbs floor: the exchange with the peer failed");
