@@ -91,7 +91,6 @@ int rg_ibv_have_gid_table(void) { return load_rc == 0 && api.query_gid_table != 
 
 struct ibv_device** rg_ibv_get_devices(int* n) { return api.get_device_list(n); }
 void rg_ibv_free_devices(struct ibv_device** list) { api.free_device_list(list); }
-struct ibv_device* rg_ibv_device_at(struct ibv_device** list, int i) { return list[i]; }
 const char* rg_ibv_device_name(struct ibv_device* dev) { return api.get_device_name(dev); }
 struct ibv_context* rg_ibv_open(struct ibv_device* dev) { return api.open_device(dev); }
 int rg_ibv_close(struct ibv_context* ctx) { return api.close_device(ctx); }
