@@ -178,7 +178,7 @@ func readGIDs(ctx *C.struct_ibv_context, dev string, port, tableLen int, etherne
 		g.Type = GIDTypeIB
 		if ethernet { // an unreadable type stays unknown, and is never chosen
 			t, _ := os.ReadFile(filepath.Join(sysfsIB, dev, "ports", fmt.Sprint(port), "gid_attrs", "types", fmt.Sprint(i)))
-			g.Type = gidTypeFromSysfs(string(t), true)
+			g.Type = gidTypeFromSysfs(string(t))
 		}
 		gids = append(gids, g)
 	}
