@@ -16,6 +16,8 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -222,14 +224,7 @@ func (d *Device) Deregister(mr *fabric.MR) error {
 func (d *Device) Close() error {
 	d.mu.Lock()
 	d.closed = true
-	links := make([]*fabric.Link, 0, len(d.links))
-	for l := range d.links {
-		links = append(links, l)
-	}
-	eps := make([]*endpoint, 0, len(d.eps))
-	for e := range d.eps {
-		eps = append(eps, e)
-	}
+	links, eps := slices.Collect(maps.Keys(d.links)), slices.Collect(maps.Keys(d.eps))
 	d.mu.Unlock()
 	for _, l := range links {
 		l.Close()
