@@ -335,10 +335,8 @@ static int try_nccl(const char* name, uintptr_t base, const char* found_by, cons
     if (api_field(&a, i) == NULL) missing[nmissing++] = api_names[i];
   char text[512];
   jline j;
-  jstart(&j, "nccl", "path", a.path, NULL);
+  jstart(&j, "nccl", "path", a.path, "found_by", found_by, NULL);
   jint(&j, "version", a.version);
-  jkey(&j, "found_by");
-  jstr(&j, found_by);
   name_list(&j, "missing", missing, nmissing, text, sizeof(text));
   jend(&j);
   RG_INFO(NCCL_INIT, LOG_PREFIX "NCCL is %s (version %d), %s%s%s", a.path, a.version, found_by,
@@ -421,8 +419,9 @@ static void find_unreached(const struct link_map* from) {
 
 /* ---------------------------------------------------------------- entry points */
 
-/* Finds NCCL (preferring the caller's object) and hooks it. */
+/* Finds NCCL (preferring the caller's object) and hooks it; errno is as it found it. */
 static const rg_nccl_api* bind_now(const void* caller, const char* at) {
+  const int saved = errno;
   struct link_map* from = caller ? map_of(caller) : NULL;
   if (atomic_load(&g_api) == NULL && from != NULL)
     try_nccl(from->l_name, from->l_addr, "the NCCL that loaded this library", at);
@@ -440,27 +439,22 @@ static const rg_nccl_api* bind_now(const void* caller, const char* at) {
     }
     if (atomic_load(&g_way) == WAY_PENDING) set_way(WAY_NO_NCCL);
     pthread_mutex_unlock(&state_mu);
-    return NULL;
+  } else {
+    find_unreached(from);
   }
-  find_unreached(from);
   dlerror();
+  errno = saved;
   return api;
 }
 
 const rg_nccl_api* rg_nccl(void) {
   const rg_nccl_api* api = atomic_load_explicit(&g_api, memory_order_acquire);
-  if (api != NULL) return api;
-  int saved = errno;
-  api = bind_now(NULL, "first call");
-  errno = saved;
-  return api;
+  return api != NULL ? api : bind_now(NULL, "first call");
 }
 
 void rg_bind_from_nccl(const void* caller, ncclDebugLogger_t logger) {
   if (logger != NULL) rg_log_set_logger(logger);
-  int saved = errno;
   bind_now(caller, "NCCL init");
-  errno = saved;
 }
 
 /* ---------------------------------------------------------------- preloaded */
@@ -494,15 +488,11 @@ static int preloaded(void) {
 /* Whether dlopen(name) finds this very library, loaded already (a bare name is searched as
  * NCCL searches it; the loader matches the file, not the name). */
 static int opens_this_library(const char* name) {
-  void* h = dlopen(name, RTLD_NOLOAD | RTLD_LAZY);
-  if (h == NULL) {
-    dlerror();
-    return 0;
-  }
-  struct link_map *lm = NULL, *me = map_of((const void*)rg_bind_way_in);
-  int same = dlinfo(h, RTLD_DI_LINKMAP, &lm) == 0 && lm != NULL && me != NULL && lm->l_addr == me->l_addr;
-  dlclose(h);
-  return same;
+  const struct link_map* me = map_of((const void*)rg_bind_way_in);
+  void* h = me != NULL ? pin(name, me->l_addr) : NULL;
+  if (h != NULL) dlclose(h);
+  dlerror();
+  return h != NULL;
 }
 
 /* NCCL_NET_PLUGIN as NCCL reads it names this library: the value, or libnccl-net-VALUE.so. */

@@ -75,7 +75,8 @@ func reason(p Proposal) string {
 	return reasonText[p.Reason]
 }
 
-func fabricCode(kind string) uint8 {
+// FabricCode is the proposal's code for a fabric kind ("tcp" or "verbs").
+func FabricCode(kind string) uint8 {
 	if kind == "verbs" {
 		return 2
 	}
@@ -91,9 +92,6 @@ func fabricName(code uint8) string {
 	}
 	return fmt.Sprintf("fabric(%d)", code)
 }
-
-// FabricCode is the proposal's code for a fabric kind ("tcp" or "verbs").
-func FabricCode(kind string) uint8 { return fabricCode(kind) }
 
 // SlotBytesFor rounds a shard cap up to whole pages, the slot size.
 func SlotBytesFor(capBytes uint64) uint64 { return (capBytes + 4095) &^ 4095 }
@@ -251,17 +249,11 @@ func AgreeOneShot(proposals [][]byte, rank int) OneShotOutcome {
 		return out
 	}
 	out.Fabric = fabricName(ps[0].Fabric)
-	out.Floor = max(ps[0].MinBytes, ps[1].MinBytes)
-	out.Cap = min(ps[0].MaxBytes, ps[1].MaxBytes)
-	if out.Floor > out.Cap {
-		out.Why = fmt.Sprintf("the agreed one-shot window is empty: floor %d (the larger of rank 0's %d and rank 1's %d) "+
-			"is above cap %d (the smaller of rank 0's %d and rank 1's %d)", out.Floor, ps[0].MinBytes, ps[1].MinBytes,
-			out.Cap, ps[0].MaxBytes, ps[1].MaxBytes)
+	if out.Floor, out.Cap, out.Why = window("one-shot", ps[0].MinBytes, ps[1].MinBytes, ps[0].MaxBytes, ps[1].MaxBytes); out.Why != "" {
 		out.Floor, out.Cap = 0, 0
 		return out
 	}
-	out.AllReduceFloor = max(ps[0].AllReduceMinBytes, ps[1].AllReduceMinBytes)
-	out.AllReduceCap = min(ps[0].AllReduceMaxBytes, ps[1].AllReduceMaxBytes)
+	arFloor, arCap, arEmpty := window("all-reduce", ps[0].AllReduceMinBytes, ps[1].AllReduceMinBytes, ps[0].AllReduceMaxBytes, ps[1].AllReduceMaxBytes)
 	switch {
 	case ps[0].AllReduceMaxBytes == 0 || ps[1].AllReduceMaxBytes == 0:
 		r := 0
@@ -269,15 +261,10 @@ func AgreeOneShot(proposals [][]byte, rank int) OneShotOutcome {
 			r = 1
 		}
 		out.AllReduceWhy = fmt.Sprintf("rank %d offers no one-shot all-reduce", r)
-	case out.AllReduceFloor > out.AllReduceCap:
-		out.AllReduceWhy = fmt.Sprintf("the agreed all-reduce window is empty: floor %d (the larger of rank 0's %d and rank 1's %d) "+
-			"is above cap %d (the smaller of rank 0's %d and rank 1's %d)", out.AllReduceFloor, ps[0].AllReduceMinBytes,
-			ps[1].AllReduceMinBytes, out.AllReduceCap, ps[0].AllReduceMaxBytes, ps[1].AllReduceMaxBytes)
+	case arEmpty != "":
+		out.AllReduceWhy = arEmpty
 	default:
-		out.AllReduceOn = true
-	}
-	if !out.AllReduceOn {
-		out.AllReduceFloor, out.AllReduceCap = 0, 0
+		out.AllReduceOn, out.AllReduceFloor, out.AllReduceCap = true, arFloor, arCap
 	}
 	out.Lanes = int(min(ps[0].Lanes, ps[1].Lanes))
 	out.MinChunk = max(ps[0].MinChunk, ps[1].MinChunk)
@@ -287,4 +274,15 @@ func AgreeOneShot(proposals [][]byte, rank int) OneShotOutcome {
 	}
 	out.On = true
 	return out
+}
+
+// window agrees a window from both ranks' floors and caps: the larger floor and the smaller
+// cap. empty says why, naming the window what, where the floor is above the cap.
+func window(what string, min0, min1, max0, max1 uint64) (floor, capBytes uint64, empty string) {
+	floor, capBytes = max(min0, min1), min(max0, max1)
+	if floor > capBytes {
+		empty = fmt.Sprintf("the agreed %s window is empty: floor %d (the larger of rank 0's %d and rank 1's %d) "+
+			"is above cap %d (the smaller of rank 0's %d and rank 1's %d)", what, floor, min0, min1, capBytes, max0, max1)
+	}
+	return floor, capBytes, empty
 }

@@ -88,7 +88,7 @@ func PrepareOneShot(t *roce.Transport, cfg OneShotConfig) (*Starter, Proposal, e
 		return nil, OffProposal(ReasonLocalError), err
 	}
 	s.l = l
-	s.prop = Proposal{Version: roce.ProtocolVersion, On: true, Fabric: fabricCode(t.Kind()), Lanes: uint8(t.Device().Info().Lanes),
+	s.prop = Proposal{Version: roce.ProtocolVersion, On: true, Fabric: FabricCode(t.Kind()), Lanes: uint8(t.Device().Info().Lanes),
 		MinBytes: cfg.MinBytes, MaxBytes: cfg.MaxBytes, AllReduceMinBytes: cfg.AllReduceMinBytes,
 		AllReduceMaxBytes: cfg.AllReduceMaxBytes, MinChunk: cfg.MinChunk, Addr: l.Addr(), Token: l.Token()}
 	return s, s.prop, nil

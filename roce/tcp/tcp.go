@@ -17,7 +17,9 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net"
+	"slices"
 	"sync"
 	"time"
 	"unsafe"
@@ -96,10 +98,7 @@ func (d *Device) Deregister(mr *fabric.MR) error {
 // Close stops every link still open on the device and frees it.
 func (d *Device) Close() error {
 	d.mu.Lock()
-	links := make([]*fabric.Link, 0, len(d.links))
-	for l := range d.links {
-		links = append(links, l)
-	}
+	links := slices.Collect(maps.Keys(d.links))
 	d.mu.Unlock()
 	for _, l := range links {
 		l.Close()

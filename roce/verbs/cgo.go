@@ -63,13 +63,10 @@ func load() error {
 func (a qpAttr) toC() (C.struct_ibv_qp_attr, C.int) {
 	var c C.struct_ibv_qp_attr
 	c.qp_state = C.enum_ibv_qp_state(a.State)
-	c.pkey_index = C.uint16_t(a.PKeyIndex)
 	c.port_num = C.uint8_t(a.Port)
 	c.qp_access_flags = C.uint(a.Access)
 	c.path_mtu = C.enum_ibv_mtu(a.PathMTU)
 	c.dest_qp_num = C.uint32_t(a.DestQPN)
-	c.rq_psn = C.uint32_t(a.RQPSN)
-	c.sq_psn = C.uint32_t(a.SQPSN)
 	c.max_dest_rd_atomic = C.uint8_t(a.MaxDestRdAtomic)
 	c.max_rd_atomic = C.uint8_t(a.MaxRdAtomic)
 	c.min_rnr_timer = C.uint8_t(a.MinRNRTimer)
@@ -78,7 +75,6 @@ func (a qpAttr) toC() (C.struct_ibv_qp_attr, C.int) {
 	c.rnr_retry = C.uint8_t(a.RNRRetry)
 	ah := &c.ah_attr
 	ah.dlid = C.uint16_t(a.AH.DLID)
-	ah.sl = C.uint8_t(a.AH.SL)
 	ah.port_num = C.uint8_t(a.AH.Port)
 	if a.AH.IsGlobal {
 		ah.is_global = 1
@@ -94,12 +90,11 @@ func (a qpAttr) viaC() qpAttr {
 	c, mask := a.toC()
 	ah := c.ah_attr
 	return qpAttr{
-		Mask: int(mask), State: int(c.qp_state), PKeyIndex: uint16(c.pkey_index), Port: uint8(c.port_num),
-		Access: int(c.qp_access_flags), PathMTU: int(c.path_mtu), DestQPN: uint32(c.dest_qp_num),
-		RQPSN: uint32(c.rq_psn), SQPSN: uint32(c.sq_psn), MaxDestRdAtomic: uint8(c.max_dest_rd_atomic),
+		Mask: int(mask), State: int(c.qp_state), Port: uint8(c.port_num), Access: int(c.qp_access_flags),
+		PathMTU: int(c.path_mtu), DestQPN: uint32(c.dest_qp_num), MaxDestRdAtomic: uint8(c.max_dest_rd_atomic),
 		MaxRdAtomic: uint8(c.max_rd_atomic), MinRNRTimer: uint8(c.min_rnr_timer), Timeout: uint8(c.timeout),
 		RetryCnt: uint8(c.retry_cnt), RNRRetry: uint8(c.rnr_retry),
-		AH: ahAttr{IsGlobal: ah.is_global != 0, DLID: uint16(ah.dlid), SL: uint8(ah.sl), Port: uint8(ah.port_num),
+		AH: ahAttr{IsGlobal: ah.is_global != 0, DLID: uint16(ah.dlid), Port: uint8(ah.port_num),
 			DGID: ah.grh.dgid, SGIDIndex: uint8(ah.grh.sgid_index), HopLimit: uint8(ah.grh.hop_limit)},
 	}
 }

@@ -48,8 +48,7 @@ func withDevices(fn func(dev *C.struct_ibv_device, name string)) error {
 		return fmt.Errorf("%w: ibv_get_device_list failed: %v%s", fabric.ErrUnavailable, err, hint)
 	}
 	defer C.rg_ibv_free_devices(list)
-	for i := 0; i < int(n); i++ {
-		dev := C.rg_ibv_device_at(list, C.int(i))
+	for _, dev := range unsafe.Slice(list, int(n)) {
 		fn(dev, C.GoString(C.rg_ibv_device_name(dev)))
 	}
 	return nil
@@ -169,13 +168,9 @@ func readGIDTable(ctx *C.struct_ibv_context, total int) (gids map[int][]GID, ok 
 func readGIDs(ctx *C.struct_ibv_context, dev string, port, tableLen int, ethernet bool) []GID {
 	var gids []GID
 	for i := 0; i < tableLen; i++ {
-		var raw [16]C.uint8_t
-		if rc := C.rg_ibv_query_gid(ctx, C.uint8_t(port), C.int(i), &raw[0]); rc != 0 {
-			continue // RoCE tables have holes
-		}
 		g := GID{Index: i}
-		for j := range raw {
-			g.Raw[j] = byte(raw[j])
+		if rc := C.rg_ibv_query_gid(ctx, C.uint8_t(port), C.int(i), (*C.uint8_t)(&g.Raw[0])); rc != 0 {
+			continue // RoCE tables have holes
 		}
 		if g.zero() {
 			continue
@@ -183,7 +178,7 @@ func readGIDs(ctx *C.struct_ibv_context, dev string, port, tableLen int, etherne
 		g.Type = GIDTypeIB
 		if ethernet { // an unreadable type stays unknown, and is never chosen
 			t, _ := os.ReadFile(filepath.Join(sysfsIB, dev, "ports", fmt.Sprint(port), "gid_attrs", "types", fmt.Sprint(i)))
-			g.Type = gidTypeFromSysfs(string(t), true)
+			g.Type = gidTypeFromSysfs(string(t))
 		}
 		gids = append(gids, g)
 	}

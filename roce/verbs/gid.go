@@ -30,17 +30,14 @@ func (t GIDType) String() string {
 
 func (t GIDType) MarshalText() ([]byte, error) { return []byte(t.String()), nil }
 
-// gidTypeFromSysfs reads gid_attrs/types/<index>: "RoCE v2", or "IB/RoCE v1", which
-// means IB on an InfiniBand port and RoCE v1 on an Ethernet one.
-func gidTypeFromSysfs(text string, ethernet bool) GIDType {
+// gidTypeFromSysfs reads an Ethernet port's gid_attrs/types/<index>: "RoCE v2", or
+// "IB/RoCE v1", which on an Ethernet port means RoCE v1.
+func gidTypeFromSysfs(text string) GIDType {
 	switch strings.TrimSpace(text) {
 	case "RoCE v2":
 		return GIDTypeRoCEv2
 	case "IB/RoCE v1":
-		if ethernet {
-			return GIDTypeRoCEv1
-		}
-		return GIDTypeIB
+		return GIDTypeRoCEv1
 	}
 	return GIDTypeUnknown
 }

@@ -123,10 +123,9 @@ func TestGIDIndexOverride(t *testing.T) {
 }
 
 func TestGIDTypeFromSysfs(t *testing.T) {
-	require.Equal(t, GIDTypeRoCEv2, gidTypeFromSysfs("RoCE v2\n", true))
-	require.Equal(t, GIDTypeRoCEv1, gidTypeFromSysfs("IB/RoCE v1\n", true))
-	require.Equal(t, GIDTypeIB, gidTypeFromSysfs("IB/RoCE v1\n", false))
-	require.Equal(t, GIDTypeUnknown, gidTypeFromSysfs("", true))
+	require.Equal(t, GIDTypeRoCEv2, gidTypeFromSysfs("RoCE v2\n"))
+	require.Equal(t, GIDTypeRoCEv1, gidTypeFromSysfs("IB/RoCE v1\n"))
+	require.Equal(t, GIDTypeUnknown, gidTypeFromSysfs(""))
 }
 
 func TestInfiniBandUsesGIDZero(t *testing.T) {

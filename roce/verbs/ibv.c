@@ -42,12 +42,13 @@ static void* sym(void* lib, const char* name, const char* version) {
   return p != NULL ? p : dlsym(lib, name);
 }
 
-#define REQUIRE(field, name, version)                                                                \
-  do {                                                                                               \
-    if ((*(void**)&api.field = sym(lib, name, version)) == NULL) {                                   \
-      snprintf(load_err, sizeof(load_err), "libibverbs.so.1 has no %s (rdma-core too old?)", name); \
-      return;                                                                                        \
-    }                                                                                                \
+/* The required entry ibv_<field>, of the library's first version. */
+#define REQUIRE(field)                                                                                    \
+  do {                                                                                                    \
+    if ((*(void**)&api.field = sym(lib, "ibv_" #field, "IBVERBS_1.1")) == NULL) {                         \
+      snprintf(load_err, sizeof(load_err), "libibverbs.so.1 has no ibv_" #field " (rdma-core too old?)"); \
+      return;                                                                                             \
+    }                                                                                                     \
   } while (0)
 
 static void load(void) {
@@ -56,25 +57,25 @@ static void load(void) {
     snprintf(load_err, sizeof(load_err), "cannot load libibverbs.so.1 (is rdma-core installed?): %s", dlerror());
     return;
   }
-  REQUIRE(get_device_list, "ibv_get_device_list", "IBVERBS_1.1");
-  REQUIRE(free_device_list, "ibv_free_device_list", "IBVERBS_1.1");
-  REQUIRE(get_device_name, "ibv_get_device_name", "IBVERBS_1.1");
-  REQUIRE(open_device, "ibv_open_device", "IBVERBS_1.1");
-  REQUIRE(close_device, "ibv_close_device", "IBVERBS_1.1");
-  REQUIRE(query_device, "ibv_query_device", "IBVERBS_1.1");
-  REQUIRE(query_port, "ibv_query_port", "IBVERBS_1.1");
-  REQUIRE(query_gid, "ibv_query_gid", "IBVERBS_1.1");
-  REQUIRE(alloc_pd, "ibv_alloc_pd", "IBVERBS_1.1");
-  REQUIRE(dealloc_pd, "ibv_dealloc_pd", "IBVERBS_1.1");
-  REQUIRE(reg_mr, "ibv_reg_mr", "IBVERBS_1.1");
-  REQUIRE(dereg_mr, "ibv_dereg_mr", "IBVERBS_1.1");
-  REQUIRE(create_cq, "ibv_create_cq", "IBVERBS_1.1");
-  REQUIRE(destroy_cq, "ibv_destroy_cq", "IBVERBS_1.1");
-  REQUIRE(create_qp, "ibv_create_qp", "IBVERBS_1.1");
-  REQUIRE(modify_qp, "ibv_modify_qp", "IBVERBS_1.1");
-  REQUIRE(query_qp, "ibv_query_qp", "IBVERBS_1.1");
-  REQUIRE(destroy_qp, "ibv_destroy_qp", "IBVERBS_1.1");
-  REQUIRE(wc_status_str, "ibv_wc_status_str", "IBVERBS_1.1");
+  REQUIRE(get_device_list);
+  REQUIRE(free_device_list);
+  REQUIRE(get_device_name);
+  REQUIRE(open_device);
+  REQUIRE(close_device);
+  REQUIRE(query_device);
+  REQUIRE(query_port);
+  REQUIRE(query_gid);
+  REQUIRE(alloc_pd);
+  REQUIRE(dealloc_pd);
+  REQUIRE(reg_mr);
+  REQUIRE(dereg_mr);
+  REQUIRE(create_cq);
+  REQUIRE(destroy_cq);
+  REQUIRE(create_qp);
+  REQUIRE(modify_qp);
+  REQUIRE(query_qp);
+  REQUIRE(destroy_qp);
+  REQUIRE(wc_status_str);
   *(void**)&api.query_gid_table = sym(lib, "_ibv_query_gid_table", "IBVERBS_1.11");
   *(void**)&api.reg_dmabuf_mr = sym(lib, "ibv_reg_dmabuf_mr", "IBVERBS_1.12");
   load_rc = 0; /* the library stays loaded for the life of the process */
@@ -91,7 +92,6 @@ int rg_ibv_have_gid_table(void) { return load_rc == 0 && api.query_gid_table != 
 
 struct ibv_device** rg_ibv_get_devices(int* n) { return api.get_device_list(n); }
 void rg_ibv_free_devices(struct ibv_device** list) { api.free_device_list(list); }
-struct ibv_device* rg_ibv_device_at(struct ibv_device** list, int i) { return list[i]; }
 const char* rg_ibv_device_name(struct ibv_device* dev) { return api.get_device_name(dev); }
 struct ibv_context* rg_ibv_open(struct ibv_device* dev) { return api.open_device(dev); }
 int rg_ibv_close(struct ibv_context* ctx) { return api.close_device(ctx); }
@@ -147,9 +147,7 @@ int rg_ibv_query_qp(struct ibv_qp* qp, struct ibv_qp_attr* attr, int mask) {
   return api.query_qp(qp, attr, mask, &init);
 }
 
-const char* rg_ibv_wc_status_str(int status) {
-  return api.wc_status_str != NULL ? api.wc_status_str((enum ibv_wc_status)status) : "unknown status";
-}
+const char* rg_ibv_wc_status_str(int status) { return api.wc_status_str((enum ibv_wc_status)status); }
 
 struct ibv_cq* rg_ibv_create_cq(struct ibv_context* ctx, int cqe) { return api.create_cq(ctx, cqe, NULL, NULL, 0); }
 int rg_ibv_destroy_cq(struct ibv_cq* cq) { return api.destroy_cq(cq); }

@@ -24,7 +24,6 @@ int rg_ibv_have_gid_table(void);
 /* Each wrapper sets errno as the verb does; the Go side reads it. */
 struct ibv_device** rg_ibv_get_devices(int* n);
 void rg_ibv_free_devices(struct ibv_device** list);
-struct ibv_device* rg_ibv_device_at(struct ibv_device** list, int i);
 const char* rg_ibv_device_name(struct ibv_device* dev);
 struct ibv_context* rg_ibv_open(struct ibv_device* dev);
 int rg_ibv_close(struct ibv_context* ctx);

@@ -116,16 +116,11 @@ func buildHardware(cfg Config, ports []portInfo, libErr, scanErr error, dmabufVe
 		h.Verdict = "not usable: " + scanErr.Error()
 		return h
 	}
-	sels, err := parseHCAList(cfg.HCAs)
-	var chosen []chosenPort
-	if err == nil {
-		chosen, err = selectPorts(ports, sels, cfg.GIDIndex)
-	}
+	groups, err := discover(cfg, func() ([]portInfo, error) { return ports, nil })
 	if err != nil {
 		h.Verdict = "not usable: " + err.Error()
 		return h
 	}
-	groups := groupPorts(chosen)
 	for _, g := range groups {
 		h.Devices = append(h.Devices, groupName(g))
 	}

@@ -25,17 +25,15 @@ const (
 	mrAccess      = accessLocalWrite | accessRemoteWrite // no relaxed ordering: a lane's writes land in order
 )
 
-// qpAttr is one ibv_modify_qp call: Mask names the fields that count.
+// qpAttr is one ibv_modify_qp call: Mask names the fields that count. The P_Key index,
+// both PSNs and the service level it names are always 0, as toC's zeroed struct has them.
 type qpAttr struct {
 	Mask            int
 	State           int
-	PKeyIndex       uint16
 	Port            uint8
 	Access          int
 	PathMTU         int
 	DestQPN         uint32
-	RQPSN           uint32
-	SQPSN           uint32
 	MaxDestRdAtomic uint8
 	MaxRdAtomic     uint8
 	MinRNRTimer     uint8
@@ -49,7 +47,6 @@ type qpAttr struct {
 type ahAttr struct {
 	IsGlobal  bool
 	DLID      uint16
-	SL        uint8
 	Port      uint8
 	DGID      [16]byte
 	SGIDIndex uint8

@@ -65,7 +65,6 @@ func TestINITAttributes(t *testing.T) {
 	a := initAttr(1)
 	require.Equal(t, maskState|maskPKeyIndex|maskPort|maskAccessFlags, a.Mask)
 	require.Equal(t, qpStateInit, a.State)
-	require.Equal(t, uint16(0), a.PKeyIndex)
 	require.Equal(t, uint8(1), a.Port)
 	require.Equal(t, accessRemoteWrite, a.Access, "peers only write")
 }
@@ -78,7 +77,6 @@ func TestRTRAttributesForRoCE(t *testing.T) {
 	require.Equal(t, qpStateRTR, a.State)
 	require.Equal(t, mtu1024, a.PathMTU)
 	require.Equal(t, uint32(0x1234), a.DestQPN)
-	require.Equal(t, uint32(0), a.RQPSN)
 	require.Equal(t, uint8(1), a.MaxDestRdAtomic)
 	require.Equal(t, uint8(12), a.MinRNRTimer)
 	require.Equal(t, ahAttr{IsGlobal: true, Port: 1, DGID: roceGID(2), SGIDIndex: 3, HopLimit: 64}, a.AH)
@@ -113,7 +111,6 @@ func TestRTSAttributes(t *testing.T) {
 	require.Equal(t, uint8(18), a.Timeout)
 	require.Equal(t, uint8(6), a.RetryCnt, "7 is retry forever on rdma_rxe")
 	require.Equal(t, uint8(7), a.RNRRetry)
-	require.Equal(t, uint32(0), a.SQPSN)
 	require.Equal(t, uint8(1), a.MaxRdAtomic)
 }
 

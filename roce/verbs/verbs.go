@@ -16,6 +16,8 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -69,7 +71,7 @@ type hca struct {
 // grouped with the other usable ports of its adapter. The error wraps
 // fabric.ErrUnavailable when libibverbs is missing or no port is usable.
 func Open(cfg Config) (fabric.Device, error) {
-	groups, err := discover(cfg)
+	groups, err := discover(cfg, scan)
 	if err != nil {
 		return nil, err
 	}
@@ -87,13 +89,14 @@ func Open(cfg Config) (fabric.Device, error) {
 	return d, nil
 }
 
-// discover selects and groups the ports the configuration asks for.
-func discover(cfg Config) ([][]chosenPort, error) {
+// discover selects and groups the ports the configuration asks for among those list
+// returns. A malformed ROCE_GATHER_HCAS fails first, whatever the host has.
+func discover(cfg Config, list func() ([]portInfo, error)) ([][]chosenPort, error) {
 	sels, err := parseHCAList(cfg.HCAs)
 	if err != nil {
 		return nil, err
 	}
-	ports, err := scan()
+	ports, err := list()
 	if err != nil {
 		return nil, err
 	}
@@ -221,14 +224,7 @@ func (d *Device) Deregister(mr *fabric.MR) error {
 func (d *Device) Close() error {
 	d.mu.Lock()
 	d.closed = true
-	links := make([]*fabric.Link, 0, len(d.links))
-	for l := range d.links {
-		links = append(links, l)
-	}
-	eps := make([]*endpoint, 0, len(d.eps))
-	for e := range d.eps {
-		eps = append(eps, e)
-	}
+	links, eps := slices.Collect(maps.Keys(d.links)), slices.Collect(maps.Keys(d.eps))
 	d.mu.Unlock()
 	for _, l := range links {
 		l.Close()
