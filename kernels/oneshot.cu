@@ -242,6 +242,8 @@ __device__ static inline __attribute__((always_inline)) void rg_block_reduce(uns
 
 #include "oneshot_body.h"
 
-extern "C" __global__ void roce_gather_oneshot(const rg_os_args a) {
+/* The bound caps the registers a thread may take, so that every launch the host makes fits
+ * whatever the driver's compiler allocates for the GPU at hand. */
+extern "C" __global__ __attribute__((launch_bounds(RG_OS_MAX_THREADS))) void roce_gather_oneshot(const rg_os_args a) {
   rg_os_block(&a, __nvvm_read_ptx_sreg_ctaid_x(), __nvvm_read_ptx_sreg_nctaid_x());
 }

@@ -34,6 +34,7 @@ typedef uint32_t rg_u32;
 #define RG_OS_LINE 128           /* words written from different sides never share a line */
 #define RG_OS_MAX_LANES 4        /* the fabric's RG_MAX_LANES */
 #define RG_OS_MAX_CHUNKS 16      /* chunks a call is cut into, at most */
+#define RG_OS_MAX_THREADS 512    /* a block's threads, at most: the kernel's launch bound */
 #define RG_OS_MAX_BLOCKS 16      /* the kernel's grid, at most: one block a chunk */
 #define RG_OS_SLOT_ALIGN 4096    /* slots and chunks start on pages */
 #define RG_OS_CHUNK_SHIFT 16     /* a flag's level: seq << 16 | chunks delivered */

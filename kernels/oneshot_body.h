@@ -12,7 +12,7 @@
  *   RG_OS_LOAD_ACQUIRE(p)         a load of a 64-bit word others write, ordered before later loads
  *   RG_OS_LOAD_RELAXED(p)         a load of a 64-bit word others write, no ordering (nothing is read through it)
  *   RG_OS_STORE_RELEASE(p, v)     a store ordered after every earlier write of the block
- *   RG_OS_STORE_RELAXED(p, v)     a store of a 64-bit word others read, no ordering (it publishes nothing)
+ *   RG_OS_STORE_RELAXED(p, v)     a store of a 64-bit word others read, no ordering of its own (after RG_OS_FENCE_SYS: a release)
  *   RG_OS_NOW()                   nanoseconds of a clock that only goes forward
  *   RG_OS_RELAX()                 between two polls of a wait
  *   RG_OS_ARRIVE(p)               atomic add of 1 to a 32-bit counter in rg_os_dev, returning the old value
@@ -92,9 +92,12 @@ RG_OS_FN static rg_u32 rg_os_wait(const rg_os_args* a, rg_u64 seq, rg_u32 parity
     }
     if (seen == a->lanes) return RG_OS_OK; /* the peer's data is whole: an abort now changes nothing */
     if ((polls & 15) == 15) {
-      if (RG_OS_LOAD_RELAXED(&a->ctrl->abort.word) != 0) return RG_OS_ABORTED;
-      if (RG_OS_LOAD_RELAXED(&a->dev->gate) & RG_OS_GATE_POISON) return RG_OS_OVERLAP;
+      /* All three loads issued before any is used: one round trip, not three. */
+      const rg_u64 aborted = RG_OS_LOAD_RELAXED(&a->ctrl->abort.word);
+      const rg_u64 gate = RG_OS_LOAD_RELAXED(&a->dev->gate);
       const rg_u64 closed = RG_OS_LOAD_RELAXED(&a->ctrl->closed.word);
+      if (aborted != 0) return RG_OS_ABORTED;
+      if (gate & RG_OS_GATE_POISON) return RG_OS_OVERLAP;
       if (closed != 0 && (closed >> RG_OS_CLOSED_SHIFT) < seq) return RG_OS_PEER_CLOSED;
       if (RG_OS_NOW() > deadline) return RG_OS_TIMED_OUT;
     }
@@ -142,14 +145,15 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
   const rg_u64 me = RG_OS_LAUNCH_ID(a);
   rg_u64 aborted = 0;
   if (RG_OS_LEADER) {
-    /* Read first, used before the first doorbell: the read overlaps the claim and the staging. */
-    aborted = RG_OS_LOAD_RELAXED(&a->ctrl->abort.word);
     owned = (rg_u32)rg_os_claim(a, me);
     verdict = RG_OS_OK;
     if (!owned) {
       RG_OS_STORE_RELEASE(&a->ctrl->overlap.word, 1); /* the proxy fails the engine on both ranks */
     } else {
       RG_OS_FENCE_GPU(); /* the previous launch's sequence, written before it let go of the gate */
+      /* Issued after that fence, which would wait for it, and used after the staging's fence,
+       * which waits for it anyway: its round trip to host memory overlaps the staging's. */
+      aborted = RG_OS_LOAD_RELAXED(&a->ctrl->abort.word);
       const rg_u64 seq = *(volatile rg_u64*)&a->dev->seq + 1;
       seq_shared = seq;
       RG_OS_STORE_RELAXED(&a->ctrl->running.word, seq);
@@ -172,18 +176,20 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
   for (rg_u32 c = block; c < a->nchunks && failed == RG_OS_OK; c += nblocks) {
     rg_u64 off = c * a->chunk, n = a->bytes - off < a->chunk ? a->bytes - off : a->chunk;
     rg_os_copy_out(send_slot + off, a->send + off, n);
+    if (RG_OS_LEADER && c == 0) { /* the proxy reads it only after the doorbell below */
+      rg_os_announce mine;
+      rg_os_my_call(a, seq, &mine);
+      rg_os_store_announce(&a->ctrl->mine[parity].a, &mine);
+    }
     RG_OS_SYNC();
     if (RG_OS_LEADER) {
+      /* One fence for the block's chunk, the announcement and the abort word's load: their
+       * round trips to host memory overlap. It orders the relaxed doorbell after them. */
+      RG_OS_FENCE_SYS();
       if (aborted != 0) {
         verdict = RG_OS_ABORTED; /* a closing engine's queued calls ship nothing */
       } else {
-        RG_OS_FENCE_SYS();
-        if (c == 0) {
-          rg_os_announce mine;
-          rg_os_my_call(a, seq, &mine);
-          rg_os_store_announce(&a->ctrl->mine[parity].a, &mine);
-        }
-        RG_OS_STORE_RELEASE(&a->ctrl->ready[parity][c], seq);
+        RG_OS_STORE_RELAXED(&a->ctrl->ready[parity][c], seq);
         if (c == 0) a->dev->t_staged = RG_OS_NOW();
       }
     }
