@@ -86,7 +86,7 @@ typedef struct rg_os_failure {
 
 /* Reads an announcement, or a failure, that another side writes (oneshot_body.h stores them)
  * into plain memory: the kernel's, the stand-in's and the proxy's reads. */
-RG_OS_HD static inline void rg_os_load_announce(const volatile rg_os_announce* src, rg_os_announce* out) {
+RG_OS_HD static inline void rg_os_load_announce(const volatile rg_os_announce* src, volatile rg_os_announce* out) {
   out->seq = src->seq;
   out->bytes = src->bytes;
   out->chunk = src->chunk;
@@ -95,7 +95,7 @@ RG_OS_HD static inline void rg_os_load_announce(const volatile rg_os_announce* s
   out->call = src->call;
 }
 
-RG_OS_HD static inline void rg_os_load_failure(const volatile rg_os_failure* src, rg_os_failure* out) {
+RG_OS_HD static inline void rg_os_load_failure(const volatile rg_os_failure* src, volatile rg_os_failure* out) {
   rg_os_load_announce(&src->mine, &out->mine);
   rg_os_load_announce(&src->peer, &out->peer);
   out->status = src->status;
