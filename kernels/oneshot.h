@@ -34,6 +34,7 @@ typedef uint32_t rg_u32;
 #define RG_OS_LINE 128           /* words written from different sides never share a line */
 #define RG_OS_MAX_LANES 4        /* the fabric's RG_MAX_LANES */
 #define RG_OS_MAX_CHUNKS 16      /* chunks a call is cut into, at most */
+#define RG_OS_MAX_THREADS 512    /* a block's threads, at most: the kernel's launch bound */
 #define RG_OS_MAX_BLOCKS 16      /* the kernel's grid, at most: one block a chunk */
 #define RG_OS_SLOT_ALIGN 4096    /* slots and chunks start on pages */
 #define RG_OS_CHUNK_SHIFT 16     /* a flag's level: seq << 16 | chunks delivered */
@@ -85,7 +86,7 @@ typedef struct rg_os_failure {
 
 /* Reads an announcement, or a failure, that another side writes (oneshot_body.h stores them)
  * into plain memory: the kernel's, the stand-in's and the proxy's reads. */
-RG_OS_HD static inline void rg_os_load_announce(const volatile rg_os_announce* src, rg_os_announce* out) {
+RG_OS_HD static inline void rg_os_load_announce(const volatile rg_os_announce* src, volatile rg_os_announce* out) {
   out->seq = src->seq;
   out->bytes = src->bytes;
   out->chunk = src->chunk;
@@ -94,7 +95,7 @@ RG_OS_HD static inline void rg_os_load_announce(const volatile rg_os_announce* s
   out->call = src->call;
 }
 
-RG_OS_HD static inline void rg_os_load_failure(const volatile rg_os_failure* src, rg_os_failure* out) {
+RG_OS_HD static inline void rg_os_load_failure(const volatile rg_os_failure* src, volatile rg_os_failure* out) {
   rg_os_load_announce(&src->mine, &out->mine);
   rg_os_load_announce(&src->peer, &out->peer);
   out->status = src->status;

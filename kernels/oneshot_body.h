@@ -12,16 +12,22 @@
  *   RG_OS_LOAD_ACQUIRE(p)         a load of a 64-bit word others write, ordered before later loads
  *   RG_OS_LOAD_RELAXED(p)         a load of a 64-bit word others write, no ordering (nothing is read through it)
  *   RG_OS_STORE_RELEASE(p, v)     a store ordered after every earlier write of the block
- *   RG_OS_STORE_RELAXED(p, v)     a store of a 64-bit word others read, no ordering (it publishes nothing)
+ *   RG_OS_STORE_RELAXED(p, v)     a store of a 64-bit word others read, no ordering of its own (after RG_OS_FENCE_SYS: a release)
  *   RG_OS_NOW()                   nanoseconds of a clock that only goes forward
  *   RG_OS_RELAX()                 between two polls of a wait
  *   RG_OS_ARRIVE(p)               atomic add of 1 to a 32-bit counter in rg_os_dev, returning the old value
  *   RG_OS_FAIL(p, v)              atomic "keep the first nonzero" of a 32-bit word in rg_os_dev
- *   RG_OS_CAS64(p, old, new)      atomic compare-and-swap of a 64-bit word in rg_os_dev, returning the value it found
+ *   RG_OS_CAS64_ACQUIRE(p, old, new)  atomic compare-and-swap of a 64-bit word in rg_os_dev, returning the value it
+ *                                 found; the thread's later loads and stores are ordered after it
+ *   RG_OS_AND64_RELEASE(p, v)     atomic and of a 64-bit word in rg_os_dev with v, ordered after every earlier
+ *                                 write of the thread; returns nothing, so the thread need not wait for it
  *   RG_OS_LAUNCH_ID(a)            this launch's id: nonzero, below 2^63, shared by its blocks, unique among launches
  *   rg_os_copy_out(dst, src, n)   the block copies n bytes to the host (staging)
  *   rg_os_copy_in(dst, src, n)    the block copies n bytes the peer wrote into host memory (volatile loads)
- *   rg_os_copy_dev(dst, src, n)   the block copies n bytes within device memory
+ *   rg_os_copy_rows(peer_dst, peer_src, own_dst, own_src, n)
+ *                                 the block copies n bytes peer_src to peer_dst (loads as rg_os_copy_in's:
+ *                                 the receive slot, or scratch other blocks wrote) and, where own_dst is not
+ *                                 null, own_src to own_dst, both at once
  *   rg_os_reduce(dst, own, peer, n, rank, op, dtype)
  *                                 the block writes dst = op(x0, x1) element by element over n bytes
  *                                 (oneshot_reduce.h), x0 rank 0's operand: own where rank is 0, else
@@ -34,7 +40,7 @@
 #include "oneshot_reduce.h"
 
 /* This launch's announcement of call seq. */
-RG_OS_FN static void rg_os_my_call(const rg_os_args* a, rg_u64 seq, rg_os_announce* out) {
+RG_OS_FN static void rg_os_my_call(const rg_os_args* a, rg_u64 seq, volatile rg_os_announce* out) {
   out->seq = seq;
   out->bytes = a->bytes;
   out->chunk = a->chunk;
@@ -43,7 +49,7 @@ RG_OS_FN static void rg_os_my_call(const rg_os_args* a, rg_u64 seq, rg_os_announ
   out->call = a->call;
 }
 
-RG_OS_FN static void rg_os_store_announce(volatile rg_os_announce* dst, const rg_os_announce* v) {
+RG_OS_FN static void rg_os_store_announce(volatile rg_os_announce* dst, const volatile rg_os_announce* v) {
   dst->seq = v->seq;
   dst->bytes = v->bytes;
   dst->chunk = v->chunk;
@@ -92,9 +98,12 @@ RG_OS_FN static rg_u32 rg_os_wait(const rg_os_args* a, rg_u64 seq, rg_u32 parity
     }
     if (seen == a->lanes) return RG_OS_OK; /* the peer's data is whole: an abort now changes nothing */
     if ((polls & 15) == 15) {
-      if (RG_OS_LOAD_RELAXED(&a->ctrl->abort.word) != 0) return RG_OS_ABORTED;
-      if (RG_OS_LOAD_RELAXED(&a->dev->gate) & RG_OS_GATE_POISON) return RG_OS_OVERLAP;
+      /* All three loads issued before any is used: one round trip, not three. */
+      const rg_u64 aborted = RG_OS_LOAD_RELAXED(&a->ctrl->abort.word);
+      const rg_u64 gate = RG_OS_LOAD_RELAXED(&a->dev->gate);
       const rg_u64 closed = RG_OS_LOAD_RELAXED(&a->ctrl->closed.word);
+      if (aborted != 0) return RG_OS_ABORTED;
+      if (gate & RG_OS_GATE_POISON) return RG_OS_OVERLAP;
       if (closed != 0 && (closed >> RG_OS_CLOSED_SHIFT) < seq) return RG_OS_PEER_CLOSED;
       if (RG_OS_NOW() > deadline) return RG_OS_TIMED_OUT;
     }
@@ -103,29 +112,25 @@ RG_OS_FN static rg_u32 rg_os_wait(const rg_os_args* a, rg_u64 seq, rg_u32 parity
 }
 
 /* Takes the engine for launch me, or finds it held by another launch: then this launch
- * fails, and the poison bit it sets fails the other one and every launch after. */
+ * fails, and the poison bit it sets fails the other one and every launch after. Its acquire
+ * pairs with the release of the launch that let go of the gate last (rg_os_release): what
+ * that launch wrote to rg_os_dev is seen after it. */
 RG_OS_FN static int rg_os_claim(const rg_os_args* a, rg_u64 me) {
   rg_u64 g = 0;
   for (;;) {
     const rg_u64 owner = g & RG_OS_GATE_OWNER;
     if (owner == me) return 1; /* another block of this launch took it */
     if (owner != 0 && (g & RG_OS_GATE_POISON)) return 0;
-    const rg_u64 found = RG_OS_CAS64(&a->dev->gate, g, owner == 0 ? g | me : g | RG_OS_GATE_POISON);
+    const rg_u64 found = RG_OS_CAS64_ACQUIRE(&a->dev->gate, g, owner == 0 ? g | me : g | RG_OS_GATE_POISON);
     if (found == g) return owner == 0;
     g = found;
   }
 }
 
-RG_OS_FN static void rg_os_release(const rg_os_args* a, rg_u64 me) {
-  rg_u64 g = me;
-  for (;;) {
-    const rg_u64 found = RG_OS_CAS64(&a->dev->gate, g, g & RG_OS_GATE_POISON);
-    if (found == g) return;
-    g = found;
-  }
-}
+/* Lets go of the gate this launch holds, keeping a poison bit another launch set. */
+RG_OS_FN static void rg_os_release(const rg_os_args* a) { RG_OS_AND64_RELEASE(&a->dev->gate, RG_OS_GATE_POISON); }
 
-RG_OS_FN static void rg_os_store_failure(volatile rg_os_failure* dst, const rg_os_failure* v) {
+RG_OS_FN static void rg_os_store_failure(volatile rg_os_failure* dst, const volatile rg_os_failure* v) {
   rg_os_store_announce(&dst->mine, &v->mine);
   rg_os_store_announce(&dst->peer, &v->peer);
   dst->status = v->status;
@@ -139,23 +144,29 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
   RG_OS_SHARED rg_u32 last;
   RG_OS_SHARED rg_u64 seq_shared;
   RG_OS_SHARED rg_u64 arrived_at;
+  /* What the end needs of rg_os_dev, read while the peer's data is on its way: only the
+   * launch that holds the gate changes it, at its end. */
+  RG_OS_SHARED rg_os_failure first; /* the engine's first failed call, or none */
+  RG_OS_SHARED rg_u64 totals[4];    /* gathers and their bytes, all-reduces and theirs */
   const rg_u64 me = RG_OS_LAUNCH_ID(a);
   rg_u64 aborted = 0;
   if (RG_OS_LEADER) {
-    /* Read first, used before the first doorbell: the read overlaps the claim and the staging. */
-    aborted = RG_OS_LOAD_RELAXED(&a->ctrl->abort.word);
     owned = (rg_u32)rg_os_claim(a, me);
     verdict = RG_OS_OK;
     if (!owned) {
       RG_OS_STORE_RELEASE(&a->ctrl->overlap.word, 1); /* the proxy fails the engine on both ranks */
     } else {
-      RG_OS_FENCE_GPU(); /* the previous launch's sequence, written before it let go of the gate */
+      /* Every load issued before any is used: their round trips overlap. The abort word's is
+       * used after the staging's fence, which waits for it anyway. */
+      aborted = RG_OS_LOAD_RELAXED(&a->ctrl->abort.word);
       const rg_u64 seq = *(volatile rg_u64*)&a->dev->seq + 1;
+      const rg_u64 failed_before = *(volatile rg_u64*)&a->dev->failure.status;
+      const rg_u64 gate = RG_OS_LOAD_RELAXED(&a->dev->gate);
       seq_shared = seq;
       RG_OS_STORE_RELAXED(&a->ctrl->running.word, seq);
-      if (*(volatile rg_u64*)&a->dev->failure.status != RG_OS_OK)
+      if (failed_before != RG_OS_OK)
         verdict = RG_OS_ABORTED; /* an earlier call failed: no later one runs */
-      else if (RG_OS_LOAD_RELAXED(&a->dev->gate) & RG_OS_GATE_POISON)
+      else if (gate & RG_OS_GATE_POISON)
         verdict = RG_OS_OVERLAP;
       if (block == 0) a->dev->t_start = RG_OS_NOW();
     }
@@ -172,18 +183,20 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
   for (rg_u32 c = block; c < a->nchunks && failed == RG_OS_OK; c += nblocks) {
     rg_u64 off = c * a->chunk, n = a->bytes - off < a->chunk ? a->bytes - off : a->chunk;
     rg_os_copy_out(send_slot + off, a->send + off, n);
+    if (RG_OS_LEADER && c == 0) { /* the proxy reads it only after the doorbell below */
+      rg_os_announce mine;
+      rg_os_my_call(a, seq, &mine);
+      rg_os_store_announce(&a->ctrl->mine[parity].a, &mine);
+    }
     RG_OS_SYNC();
     if (RG_OS_LEADER) {
+      /* One fence for the block's chunk, the announcement and the abort word's load: their
+       * round trips to host memory overlap. It orders the relaxed doorbell after them. */
+      RG_OS_FENCE_SYS();
       if (aborted != 0) {
         verdict = RG_OS_ABORTED; /* a closing engine's queued calls ship nothing */
       } else {
-        RG_OS_FENCE_SYS();
-        if (c == 0) {
-          rg_os_announce mine;
-          rg_os_my_call(a, seq, &mine);
-          rg_os_store_announce(&a->ctrl->mine[parity].a, &mine);
-        }
-        RG_OS_STORE_RELEASE(&a->ctrl->ready[parity][c], seq);
+        RG_OS_STORE_RELAXED(&a->ctrl->ready[parity][c], seq);
         if (c == 0) a->dev->t_staged = RG_OS_NOW();
       }
     }
@@ -195,6 +208,11 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
    * no output is written before all of them are here. */
   const rg_u64 deadline = RG_OS_NOW() + a->timeout_ns;
   int checked = 0;
+  if (RG_OS_LEADER) {
+    rg_os_load_failure(&a->dev->failure, &first);
+    totals[0] = a->dev->total_gathers, totals[1] = a->dev->total_bytes;
+    totals[2] = a->dev->total_allreduces, totals[3] = a->dev->total_allreduce_bytes;
+  }
   for (rg_u32 c = block; c < a->nchunks && failed == RG_OS_OK; c += nblocks) {
     if (RG_OS_LEADER) verdict = rg_os_wait(a, seq, parity, c + 1, deadline, &checked);
     RG_OS_SYNC();
@@ -234,23 +252,15 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
     const rg_u32 peer = 1 - a->rank;
     unsigned char* peer_row = a->recv + peer * a->bytes;
     unsigned char* own_row = a->recv + a->rank * a->bytes;
-    if (a->nchunks == 1)
-      rg_os_copy_in(peer_row, recv_slot, a->bytes);
-    else
-      rg_os_copy_dev(peer_row, a->scratch, a->bytes);
-    if (own_row != a->send) rg_os_copy_dev(own_row, a->send, a->bytes);
+    rg_os_copy_rows(peer_row, a->nchunks == 1 ? recv_slot : a->scratch, own_row != a->send ? own_row : 0, a->send,
+                    a->bytes);
   }
   RG_OS_SYNC();
   if (RG_OS_LEADER) {
     rg_os_report* r = &a->ctrl->report[parity];
-    rg_os_failure first;
-    rg_os_load_failure(&a->dev->failure, &first);
-    if (status == RG_OS_OK && allreduce) {
-      a->dev->total_allreduces += 1;
-      a->dev->total_allreduce_bytes += a->bytes;
-    } else if (status == RG_OS_OK) {
-      a->dev->total_gathers += 1;
-      a->dev->total_bytes += a->bytes;
+    if (status == RG_OS_OK) {
+      totals[allreduce ? 2 : 0] += 1;
+      totals[allreduce ? 3 : 1] += a->bytes;
     } else if (first.status == RG_OS_OK) { /* this engine's first failed call: every report from now on names it */
       first.status = status;
       rg_os_my_call(a, seq, &first.mine);
@@ -261,10 +271,10 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
       rg_os_store_failure(&a->dev->failure, &first);
     }
     rg_os_store_failure(&r->failure, &first);
-    r->total_gathers = a->dev->total_gathers;
-    r->total_bytes = a->dev->total_bytes;
-    r->total_allreduces = a->dev->total_allreduces;
-    r->total_allreduce_bytes = a->dev->total_allreduce_bytes;
+    a->dev->total_gathers = r->total_gathers = totals[0];
+    a->dev->total_bytes = r->total_bytes = totals[1];
+    a->dev->total_allreduces = r->total_allreduces = totals[2];
+    a->dev->total_allreduce_bytes = r->total_allreduce_bytes = totals[3];
     r->coll = a->coll;
     r->status = status;
     r->t_start = a->dev->t_start;
@@ -275,8 +285,7 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
     a->dev->arrived = 0;
     RG_OS_STORE_RELEASE(&r->seq, seq);
     *(volatile rg_u64*)&a->dev->seq = seq;
-    RG_OS_FENCE_GPU(); /* the sequence before the gate lets the next launch in */
-    rg_os_release(a, me);
+    rg_os_release(a); /* a release: the sequence before the gate lets the next launch in */
   }
   return status;
 }

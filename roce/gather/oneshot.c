@@ -44,7 +44,7 @@ static const char* const overlap_why =
     "another stream than the communicator's other calls, or calls from several threads without an order between "
     "them): the calls of one communicator must be ordered; this call and every later one fail";
 
-static rg_u32 threads_for(rg_u64 chunk) { return chunk <= 4096 ? 128 : 512; }
+static rg_u32 threads_for(rg_u64 chunk) { return chunk <= 4096 ? 128 : RG_OS_MAX_THREADS; }
 
 static uint64_t load_acquire(const volatile uint64_t* p) { return __atomic_load_n((const uint64_t*)p, __ATOMIC_ACQUIRE); }
 static uint64_t load_relaxed(const volatile uint64_t* p) { return __atomic_load_n((const uint64_t*)p, __ATOMIC_RELAXED); }

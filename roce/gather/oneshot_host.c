@@ -38,12 +38,17 @@ static inline void host_keep_first(rg_u32* p, rg_u32 v) {
   rg_u32 zero = 0;
   __atomic_compare_exchange_n(p, &zero, v, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 }
-static inline rg_u64 host_cas64(rg_u64* p, rg_u64 expect, rg_u64 v) {
-  __atomic_compare_exchange_n(p, &expect, v, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+static inline rg_u64 host_cas64_acquire(rg_u64* p, rg_u64 expect, rg_u64 v) {
+  __atomic_compare_exchange_n(p, &expect, v, 0, __ATOMIC_ACQUIRE, __ATOMIC_ACQUIRE);
   return expect; /* the value found: expect itself where the swap happened */
 }
 /* The peer's bytes are in place once the flag's acquire load saw them; a plain copy reads them. */
 static inline void host_copy(unsigned char* dst, const unsigned char* src, rg_u64 n) { memmove(dst, src, n); }
+static inline void host_copy_rows(unsigned char* peer_dst, const unsigned char* peer_src, unsigned char* own_dst,
+                                  const unsigned char* own_src, rg_u64 n) {
+  host_copy(peer_dst, peer_src, n);
+  if (own_dst != NULL) host_copy(own_dst, own_src, n);
+}
 
 /* An all-reduce's combine, eight bytes at a time as the kernel's (loads and stores through
  * memcpy: the buffers are aligned to the element only), then the last elements. */
@@ -86,11 +91,12 @@ void rg_os_host_combine(void* dst, const void* x0, const void* x1, uint64_t n, u
 #define RG_OS_RELAX() sched_yield()
 #define RG_OS_ARRIVE(p) host_arrive(p)
 #define RG_OS_FAIL(p, v) host_keep_first((p), (v))
-#define RG_OS_CAS64(p, expect, v) host_cas64((p), (expect), (v))
+#define RG_OS_CAS64_ACQUIRE(p, expect, v) host_cas64_acquire((p), (expect), (v))
+#define RG_OS_AND64_RELEASE(p, v) ((void)__atomic_fetch_and((p), (v), __ATOMIC_RELEASE))
 #define RG_OS_LAUNCH_ID(a) ((a)->launch_id)
 #define rg_os_copy_out(dst, src, n) host_copy((dst), (src), (n))
 #define rg_os_copy_in(dst, src, n) host_copy((dst), (src), (n))
-#define rg_os_copy_dev(dst, src, n) host_copy((dst), (src), (n))
+#define rg_os_copy_rows(pd, ps, od, os, n) host_copy_rows((pd), (ps), (od), (os), (n))
 #define rg_os_reduce(dst, own, peer, n, rank, op, dtype) host_reduce((dst), (own), (peer), (n), (rank), (op), (dtype))
 
 #include "../../kernels/oneshot_body.h"
