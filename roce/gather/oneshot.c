@@ -809,7 +809,6 @@ static int step(rg_os_engine* e, uint64_t now) {
    * deadline (a closing one says so when the proxy lets it go). */
   if (kept_code(e) != 0 && !atomic_load(&e->ended) && !atomic_load(&e->closing)) say_closed(e, RG_OS_CLOSED_FAILED, 0);
 
-  char why[RG_OS_WHY_BYTES - 64];
   /* Retire signaled writes and move the lanes (tcp reads and places the peer's frames here). */
   for (int l = 0; l < link->nlanes; l++) {
     rg_cqe cqe[16];
@@ -845,8 +844,9 @@ static int step(rg_os_engine* e, uint64_t now) {
     e->last_check_ns = now;
     for (int l = 0; l < link->nlanes; l++)
       if (rg_check(&link->lane[l], now) != RG_OK) {
-        link_end_why(e, &link->lane[l], "the link failed", why, sizeof(why));
-        rg_os_fail(e, RESULT_REMOTE_ERROR, 0, "%s", why);
+        /* As a poll that finds the end: a peer that said it stopped is taken at its word (its
+         * goodbye may close the lane before this rank has read the report of a call it completed). */
+        link_ended(e, &link->lane[l]);
         break;
       }
   }
