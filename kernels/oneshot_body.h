@@ -49,15 +49,6 @@ RG_OS_FN static void rg_os_my_call(const rg_os_args* a, rg_u64 seq, volatile rg_
   out->call = a->call;
 }
 
-RG_OS_FN static void rg_os_store_announce(volatile rg_os_announce* dst, const volatile rg_os_announce* v) {
-  dst->seq = v->seq;
-  dst->bytes = v->bytes;
-  dst->chunk = v->chunk;
-  dst->nchunks = v->nchunks;
-  dst->coll = v->coll;
-  dst->call = v->call;
-}
-
 /* Whether the peer's announcement of parity, which its lane 0 flag has just shown to be
  * whole, names this call; if not, it is kept for the report. Plain loads, not volatile ones:
  * the acquire load of that flag orders them after it, nothing rewrites the announcement until
@@ -67,7 +58,7 @@ RG_OS_FN static int rg_os_peer_agrees(const rg_os_args* a, rg_u64 seq, rg_u32 pa
   rg_os_announce mine, peer = a->ctrl->announce[parity].a;
   rg_os_my_call(a, seq, &mine);
   if (rg_os_same_call(&mine, &peer)) return 1;
-  rg_os_store_announce(&a->dev->peer_seen, &peer);
+  rg_os_copy_announce(&a->dev->peer_seen, &peer);
   return 0;
 }
 
@@ -84,9 +75,9 @@ RG_OS_FN static rg_u32 rg_os_wait(const rg_os_args* a, rg_u64 seq, rg_u32 parity
       const rg_u64 s = rg_os_level_seq(level);
       if (s > seq) { /* the peer is two calls ahead: its sequence is not this rank's */
         rg_os_announce peer;
-        rg_os_load_announce(&a->ctrl->announce[parity].a, &peer);
+        rg_os_copy_announce(&peer, &a->ctrl->announce[parity].a);
         peer.seq = s;
-        rg_os_store_announce(&a->dev->peer_seen, &peer);
+        rg_os_copy_announce(&a->dev->peer_seen, &peer);
         return RG_OS_MISMATCH;
       }
       if (s != seq) continue;
@@ -129,12 +120,6 @@ RG_OS_FN static int rg_os_claim(const rg_os_args* a, rg_u64 me) {
 
 /* Lets go of the gate this launch holds, keeping a poison bit another launch set. */
 RG_OS_FN static void rg_os_release(const rg_os_args* a) { RG_OS_AND64_RELEASE(&a->dev->gate, RG_OS_GATE_POISON); }
-
-RG_OS_FN static void rg_os_store_failure(volatile rg_os_failure* dst, const volatile rg_os_failure* v) {
-  rg_os_store_announce(&dst->mine, &v->mine);
-  rg_os_store_announce(&dst->peer, &v->peer);
-  dst->status = v->status;
-}
 
 /* Runs block `block` of nblocks; returns the call's status in the block that finished it,
  * this block's own otherwise. */
@@ -186,7 +171,7 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
     if (RG_OS_LEADER && c == 0) { /* the proxy reads it only after the doorbell below */
       rg_os_announce mine;
       rg_os_my_call(a, seq, &mine);
-      rg_os_store_announce(&a->ctrl->mine[parity].a, &mine);
+      rg_os_copy_announce(&a->ctrl->mine[parity].a, &mine);
     }
     RG_OS_SYNC();
     if (RG_OS_LEADER) {
@@ -209,7 +194,7 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
   const rg_u64 deadline = RG_OS_NOW() + a->timeout_ns;
   int checked = 0;
   if (RG_OS_LEADER) {
-    rg_os_load_failure(&a->dev->failure, &first);
+    rg_os_copy_failure(&first, &a->dev->failure);
     totals[0] = a->dev->total_gathers, totals[1] = a->dev->total_bytes;
     totals[2] = a->dev->total_allreduces, totals[3] = a->dev->total_allreduce_bytes;
   }
@@ -265,12 +250,12 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
       first.status = status;
       rg_os_my_call(a, seq, &first.mine);
       if (status == RG_OS_MISMATCH)
-        rg_os_load_announce(&a->dev->peer_seen, &first.peer);
+        rg_os_copy_announce(&first.peer, &a->dev->peer_seen);
       else
         first.peer.seq = first.peer.bytes = first.peer.chunk = first.peer.nchunks = first.peer.coll = first.peer.call = 0;
-      rg_os_store_failure(&a->dev->failure, &first);
+      rg_os_copy_failure(&a->dev->failure, &first);
     }
-    rg_os_store_failure(&r->failure, &first);
+    rg_os_copy_failure(&r->failure, &first);
     a->dev->total_gathers = r->total_gathers = totals[0];
     a->dev->total_bytes = r->total_bytes = totals[1];
     a->dev->total_allreduces = r->total_allreduces = totals[2];

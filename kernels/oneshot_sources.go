@@ -3,4 +3,4 @@
 package kernels
 
 // OneShotSourceSHA256 is the SHA-256 of the one-shot kernel's sources, as kernels/oneshot.ptx's first line.
-const OneShotSourceSHA256 = "14050ec5e204575e122ea11887c69bfcfadfbc231be552d194a6074ff1b7a68e"
+const OneShotSourceSHA256 = "ef287568f2edbd8b5ecd2721d1de948a31124020f7f8ab5681d46a9bb1a87d19"

@@ -71,17 +71,6 @@ static rg_icomm* find(ncclComm_t c) {
   return find_at(c, &at);
 }
 
-static size_t dtype_bytes(ncclDataType_t t) {
-  switch ((int)t) {
-  case ncclInt8: case ncclUint8: return 1;
-  case ncclFloat16: case ncclBfloat16: return 2;
-  case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
-  case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
-  case 10: case 11: return 1; /* ncclFloat8e4m3, ncclFloat8e5m2 (NCCL 2.24 and later) */
-  default: return 0;          /* NCCL decides what an unknown type means */
-  }
-}
-
 /* comm's entry, added in state where it has none; NULL when the table is full. */
 static rg_icomm* insert(ncclComm_t comm, int nranks, int rank, int device, int blocking, int state) {
   pthread_mutex_lock(&table_mu);
@@ -228,7 +217,7 @@ static int oneshot_call(const void* sendbuff, void* recvbuff, size_t count, nccl
                         cudaStream_t stream, rg_u64 coll, int class_taken, ncclResult_t* result) {
   const int allreduce = rg_os_coll_kind(coll) == RG_OS_ALLREDUCE;
   const char* fn = allreduce ? "ncclAllReduce" : "ncclAllGather";
-  const size_t esz = dtype_bytes(datatype);
+  const size_t esz = rg_nccl_type_bytes((int)datatype); /* 0: NCCL decides what an unknown type means */
   if (comm == NULL || esz == 0 || count > UINT64_MAX / esz) return 0;
   const uint64_t bytes = (uint64_t)count * esz;
   rg_icomm* c = find(comm);
