@@ -119,11 +119,12 @@ __device__ static inline void rg_store16(unsigned char* d, rg_v4 v, unsigned int
 
 #define RG_UNROLL 4
 
-// Copies n bytes with threads [0, nt) of the block, t this thread's index among them: byte
-// copies up to the source's 16-byte boundary, then 16-byte loads (the widest stores the
-// destination's alignment allows), then the tail. Loads go around the caches (cv) when
-// volatile_src: the source is host memory the peer wrote, or device memory other blocks wrote.
-__device__ static inline __attribute__((always_inline)) void rg_threads_copy(unsigned char* dst, const unsigned char* src, rg_u64 n, int volatile_src, unsigned int t, unsigned int nt) {
+// Copies n bytes with the whole block: byte copies up to the source's 16-byte boundary,
+// then 16-byte loads (the widest stores the destination's alignment allows), then the
+// tail. Loads go around the caches (cv) when volatile_src: the source is host memory the
+// peer wrote, or device memory other blocks wrote.
+__device__ static inline __attribute__((always_inline)) void rg_block_copy(unsigned char* dst, const unsigned char* src, rg_u64 n, int volatile_src) {
+  const unsigned int t = rg_tid(), nt = rg_nthreads();
   rg_u64 head = (16 - ((rg_u64)src & 15)) & 15;
   if (head > n) head = n;
   for (rg_u64 b = t; b < head; b += nt) dst[b] = volatile_src ? rg_ld_cv_byte(src + b) : src[b];
@@ -144,20 +145,6 @@ __device__ static inline __attribute__((always_inline)) void rg_threads_copy(uns
   }
   for (; w < words; w += nt) rg_store16(d + w * 16, volatile_src ? rg_ld_cv(s + w * 16) : *(const rg_v4*)(s + w * 16), align);
   for (rg_u64 b = head + words * 16 + t; b < n; b += nt) dst[b] = volatile_src ? rg_ld_cv_byte(src + b) : src[b];
-}
-__device__ static inline void rg_block_copy(unsigned char* dst, const unsigned char* src, rg_u64 n, int volatile_src) {
-  rg_threads_copy(dst, src, n, volatile_src, rg_tid(), rg_nthreads());
-}
-// A gather's two rows at once, each by half the block (whole warps: a block is 128 or 512
-// threads), so that the round trips of their loads overlap; the peer's alone by the whole block.
-__device__ static inline void rg_block_copy_rows(unsigned char* peer_dst, const unsigned char* peer_src, unsigned char* own_dst, const unsigned char* own_src, rg_u64 n) {
-  const unsigned int t = rg_tid(), nt = rg_nthreads(), half = nt / 2;
-  if (own_dst == 0)
-    rg_threads_copy(peer_dst, peer_src, n, 1, t, nt);
-  else if (t < half)
-    rg_threads_copy(peer_dst, peer_src, n, 1, t, half);
-  else
-    rg_threads_copy(own_dst, own_src, n, 0, t - half, nt - half);
 }
 
 // One element of esz bytes, a byte a load, the peer's around the caches as rg_ld_cv (the
@@ -254,7 +241,7 @@ __device__ static inline __attribute__((always_inline)) void rg_block_reduce(uns
 #define RG_OS_LAUNCH_ID(a) rg_launch_id()
 #define rg_os_copy_out(dst, src, n) rg_block_copy((dst), (src), (n), 0)
 #define rg_os_copy_in(dst, src, n) rg_block_copy((dst), (src), (n), 1)
-#define rg_os_copy_rows(pd, ps, od, os, n) rg_block_copy_rows((pd), (ps), (od), (os), (n))
+#define rg_os_copy_dev(dst, src, n) rg_block_copy((dst), (src), (n), 1)
 #define rg_os_reduce(dst, own, peer, n, rank, op, dtype) rg_block_reduce((dst), (own), (peer), (n), (rank), (op), (dtype))
 
 #include "oneshot_body.h"

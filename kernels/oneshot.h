@@ -84,21 +84,21 @@ typedef struct rg_os_failure {
   rg_os_announce peer; /* what the peer announced, where the failure is a mismatch */
 } rg_os_failure;
 
-/* Copies an announcement, or a failure, between memory one side writes and another reads
- * (volatile on both sides): the kernel's, the stand-in's and the proxy's. */
-RG_OS_HD static inline void rg_os_copy_announce(volatile rg_os_announce* dst, const volatile rg_os_announce* src) {
-  dst->seq = src->seq;
-  dst->bytes = src->bytes;
-  dst->chunk = src->chunk;
-  dst->nchunks = src->nchunks;
-  dst->coll = src->coll;
-  dst->call = src->call;
+/* Reads an announcement, or a failure, that another side writes (oneshot_body.h stores them)
+ * into plain memory: the kernel's, the stand-in's and the proxy's reads. */
+RG_OS_HD static inline void rg_os_load_announce(const volatile rg_os_announce* src, rg_os_announce* out) {
+  out->seq = src->seq;
+  out->bytes = src->bytes;
+  out->chunk = src->chunk;
+  out->nchunks = src->nchunks;
+  out->coll = src->coll;
+  out->call = src->call;
 }
 
-RG_OS_HD static inline void rg_os_copy_failure(volatile rg_os_failure* dst, const volatile rg_os_failure* src) {
-  rg_os_copy_announce(&dst->mine, &src->mine);
-  rg_os_copy_announce(&dst->peer, &src->peer);
-  dst->status = src->status;
+RG_OS_HD static inline void rg_os_load_failure(const volatile rg_os_failure* src, rg_os_failure* out) {
+  rg_os_load_announce(&src->mine, &out->mine);
+  rg_os_load_announce(&src->peer, &out->peer);
+  out->status = src->status;
 }
 
 /* What the kernel tells the host about the call of one parity, written by the block that

@@ -24,10 +24,7 @@
  *   RG_OS_LAUNCH_ID(a)            this launch's id: nonzero, below 2^63, shared by its blocks, unique among launches
  *   rg_os_copy_out(dst, src, n)   the block copies n bytes to the host (staging)
  *   rg_os_copy_in(dst, src, n)    the block copies n bytes the peer wrote into host memory (volatile loads)
- *   rg_os_copy_rows(peer_dst, peer_src, own_dst, own_src, n)
- *                                 the block copies n bytes peer_src to peer_dst (loads as rg_os_copy_in's:
- *                                 the receive slot, or scratch other blocks wrote) and, where own_dst is not
- *                                 null, own_src to own_dst, both at once
+ *   rg_os_copy_dev(dst, src, n)   the block copies n bytes within device memory
  *   rg_os_reduce(dst, own, peer, n, rank, op, dtype)
  *                                 the block writes dst = op(x0, x1) element by element over n bytes
  *                                 (oneshot_reduce.h), x0 rank 0's operand: own where rank is 0, else
@@ -40,13 +37,22 @@
 #include "oneshot_reduce.h"
 
 /* This launch's announcement of call seq. */
-RG_OS_FN static void rg_os_my_call(const rg_os_args* a, rg_u64 seq, volatile rg_os_announce* out) {
+RG_OS_FN static void rg_os_my_call(const rg_os_args* a, rg_u64 seq, rg_os_announce* out) {
   out->seq = seq;
   out->bytes = a->bytes;
   out->chunk = a->chunk;
   out->nchunks = a->nchunks;
   out->coll = a->coll;
   out->call = a->call;
+}
+
+RG_OS_FN static void rg_os_store_announce(volatile rg_os_announce* dst, const rg_os_announce* v) {
+  dst->seq = v->seq;
+  dst->bytes = v->bytes;
+  dst->chunk = v->chunk;
+  dst->nchunks = v->nchunks;
+  dst->coll = v->coll;
+  dst->call = v->call;
 }
 
 /* Whether the peer's announcement of parity, which its lane 0 flag has just shown to be
@@ -58,7 +64,7 @@ RG_OS_FN static int rg_os_peer_agrees(const rg_os_args* a, rg_u64 seq, rg_u32 pa
   rg_os_announce mine, peer = a->ctrl->announce[parity].a;
   rg_os_my_call(a, seq, &mine);
   if (rg_os_same_call(&mine, &peer)) return 1;
-  rg_os_copy_announce(&a->dev->peer_seen, &peer);
+  rg_os_store_announce(&a->dev->peer_seen, &peer);
   return 0;
 }
 
@@ -75,9 +81,9 @@ RG_OS_FN static rg_u32 rg_os_wait(const rg_os_args* a, rg_u64 seq, rg_u32 parity
       const rg_u64 s = rg_os_level_seq(level);
       if (s > seq) { /* the peer is two calls ahead: its sequence is not this rank's */
         rg_os_announce peer;
-        rg_os_copy_announce(&peer, &a->ctrl->announce[parity].a);
+        rg_os_load_announce(&a->ctrl->announce[parity].a, &peer);
         peer.seq = s;
-        rg_os_copy_announce(&a->dev->peer_seen, &peer);
+        rg_os_store_announce(&a->dev->peer_seen, &peer);
         return RG_OS_MISMATCH;
       }
       if (s != seq) continue;
@@ -121,6 +127,12 @@ RG_OS_FN static int rg_os_claim(const rg_os_args* a, rg_u64 me) {
 /* Lets go of the gate this launch holds, keeping a poison bit another launch set. */
 RG_OS_FN static void rg_os_release(const rg_os_args* a) { RG_OS_AND64_RELEASE(&a->dev->gate, RG_OS_GATE_POISON); }
 
+RG_OS_FN static void rg_os_store_failure(volatile rg_os_failure* dst, const rg_os_failure* v) {
+  rg_os_store_announce(&dst->mine, &v->mine);
+  rg_os_store_announce(&dst->peer, &v->peer);
+  dst->status = v->status;
+}
+
 /* Runs block `block` of nblocks; returns the call's status in the block that finished it,
  * this block's own otherwise. */
 RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nblocks) {
@@ -129,10 +141,6 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
   RG_OS_SHARED rg_u32 last;
   RG_OS_SHARED rg_u64 seq_shared;
   RG_OS_SHARED rg_u64 arrived_at;
-  /* What the end needs of rg_os_dev, read while the peer's data is on its way: only the
-   * launch that holds the gate changes it, at its end. */
-  RG_OS_SHARED rg_os_failure first; /* the engine's first failed call, or none */
-  RG_OS_SHARED rg_u64 totals[4];    /* gathers and their bytes, all-reduces and theirs */
   const rg_u64 me = RG_OS_LAUNCH_ID(a);
   rg_u64 aborted = 0;
   if (RG_OS_LEADER) {
@@ -171,7 +179,7 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
     if (RG_OS_LEADER && c == 0) { /* the proxy reads it only after the doorbell below */
       rg_os_announce mine;
       rg_os_my_call(a, seq, &mine);
-      rg_os_copy_announce(&a->ctrl->mine[parity].a, &mine);
+      rg_os_store_announce(&a->ctrl->mine[parity].a, &mine);
     }
     RG_OS_SYNC();
     if (RG_OS_LEADER) {
@@ -193,11 +201,6 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
    * no output is written before all of them are here. */
   const rg_u64 deadline = RG_OS_NOW() + a->timeout_ns;
   int checked = 0;
-  if (RG_OS_LEADER) {
-    rg_os_copy_failure(&first, &a->dev->failure);
-    totals[0] = a->dev->total_gathers, totals[1] = a->dev->total_bytes;
-    totals[2] = a->dev->total_allreduces, totals[3] = a->dev->total_allreduce_bytes;
-  }
   for (rg_u32 c = block; c < a->nchunks && failed == RG_OS_OK; c += nblocks) {
     if (RG_OS_LEADER) verdict = rg_os_wait(a, seq, parity, c + 1, deadline, &checked);
     RG_OS_SYNC();
@@ -237,29 +240,37 @@ RG_OS_FN static rg_u32 rg_os_block(const rg_os_args* a, rg_u32 block, rg_u32 nbl
     const rg_u32 peer = 1 - a->rank;
     unsigned char* peer_row = a->recv + peer * a->bytes;
     unsigned char* own_row = a->recv + a->rank * a->bytes;
-    rg_os_copy_rows(peer_row, a->nchunks == 1 ? recv_slot : a->scratch, own_row != a->send ? own_row : 0, a->send,
-                    a->bytes);
+    if (a->nchunks == 1)
+      rg_os_copy_in(peer_row, recv_slot, a->bytes);
+    else
+      rg_os_copy_dev(peer_row, a->scratch, a->bytes);
+    if (own_row != a->send) rg_os_copy_dev(own_row, a->send, a->bytes);
   }
   RG_OS_SYNC();
   if (RG_OS_LEADER) {
     rg_os_report* r = &a->ctrl->report[parity];
-    if (status == RG_OS_OK) {
-      totals[allreduce ? 2 : 0] += 1;
-      totals[allreduce ? 3 : 1] += a->bytes;
+    rg_os_failure first;
+    rg_os_load_failure(&a->dev->failure, &first);
+    if (status == RG_OS_OK && allreduce) {
+      a->dev->total_allreduces += 1;
+      a->dev->total_allreduce_bytes += a->bytes;
+    } else if (status == RG_OS_OK) {
+      a->dev->total_gathers += 1;
+      a->dev->total_bytes += a->bytes;
     } else if (first.status == RG_OS_OK) { /* this engine's first failed call: every report from now on names it */
       first.status = status;
       rg_os_my_call(a, seq, &first.mine);
       if (status == RG_OS_MISMATCH)
-        rg_os_copy_announce(&first.peer, &a->dev->peer_seen);
+        rg_os_load_announce(&a->dev->peer_seen, &first.peer);
       else
         first.peer.seq = first.peer.bytes = first.peer.chunk = first.peer.nchunks = first.peer.coll = first.peer.call = 0;
-      rg_os_copy_failure(&a->dev->failure, &first);
+      rg_os_store_failure(&a->dev->failure, &first);
     }
-    rg_os_copy_failure(&r->failure, &first);
-    a->dev->total_gathers = r->total_gathers = totals[0];
-    a->dev->total_bytes = r->total_bytes = totals[1];
-    a->dev->total_allreduces = r->total_allreduces = totals[2];
-    a->dev->total_allreduce_bytes = r->total_allreduce_bytes = totals[3];
+    rg_os_store_failure(&r->failure, &first);
+    r->total_gathers = a->dev->total_gathers;
+    r->total_bytes = a->dev->total_bytes;
+    r->total_allreduces = a->dev->total_allreduces;
+    r->total_allreduce_bytes = a->dev->total_allreduce_bytes;
     r->coll = a->coll;
     r->status = status;
     r->t_start = a->dev->t_start;

@@ -644,7 +644,7 @@ static void reports(rg_os_engine* e, int* progress) {
     const uint64_t got = load_acquire(&r->seq);
     if (got < seq) break;
     rg_os_failure f;
-    rg_os_copy_failure(&f, &r->failure);
+    rg_os_load_failure(&r->failure, &f);
     /* A mismatch waits until this rank's announcement of that call has left, so that the peer
      * finds the mismatch too: the kernel rang every doorbell before it waited. */
     if (f.status == RG_OS_MISMATCH && kept_code(e) == 0 && e->post_seq <= f.mine.seq && !atomic_load(&e->stop_posting) &&
@@ -756,7 +756,7 @@ static int step(rg_os_engine* e, uint64_t now) {
       atomic_thread_fence(memory_order_acquire); /* those reads before the post's stores (aarch64: dmb ishld) */
       if (kept_code(e) != 0) break;
       rg_os_announce m;
-      rg_os_copy_announce(&m, &ctrl->mine[parity].a); /* written before that doorbell */
+      rg_os_load_announce(&ctrl->mine[parity].a, &m); /* written before that doorbell */
       if (m.seq != e->post_seq || m.bytes == 0 || m.chunk == 0 || m.bytes > e->slot_bytes || m.nchunks == 0 ||
           m.nchunks > RG_OS_MAX_CHUNKS || m.nchunks != rg_os_nchunks(m.bytes, m.chunk)) {
         rg_os_fail(e, RESULT_SYSTEM_ERROR, 0, "the kernel announced sequence %llu (expected %llu) of %llu bytes in %llu "

@@ -44,11 +44,6 @@ static inline rg_u64 host_cas64_acquire(rg_u64* p, rg_u64 expect, rg_u64 v) {
 }
 /* The peer's bytes are in place once the flag's acquire load saw them; a plain copy reads them. */
 static inline void host_copy(unsigned char* dst, const unsigned char* src, rg_u64 n) { memmove(dst, src, n); }
-static inline void host_copy_rows(unsigned char* peer_dst, const unsigned char* peer_src, unsigned char* own_dst,
-                                  const unsigned char* own_src, rg_u64 n) {
-  host_copy(peer_dst, peer_src, n);
-  if (own_dst != NULL) host_copy(own_dst, own_src, n);
-}
 
 /* An all-reduce's combine, eight bytes at a time as the kernel's (loads and stores through
  * memcpy: the buffers are aligned to the element only), then the last elements. */
@@ -96,7 +91,7 @@ void rg_os_host_combine(void* dst, const void* x0, const void* x1, uint64_t n, u
 #define RG_OS_LAUNCH_ID(a) ((a)->launch_id)
 #define rg_os_copy_out(dst, src, n) host_copy((dst), (src), (n))
 #define rg_os_copy_in(dst, src, n) host_copy((dst), (src), (n))
-#define rg_os_copy_rows(pd, ps, od, os, n) host_copy_rows((pd), (ps), (od), (os), (n))
+#define rg_os_copy_dev(dst, src, n) host_copy((dst), (src), (n))
 #define rg_os_reduce(dst, own, peer, n, rank, op, dtype) host_reduce((dst), (own), (peer), (n), (rank), (op), (dtype))
 
 #include "../../kernels/oneshot_body.h"
