@@ -29,6 +29,7 @@ sys.path.insert(0, HERE)
 import arcases  # noqa: E402
 import calibrate  # noqa: E402
 import common  # noqa: E402
+import compare_builds  # noqa: E402
 import integrity  # noqa: E402
 import launch  # noqa: E402
 import measure  # noqa: E402
@@ -3335,6 +3336,14 @@ class PyncclAllReduceTest(unittest.TestCase):
         L = c.ledger.n["allreduce"]
         self.assertEqual(L["sum/bfloat16"]["16"], dict(first=0, eager=3, captured=1, list=0, replays=3, pre=0, replays_pre=0))
         self.assertEqual(L["max/float16"]["4096"], dict(first=0, eager=3, captured=1, list=0, replays=3, pre=0, replays_pre=0))
+
+
+class CompareBuildsTest(unittest.TestCase):
+    def test_a_build_is_named_by_its_file(self):
+        self.assertEqual("lib-edcb883", compare_builds.build_name("build/old/lib-edcb883.so"))
+        self.assertEqual("lib-roce_gather", compare_builds.build_name("/x/libroce_gather.so"))
+        self.assertEqual("lib-v2", compare_builds.build_name("v2.so"))
+
 
 if __name__ == "__main__":
     unittest.main()
