@@ -193,7 +193,7 @@ ARM64_CC := aarch64-linux-gnu-gcc
 ARM64_GOTEST := GOARCH=arm64 CGO_ENABLED=1 CC=$(ARM64_CC) $(GO) test -count=1 -trimpath -exec $(CURDIR)/tests/arm64/exec
 # Started as qemu itself, not through tests/arm64/exec: a shell would be an x86-64 process
 # under the aarch64 LD_PRELOAD of the tests that set one.
-ARM64_CHILD := qemu-aarch64-static -L /usr/aarch64-linux-gnu
+ARM64_CHILD := qemu-aarch64 -L /usr/aarch64-linux-gnu
 endif
 ARM64_INTERCEPT_ENV := RG_TEST_CC=$(ARM64_CC) RG_TEST_EXEC="$(ARM64_CHILD)" RG_TEST_BUILD=$(ARM64_OUT) RG_TEST_GOARCH=arm64
 # roce/verbs' lane tests load libibverbs.so.1, which Debian has for aarch64 only in a multiarch

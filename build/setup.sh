@@ -40,8 +40,9 @@ rxe xz-utils cmd:xz
 # build group's, which the cross compiler finds in /usr/include too).
 arm64 gcc-aarch64-linux-gnu cmd:aarch64-linux-gnu-gcc
 arm64 libc6-dev-arm64-cross file:/usr/aarch64-linux-gnu/include/stdio.h
-# qemu-user starts the aarch64 programs of make test-arm64 (no binfmt_misc is needed).
-arm64-test qemu-user-static cmd:qemu-aarch64-static
+# qemu-user starts the aarch64 programs of make test-arm64 (no binfmt_misc is needed); 7.2
+# (Debian 12's own) deadlocks a forked child now and then (tests/arm64/README.md), so 8 or later.
+arm64-test qemu-user qemu:8
 "
 
 has_header() {
@@ -61,8 +62,14 @@ probe() {
   py:*) command -v python3 >/dev/null 2>&1 && python3 -c "import $what" >/dev/null 2>&1 ;;
   # ip lives in /sbin on some systems, which a user's PATH may lack.
   ip:*) command -v ip >/dev/null 2>&1 || [ -x /sbin/ip ] || [ -x /usr/sbin/ip ] ;;
+  qemu:*) [ "$(qemu_major)" -ge "$what" ] 2>/dev/null ;;
   *) echo "setup.sh: unknown probe $1" >&2; exit 2 ;;
   esac
+}
+
+# qemu_major [COMMAND]: the major version of qemu-aarch64 (or COMMAND) on PATH, or nothing.
+qemu_major() {
+  "${1:-qemu-aarch64}" --version 2>/dev/null | sed -n '1s/^.* version \([0-9][0-9]*\)\..*$/\1/p'
 }
 
 # missing GROUP...: the packages the groups need that are not here, once each, in NEEDS' order.
@@ -92,14 +99,23 @@ as_root() {
   fi
 }
 
+# qemu_note PKGS: what a too old qemu-aarch64 on PATH is, when PKGS names qemu-user.
+qemu_note() {
+  case " $1 " in *" qemu-user "*) ;; *) return ;; esac
+  for c in qemu-aarch64 qemu-aarch64-static; do
+    v=$(qemu_major $c)
+    [ -z "$v" ] || { echo " ($c here is version $v; make test-arm64 needs qemu-aarch64 8 or later, which build/setup.sh takes from bookworm-backports on Debian 12)"; return; }
+  done
+}
+
 # The one line naming the packages and the command that installs them.
 say_missing() {
   if command -v apt-get >/dev/null 2>&1; then
     s="sudo "
     [ "$(id -u)" != 0 ] || s=""
-    echo "$1: missing Debian packages: $2; install them with: ${s}apt-get update && ${s}apt-get install -y --no-install-recommends $2" >&2
+    echo "$1: missing Debian packages: $2$(qemu_note "$2"); install them with: ${s}apt-get update && ${s}apt-get install -y --no-install-recommends $2" >&2
   else
-    echo "$1: missing (as Debian names them): $2; this is not Debian or Ubuntu: install their equivalents" >&2
+    echo "$1: missing (as Debian names them): $2$(qemu_note "$2"); this is not Debian or Ubuntu: install their equivalents" >&2
   fi
 }
 
@@ -134,13 +150,28 @@ if [ "$root" = no ] || ! command -v apt-get >/dev/null 2>&1; then
   exit 1
 fi
 echo "setup: installing $pkgs"
+# Debian 12's qemu-user is 7.2: its backports have a later one (and they replace the 7.2
+# qemu-user-static, whose qemu-aarch64-static make no longer starts).
+install=$pkgs
+case " $pkgs " in *" qemu-user "*)
+  codename=$(. /etc/os-release 2>/dev/null && echo "${ID:-}-${VERSION_CODENAME:-}")
+  if [ "$codename" = debian-bookworm ]; then
+    install=$(echo " $pkgs " | sed 's/ qemu-user / qemu-user\/bookworm-backports /')
+    if ! grep -rqs '^[^#]*bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d; then
+      echo "setup: adding Debian's bookworm-backports to apt's sources, for qemu-user"
+      printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' |
+        $root tee /etc/apt/sources.list.d/bookworm-backports.sources >/dev/null
+    fi
+  fi
+  ;;
+esac
 # A fresh container has no package lists; waiting for another apt beats failing on its lock.
 $root env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 update -qq
 # shellcheck disable=SC2086 # one word a package
-$root env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends $pkgs >/dev/null
+$root env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends $install >/dev/null
 still=$(missing $ALL_GROUPS)
 if [ -n "$still" ]; then
-  echo "setup: installed $pkgs, yet still missing: $still" >&2
+  echo "setup: installed $pkgs, yet still missing: $still$(qemu_note "$still")" >&2
   exit 1
 fi
 echo "setup: installed $pkgs"

@@ -6,7 +6,7 @@
 //
 //	RG_TEST_CC       the target's C compiler (aarch64-linux-gnu-gcc)
 //	RG_TEST_EXEC     the words that start a target program, before the program's own
-//	                 (qemu-aarch64-static -L /usr/aarch64-linux-gnu: this machine has no
+//	                 (qemu-aarch64 -L /usr/aarch64-linux-gnu: this machine has no
 //	                 binfmt_misc, so an aarch64 child must be started through qemu explicitly)
 //	RG_TEST_BUILD    the folder of the target's build outputs, from the repository root
 //	                 (build/arm64)
