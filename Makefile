@@ -130,7 +130,7 @@ wheel: $(LIB) $(OUT)/plugincheck $(PC_LIBEXEC) | need-wheel
 # Builds the library and runs plugincheck's main job: the ABI check. Cross-built, plugincheck
 # and the driver it starts run under qemu-user (the driver through a two-line script, since
 # an emulated program starts every child natively).
-check: all $(if $(TARGET_EXEC),$(OUT)/plugincheck-driver.emulated)
+check: all $(if $(TARGET_EXEC),$(OUT)/plugincheck-driver.emulated) | $(if $(TARGET_EXEC),need-arm64-test)
 	$(TARGET_EXEC) $(OUT)/plugincheck abi $(if $(TARGET_EXEC),--driver $(OUT)/plugincheck-driver.emulated)
 
 $(OUT)/plugincheck-driver.emulated: $(OUT)/plugincheck-driver
